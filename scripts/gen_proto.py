@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Regenerate the committed Python code for the kubelet device-plugin API.
+
+    python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
+    python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+API = ROOT / "nvplug" / "kubelet" / "api"
+PROTO = "deviceplugin.proto"
+OUTPUTS = ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py")
+
+
+def generate(out: Path) -> None:
+    args = [
+        "protoc",
+        f"-I{API}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        str(API / PROTO),
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit(f"protoc failed on {API / PROTO}")
+    # grpc_tools emits a top-level import; the package needs a relative one.
+    grpc_py = out / "deviceplugin_pb2_grpc.py"
+    text = grpc_py.read_text()
+    text = re.sub(r"^import deviceplugin_pb2 as", "from . import deviceplugin_pb2 as", text, flags=re.M)
+    grpc_py.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        generate(out)
+        stale = [name for name in OUTPUTS if not (API / name).exists() or not filecmp.cmp(out / name, API / name, shallow=False)]
+        if opts.check:
+            for name in stale:
+                print(f"stale: {API / name} differs from what {PROTO} generates", file=sys.stderr)
+            return 1 if stale else 0
+        for name in OUTPUTS:
+            (API / name).write_bytes((out / name).read_bytes())
+            print(f"wrote {API / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
