@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Regenerate the committed Python code for the kubelet device-plugin API.
 
-    python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
-    python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
+python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
+python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         generate(out)
-        stale = [name for name in OUTPUTS if not (API / name).exists() or not filecmp.cmp(out / name, API / name, shallow=False)]
+        stale = [
+            name
+            for name in OUTPUTS
+            if not (API / name).exists() or not filecmp.cmp(out / name, API / name, shallow=False)
+        ]
         if opts.check:
             for name in stale:
                 print(f"stale: {API / name} differs from what {PROTO} generates", file=sys.stderr)

@@ -1,0 +1,33 @@
+# Quick start: `make demo` (set up, then run the simulated 8-GPU node), `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test lint proto clean
+
+setup: $(VENV)/.installed
+
+# Re-install whenever the project's metadata changes.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/nvplug demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy --strict nvplug
+	$(BIN)/python scripts/gen_proto.py --check
+
+proto: setup
+	$(BIN)/python scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""The `nvplug` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__, config, logs
+from .daemon import Options, serve
+
+log = logging.getLogger("nvplug")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nvplug", description="Kubernetes device plugin for NVIDIA GPUs.")
+    parser.add_argument("--version", action="version", version=f"nvplug {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the device plugin daemon")
+    run.add_argument(
+        "--device-plugin-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/device-plugins"),
+        help="the kubelet's device-plugin directory (default: %(default)s)",
+    )
+    run.add_argument(
+        "--dev-root",
+        type=Path,
+        default=Path("/"),
+        help="root under which the driver's /dev nodes live (default: %(default)s)",
+    )
+    run.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"config file (default: {config.DEFAULT_PATH}, built-in defaults if absent)",
+    )
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+
+    demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
+    demo.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="the daemon's log level, shown interleaved (default: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args.log_level)
+    logs.setup(args.log_level)
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as err:
+        log.error("%s", err)
+        return 2
+    options = Options(plugin_dir=args.device_plugin_dir, dev_root=args.dev_root, sysfs_root=args.sysfs_root, config=cfg)
+    try:
+        asyncio.run(serve(options))
+    except Exception:
+        log.exception("nvplug failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

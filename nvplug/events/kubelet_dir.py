@@ -1,0 +1,62 @@
+"""inotify on the device-plugin directory: a new kubelet.sock, or our own socket gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers.inotify import InotifyObserver
+
+from ..event import Event, KubeletSocketCreated, PluginSocketRemoved
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, kubelet_socket: str, own: set[str], emit: Callable[[Event], None]) -> None:
+        self._kubelet_socket = kubelet_socket
+        self._own = own
+        self._emit = emit
+
+    # The directory itself also reports modifications; only paths matter.
+    def on_created(self, event: FileSystemEvent) -> None:
+        if os.fsdecode(event.src_path) == self._kubelet_socket:
+            self._emit(KubeletSocketCreated())
+
+    def on_moved(self, event: FileSystemEvent) -> None:
+        if os.fsdecode(event.dest_path) == self._kubelet_socket:
+            self._emit(KubeletSocketCreated())
+
+    def on_deleted(self, event: FileSystemEvent) -> None:
+        path = os.fsdecode(event.src_path)
+        if path in self._own:
+            self._emit(PluginSocketRemoved(path))
+
+
+class KubeletDirWatch:
+    """Runs watchdog's observer thread; `emit` must be thread-safe."""
+
+    def __init__(self, plugin_dir: Path, own_sockets: Iterable[Path], emit: Callable[[Event], None]) -> None:
+        self.plugin_dir = plugin_dir
+        self._own = {str(p) for p in own_sockets}
+        self._handler = _Handler(str(plugin_dir / KUBELET_SOCKET), self._own, emit)
+        self._observer: InotifyObserver | None = None
+
+    def start(self) -> None:
+        observer = InotifyObserver()
+        observer.schedule(self._handler, str(self.plugin_dir), recursive=False)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+        log.info("watching %s for the kubelet's socket", self.plugin_dir)
+
+    def stop(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=5)

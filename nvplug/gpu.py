@@ -1,0 +1,39 @@
+"""The static facts about one GPU, as discovered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NO_NUMA_NODE = -1
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU. Fields the driver cannot report are None."""
+
+    uuid: str
+    index: int
+    bus_id: str
+    minor: int | None = None
+    numa_node: int = NO_NUMA_NODE
+    name: str | None = None
+    memory_mib: int | None = None
+    compute_capability: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name this GPU."""
+        return f"gpu {self.index} {self.uuid} ({self.bus_id})"
+
+    @property
+    def device_node(self) -> str | None:
+        return None if self.minor is None else f"/dev/nvidia{self.minor}"
+
+
+def normalize_bus_id(bus_id: str) -> str:
+    """NVML writes `00000000:18:00.0`; sysfs and logs use `0000:18:00.0`."""
+    bus_id = bus_id.strip().lower()
+    domain, _, rest = bus_id.partition(":")
+    if not rest:
+        return bus_id
+    return f"{int(domain, 16):04x}:{rest}"

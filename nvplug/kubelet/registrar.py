@@ -1,0 +1,115 @@
+"""Registration with the kubelet: once our server serves, again after every kubelet restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import grpc
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+
+from .api import deviceplugin_pb2 as pb
+from .api import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+# The kubelet dials back inside Register with a 10 s timeout of its own.
+REGISTER_TIMEOUT = 15.0
+
+
+class RegistrationFailed(Exception):
+    pass
+
+
+class Registrar:
+    """Keeps one resource registered.
+
+    It never polls for kubelet.sock: `wake()` is called when the socket
+    appears (or our own socket was re-created), and a backoff only paces
+    retries against a socket that exists but does not answer yet.
+    """
+
+    def __init__(
+        self,
+        plugin_dir: Path,
+        resource_name: str,
+        endpoint: str,
+        options: pb.DevicePluginOptions,
+        max_backoff: float = 2.0,
+    ) -> None:
+        self.kubelet_socket = plugin_dir / KUBELET_SOCKET
+        self.resource_name = resource_name
+        self._endpoint = endpoint
+        self._options = options
+        self._max_backoff = max_backoff
+        self._wanted = asyncio.Event()
+        self._wanted.set()
+        self.registered = asyncio.Event()
+        self.registrations = 0
+
+    def wake(self) -> None:
+        """Register (again) now: the kubelet restarted or our socket was rebound."""
+        self.registered.clear()
+        self._wanted.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            if not self.kubelet_socket.exists():
+                log.info("%s: waiting for %s", self.resource_name, self.kubelet_socket)
+                continue
+            await self._register_with_retry()
+
+    async def _register_with_retry(self) -> None:
+        retrying = AsyncRetrying(
+            wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff),
+            retry=retry_if_exception_type(RegistrationFailed),
+            sleep=self._sleep_unless_woken,
+            before_sleep=self._log_retry,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if not self.kubelet_socket.exists():
+                    return  # the kubelet went away again; its next socket wakes us
+                self._wanted.clear()
+                await self._register_once()
+        self.registered.set()
+
+    async def _register_once(self) -> None:
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self._endpoint,
+            resource_name=self.resource_name,
+            options=self._options,
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+                await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
+        except grpc.aio.AioRpcError as err:
+            raise RegistrationFailed(
+                f"{self.resource_name}: Register on {self.kubelet_socket} failed: {err.code().name}: {err.details()}"
+            ) from err
+        self.registrations += 1
+        log.info(
+            "%s: registered with the kubelet on %s (endpoint %s)",
+            self.resource_name,
+            self.kubelet_socket,
+            self._endpoint,
+        )
+
+    async def _sleep_unless_woken(self, seconds: float) -> None:
+        """Back off, but a new kubelet socket cuts the wait short."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wanted.wait(), timeout=seconds)
+
+    @staticmethod
+    def _log_retry(state: RetryCallState) -> None:
+        outcome = state.outcome
+        err = outcome.exception() if outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("%s; retry %d in %.2fs", err, state.attempt_number, delay)

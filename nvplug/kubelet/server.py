@@ -1,0 +1,209 @@
+"""The DevicePlugin gRPC service for one resource name, on its own unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from ..allocation import AllocationError, allocate, preferred
+from ..resources import Resource
+from ..state import NodeState, Snapshot
+from .api import deviceplugin_pb2 as pb
+from .api import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# Projects a snapshot onto the devices of this resource.
+Projection = Callable[[Snapshot], Resource]
+
+
+def to_list_and_watch(resource: Resource) -> pb.ListAndWatchResponse:
+    devices = []
+    for device in resource.devices:
+        msg = pb.Device(ID=device.id, health=device.health.health.value)
+        if device.numa_node is not None:
+            msg.topology.nodes.add(ID=device.numa_node)
+        devices.append(msg)
+    return pb.ListAndWatchResponse(devices=devices)
+
+
+class DevicePluginService:
+    """Answers the kubelet from state alone; never calls NVML on the request path."""
+
+    def __init__(self, resource_name: str, state: NodeState, project: Projection, dev_root: Path) -> None:
+        self.resource_name = resource_name
+        self._state = state
+        self._project = project
+        self._dev_root = dev_root
+        self._closing = asyncio.Event()
+
+    def open(self) -> None:
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End every ListAndWatch stream cleanly, without a last message."""
+        self._closing.set()
+
+    def resource(self) -> Resource:
+        return self._project(self._state.current)
+
+    async def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
+    ) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
+    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        revision = -1
+        last: pb.ListAndWatchResponse | None = None
+        log.info("%s: kubelet opened ListAndWatch", self.resource_name)
+        try:
+            while True:
+                snapshot = await self._next_snapshot(revision)
+                if snapshot is None:
+                    return
+                revision = snapshot.revision
+                resource = self._project(snapshot)
+                message = to_list_and_watch(resource)
+                # Several revisions may leave this resource unchanged.
+                if message == last:
+                    continue
+                last = message
+                log.info(
+                    "%s: ListAndWatch sends %d devices, %d healthy (revision %d)",
+                    self.resource_name,
+                    len(resource.devices),
+                    resource.healthy_count,
+                    revision,
+                )
+                yield message
+        finally:
+            log.info("%s: ListAndWatch stream closed", self.resource_name)
+
+    async def _next_snapshot(self, revision: int) -> Snapshot | None:
+        """The next revision, or None once the server is closing."""
+        closing = self._closing
+        if closing.is_set():
+            return None
+        change = asyncio.ensure_future(self._state.wait_past(revision))
+        closed = asyncio.ensure_future(closing.wait())
+        try:
+            await asyncio.wait((change, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            closed.cancel()
+        return change.result() if change.done() and not change.cancelled() else None
+
+    async def Allocate(
+        self,
+        request: pb.AllocateRequest,
+        context: grpc.aio.ServicerContext[pb.AllocateRequest, pb.AllocateResponse],
+    ) -> pb.AllocateResponse:
+        resource = self.resource()
+        response = pb.AllocateResponse()
+        for container in request.container_requests:
+            try:
+                result = allocate(resource, list(container.devices_ids), self._host_path, os.path.exists)
+            except AllocationError as err:
+                log.warning("Allocate refused: %s", err)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            out = response.container_responses.add()
+            out.envs.update(result.envs)
+            for node in result.device_nodes:
+                out.devices.add(
+                    container_path=node.container_path, host_path=node.host_path, permissions=node.permissions
+                )
+            log.info("%s: allocated %s", self.resource_name, ", ".join(d.gpu.label for d in result.devices))
+        return response
+
+    async def GetPreferredAllocation(
+        self,
+        request: pb.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse],
+    ) -> pb.PreferredAllocationResponse:
+        resource = self.resource()
+        response = pb.PreferredAllocationResponse()
+        for container in request.container_requests:
+            try:
+                ids = preferred(
+                    resource,
+                    list(container.available_deviceIDs),
+                    list(container.must_include_deviceIDs),
+                    container.allocation_size,
+                )
+            except AllocationError as err:
+                log.warning("GetPreferredAllocation refused: %s", err)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            response.container_responses.add(deviceIDs=ids)
+        return response
+
+    async def PreStartContainer(
+        self,
+        request: pb.PreStartContainerRequest,
+        context: grpc.aio.ServicerContext[pb.PreStartContainerRequest, pb.PreStartContainerResponse],
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+    def _host_path(self, path: str) -> str:
+        return str(self._dev_root / path.lstrip("/"))
+
+
+class PluginServer:
+    """One grpc.aio server bound to one socket; can be rebound after the kubelet wipes it."""
+
+    def __init__(self, service: DevicePluginService, socket_path: Path) -> None:
+        self.service = service
+        self.socket_path = socket_path
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """What Register names: the socket's file name within the plugin directory."""
+        return self.socket_path.name
+
+    async def start(self) -> None:
+        remove_stale_socket(self.socket_path)
+        self.service.open()
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        # Nobody but root may talk to the plugin.
+        old_umask = os.umask(0o077)
+        try:
+            server.add_insecure_port(f"unix://{self.socket_path}")
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        self._server = server
+        log.info("%s: serving on %s", self.service.resource_name, self.socket_path)
+
+    async def stop(self, grace: float = 0.5) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        # Streams end without a last message: an empty list would drop capacity.
+        self.service.close()
+        await server.stop(grace)
+        remove_stale_socket(self.socket_path)
+        log.info("%s: stopped serving on %s", self.service.resource_name, self.socket_path)
+
+    async def rebind(self) -> None:
+        await self.stop(grace=0)
+        await self.start()
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove a socket left behind; refuse to touch anything that is not one."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise RuntimeError(f"{path} exists and is not a unix socket; refusing to replace it")
+    path.unlink()

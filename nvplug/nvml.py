@@ -1,0 +1,130 @@
+"""The NVML adapter: discovery through pynvml (the nvidia-ml-py binding).
+
+Every call here blocks, so callers run it off the event loop. Optional queries
+that an older driver lacks degrade one field; they never fail discovery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pynvml  # type: ignore[import-untyped]
+
+from .gpu import NO_NUMA_NODE, Gpu, normalize_bus_id
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The driver simply lacks these; not worth more than a debug line.
+_ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be loaded or initialised; the message carries the library's text."""
+
+
+@dataclass(frozen=True)
+class Discovery:
+    gpus: tuple[Gpu, ...]
+    # Fields this driver does not report: expected on older drivers.
+    absent: tuple[str, ...] = ()
+    # Fields that failed to read and GPUs skipped: worth a warning.
+    problems: tuple[str, ...] = ()
+    driver_version: str | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Nvml:
+    def __init__(self, sysfs_root: Path = Path("/sys")) -> None:
+        self._sysfs_root = sysfs_root
+
+    def discover(self) -> Discovery:
+        """Initialise NVML, read every GPU, shut down. Raises NvmlUnavailable."""
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
+        try:
+            return self._read_all()
+        finally:
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as err:
+                log.warning("nvmlShutdown failed: %s", err)
+
+    def _read_all(self) -> Discovery:
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"NVML cannot count devices: {err}") from err
+        notes = _Notes()
+        driver = notes.optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
+        gpus: list[Gpu] = []
+        for index in range(count):
+            try:
+                gpus.append(self._read_gpu(index, notes))
+            except pynvml.NVMLError as err:
+                notes.problems.append(f"gpu {index}: skipped, its identity cannot be read: {err}")
+        return Discovery(tuple(gpus), notes.summarize_absent(), tuple(notes.problems), driver)
+
+    def _read_gpu(self, index: int, notes: _Notes) -> Gpu:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        bus_id = normalize_bus_id(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        label = f"gpu {index} {uuid} ({bus_id})"
+
+        def opt(read: Callable[[], T], what: str) -> T | None:
+            return notes.optional(read, label, what)
+
+        memory = opt(lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // (1 << 20), "memory")
+        cc = opt(lambda: pynvml.nvmlDeviceGetCudaComputeCapability(handle), "compute capability")
+        numa = self._sysfs_numa(bus_id)
+        if numa is None:
+            numa = opt(lambda: int(pynvml.nvmlDeviceGetNumaNodeId(handle)), "NUMA node")
+        return Gpu(
+            uuid=uuid,
+            index=index,
+            bus_id=bus_id,
+            minor=opt(lambda: int(pynvml.nvmlDeviceGetMinorNumber(handle)), "minor number"),
+            numa_node=NO_NUMA_NODE if numa is None or numa < 0 else numa,
+            name=opt(lambda: _text(pynvml.nvmlDeviceGetName(handle)), "name"),
+            memory_mib=memory,
+            compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
+        )
+
+    def _sysfs_numa(self, bus_id: str) -> int | None:
+        """The kernel's view, which is what the Topology Manager uses too."""
+        path = self._sysfs_root / "bus/pci/devices" / bus_id / "numa_node"
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+
+class _Notes:
+    """Collects what discovery could not read, so each GPU gets one log line."""
+
+    def __init__(self) -> None:
+        self.absent: dict[str, list[str]] = {}
+        self.problems: list[str] = []
+
+    def optional(self, read: Callable[[], T], subject: str, what: str) -> T | None:
+        try:
+            return read()
+        except pynvml.NVMLError as err:
+            if err.value in _ABSENT:
+                self.absent.setdefault(subject, []).append(what)
+            else:
+                self.problems.append(f"{subject}: {what} unreadable: {err}")
+            return None
+
+    def summarize_absent(self) -> tuple[str, ...]:
+        return tuple(f"{subject}: not reported by the driver: {', '.join(w)}" for subject, w in self.absent.items())

@@ -1,0 +1,138 @@
+"""A simulated GPU node: the fake NVML library, a kubelet stand-in and the real
+daemon as a child process, all in one directory. Used by the tests and the demo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from . import fakenvml
+from .kubelet import KubeletThread
+
+GPU_RESOURCE = "nvidia.com/gpu"
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+class SimulatedNode:
+    """Keep `root` short: unix socket paths are limited to 107 bytes."""
+
+    def __init__(self, root: Path, scenario: Path = fakenvml.DEFAULT_SCENARIO, lib_dir: Path | None = None) -> None:
+        self.root = root
+        self.plugin_dir = root / "device-plugins"
+        self.dev_root = root / "dev-root"
+        self.sysfs_root = root / "sys"
+        self.config = root / "config.yaml"
+        self.control_path = root / "nvml.ctl"
+        self.log_path = root / "nvplug.log"
+        self.scenario = root / "node.scenario"
+        self.lib_dir = lib_dir or root / "lib"
+        self.kubelet = KubeletThread(self.plugin_dir)
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self._log_pump: threading.Thread | None = None
+
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.sysfs_root.mkdir(exist_ok=True)
+        (self.dev_root / "dev").mkdir(parents=True, exist_ok=True)
+        for name in CONTROL_NODES:
+            (self.dev_root / "dev" / name).touch()
+        self.config.write_text("version: v1\n")
+        shutil.copyfile(scenario, self.scenario)
+
+    def build_library(self) -> Path:
+        return fakenvml.build(self.lib_dir)
+
+    @property
+    def control(self) -> fakenvml.Control:
+        return fakenvml.Control(self.control_path)
+
+    @property
+    def plugin_socket(self) -> Path:
+        return self.plugin_dir / "nvplug-nvidia.com-gpu.sock"
+
+    def daemon_env(self, nvml: bool = True) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        if nvml:
+            env = fakenvml.environ(self.lib_dir, self.scenario, self.control_path, env)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start_daemon(
+        self,
+        *extra: str,
+        nvml: bool = True,
+        log_level: str = "debug",
+        env: Mapping[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`."""
+        if nvml:
+            self.build_library()
+        argv: Sequence[str] = [
+            sys.executable, "-m", "nvplug", "run",
+            "--device-plugin-dir", str(self.plugin_dir),
+            "--dev-root", str(self.dev_root),
+            "--sysfs-root", str(self.sysfs_root),
+            "--config", str(self.config),
+            "--log-level", log_level,
+            *extra,
+        ]  # fmt: skip
+        full_env = self.daemon_env(nvml)
+        full_env.update(env or {})
+        self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert self.daemon.stderr is not None
+        self._log_pump = threading.Thread(
+            target=_pump, args=(self.daemon.stderr, self.log_path, echo), name="nvplug log", daemon=True
+        )
+        self._log_pump.start()
+        return self.daemon
+
+    def stop_daemon(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> int:
+        daemon = self.daemon
+        if daemon is None:
+            raise RuntimeError("the daemon was not started")
+        if daemon.poll() is None:
+            daemon.send_signal(sig)
+        try:
+            code = daemon.wait(timeout)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            code = daemon.wait()
+        if self._log_pump is not None:
+            self._log_pump.join(5)
+        return code
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.stop_daemon(signal.SIGKILL)
+        self.kubelet.stop()
+
+    def __enter__(self) -> SimulatedNode:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _pump(stream: IO[bytes], path: Path, echo: Callable[[str], None] | None) -> None:
+    with path.open("ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            log.flush()
+            if echo is not None:
+                echo(raw.decode(errors="replace").rstrip("\n"))

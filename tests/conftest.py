@@ -1,0 +1,40 @@
+"""Shared rig: a simulated node per test, with one fake NVML build per session."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nvplug.testing import fakenvml
+from nvplug.testing.node import SimulatedNode
+
+
+@pytest.fixture(scope="session")
+def nvml_lib_dir() -> Iterator[Path]:
+    # Short paths: unix sockets live below these directories.
+    path = Path(tempfile.mkdtemp(prefix="nvp-lib-", dir="/tmp"))
+    fakenvml.build(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="nvp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(short_tmp: Path, nvml_lib_dir: Path) -> Iterator[SimulatedNode]:
+    sim = SimulatedNode(short_tmp, lib_dir=nvml_lib_dir)
+    try:
+        yield sim
+    finally:
+        sim.close()
+        # Shown by pytest only when the test failed.
+        print(f"--- daemon log ({sim.log_path}) ---\n{sim.log_text()}")

@@ -1,0 +1,22 @@
+"""`nvplug demo`, as the README's quick start runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_demo_shows_every_step_and_exits_zero() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nvplug", "demo"], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "1. Registered nvidia.com/gpu (API v1beta1)" in out
+    assert "2. ListAndWatch: 8 devices, 8 allocatable" in out
+    assert out.count("Healthy    NUMA 0") == 4 and out.count("Healthy    NUMA 1") == 4
+    assert "3. Allocate 2 GPUs" in out and "NVIDIA_VISIBLE_DEVICES=GPU-" in out
+    assert "device /dev/nvidia0 <- " in out and "device /dev/nvidiactl <- " in out
+    assert "4. Injecting XID 79" in out
+    assert "5. SIGTERM: nvplug exited with status 0" in out
+    assert "its last list still held 8 devices" in out

@@ -1,0 +1,210 @@
+"""End to end: `nvplug run` as a child process, the real pynvml over the fake
+libnvidia-ml.so.1, and the kubelet stand-in, all on real unix sockets."""
+
+from __future__ import annotations
+
+import signal
+import stat
+import time
+
+import grpc
+import pytest
+
+from nvplug.testing.kubelet import FakeKubelet
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode
+
+TIMEOUT = 15.0
+
+
+def registered_with(count: int):  # type: ignore[no-untyped-def]
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(GPU_RESOURCE)
+        return p is not None and p.stream_open and len(p.updates) > 0 and p.capacity == count
+
+    return check
+
+
+def wait_log(node: SimulatedNode, text: str, timeout: float = TIMEOUT) -> str:
+    """The daemon's log is a file; there is nothing to subscribe to, so re-read it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = node.log_text()
+        if text in log:
+            return log
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} not in the daemon log:\n{node.log_text()}")
+
+
+def scenario_gpus(node: SimulatedNode) -> list[dict[str, str]]:
+    """The `gpu` lines of the scenario, as key=value maps."""
+    import shlex
+
+    gpus = []
+    for line in node.scenario.read_text().splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[0] == "gpu":
+            gpus.append(dict(w.split("=", 1) for w in words[1:]))
+    return gpus
+
+
+def test_registers_and_advertises_eight_healthy_gpus_with_numa(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+
+    reg = [r for r in node.kubelet.registrations if r.accepted]
+    assert len(reg) == 1
+    assert (reg[0].resource, reg[0].version, reg[0].endpoint) == (GPU_RESOURCE, "v1beta1", node.plugin_socket.name)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    assert plugin.options.get_preferred_allocation_available
+    assert not plugin.options.pre_start_required
+
+    expected = {g["uuid"]: (int(g["numa"]),) for g in scenario_gpus(node)}
+    assert len(expected) == 8
+    assert {d.id: d.numa_nodes for d in plugin.devices.values()} == expected
+    assert all(d.healthy for d in plugin.devices.values())
+    assert plugin.allocatable == 8
+    # The first list is already the full one: discovery runs before serving.
+    assert len(plugin.updates[0].devices) == 8
+
+    mode = node.plugin_socket.stat().st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) & 0o077 == 0, oct(mode)
+
+
+def test_allocate_one_and_two_gpus(node: SimulatedNode) -> None:
+    (node.dev_root / "dev" / "nvidia-modeset").unlink()  # absent nodes are left out
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    gpus = scenario_gpus(node)
+    dev = node.dev_root / "dev"
+
+    one = node.kubelet.allocate(GPU_RESOURCE, [gpus[3]["uuid"]]).container_responses[0]
+    assert dict(one.envs) == {"NVIDIA_VISIBLE_DEVICES": gpus[3]["uuid"]}
+    assert [(d.container_path, d.host_path, d.permissions) for d in one.devices] == [
+        (f"/dev/nvidia{gpus[3]['minor']}", f"{dev}/nvidia{gpus[3]['minor']}", "rw"),
+        ("/dev/nvidiactl", f"{dev}/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", f"{dev}/nvidia-uvm", "rw"),
+        ("/dev/nvidia-uvm-tools", f"{dev}/nvidia-uvm-tools", "rw"),
+    ]
+
+    pair = [gpus[5]["uuid"], gpus[1]["uuid"]]
+    two = node.kubelet.allocate(GPU_RESOURCE, pair).container_responses[0]
+    assert two.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(pair)
+    assert [d.container_path for d in two.devices][:2] == [f"/dev/nvidia{gpus[i]['minor']}" for i in (5, 1)]
+    log = wait_log(node, f"allocated gpu 5 {gpus[5]['uuid']}")
+    assert gpus[5]["bus"].lower() in log
+
+    assert node.kubelet.preferred_allocation(GPU_RESOURCE, [g["uuid"] for g in gpus[::-1]], [gpus[6]["uuid"]], 2) == [
+        gpus[6]["uuid"],
+        gpus[0]["uuid"],
+    ]
+    node.kubelet.pre_start(GPU_RESOURCE, pair, check_options=False)
+
+
+def test_unknown_id_is_invalid_argument_naming_it(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        node.kubelet.allocate(GPU_RESOURCE, ["GPU-does-not-exist"])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GPU-does-not-exist" in (info.value.details() or "")
+    # The daemon is unharmed and still answers.
+    uuid = scenario_gpus(node)[0]["uuid"]
+    assert node.kubelet.allocate(GPU_RESOURCE, [uuid]).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+
+
+def test_starts_before_the_kubelet_and_registers_within_a_second(node: SimulatedNode) -> None:
+    node.start_daemon()
+    wait_log(node, "waiting for")
+    assert node.plugin_socket.exists()
+    time.sleep(0.3)
+    # Like the kubelet, the stand-in wipes every socket (ours too), then creates kubelet.sock.
+    # It stamps records with time.monotonic() in this process, so the clocks agree.
+    before = time.monotonic()
+    node.kubelet.start()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    first = next(r for r in node.kubelet.registrations if r.accepted)
+    assert first.at - before < 1.0, node.kubelet.describe()
+    assert node.plugin_socket.exists()
+    wait_log(node, "rebinding")
+
+
+def test_sigterm_stops_cleanly_without_an_empty_list(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    started = time.monotonic()
+    assert node.stop_daemon(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 5
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    assert all(len(u.devices) == 8 for u in plugin.updates)
+    assert not node.plugin_socket.exists()
+    assert "nvplug stopped" in node.log_text()
+
+
+def test_keeps_running_without_nvml_library(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon(nvml=False)
+    log = wait_log(node, "NVML unavailable")
+    assert "NVML Shared Library Not Found" in log
+    assert "ERROR" in next(line for line in log.splitlines() if "NVML unavailable" in line)
+    node.kubelet.wait_for(registered_with(0), TIMEOUT)
+    time.sleep(0.5)
+    assert node.daemon is not None and node.daemon.poll() is None
+    assert node.stop_daemon() == 0
+
+
+def test_nvml_init_failure_is_reported_with_the_library_text(node: SimulatedNode) -> None:
+    node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
+    node.kubelet.start()
+    node.start_daemon()
+    log = wait_log(node, "NVML unavailable")
+    assert "Driver Not Loaded" in log, log
+    assert node.daemon is not None and node.daemon.poll() is None
+
+
+def test_degraded_optional_queries_keep_the_gpu(node: SimulatedNode) -> None:
+    gpus = scenario_gpus(node)
+    text = node.scenario.read_text().replace(
+        f"uuid={gpus[2]['uuid']}", f"uuid={gpus[2]['uuid']} unsupported=numa,cc,memory,name"
+    )
+    node.scenario.write_text(text)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    # No NUMA from NVML and none from sysfs: the device carries no topology.
+    assert plugin.devices[gpus[2]["uuid"]].numa_nodes == ()
+    assert plugin.devices[gpus[2]["uuid"]].healthy
+    log = wait_log(node, "not reported by the driver")
+    line = next(ln for ln in log.splitlines() if "not reported by the driver" in ln)
+    assert gpus[2]["uuid"] in line and "NUMA node" in line and "memory" in line
+
+
+def test_numa_node_comes_from_sysfs_first(node: SimulatedNode) -> None:
+    gpus = scenario_gpus(node)
+    bus = gpus[0]["bus"].lower()
+    sysfs = node.sysfs_root / "bus/pci/devices" / bus
+    sysfs.mkdir(parents=True)
+    (sysfs / "numa_node").write_text("1\n")
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    assert gpus[0]["numa"] == "0"
+    assert plugin.devices[gpus[0]["uuid"]].numa_nodes == (1,)
+
+
+def test_bad_explicit_config_is_refused(node: SimulatedNode) -> None:
+    node.config.write_text("version: v1\nbogus: 1\n")
+    daemon = node.start_daemon()
+    assert daemon.wait(TIMEOUT) == 2
+    node.stop_daemon()
+    assert "line 2: unknown key 'bogus'" in node.log_text()
+    assert not node.plugin_socket.exists()

@@ -1,0 +1,123 @@
+"""The core state: pure folding of events into snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nvplug.event import HealthReported, InventoryFound, KubeletSocketCreated, NvmlFailed
+from nvplug.gpu import Gpu, normalize_bus_id
+from nvplug.health import Health
+from nvplug.resources import whole_gpus
+from nvplug.state import NodeState
+
+
+def gpu(i: int, numa: int = 0) -> Gpu:
+    return Gpu(uuid=f"GPU-{i:08d}", index=i, bus_id=f"0000:{0x18 + i:02x}:00.0", minor=i, numa_node=numa)
+
+
+def test_inventory_adds_healthy_gpus_and_bumps_revision_once() -> None:
+    state = NodeState(clock=lambda: 100.0)
+    changes = state.apply(InventoryFound((gpu(1), gpu(0))))
+    snap = state.current
+    assert snap.revision == 1
+    assert [g.index for g in snap.gpus] == [0, 1]
+    assert [c.what for c in changes] == ["added", "added"]
+    assert all(h.health is Health.HEALTHY and h.since == 100.0 for h in snap.health.values())
+
+
+def test_same_inventory_again_changes_nothing() -> None:
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0),)))
+    assert state.apply(InventoryFound((gpu(0),))) == []
+    assert state.current.revision == 1
+
+
+def test_removed_gpu_leaves_inventory_and_health() -> None:
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0), gpu(1))))
+    changes = state.apply(InventoryFound((gpu(0),)))
+    assert [(c.what, c.gpu) for c in changes] == [("removed", gpu(1))]
+    assert set(state.current.health) == {"GPU-00000000"}
+
+
+def test_health_transition_keeps_reason_and_time() -> None:
+    now = [10.0]
+    state = NodeState(clock=lambda: now[0])
+    state.apply(InventoryFound((gpu(0),)))
+    now[0] = 20.0
+    changes = state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
+    h = state.current.health["GPU-00000000"]
+    assert (h.health, h.reason, h.since) == (Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS", 20.0)
+    assert [c.what for c in changes] == ["unhealthy"]
+    # The same verdict again is no news.
+    assert state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "again")) == []
+    assert state.current.revision == 2
+
+
+def test_health_for_unknown_gpu_is_ignored() -> None:
+    state = NodeState()
+    assert state.apply(HealthReported("GPU-nope", Health.UNHEALTHY, "x")) == []
+    assert state.current.revision == 0
+
+
+def test_nvml_failure_is_recorded_and_cleared_by_a_discovery() -> None:
+    state = NodeState()
+    state.apply(NvmlFailed("NVML Shared Library Not Found"))
+    assert state.current.nvml_error == "NVML Shared Library Not Found"
+    assert state.apply(NvmlFailed("NVML Shared Library Not Found")) == []
+    changes = state.apply(InventoryFound((gpu(0),)))
+    assert state.current.nvml_error is None
+    assert "nvml recovered" in [c.what for c in changes]
+
+
+def test_non_state_events_do_not_touch_state() -> None:
+    state = NodeState()
+    assert state.apply(KubeletSocketCreated()) == []
+    assert state.current.revision == 0
+
+
+def test_waiters_see_one_wakeup_for_a_burst() -> None:
+    async def scenario() -> tuple[int, int]:
+        state = NodeState()
+        woke = []
+
+        async def watcher() -> None:
+            snap = await state.wait_past(0)
+            woke.append(snap.revision)
+
+        task = asyncio.create_task(watcher())
+        await asyncio.sleep(0)
+        state.apply(InventoryFound((gpu(0),)))
+        state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "x"))
+        state.apply(HealthReported("GPU-00000000", Health.HEALTHY, "y"))
+        await task
+        return woke[0], state.current.revision
+
+    seen, final = asyncio.run(scenario())
+    # The watcher was woken once and already sees the latest revision.
+    assert seen == final == 3
+
+
+def test_snapshot_is_immutable_for_readers() -> None:
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0),)))
+    snap = state.current
+    state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "x"))
+    assert snap.health["GPU-00000000"].health is Health.HEALTHY
+
+
+def test_whole_gpus_projection_carries_numa_and_health() -> None:
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0, numa=0), gpu(1, numa=1), Gpu("GPU-x", 2, "0000:99:00.0"))))
+    resource = whole_gpus(state.current)
+    assert [(d.id, d.numa_node) for d in resource.devices] == [
+        ("GPU-00000000", 0),
+        ("GPU-00000001", 1),
+        ("GPU-x", None),
+    ]
+    assert resource.healthy_count == 3
+
+
+def test_normalize_bus_id() -> None:
+    assert normalize_bus_id("00000000:18:00.0") == "0000:18:00.0"
+    assert normalize_bus_id("0000:AB:00.0") == "0000:ab:00.0"
