@@ -208,3 +208,26 @@ def test_bad_explicit_config_is_refused(node: SimulatedNode) -> None:
     node.stop_daemon()
     assert "line 2: unknown key 'bogus'" in node.log_text()
     assert not node.plugin_socket.exists()
+
+
+def test_retries_a_kubelet_socket_that_refuses_with_capped_backoff(node: SimulatedNode) -> None:
+    # A socket file nobody accepts on: what a kubelet that is still starting looks like.
+    import re
+    import socket
+
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(node.kubelet.socket_path))
+    try:
+        node.start_daemon()
+        log = wait_log(node, "; retry 6 in ")
+        delays = [float(d) for d in re.findall(r"; retry \d+ in ([0-9.]+)s", log)]
+        assert len(delays) >= 6 and max(delays) <= 2.0, delays
+        assert "kubelet.sock failed: UNAVAILABLE" in log
+    finally:
+        dead.close()
+    # The real kubelet replaces the socket; registration follows at once.
+    before = time.monotonic()
+    node.kubelet.start()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    first = next(r for r in node.kubelet.registrations if r.accepted)
+    assert first.at - before < 1.0

@@ -1,0 +1,1771 @@
+/*
+ * fakenvml.c - a fake libnvidia-ml.so.1 for running nvplug without a GPU.
+ *
+ * Loaded by the real pynvml binding through LD_LIBRARY_PATH.  The simulated
+ * node comes from a scenario file (env FAKE_NVML_SCENARIO) read once, at the
+ * first nvmlInit; afterwards the state lives in memory so that runtime
+ * changes made over the control socket (env FAKE_NVML_CONTROL) persist
+ * across nvmlShutdown/nvmlInit cycles.  See default.scenario for the syntax.
+ *
+ * Build: cc -shared -fPIC -O2 -Wall -Wextra -pthread -o libnvidia-ml.so.1 fakenvml.c
+ *
+ * One global mutex guards all state: the library is tiny and the contention
+ * (a daemon plus one control thread) is negligible.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- NVML ABI (values and layouts copied from nvml.h / pynvml) ---------- */
+
+typedef int nvmlReturn_t;
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_UNKNOWN = 999
+};
+
+enum { NVML_FEATURE_DISABLED = 0, NVML_FEATURE_ENABLED = 1 };
+
+enum {
+    NVML_TOPOLOGY_INTERNAL = 0,
+    NVML_TOPOLOGY_SINGLE = 10,
+    NVML_TOPOLOGY_MULTIPLE = 20,
+    NVML_TOPOLOGY_HOSTBRIDGE = 30,
+    NVML_TOPOLOGY_NODE = 40,
+    NVML_TOPOLOGY_SYSTEM = 50
+};
+
+#define EV_SBE 0x1ULL
+#define EV_DBE 0x2ULL
+#define EV_XID 0x8ULL
+#define EV_FATAL_POISON 0x2000ULL
+#define EV_GPU_UNAVAILABLE 0x4000ULL
+#define EV_RECOVERY_ACTION 0x8000ULL
+#define EV_DEFAULT (EV_XID | EV_DBE | EV_SBE | EV_GPU_UNAVAILABLE | EV_FATAL_POISON | EV_RECOVERY_ACTION)
+
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_P2P_CAPS_INDEX_NVLINK 2
+#define NVML_P2P_STATUS_OK 0
+#define NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED 3
+#define NVML_P2P_STATUS_NOT_SUPPORTED 5
+#define NVML_NVLINK_DEVICE_TYPE_GPU 0
+#define NVML_NVLINK_DEVICE_TYPE_SWITCH 2
+#define NVML_BRAND_NVIDIA 14
+#define NVML_MEMORY_V2 0x02000028u
+
+#define NVLINK_MAX 18     /* links per GPU this fake models (NVML_NVLINK_MAX_LINKS of older headers) */
+#define MAX_GPUS 64       /* slots; never reused, so removed GPUs keep stale handles well defined */
+#define QCAP 4096         /* events queued per event set before the oldest is dropped */
+
+typedef struct fake_dev *nvmlDevice_t;
+typedef struct fake_evset *nvmlEventSet_t;
+
+/* Current nvmlPciInfo_t (used by _v3 and NvLinkRemotePciInfo_v2). */
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+/* Legacy layout used by nvmlDeviceGetPciInfo and _v2. */
+typedef struct {
+    char busId[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    unsigned int reserved0, reserved1, reserved2, reserved3;
+} nvmlPciInfoLegacy_t;
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    signed int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+/* ---- simulated state ------------------------------------------------------ */
+
+/* Bits of the scenario's unsupported= list. */
+enum {
+    U_NUMA = 1 << 0, U_CC = 1 << 1, U_MEMORY = 1 << 2, U_MINOR = 1 << 3,
+    U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
+    U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
+    U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13
+};
+static const struct { const char *name; unsigned bit; } unsupported_names[] = {
+    {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
+    {"serial", U_SERIAL}, {"name", U_NAME}, {"events", U_EVENTS}, {"topology", U_TOPOLOGY},
+    {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
+    {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
+};
+
+struct fake_dev {
+    /* identity, from the scenario or an "add" command */
+    char uuid[96];
+    char name[96];
+    char serial[32];
+    unsigned domain, bus, devno, func;
+    unsigned minor;
+    int numa;
+    unsigned long long memory_mib;
+    int cc_major, cc_minor;
+    unsigned pci_device_id, pci_subsystem_id;
+    unsigned unsupported;
+    unsigned long long events;
+    /* lifecycle */
+    int visible;        /* enumerated in the current init cycle */
+    int ever_visible;   /* a handle to it may exist */
+    int removed;        /* "remove": lost now, gone from the next 0->1 init */
+    int lost;           /* "lose": every call returns GPU_IS_LOST */
+    /* health probes */
+    unsigned pending_pages, remap_pending, remap_failure, corr_rows, unc_rows;
+    unsigned recovery_action;
+};
+
+struct ev {
+    int slot;
+    unsigned long long type, data;
+    unsigned gi, ci;
+};
+
+struct fake_evset {
+    struct fake_evset *next;
+    int dead;           /* freed while a waiter was blocked; last waiter releases it */
+    int waiters;
+    pthread_cond_t cond;
+    unsigned long long reg[MAX_GPUS];   /* registered event mask per slot */
+    unsigned head, count;
+    unsigned long long dropped;
+    struct ev q[QCAP];
+};
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_dev g_devs[MAX_GPUS];
+static int g_nslots;
+static int g_order[MAX_GPUS];   /* slots enumerated in this init cycle, by index */
+static int g_count;
+static unsigned char g_nvlink[MAX_GPUS][MAX_GPUS];
+static unsigned char g_pcie[MAX_GPUS][MAX_GPUS];
+static int g_loaded;
+static int g_refcount;
+static unsigned long g_cycle;   /* bumped at each full shutdown; wakes event waiters */
+static nvmlReturn_t g_init_error;
+static char g_driver[80] = "550.54.15";
+static char g_nvml[80] = "12.550.54.15";
+static int g_cuda = 12040;
+static struct fake_evset *g_sets;
+
+static nvmlReturn_t done(nvmlReturn_t rc)
+{
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+/* ---- small parsing helpers ------------------------------------------------ */
+
+static int parse_ull(const char *s, int base, unsigned long long max, unsigned long long *out)
+{
+    char *end;
+    unsigned long long v;
+    if (!s || !*s || *s == '-' || *s == '+')
+        return -1;
+    errno = 0;
+    v = strtoull(s, &end, base);
+    if (errno || *end || v > max)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_int(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    long v;
+    if (!s || !*s)
+        return -1;
+    errno = 0;
+    v = strtol(s, &end, 0);
+    if (errno || *end || v < lo || v > hi)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_hex_part(const char *s, size_t n, unsigned long max, unsigned *out)
+{
+    char buf[16], *end;
+    unsigned long v;
+    if (n == 0 || n >= sizeof buf)
+        return -1;
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    errno = 0;
+    v = strtoul(buf, &end, 16);
+    if (errno || *end || v > max || buf[0] == '-' || buf[0] == '+')
+        return -1;
+    *out = (unsigned)v;
+    return 0;
+}
+
+/* Accepts [DDDD[DDDD]:]BB:DD[.F], hex, any case, as NVML's bus-id lookups do. */
+static int parse_busid(const char *s, unsigned *dom, unsigned *bus, unsigned *dev, unsigned *fn)
+{
+    const char *c1, *c2, *dot, *p = s, *devp;
+    size_t devlen;
+    if (!s)
+        return -1;
+    c1 = strchr(s, ':');
+    if (!c1)
+        return -1;
+    c2 = strchr(c1 + 1, ':');
+    if (c2) {
+        if (strchr(c2 + 1, ':') || parse_hex_part(s, (size_t)(c1 - s), 0xFFFF, dom))
+            return -1;
+        p = c1 + 1;
+    } else {
+        *dom = 0;
+        c2 = c1;
+    }
+    if (parse_hex_part(p, (size_t)(c2 - p), 0xFF, bus))
+        return -1;
+    devp = c2 + 1;
+    dot = strchr(devp, '.');
+    devlen = dot ? (size_t)(dot - devp) : strlen(devp);
+    if (parse_hex_part(devp, devlen, 0x1F, dev))
+        return -1;
+    *fn = 0;
+    if (dot && parse_hex_part(dot + 1, strlen(dot + 1), 7, fn))
+        return -1;
+    return 0;
+}
+
+static int parse_level(const char *s, int *out)
+{
+    static const struct { const char *n; int v; } lv[] = {
+        {"INTERNAL", 0}, {"SINGLE", 10}, {"MULTIPLE", 20}, {"HOSTBRIDGE", 30},
+        {"NODE", 40}, {"CPU", 40}, {"SYSTEM", 50},
+    };
+    long v;
+    size_t i;
+    for (i = 0; i < sizeof lv / sizeof lv[0]; i++)
+        if (!strcasecmp(s, lv[i].n)) {
+            *out = lv[i].v;
+            return 0;
+        }
+    if (parse_int(s, 0, 50, &v) == 0 && v % 10 == 0) {
+        *out = (int)v;
+        return 0;
+    }
+    return -1;
+}
+
+/*
+ * Splits a line in place into whitespace separated tokens.  Double quotes
+ * group (and are removed), a '#' starting a token begins a comment.
+ * Returns the token count, or -1 for an unterminated quote / too many tokens.
+ */
+static int tokenize(char *line, char **tok, int max)
+{
+    int n = 0;
+    char *r = line, *w;
+    for (;;) {
+        int quoted = 0;
+        while (*r == ' ' || *r == '\t' || *r == '\r' || *r == '\n')
+            r++;
+        if (!*r || *r == '#')
+            return n;
+        if (n == max)
+            return -1;
+        tok[n++] = w = r;
+        while (*r && (quoted || !(*r == ' ' || *r == '\t' || *r == '\r' || *r == '\n'))) {
+            if (*r == '"')
+                quoted = !quoted;
+            else
+                *w++ = *r;
+            r++;
+        }
+        if (quoted)
+            return -1;
+        if (*r)
+            r++;
+        *w = 0;
+    }
+}
+
+static int copy_field(char *dst, size_t cap, const char *src)
+{
+    size_t n = strlen(src);
+    if (n == 0 || n >= cap)
+        return -1;
+    memcpy(dst, src, n + 1);
+    return 0;
+}
+
+/*
+ * Parses gpu key=value tokens into *d, filling defaults derived from the
+ * slot number, and checks uniqueness against the GPUs not removed.
+ * Returns 0, or -1 with a message in err.
+ */
+static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err, size_t errlen)
+{
+    int i, j;
+    memset(d, 0, sizeof *d);
+    snprintf(d->uuid, sizeof d->uuid, "GPU-fa4e0000-0000-4000-8000-%012x", (unsigned)slot);
+    snprintf(d->name, sizeof d->name, "NVIDIA H100 80GB HBM3");
+    snprintf(d->serial, sizeof d->serial, "%llu", 1650923000000ULL + (unsigned)slot);
+    d->bus = 0x80u + (unsigned)slot;
+    d->minor = (unsigned)slot;
+    d->numa = -1;
+    d->memory_mib = 81559;
+    d->cc_major = 9;
+    d->pci_device_id = 0x233010DE;
+    d->pci_subsystem_id = 0x16C110DE;
+    d->events = EV_DEFAULT;
+
+    for (i = 0; i < n; i++) {
+        char *k = tok[i], *v = strchr(tok[i], '=');
+        unsigned long long u;
+        long l;
+        int bad = 0;
+        if (!v) {
+            snprintf(err, errlen, "expected key=value, got '%s'", k);
+            return -1;
+        }
+        *v++ = 0;
+        if (!strcmp(k, "uuid"))
+            bad = copy_field(d->uuid, 80, v);   /* must fit NVML_DEVICE_UUID_BUFFER_SIZE */
+        else if (!strcmp(k, "name"))
+            bad = copy_field(d->name, 64, v);   /* must fit NVML_DEVICE_NAME_BUFFER_SIZE */
+        else if (!strcmp(k, "serial"))
+            bad = copy_field(d->serial, 30, v);
+        else if (!strcmp(k, "bus"))
+            bad = parse_busid(v, &d->domain, &d->bus, &d->devno, &d->func);
+        else if (!strcmp(k, "minor")) {
+            bad = parse_ull(v, 10, 255, &u);
+            d->minor = (unsigned)u;
+        } else if (!strcmp(k, "numa")) {
+            bad = parse_int(v, -1, 1023, &l);
+            d->numa = (int)l;
+        } else if (!strcmp(k, "memory_mib")) {
+            bad = parse_ull(v, 10, 1ULL << 30, &u);
+            d->memory_mib = u;
+        } else if (!strcmp(k, "cc")) {
+            char *end;
+            long ma = strtol(v, &end, 10), mi = -1;
+            if (end != v && *end == '.' && end[1])
+                mi = strtol(end + 1, &end, 10);
+            bad = *end || ma < 1 || ma > 99 || mi < 0 || mi > 99;
+            d->cc_major = (int)ma;
+            d->cc_minor = (int)mi;
+        } else if (!strcmp(k, "pci_device_id")) {
+            bad = parse_ull(v, 16, 0xFFFFFFFFULL, &u);
+            d->pci_device_id = (unsigned)u;
+        } else if (!strcmp(k, "pci_subsystem_id")) {
+            bad = parse_ull(v, 16, 0xFFFFFFFFULL, &u);
+            d->pci_subsystem_id = (unsigned)u;
+        } else if (!strcmp(k, "events")) {
+            bad = parse_ull(v, 16, ~0ULL, &u);
+            d->events = u;
+        } else if (!strcmp(k, "unsupported")) {
+            char *save = NULL, *item;
+            for (item = strtok_r(v, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+                size_t x, nn = sizeof unsupported_names / sizeof unsupported_names[0];
+                for (x = 0; x < nn && strcmp(item, unsupported_names[x].name); x++)
+                    ;
+                if (x == nn) {
+                    snprintf(err, errlen, "unknown unsupported= item '%s'", item);
+                    return -1;
+                }
+                d->unsupported |= unsupported_names[x].bit;
+            }
+        } else {
+            snprintf(err, errlen, "unknown gpu key '%s'", k);
+            return -1;
+        }
+        if (bad) {
+            snprintf(err, errlen, "bad value for %s: '%s'", k, v);
+            return -1;
+        }
+    }
+    for (j = 0; j < g_nslots; j++) {
+        const struct fake_dev *o = &g_devs[j];
+        if (o->removed)
+            continue;
+        if (!strcmp(o->uuid, d->uuid)) {
+            snprintf(err, errlen, "duplicate uuid %s", d->uuid);
+            return -1;
+        }
+        if (o->minor == d->minor) {
+            snprintf(err, errlen, "duplicate minor %u", d->minor);
+            return -1;
+        }
+        if (o->domain == d->domain && o->bus == d->bus && o->devno == d->devno && o->func == d->func) {
+            snprintf(err, errlen, "duplicate bus id");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Appends a GPU slot; it becomes visible at the next 0->1 init. */
+static int add_gpu(char **tok, int n, char *err, size_t errlen)
+{
+    struct fake_dev d;
+    if (g_nslots >= MAX_GPUS) {
+        snprintf(err, errlen, "too many GPUs (max %d)", MAX_GPUS);
+        return -1;
+    }
+    if (parse_gpu(tok, n, g_nslots, &d, err, errlen))
+        return -1;
+    g_devs[g_nslots++] = d;
+    return 0;
+}
+
+static int parse_link(int a, int b, char **tok, int n, char *err, size_t errlen)
+{
+    int i, nv = 0, lvl = NVML_TOPOLOGY_SYSTEM;
+    if (a == b) {
+        snprintf(err, errlen, "link from a GPU to itself");
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        char *v = strchr(tok[i], '=');
+        long l;
+        if (v && !strncmp(tok[i], "nvlink=", 7)) {
+            if (parse_int(v + 1, 0, NVLINK_MAX, &l)) {
+                snprintf(err, errlen, "bad nvlink count '%s' (0-%d)", v + 1, NVLINK_MAX);
+                return -1;
+            }
+            nv = (int)l;
+        } else if (v && !strncmp(tok[i], "pcie=", 5)) {
+            if (parse_level(v + 1, &lvl)) {
+                snprintf(err, errlen, "bad pcie level '%s'", v + 1);
+                return -1;
+            }
+        } else {
+            snprintf(err, errlen, "unknown link key '%s'", tok[i]);
+            return -1;
+        }
+    }
+    g_nvlink[a][b] = g_nvlink[b][a] = (unsigned char)nv;
+    g_pcie[a][b] = g_pcie[b][a] = (unsigned char)lvl;
+    return 0;
+}
+
+/* One scenario line; returns 0 or -1 with err set. */
+static int scenario_line(char *line, char *err, size_t errlen)
+{
+    char *tok[64];
+    int n = tokenize(line, tok, 64);
+    long l;
+    if (n < 0) {
+        snprintf(err, errlen, "unterminated quote or too many tokens");
+        return -1;
+    }
+    if (n == 0)
+        return 0;
+    if (!strcmp(tok[0], "gpu"))
+        return add_gpu(tok + 1, n - 1, err, errlen);
+    if (!strcmp(tok[0], "link")) {
+        long a, b;
+        if (n < 3 || parse_int(tok[1], 0, g_nslots - 1, &a) || parse_int(tok[2], 0, g_nslots - 1, &b)) {
+            snprintf(err, errlen, "link needs two indices of GPUs defined above");
+            return -1;
+        }
+        return parse_link((int)a, (int)b, tok + 3, n - 3, err, errlen);
+    }
+    if (n != 2) {
+        snprintf(err, errlen, "unknown line or wrong number of values");
+        return -1;
+    }
+    if (!strcmp(tok[0], "driver"))
+        return copy_field(g_driver, sizeof g_driver, tok[1]) ? (snprintf(err, errlen, "bad driver"), -1) : 0;
+    if (!strcmp(tok[0], "nvml"))
+        return copy_field(g_nvml, sizeof g_nvml, tok[1]) ? (snprintf(err, errlen, "bad nvml"), -1) : 0;
+    if (!strcmp(tok[0], "cuda")) {
+        if (parse_int(tok[1], 0, 1000000, &l))
+            return snprintf(err, errlen, "bad cuda version"), -1;
+        g_cuda = (int)l;
+        return 0;
+    }
+    if (!strcmp(tok[0], "init_error")) {
+        if (parse_int(tok[1], 0, 999, &l))
+            return snprintf(err, errlen, "bad init_error"), -1;
+        g_init_error = (nvmlReturn_t)l;
+        return 0;
+    }
+    snprintf(err, errlen, "unknown keyword '%s'", tok[0]);
+    return -1;
+}
+
+static void reset_state(void)
+{
+    memset(g_devs, 0, sizeof g_devs);
+    memset(g_nvlink, 0, sizeof g_nvlink);
+    memset(g_pcie, NVML_TOPOLOGY_SYSTEM, sizeof g_pcie);
+    g_nslots = g_count = 0;
+    g_init_error = NVML_SUCCESS;
+}
+
+static const char *builtin_scenario[] = {
+    "gpu uuid=GPU-fa4e0000-0000-4000-8000-000000000000 name=\"NVIDIA H100 80GB HBM3\" minor=0 "
+    "bus=0000:18:00.0 numa=0 memory_mib=81559 cc=9.0 pci_device_id=0x233010DE serial=1650923000000",
+};
+
+/* Loads the scenario (caller holds g_lock).  Failure leaves nothing loaded. */
+static int load_scenario(void)
+{
+    const char *path = getenv("FAKE_NVML_SCENARIO");
+    char err[256];
+    int lineno = 0, rc = 0;
+    reset_state();
+    if (!path || !*path) {
+        size_t i;
+        for (i = 0; i < sizeof builtin_scenario / sizeof builtin_scenario[0]; i++) {
+            char buf[512];
+            snprintf(buf, sizeof buf, "%s", builtin_scenario[i]);
+            if (scenario_line(buf, err, sizeof err))
+                abort();   /* the built-in text is wrong: a bug in this file */
+        }
+        return 0;
+    }
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "fakenvml: cannot open scenario %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    char *line = NULL, *copy;
+    size_t cap = 0;
+    ssize_t len;
+    while ((len = getline(&line, &cap, f)) >= 0) {
+        lineno++;
+        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r'))
+            line[--len] = 0;
+        copy = strdup(line);   /* tokenize mangles the line; keep it for the message */
+        if (scenario_line(line, err, sizeof err)) {
+            fprintf(stderr, "fakenvml: %s:%d: %s: %s\n", path, lineno, err, copy ? copy : "");
+            free(copy);
+            rc = -1;
+            break;
+        }
+        free(copy);
+    }
+    free(line);
+    fclose(f);
+    if (rc)
+        reset_state();
+    return rc;
+}
+
+/* A 0->1 init: enumerate GPUs, dropping removed ones and adding new ones. */
+static void apply_pending(void)
+{
+    int s;
+    g_count = 0;
+    for (s = 0; s < g_nslots; s++) {
+        struct fake_dev *d = &g_devs[s];
+        d->visible = !d->removed;
+        if (d->visible) {
+            d->ever_visible = 1;
+            g_order[g_count++] = s;
+        }
+    }
+}
+
+/* ---- events ----------------------------------------------------------------- */
+
+/* Queues an event on every set registered for it; returns how many. */
+static int deliver(int slot, unsigned long long type, unsigned long long data, unsigned gi, unsigned ci)
+{
+    struct fake_evset *s;
+    int n = 0;
+    for (s = g_sets; s; s = s->next) {
+        struct ev *e;
+        if (!(s->reg[slot] & type))
+            continue;
+        if (s->count == QCAP) {   /* full: drop the oldest, keep the newest */
+            s->head = (s->head + 1) % QCAP;
+            s->count--;
+            s->dropped++;
+        }
+        e = &s->q[(s->head + s->count) % QCAP];
+        e->slot = slot;
+        e->type = type;
+        e->data = data;
+        e->gi = gi;
+        e->ci = ci;
+        s->count++;
+        pthread_cond_signal(&s->cond);
+        n++;
+    }
+    return n;
+}
+
+static int set_valid(nvmlEventSet_t set)
+{
+    struct fake_evset *s;
+    for (s = g_sets; s; s = s->next)
+        if (s == set)
+            return 1;
+    return 0;
+}
+
+/* ---- control socket ------------------------------------------------------------ */
+
+/* gpu argument: an index in the current enumeration, or any known UUID. */
+static int resolve_gpu(const char *arg)
+{
+    long idx;
+    int s;
+    if (parse_int(arg, 0, MAX_GPUS - 1, &idx) == 0)
+        return idx < g_count ? g_order[idx] : -1;
+    for (s = 0; s < g_nslots; s++)
+        if (!strcmp(g_devs[s].uuid, arg))
+            return s;
+    return -1;
+}
+
+static int index_of(int slot)
+{
+    int i;
+    for (i = 0; i < g_count; i++)
+        if (g_order[i] == slot)
+            return i;
+    return -1;
+}
+
+static void ctl_state(char *out, size_t cap)
+{
+    size_t used;
+    unsigned long long dropped = 0;
+    int s, nsets = 0;
+    struct fake_evset *es;
+    for (es = g_sets; es; es = es->next, nsets++)
+        dropped += es->dropped;
+    used = (size_t)snprintf(out, cap, "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu",
+                            g_loaded, g_refcount, g_count, g_init_error, nsets, dropped);
+    for (s = 0; s < g_nslots && used < cap; s++) {
+        const struct fake_dev *d = &g_devs[s];
+        int idx = index_of(s);
+        char ix[16];
+        if (idx >= 0)
+            snprintf(ix, sizeof ix, "%d", idx);
+        else
+            snprintf(ix, sizeof ix, "-");
+        used += (size_t)snprintf(out + used, cap - used, " | %s %s %s%s%s%s%s ra=%u", ix, d->uuid,
+                                 d->lost ? "lost," : "",
+                                 d->removed ? (d->visible ? "removing," : "removed,") : "",
+                                 !d->removed && !d->visible ? "adding," : "",
+                                 d->pending_pages ? "pages," : "",
+                                 d->remap_pending || d->remap_failure ? "remap," : "",
+                                 d->recovery_action);
+    }
+}
+
+static int need_args(int n, int want, const char *usage, char *out, size_t cap)
+{
+    if (n == want)
+        return 0;
+    snprintf(out, cap, "error: usage: %s", usage);
+    return -1;
+}
+
+/* Parses and runs one command (caller holds g_lock); writes the reply to out. */
+static void ctl_command(char *line, char *out, size_t cap)
+{
+    char *tok[64], err[200];
+    int n = tokenize(line, tok, 64), slot = -1;
+    unsigned long long u, u2;
+    long l, l2;
+    const char *cmd;
+
+    if (n <= 0) {
+        snprintf(out, cap, "error: %s", n < 0 ? "unterminated quote or too many tokens" : "empty command");
+        return;
+    }
+    cmd = tok[0];
+    if (!strcmp(cmd, "ping")) {
+        snprintf(out, cap, "ok");
+        return;
+    }
+    if (!strcmp(cmd, "state")) {
+        ctl_state(out, cap);
+        return;
+    }
+    if (!strcmp(cmd, "init_error")) {
+        if (need_args(n, 2, "init_error <nvmlReturn>", out, cap))
+            return;
+        if (parse_int(tok[1], 0, 999, &l)) {
+            snprintf(out, cap, "error: bad return code '%s'", tok[1]);
+            return;
+        }
+        g_init_error = (nvmlReturn_t)l;
+        snprintf(out, cap, "ok");
+        return;
+    }
+    if (!g_loaded) {
+        snprintf(out, cap, "error: no scenario loaded yet (nvmlInit has not succeeded)");
+        return;
+    }
+    if (!strcmp(cmd, "add")) {
+        if (add_gpu(tok + 1, n - 1, err, sizeof err))
+            snprintf(out, cap, "error: add: %s", err);
+        else
+            snprintf(out, cap, "ok pending %s", g_devs[g_nslots - 1].uuid);
+        return;
+    }
+    if (!strcmp(cmd, "link")) {
+        int a, b;
+        if (n < 3 || (a = resolve_gpu(tok[1])) < 0 || (b = resolve_gpu(tok[2])) < 0) {
+            snprintf(out, cap, "error: usage: link <gpu> <gpu> [nvlink=N] [pcie=LEVEL] with known GPUs");
+            return;
+        }
+        if (parse_link(a, b, tok + 3, n - 3, err, sizeof err))
+            snprintf(out, cap, "error: link: %s", err);
+        else
+            snprintf(out, cap, "ok");
+        return;
+    }
+
+    /* The remaining commands all take a GPU as the first argument. */
+    static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove",
+                                     "pending_pages", "remap", "recovery_action"};
+    size_t i;
+    for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
+        ;
+    if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
+        snprintf(out, cap, "error: unknown command '%s'", cmd);
+        return;
+    }
+    if (n < 2) {
+        snprintf(out, cap, "error: %s: missing gpu (index or UUID)", cmd);
+        return;
+    }
+    slot = resolve_gpu(tok[1]);
+    if (slot < 0) {
+        snprintf(out, cap, "error: %s: unknown gpu '%s'", cmd, tok[1]);
+        return;
+    }
+    struct fake_dev *d = &g_devs[slot];
+
+    if (!strcmp(cmd, "xid") || !strcmp(cmd, "event")) {
+        int is_xid = !strcmp(cmd, "xid");
+        unsigned long long type = EV_XID, data;
+        unsigned gi = 0xFFFFFFFFu, ci = 0xFFFFFFFFu;
+        int k = 2;
+        if (n != (is_xid ? 3 : 4) && n != (is_xid ? 5 : 6)) {
+            snprintf(out, cap, "error: usage: %s", is_xid ? "xid <gpu> <code> [gi ci]"
+                                                          : "event <gpu> <hex type> <data> [gi ci]");
+            return;
+        }
+        if (!is_xid && (parse_ull(tok[k++], 16, ~0ULL, &type) || type == 0)) {
+            snprintf(out, cap, "error: event: bad type '%s'", tok[2]);
+            return;
+        }
+        if (parse_ull(tok[k], 0, ~0ULL, &data)) {
+            snprintf(out, cap, "error: %s: bad number '%s'", cmd, tok[k]);
+            return;
+        }
+        k++;
+        if (k < n) {
+            if (parse_ull(tok[k], 0, 0xFFFFFFFFULL, &u) || parse_ull(tok[k + 1], 0, 0xFFFFFFFFULL, &u2)) {
+                snprintf(out, cap, "error: %s: bad gi/ci", cmd);
+                return;
+            }
+            gi = (unsigned)u;
+            ci = (unsigned)u2;
+        }
+        snprintf(out, cap, "ok queued=%d", deliver(slot, type, data, gi, ci));
+    } else if (!strcmp(cmd, "ecc")) {
+        if (need_args(n, 3, "ecc <gpu> sbe|dbe", out, cap))
+            return;
+        if (strcmp(tok[2], "sbe") && strcmp(tok[2], "dbe")) {
+            snprintf(out, cap, "error: ecc: kind must be sbe or dbe, got '%s'", tok[2]);
+            return;
+        }
+        snprintf(out, cap, "ok queued=%d",
+                 deliver(slot, strcmp(tok[2], "sbe") ? EV_DBE : EV_SBE, 0, 0xFFFFFFFFu, 0xFFFFFFFFu));
+    } else if (!strcmp(cmd, "lose") || !strcmp(cmd, "remove")) {
+        int was_gone = d->lost || d->removed;
+        if (need_args(n, 2, "lose|remove <gpu>", out, cap))
+            return;
+        if (!strcmp(cmd, "lose"))
+            d->lost = 1;
+        else
+            d->removed = 1;
+        /* A GPU falling off the bus is reported once, like the real driver. */
+        snprintf(out, cap, "ok queued=%d",
+                 was_gone ? 0 : deliver(slot, EV_GPU_UNAVAILABLE, 0, 0xFFFFFFFFu, 0xFFFFFFFFu));
+    } else if (!strcmp(cmd, "restore")) {
+        if (need_args(n, 2, "restore <gpu>", out, cap))
+            return;
+        if (d->removed) {   /* undoing a remove must not collide with a GPU added since */
+            int j;
+            for (j = 0; j < g_nslots; j++)
+                if (j != slot && !g_devs[j].removed &&
+                    (!strcmp(g_devs[j].uuid, d->uuid) || g_devs[j].minor == d->minor)) {
+                    snprintf(out, cap, "error: restore: another GPU now has this uuid or minor");
+                    return;
+                }
+        }
+        d->lost = d->removed = 0;
+        d->pending_pages = d->remap_pending = d->remap_failure = 0;
+        d->recovery_action = 0;
+        snprintf(out, cap, d->visible ? "ok" : "ok pending");
+    } else if (!strcmp(cmd, "pending_pages")) {
+        if (need_args(n, 3, "pending_pages <gpu> 0|1", out, cap))
+            return;
+        if (parse_int(tok[2], 0, 1, &l)) {
+            snprintf(out, cap, "error: pending_pages: expected 0 or 1");
+            return;
+        }
+        d->pending_pages = (unsigned)l;
+        snprintf(out, cap, "ok");
+    } else if (!strcmp(cmd, "remap")) {
+        long corr = (long)d->corr_rows, unc = (long)d->unc_rows;
+        if (n != 4 && n != 6) {
+            snprintf(out, cap, "error: usage: remap <gpu> <pending 0|1> <failure 0|1> [corr unc]");
+            return;
+        }
+        if (parse_int(tok[2], 0, 1, &l) || parse_int(tok[3], 0, 1, &l2) ||
+            (n == 6 && (parse_int(tok[4], 0, 1 << 20, &corr) || parse_int(tok[5], 0, 1 << 20, &unc)))) {
+            snprintf(out, cap, "error: remap: bad value");
+            return;
+        }
+        d->remap_pending = (unsigned)l;
+        d->remap_failure = (unsigned)l2;
+        d->corr_rows = (unsigned)corr;
+        d->unc_rows = (unsigned)unc;
+        snprintf(out, cap, "ok");
+    } else {   /* recovery_action */
+        if (need_args(n, 3, "recovery_action <gpu> <n>", out, cap))
+            return;
+        if (parse_int(tok[2], 0, 0xFFFF, &l)) {
+            snprintf(out, cap, "error: recovery_action: bad value '%s'", tok[2]);
+            return;
+        }
+        d->recovery_action = (unsigned)l;
+        /* Real drivers announce a new recovery action with this event. */
+        snprintf(out, cap, "ok queued=%d",
+                 deliver(slot, EV_RECOVERY_ACTION, (unsigned long long)l, 0xFFFFFFFFu, 0xFFFFFFFFu));
+    }
+}
+
+static void *ctl_main(void *arg)
+{
+    int fd = (int)(intptr_t)arg;
+    for (;;) {
+        char buf[4096], reply[8192];
+        struct sockaddr_un from;
+        socklen_t fl = sizeof from;
+        struct pollfd p = {fd, POLLIN, 0};
+        ssize_t n;
+        if (poll(&p, 1, -1) < 0)
+            continue;
+        memset(&from, 0, sizeof from);
+        n = recvfrom(fd, buf, sizeof buf - 1, 0, (struct sockaddr *)&from, &fl);
+        if (n < 0)
+            continue;
+        buf[n] = 0;
+        while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+            buf[--n] = 0;
+        pthread_mutex_lock(&g_lock);
+        ctl_command(buf, reply, sizeof reply);
+        pthread_mutex_unlock(&g_lock);
+        /* Unbound senders cannot receive; the fd is non-blocking so a slow client never stalls us. */
+        if (fl > (socklen_t)sizeof(sa_family_t))
+            (void)sendto(fd, reply, strlen(reply), 0, (struct sockaddr *)&from, fl);
+    }
+    return NULL;
+}
+
+static void ctl_start(void)
+{
+    const char *path = getenv("FAKE_NVML_CONTROL");
+    struct sockaddr_un sa;
+    pthread_attr_t attr;
+    pthread_t th;
+    sigset_t all, old;
+    int fd;
+    if (!path || !*path)
+        return;
+    if (strlen(path) >= sizeof sa.sun_path) {
+        fprintf(stderr, "fakenvml: control socket path too long: %s\n", path);
+        return;
+    }
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    fd = socket(AF_UNIX, SOCK_DGRAM, 0);
+    if (fd < 0) {
+        fprintf(stderr, "fakenvml: control socket: %s\n", strerror(errno));
+        return;
+    }
+    /* Keep the fd out of exec'd children and never block the server on a reply. */
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    unlink(path);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        fprintf(stderr, "fakenvml: bind %s: %s\n", path, strerror(errno));
+        close(fd);
+        return;
+    }
+    /* The host's signals (Python's SIGINT etc.) must land on its own threads. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &attr, ctl_main, (void *)(intptr_t)fd) != 0) {
+        fprintf(stderr, "fakenvml: cannot start control thread\n");
+        close(fd);
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* A fork taken while another thread holds g_lock would deadlock the child. */
+static void fork_prepare(void) { pthread_mutex_lock(&g_lock); }
+static void fork_release(void) { pthread_mutex_unlock(&g_lock); }
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static void once_init(void)
+{
+    pthread_atfork(fork_prepare, fork_release, fork_release);
+    ctl_start();
+}
+
+/* ---- exported: init and system ------------------------------------------------ */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    pthread_once(&g_once, once_init);
+    pthread_mutex_lock(&g_lock);
+    if (!g_loaded) {
+        if (load_scenario())
+            return done(NVML_ERROR_UNKNOWN);
+        g_loaded = 1;
+    }
+    if (g_init_error)
+        return done(g_init_error);
+    if (g_refcount++ == 0)
+        apply_pending();
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    struct fake_evset *s;
+    pthread_mutex_lock(&g_lock);
+    if (g_refcount == 0)
+        return done(NVML_ERROR_UNINITIALIZED);
+    if (--g_refcount == 0) {
+        g_cycle++;
+        for (s = g_sets; s; s = s->next)
+            pthread_cond_broadcast(&s->cond);
+    }
+    return done(NVML_SUCCESS);
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case 0: return "Success";
+    case 1: return "Uninitialized";
+    case 2: return "Invalid Argument";
+    case 3: return "Not Supported";
+    case 4: return "Insufficient Permissions";
+    case 5: return "Already Initialized";
+    case 6: return "Not Found";
+    case 7: return "Insufficient Size";
+    case 8: return "Insufficient External Power";
+    case 9: return "Driver Not Loaded";
+    case 10: return "Timeout";
+    case 11: return "Interrupt request issue";
+    case 12: return "NVML Shared Library Not Found";
+    case 13: return "Function Not Found";
+    case 14: return "Corrupted infoROM";
+    case 15: return "GPU is lost";
+    case 16: return "GPU requires restart";
+    case 17: return "The operating system has blocked the request.";
+    case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 19: return "In use by another client";
+    case 20: return "Insufficient Memory";
+    case 21: return "No data";
+    case 22: return "The requested vgpu operation is not available on target device, because ECC is enabled";
+    case 23: return "Ran out of critical resources, other than memory";
+    case 24: return "The requested frequency is not supported";
+    case 25: return "The provided version is invalid/unsupported";
+    case 26: return "The requested functionality has been deprecated";
+    case 27: return "The system is not ready for the request";
+    case 28: return "The GPU was not found";
+    case 29: return "The resource is in an invalid state";
+    case 999: return "Unknown Error";
+    default: return "Unknown Error";
+    }
+}
+
+static nvmlReturn_t sys_begin(void)
+{
+    pthread_mutex_lock(&g_lock);
+    return g_refcount ? NVML_SUCCESS : done(NVML_ERROR_UNINITIALIZED);
+}
+
+static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
+{
+    size_t n = strlen(s);
+    if (!buf)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if ((size_t)len < n + 1)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, s, n + 1);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    nvmlReturn_t rc = sys_begin();
+    return rc ? rc : done(put_str(version, length, g_driver));
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    nvmlReturn_t rc = sys_begin();
+    return rc ? rc : done(put_str(version, length, g_nvml));
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
+{
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    if (!v)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    *v = g_cuda;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCudaDriverVersion(v); }
+
+/* ---- exported: enumeration ------------------------------------------------------ */
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    if (!count)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    *count = (unsigned)g_count;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+/* Lookups hand out handles of lost GPUs too: the caller learns of the loss on first use. */
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    if (!device || index >= (unsigned)g_count)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    *device = &g_devs[g_order[index]];
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = sys_begin();
+    int i;
+    if (rc)
+        return rc;
+    if (!uuid || !device)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    for (i = 0; i < g_count; i++)
+        if (!strcmp(g_devs[g_order[i]].uuid, uuid)) {
+            *device = &g_devs[g_order[i]];
+            return done(NVML_SUCCESS);
+        }
+    return done(NVML_ERROR_NOT_FOUND);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = sys_begin();
+    int i;
+    if (rc)
+        return rc;
+    if (!serial || !device)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    for (i = 0; i < g_count; i++)
+        if (!strcmp(g_devs[g_order[i]].serial, serial)) {
+            *device = &g_devs[g_order[i]];
+            return done(NVML_SUCCESS);
+        }
+    return done(NVML_ERROR_NOT_FOUND);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = sys_begin();
+    unsigned dom, bus, dev, fn;
+    int i;
+    if (rc)
+        return rc;
+    if (!pciBusId || !device || parse_busid(pciBusId, &dom, &bus, &dev, &fn))
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    for (i = 0; i < g_count; i++) {
+        struct fake_dev *d = &g_devs[g_order[i]];
+        if (d->domain == dom && d->bus == bus && d->devno == dev && d->func == fn) {
+            *device = d;
+            return done(NVML_SUCCESS);
+        }
+    }
+    return done(NVML_ERROR_NOT_FOUND);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device);
+}
+
+/* ---- exported: per-device queries ----------------------------------------------- */
+
+static int slot_of(const void *h)
+{
+    uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_devs;
+    if (p < base || p >= base + sizeof g_devs || (p - base) % sizeof(struct fake_dev))
+        return -1;
+    return (int)((p - base) / sizeof(struct fake_dev));
+}
+
+/*
+ * Locks and validates a handle.  On success returns NVML_SUCCESS with g_lock
+ * held (release it with done()); on failure g_lock is already released.
+ */
+static nvmlReturn_t dev_begin(nvmlDevice_t h, struct fake_dev **out)
+{
+    int s;
+    pthread_mutex_lock(&g_lock);
+    if (!g_refcount)
+        return done(NVML_ERROR_UNINITIALIZED);
+    s = slot_of(h);
+    if (s < 0 || s >= g_nslots || !g_devs[s].ever_visible)
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    if (g_devs[s].lost || g_devs[s].removed || !g_devs[s].visible)
+        return done(NVML_ERROR_GPU_IS_LOST);
+    *out = &g_devs[s];
+    return NVML_SUCCESS;
+}
+
+#define DEV_BEGIN(h)                                   \
+    struct fake_dev *d;                                \
+    do {                                               \
+        nvmlReturn_t r_ = dev_begin((h), &d);          \
+        if (r_ != NVML_SUCCESS)                        \
+            return r_;                                 \
+    } while (0)
+
+#define REQUIRE(cond)                                  \
+    do {                                               \
+        if (!(cond))                                   \
+            return done(NVML_ERROR_INVALID_ARGUMENT);  \
+    } while (0)
+
+#define SUPPORTED(bit)                                 \
+    do {                                               \
+        if (d->unsupported & (bit))                    \
+            return done(NVML_ERROR_NOT_SUPPORTED);     \
+    } while (0)
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    DEV_BEGIN(device);
+    REQUIRE(index);
+    *index = (unsigned)index_of((int)(d - g_devs));
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    DEV_BEGIN(device);
+    return done(put_str(uuid, length, d->uuid));
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    DEV_BEGIN(device);
+    SUPPORTED(U_NAME);
+    return done(put_str(name, length, d->name));
+}
+
+nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length)
+{
+    DEV_BEGIN(device);
+    SUPPORTED(U_SERIAL);
+    return done(put_str(serial, length, d->serial));
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    DEV_BEGIN(device);
+    REQUIRE(minorNumber);
+    SUPPORTED(U_MINOR);
+    *minorNumber = d->minor;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, int *type)
+{
+    DEV_BEGIN(device);
+    REQUIRE(type);
+    *type = NVML_BRAND_NVIDIA;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch)
+{
+    DEV_BEGIN(device);
+    REQUIRE(arch);
+    switch (d->cc_major) {
+    case 3: *arch = 2; break;                                /* Kepler */
+    case 5: *arch = 3; break;                                /* Maxwell */
+    case 6: *arch = 4; break;                                /* Pascal */
+    case 7: *arch = d->cc_minor >= 5 ? 6 : 5; break;         /* Turing / Volta */
+    case 8: *arch = d->cc_minor == 9 ? 8 : 7; break;         /* Ada / Ampere */
+    case 9: *arch = 9; break;                                /* Hopper */
+    case 10: case 12: *arch = 10; break;                     /* Blackwell */
+    default: *arch = 0xFFFFFFFFu; break;
+    }
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode)
+{
+    DEV_BEGIN(device);
+    REQUIRE(mode);
+    SUPPORTED(U_PERSISTENCE);
+    *mode = NVML_FEATURE_ENABLED;   /* what a managed server node runs with */
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode)
+{
+    DEV_BEGIN(device);
+    REQUIRE(mode);
+    *mode = 0;   /* NVML_COMPUTEMODE_DEFAULT */
+    return done(NVML_SUCCESS);
+}
+
+static void fill_pci(const struct fake_dev *d, nvmlPciInfo_t *p)
+{
+    memset(p, 0, sizeof *p);
+    snprintf(p->busIdLegacy, sizeof p->busIdLegacy, "%04X:%02X:%02X.%X", d->domain & 0xFFFF, d->bus,
+             d->devno, d->func);
+    snprintf(p->busId, sizeof p->busId, "%08X:%02X:%02X.%X", d->domain, d->bus, d->devno, d->func);
+    p->domain = d->domain;
+    p->bus = d->bus;
+    p->device = d->devno;
+    p->pciDeviceId = d->pci_device_id;
+    p->pciSubSystemId = d->pci_subsystem_id;
+}
+
+/* The legacy struct's 16-byte busId only has room for the 4-digit domain form. */
+static void fill_pci_legacy(const nvmlPciInfo_t *src, nvmlPciInfoLegacy_t *p)
+{
+    memcpy(p->busId, src->busIdLegacy, sizeof p->busId);
+    p->domain = src->domain;
+    p->bus = src->bus;
+    p->device = src->device;
+    p->pciDeviceId = src->pciDeviceId;
+    p->pciSubSystemId = src->pciSubSystemId;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    DEV_BEGIN(device);
+    REQUIRE(pci);
+    fill_pci(d, pci);
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
+{
+    nvmlPciInfo_t full;
+    DEV_BEGIN(device);
+    REQUIRE(pci);
+    fill_pci(d, &full);
+    fill_pci_legacy(&full, pci);
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v2(device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    DEV_BEGIN(device);
+    REQUIRE(memory);
+    SUPPORTED(U_MEMORY);
+    memory->total = d->memory_mib << 20;
+    memory->used = 0;
+    memory->free = memory->total;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    DEV_BEGIN(device);
+    REQUIRE(memory);
+    SUPPORTED(U_MEMORY);
+    if (memory->version != NVML_MEMORY_V2)
+        return done(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    memory->total = d->memory_mib << 20;
+    memory->reserved = 0;
+    memory->used = 0;
+    memory->free = memory->total;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    DEV_BEGIN(device);
+    REQUIRE(major && minor);
+    SUPPORTED(U_CC);
+    *major = d->cc_major;
+    *minor = d->cc_minor;
+    return done(NVML_SUCCESS);
+}
+
+/* Real NVML declares unsigned int *; -1 (no NUMA affinity) reads back as -1 through pynvml's c_int. */
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, int *node)
+{
+    DEV_BEGIN(device);
+    REQUIRE(node);
+    SUPPORTED(U_NUMA);
+    *node = d->numa;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
+{
+    DEV_BEGIN(device);
+    REQUIRE(currentMode && pendingMode);
+    SUPPORTED(U_MIG);
+    *currentMode = *pendingMode = 0;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    DEV_BEGIN(device);
+    REQUIRE(count);
+    *count = 0;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    DEV_BEGIN(device);
+    REQUIRE(isMigDevice);
+    *isMigDevice = 0;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig)
+{
+    DEV_BEGIN(device);
+    (void)index;
+    (void)mig;
+    return done(NVML_ERROR_INVALID_ARGUMENT);   /* MIG is never enabled here */
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2, int *level)
+{
+    int s2;
+    DEV_BEGIN(device1);
+    REQUIRE(level);
+    s2 = slot_of(device2);
+    REQUIRE(s2 >= 0 && s2 < g_nslots && g_devs[s2].ever_visible);
+    if (g_devs[s2].lost || g_devs[s2].removed || !g_devs[s2].visible)
+        return done(NVML_ERROR_GPU_IS_LOST);
+    if ((d->unsupported | g_devs[s2].unsupported) & U_TOPOLOGY)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    *level = d == &g_devs[s2] ? NVML_TOPOLOGY_INTERNAL : g_pcie[d - g_devs][s2];
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex, int *status)
+{
+    int s1, s2;
+    DEV_BEGIN(device1);
+    REQUIRE(status && p2pIndex >= 0 && p2pIndex <= 4);
+    s2 = slot_of(device2);
+    REQUIRE(s2 >= 0 && s2 < g_nslots && g_devs[s2].ever_visible);
+    if (g_devs[s2].lost || g_devs[s2].removed || !g_devs[s2].visible)
+        return done(NVML_ERROR_GPU_IS_LOST);
+    if ((d->unsupported | g_devs[s2].unsupported) & U_TOPOLOGY)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    s1 = (int)(d - g_devs);
+    if (p2pIndex == NVML_P2P_CAPS_INDEX_NVLINK)
+        *status = g_nvlink[s1][s2] ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
+    else   /* PCIe peer-to-peer does not cross the CPU interconnect */
+        *status = g_nvlink[s1][s2] || g_pcie[s1][s2] < NVML_TOPOLOGY_SYSTEM
+                      ? NVML_P2P_STATUS_OK
+                      : NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED;
+    return done(NVML_SUCCESS);
+}
+
+/*
+ * NVLink wiring derived from the link lines (over the currently enumerated
+ * peers).  If a GPU's links to its peers add up to at most NVLINK_MAX they are
+ * direct: its link indices go to the peers in index order.  Otherwise the
+ * peers must be reached through a switch fabric (NVSwitch): the GPU has as
+ * many links as its largest peer count and each reports an NVSwitch as the
+ * remote end.  Returns the active link count; *peer_slot gets the remote GPU
+ * slot for `link` or -1 for a switch (or when the link is inactive).
+ */
+static int nvlink_route(int slot, unsigned link, int *peer_slot)
+{
+    int i, total = 0, maxn = 0, acc = 0;
+    *peer_slot = -1;
+    for (i = 0; i < g_count; i++) {
+        int p = g_order[i];
+        if (p == slot)
+            continue;
+        total += g_nvlink[slot][p];
+        if (g_nvlink[slot][p] > maxn)
+            maxn = g_nvlink[slot][p];
+    }
+    if (total > NVLINK_MAX)
+        return maxn;
+    for (i = 0; i < g_count; i++) {
+        int p = g_order[i];
+        if (p == slot)
+            continue;
+        acc += g_nvlink[slot][p];
+        if (link < (unsigned)acc) {
+            *peer_slot = p;
+            break;
+        }
+    }
+    return total;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *isActive)
+{
+    int peer;
+    DEV_BEGIN(device);
+    REQUIRE(isActive);
+    SUPPORTED(U_NVLINK);
+    REQUIRE(link < NVLINK_MAX);
+    *isActive = link < (unsigned)nvlink_route((int)(d - g_devs), link, &peer) ? NVML_FEATURE_ENABLED
+                                                                             : NVML_FEATURE_DISABLED;
+    return done(NVML_SUCCESS);
+}
+
+/* Shared checks for the per-link queries; inactive links report NOT_SUPPORTED. */
+static nvmlReturn_t link_remote(struct fake_dev *d, unsigned link, int *peer)
+{
+    if (d->unsupported & U_NVLINK)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (link >= NVLINK_MAX)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (link >= (unsigned)nvlink_route((int)(d - g_devs), link, peer))
+        return NVML_ERROR_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t device, unsigned int link, unsigned int *version)
+{
+    int peer;
+    nvmlReturn_t rc;
+    DEV_BEGIN(device);
+    REQUIRE(version);
+    if ((rc = link_remote(d, link, &peer)))
+        return done(rc);
+    /* NVML_NVLINK_VERSION_*: 3.0 (Ampere) = 4, 4.0 (Hopper) = 6, 5.0 (Blackwell) = 7 */
+    *version = d->cc_major >= 10 ? 7 : d->cc_major == 9 ? 6 : d->cc_major == 8 ? 4 : 3;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link, int *type)
+{
+    int peer;
+    nvmlReturn_t rc;
+    DEV_BEGIN(device);
+    REQUIRE(type);
+    if ((rc = link_remote(d, link, &peer)))
+        return done(rc);
+    *type = peer >= 0 ? NVML_NVLINK_DEVICE_TYPE_GPU : NVML_NVLINK_DEVICE_TYPE_SWITCH;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    int peer;
+    nvmlReturn_t rc;
+    DEV_BEGIN(device);
+    REQUIRE(pci);
+    if ((rc = link_remote(d, link, &peer)))
+        return done(rc);
+    if (peer >= 0) {
+        fill_pci(&g_devs[peer], pci);
+    } else {
+        /* Four made-up NVSwitch chips, links spread over them as on a DGX H100 (5/4/4/5). */
+        struct fake_dev sw;
+        memset(&sw, 0, sizeof sw);
+        sw.bus = 0x05 + link * 4 / NVLINK_MAX;
+        sw.pci_device_id = 0x22A310DE;
+        sw.pci_subsystem_id = 0x179610DE;
+        fill_pci(&sw, pci);
+    }
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link, nvmlPciInfoLegacy_t *pci)
+{
+    nvmlPciInfo_t full;
+    nvmlReturn_t rc;
+    if (!pci)
+        return nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, NULL);
+    rc = nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, &full);
+    if (rc == NVML_SUCCESS)
+        fill_pci_legacy(&full, pci);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending)
+{
+    DEV_BEGIN(device);
+    REQUIRE(isPending);
+    SUPPORTED(U_RETIRED_PAGES);
+    *isPending = d->pending_pages ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                       unsigned int *isPending, unsigned int *failureOccurred)
+{
+    DEV_BEGIN(device);
+    REQUIRE(corrRows && uncRows && isPending && failureOccurred);
+    SUPPORTED(U_REMAPPED_ROWS);
+    *corrRows = d->corr_rows;
+    *uncRows = d->unc_rows;
+    *isPending = d->remap_pending;
+    *failureOccurred = d->remap_failure;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
+{
+    struct timespec ts;
+    long long now;
+    int i;
+    DEV_BEGIN(device);
+    REQUIRE(valuesCount >= 0 && (values || valuesCount == 0));
+    clock_gettime(CLOCK_REALTIME, &ts);
+    now = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+    for (i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = now;
+        v->latencyUsec = 0;
+        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !(d->unsupported & U_RECOVERY_ACTION)) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_SUCCESS;
+            memset(&v->value, 0, sizeof v->value);
+            v->value.uiVal = d->recovery_action;
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return done(NVML_SUCCESS);
+}
+
+/* ---- exported: events ----------------------------------------------------------- */
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    DEV_BEGIN(device);
+    REQUIRE(eventTypes);
+    SUPPORTED(U_EVENTS);
+    *eventTypes = d->events;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    pthread_condattr_t ca;
+    struct fake_evset *s;
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    REQUIRE(set);
+    s = calloc(1, sizeof *s);
+    if (!s)
+        return done(20);   /* NVML_ERROR_MEMORY */
+    /* Monotonic waits: a wall-clock jump must not stretch or cut a timeout. */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    s->next = g_sets;
+    g_sets = s;
+    *set = s;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
+{
+    DEV_BEGIN(device);
+    REQUIRE(set_valid(set));
+    SUPPORTED(U_EVENTS);
+    if (eventTypes & ~d->events)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    set->reg[d - g_devs] |= eventTypes;
+    return done(NVML_SUCCESS);
+}
+
+static void set_release(struct fake_evset *s)
+{
+    pthread_cond_destroy(&s->cond);
+    free(s);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    struct fake_evset **pp;
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    for (pp = &g_sets; *pp && *pp != set; pp = &(*pp)->next)
+        ;
+    REQUIRE(*pp);
+    *pp = set->next;
+    if (set->waiters) {   /* a blocked waiter still uses it: it frees it on the way out */
+        set->dead = 1;
+        pthread_cond_broadcast(&set->cond);
+    } else {
+        set_release(set);
+    }
+    return done(NVML_SUCCESS);
+}
+
+static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms, int v2)
+{
+    struct timespec deadline;
+    unsigned long cycle;
+    nvmlReturn_t rc;
+    rc = sys_begin();
+    if (rc)
+        return rc;
+    REQUIRE(data && set_valid(set));
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += timeoutms / 1000;
+    deadline.tv_nsec += (long)(timeoutms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
+    }
+    cycle = g_cycle;
+    set->waiters++;
+    while (set->count == 0 && !set->dead && cycle == g_cycle && timeoutms) {
+        if (pthread_cond_timedwait(&set->cond, &g_lock, &deadline) == ETIMEDOUT)
+            break;
+    }
+    set->waiters--;
+    if (set->dead) {
+        if (!set->waiters)
+            set_release(set);
+        return done(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (cycle != g_cycle)   /* NVML was shut down underneath the waiter */
+        return done(NVML_ERROR_UNINITIALIZED);
+    if (set->count == 0)
+        return done(NVML_ERROR_TIMEOUT);
+    {
+        struct ev *e = &set->q[set->head];
+        set->head = (set->head + 1) % QCAP;
+        set->count--;
+        data->device = &g_devs[e->slot];
+        data->eventType = e->type;
+        data->eventData = e->data;
+        if (v2) {   /* the pre-v2 struct ends after eventData */
+            data->gpuInstanceId = e->gi;
+            data->computeInstanceId = e->ci;
+        }
+    }
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return event_wait(set, data, timeoutms, 1);
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return event_wait(set, data, timeoutms, 0);
+}

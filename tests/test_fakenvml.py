@@ -1,0 +1,695 @@
+"""The fake libnvidia-ml.so.1, exercised through the real pynvml binding.
+
+Each test runs a short child Python process whose environment (from
+fakenvml.environ) makes pynvml load the fake.  Child bodies fill the dict
+`out`, which comes back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nvplug.testing import fakenvml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Shared by every child: `code(fn, ...)` turns a pynvml call into its nvmlReturn_t,
+# `ctl_error(fn, ...)` returns a ControlError's text, CTL controls this very process.
+PRELUDE = """
+import ctypes, json, sys, threading, time
+from pathlib import Path
+import pynvml as N
+from nvplug.testing.fakenvml import Control, ControlError
+CTL = Control(Path(sys.argv[1]))
+def code(fn, *args):
+    try:
+        fn(*args)
+    except N.NVMLError as e:
+        return e.value
+    return 0
+def ctl_error(fn, *args):
+    try:
+        fn(*args)
+    except ControlError as e:
+        return str(e)
+    return None
+def txt(v):
+    return v.decode() if isinstance(v, bytes) else v
+def addr(p):
+    return ctypes.cast(p, ctypes.c_void_p).value
+out = {}
+"""
+EPILOGUE = "\nprint(json.dumps(out))\n"
+
+
+def _scenario_gpus() -> list[dict[str, str]]:
+    """The gpu lines of default.scenario, as key/value dicts."""
+    gpus = []
+    for line in fakenvml.DEFAULT_SCENARIO.read_text().splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[0] == "gpu":
+            gpus.append(dict(w.split("=", 1) for w in words[1:]))
+    return gpus
+
+
+GPUS = _scenario_gpus()
+
+
+class Rig:
+    """Runs child interpreters against the fake library with a private control socket."""
+
+    def __init__(self, lib_dir: Path, root: Path) -> None:
+        self.lib_dir = lib_dir
+        self.root = root
+        self.ctl = root / "ctl"
+
+    def scenario(self, text: str) -> Path:
+        path = self.root / "test.scenario"
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    def env(self, scenario: Path | None) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)
+        env = fakenvml.environ(self.lib_dir, scenario or fakenvml.DEFAULT_SCENARIO, self.ctl, base)
+        if scenario is None and "builtin" in self.root.name:
+            del env["FAKE_NVML_SCENARIO"]
+        return env
+
+    def argv(self, body: str) -> list[str]:
+        return [sys.executable, "-c", PRELUDE + textwrap.dedent(body) + EPILOGUE, str(self.ctl)]
+
+    def run(self, body: str, scenario: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+        proc = subprocess.run(
+            self.argv(body), env=env or self.env(scenario), capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+        result["_stderr"] = proc.stderr
+        return result
+
+
+@pytest.fixture(scope="session")
+def fake_lib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fakenvml.build(tmp_path_factory.mktemp("fakenvml-lib")).parent
+
+
+@pytest.fixture
+def rig(fake_lib_dir: Path) -> Iterator[Rig]:
+    # Short root: the control socket path must fit sun_path (108 bytes).
+    root = Path(tempfile.mkdtemp(prefix="fnv-", dir="/tmp"))
+    yield Rig(fake_lib_dir, root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the Python helper ----------------------------------------------------------
+
+
+def test_build_is_cached_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    lib = fakenvml.build(tmp_path / "lib")
+    assert lib == tmp_path / "lib" / "libnvidia-ml.so.1"
+    first = lib.stat()
+    assert fakenvml.build(tmp_path / "lib") == lib
+    assert (lib.stat().st_ino, lib.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    assert sorted(p.name for p in lib.parent.iterdir()) == ["libnvidia-ml.so.1", "libnvidia-ml.so.1.sha256"]
+
+
+def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path, fake_lib_dir: Path) -> None:
+    dest = tmp_path / "lib"
+    dest.mkdir()
+    shutil.copy(fake_lib_dir / "libnvidia-ml.so.1", dest)
+    bad_cc = tmp_path / "bad-cc"
+    bad_cc.write_text("#!/bin/sh\necho 'fakenvml.c:1: error: boom' >&2\nexit 1\n")
+    bad_cc.chmod(0o755)
+    with pytest.raises(fakenvml.FakeNvmlBuildError) as info:
+        fakenvml.build(dest, cc=str(bad_cc))
+    assert "boom" in info.value.stderr
+    with pytest.raises(fakenvml.FakeNvmlBuildError):
+        fakenvml.build(dest, cc=str(tmp_path / "no-such-cc"))
+    assert (dest / "libnvidia-ml.so.1").read_bytes() == (fake_lib_dir / "libnvidia-ml.so.1").read_bytes()
+    assert sorted(p.name for p in dest.iterdir()) == ["libnvidia-ml.so.1"]
+
+
+def test_environ_puts_lib_dir_first() -> None:
+    env = fakenvml.environ(Path("/x/lib"), Path("/s"), Path("/c"), {"LD_LIBRARY_PATH": "/old", "A": "1"})
+    assert env == {
+        "LD_LIBRARY_PATH": "/x/lib:/old",
+        "FAKE_NVML_SCENARIO": "/s",
+        "FAKE_NVML_CONTROL": "/c",
+        "A": "1",
+    }
+    assert fakenvml.environ(Path("/x"), Path("/s"), Path("/c"), {})["LD_LIBRARY_PATH"] == "/x"
+
+
+def test_control_times_out_without_a_server(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        fakenvml.Control(tmp_path / "nobody").send("ping", timeout=0.2)
+    assert time.monotonic() - start < 2
+
+
+# ---- init, inventory, argument checks --------------------------------------------
+
+
+def test_init_shutdown_refcount(rig: Rig) -> None:
+    out = rig.run(
+        """
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        out["maps"] = [l.split()[-1] for l in open("/proc/self/maps") if "libnvidia-ml" in l][:1]
+        c = ctypes.c_uint()
+        out["count_before"] = lib.nvmlDeviceGetCount_v2(ctypes.byref(c))
+        out["driver_before"] = lib.nvmlSystemGetDriverVersion(ctypes.create_string_buffer(80), 80)
+        out["shutdown_before"] = lib.nvmlShutdown()
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        out["init_v2"] = lib.nvmlInit_v2()
+        out["init_flags"] = lib.nvmlInitWithFlags(0)
+        lib.nvmlShutdown(); lib.nvmlShutdown()
+        out["count_nested"] = N.nvmlDeviceGetCount()
+        N.nvmlShutdown()
+        out["count_after"] = code(N.nvmlDeviceGetCount)
+        out["handle_after"] = code(N.nvmlDeviceGetUUID, h)
+        out["shutdown_extra"] = code(N.nvmlShutdown)
+        N.nvmlInit()
+        out["reinit_uuid"] = N.nvmlDeviceGetUUID(h)
+        out["error_string"] = [N.nvmlErrorString(v) for v in (0, 1, 15, 999)]
+        """
+    )
+    assert out["maps"] == [str(rig.lib_dir / "libnvidia-ml.so.1")]
+    assert out["count_before"] == out["driver_before"] == out["shutdown_before"] == 1
+    assert out["init_v2"] == out["init_flags"] == 0
+    assert out["count_nested"] == 8
+    assert out["count_after"] == out["handle_after"] == out["shutdown_extra"] == 1
+    assert out["reinit_uuid"] == GPUS[0]["uuid"]  # handles stay valid across init cycles
+    assert out["error_string"] == ["Success", "Uninitialized", "GPU is lost", "Unknown Error"]
+
+
+def test_inventory_of_default_scenario(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        out["versions"] = [N.nvmlSystemGetDriverVersion(), N.nvmlSystemGetNVMLVersion(),
+                           N.nvmlSystemGetCudaDriverVersion(), N.nvmlSystemGetCudaDriverVersion_v2()]
+        out["gpus"] = []
+        for i in range(N.nvmlDeviceGetCount()):
+            h = N.nvmlDeviceGetHandleByIndex(i)
+            p = N.nvmlDeviceGetPciInfo(h)
+            m = N.nvmlDeviceGetMemoryInfo(h)
+            m2 = N.nvmlDeviceGetMemoryInfo(h, version=N.nvmlMemory_v2)
+            out["gpus"].append(dict(
+                index=N.nvmlDeviceGetIndex(h), uuid=N.nvmlDeviceGetUUID(h), name=N.nvmlDeviceGetName(h),
+                serial=N.nvmlDeviceGetSerial(h), minor=N.nvmlDeviceGetMinorNumber(h),
+                busId=txt(p.busId), busIdLegacy=txt(p.busIdLegacy),
+                pci=[p.domain, p.bus, p.device, p.pciDeviceId],
+                memory=[m.total, m.free, m.used], memory_v2=[m2.total, m2.free],
+                cc=list(N.nvmlDeviceGetCudaComputeCapability(h)), numa=N.nvmlDeviceGetNumaNodeId(h),
+                mig=N.nvmlDeviceGetMigMode(h), max_mig=N.nvmlDeviceGetMaxMigDeviceCount(h),
+                is_mig=N.nvmlDeviceIsMigDeviceHandle(h).value, persistence=N.nvmlDeviceGetPersistenceMode(h),
+                arch=N.nvmlDeviceGetArchitecture(h), brand=N.nvmlDeviceGetBrand(h),
+                by_uuid=addr(N.nvmlDeviceGetHandleByUUID(N.nvmlDeviceGetUUID(h))) == addr(h),
+                by_bus=addr(N.nvmlDeviceGetHandleByPciBusId(txt(p.busId))) == addr(h),
+                by_legacy_bus=addr(N.nvmlDeviceGetHandleByPciBusId(txt(p.busIdLegacy).lower())) == addr(h),
+            ))
+        lib = N.nvmlLib
+        legacy = N.nvmlPciInfo_v2_t()
+        out["pci_v2"] = [lib.nvmlDeviceGetPciInfo_v2(N.nvmlDeviceGetHandleByIndex(0), ctypes.byref(legacy)),
+                         txt(legacy.busId), legacy.pciSubSystemId]
+        out["bad_index"] = code(N.nvmlDeviceGetHandleByIndex, 8)
+        out["bad_uuid"] = code(N.nvmlDeviceGetHandleByUUID, "GPU-00000000-0000-0000-0000-000000000000")
+        out["bad_bus"] = code(N.nvmlDeviceGetHandleByPciBusId, "0000:01:00.0")
+        out["junk_bus"] = code(N.nvmlDeviceGetHandleByPciBusId, "not-a-bus-id")
+        out["mem_v2_bad_version"] = code(N.nvmlDeviceGetMemoryInfo, N.nvmlDeviceGetHandleByIndex(0), 1)
+        """
+    )
+    assert out["versions"] == ["550.54.15", "12.550.54.15", 12040, 12040]
+    gpus = out["gpus"]
+    assert len(gpus) == 8
+    for i, (got, want) in enumerate(zip(gpus, GPUS, strict=True)):
+        bus = int(want["bus"].split(":")[1], 16)
+        assert got["index"] == got["minor"] == i
+        assert got["uuid"] == want["uuid"]
+        assert got["name"] == "NVIDIA H100 80GB HBM3"
+        assert got["serial"] == want["serial"]
+        assert got["busIdLegacy"] == want["bus"]
+        assert got["busId"] == "0000" + want["bus"]
+        assert got["pci"] == [0, bus, 0, 0x233010DE]
+        assert got["memory"] == [81559 << 20, 81559 << 20, 0]
+        assert got["memory_v2"] == [81559 << 20, 81559 << 20]
+        assert got["cc"] == [9, 0]
+        assert got["numa"] == (0 if i < 4 else 1)
+        assert got["mig"] == [0, 0] and got["max_mig"] == 0 and got["is_mig"] == 0
+        assert (got["persistence"], got["arch"], got["brand"]) == (1, 9, 14)
+        assert got["by_uuid"] and got["by_bus"] and got["by_legacy_bus"]
+    assert len({g["uuid"] for g in gpus}) == 8
+    assert out["pci_v2"] == [0, "0000:18:00.0", 0x16C110DE]
+    assert out["bad_index"] == 2
+    assert out["bad_uuid"] == out["bad_bus"] == 6
+    assert out["junk_bus"] == 2
+    assert out["mem_v2_bad_version"] == 25
+
+
+def test_short_buffers_and_bad_arguments(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        lib = N.nvmlLib
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        uuid = N.nvmlDeviceGetUUID(h)
+        buf = ctypes.create_string_buffer(128)
+        out["uuid"] = [lib.nvmlDeviceGetUUID(h, buf, 10), lib.nvmlDeviceGetUUID(h, buf, len(uuid)),
+                       lib.nvmlDeviceGetUUID(h, buf, len(uuid) + 1), txt(buf.value) == uuid]
+        out["name"] = lib.nvmlDeviceGetName(h, buf, 5)
+        out["serial"] = lib.nvmlDeviceGetSerial(h, buf, 4)
+        out["driver"] = lib.nvmlSystemGetDriverVersion(buf, 3)
+        out["nvml"] = lib.nvmlSystemGetNVMLVersion(buf, 3)
+        out["null_buf"] = lib.nvmlDeviceGetUUID(h, None, 128)
+        out["null_count"] = lib.nvmlDeviceGetCount_v2(None)
+        out["null_handle_out"] = lib.nvmlDeviceGetHandleByIndex_v2(0, None)
+        out["null_minor"] = lib.nvmlDeviceGetMinorNumber(h, None)
+        out["foreign_handle"] = lib.nvmlDeviceGetUUID(ctypes.c_void_p(0x1000), buf, 128)
+        out["null_handle"] = lib.nvmlDeviceGetUUID(None, buf, 128)
+        """
+    )
+    assert out["uuid"] == [7, 7, 0, True]
+    assert out["name"] == out["serial"] == out["driver"] == out["nvml"] == 7
+    assert out["null_buf"] == out["null_count"] == out["null_handle_out"] == out["null_minor"] == 2
+    assert out["foreign_handle"] == out["null_handle"] == 2
+
+
+def test_builtin_single_gpu_without_scenario(rig: Rig) -> None:
+    env = rig.env(None)
+    del env["FAKE_NVML_SCENARIO"]
+    out = rig.run('N.nvmlInit(); out["n"] = N.nvmlDeviceGetCount()', env=env)
+    assert out["n"] == 1
+
+
+# ---- topology ----------------------------------------------------------------------
+
+
+def test_topology_and_nvswitch_links(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(8)]
+        out["levels"] = [[N.nvmlDeviceGetTopologyCommonAncestor(a, b) for b in h] for a in h]
+        out["links"] = [N.nvmlDeviceGetNvLinkState(h[0], l) for l in range(18)]
+        out["link18"] = code(N.nvmlDeviceGetNvLinkState, h[0], 18)
+        r = N.nvmlDeviceGetNvLinkRemotePciInfo(h[0], 0)
+        out["remote"] = [N.nvmlDeviceGetNvLinkRemoteDeviceType(h[0], 0), r.pciDeviceId]
+        out["version"] = N.nvmlDeviceGetNvLinkVersion(h[0], 17)
+        out["p2p"] = [N.nvmlDeviceGetP2PStatus(h[0], h[7], N.NVML_P2P_CAPS_INDEX_NVLINK),
+                      N.nvmlDeviceGetP2PStatus(h[0], h[7], 0)]  # 0: NVML_P2P_CAPS_INDEX_READ (a tuple in pynvml)
+        """
+    )
+    single = {(0, 1), (2, 3), (4, 5), (6, 7)}
+    for a in range(8):
+        for b in range(8):
+            if a == b:
+                want = 0  # INTERNAL
+            elif {a // 4} != {b // 4}:
+                want = 50  # SYSTEM
+            elif (min(a, b), max(a, b)) in single:
+                want = 10  # SINGLE
+            else:
+                want = 40  # NODE
+            assert out["levels"][a][b] == want, (a, b)
+    assert out["links"] == [1] * 18
+    assert out["link18"] == 2
+    assert out["remote"] == [2, 0x22A310DE]  # an NVSwitch
+    assert out["version"] == 6  # NVLink 4.0 (Hopper)
+    assert out["p2p"] == [0, 0]
+
+
+def test_direct_nvlinks_and_unsupported_nvlink(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1
+        gpu uuid=GPU-c bus=0000:03:00.0 minor=2
+        gpu uuid=GPU-d bus=0000:04:00.0 minor=3 unsupported=nvlink
+        link 0 1 nvlink=4 pcie=HOSTBRIDGE
+        link 0 2 nvlink=2 pcie=MULTIPLE
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+        out["states0"] = [N.nvmlDeviceGetNvLinkState(h[0], l) for l in range(18)]
+        out["remote0"] = [txt(N.nvmlDeviceGetNvLinkRemotePciInfo(h[0], l).busId) for l in range(6)]
+        out["types0"] = [N.nvmlDeviceGetNvLinkRemoteDeviceType(h[0], l) for l in range(6)]
+        out["remote0_inactive"] = code(N.nvmlDeviceGetNvLinkRemotePciInfo, h[0], 6)
+        out["remote2"] = [txt(N.nvmlDeviceGetNvLinkRemotePciInfo(h[2], l).busId) for l in range(2)]
+        out["states1"] = sum(N.nvmlDeviceGetNvLinkState(h[1], l) for l in range(18))
+        out["levels"] = [N.nvmlDeviceGetTopologyCommonAncestor(h[0], h[i]) for i in (1, 2, 3)]
+        out["d_state"] = code(N.nvmlDeviceGetNvLinkState, h[3], 0)
+        out["p2p_nvlink"] = N.nvmlDeviceGetP2PStatus(h[1], h[2], N.NVML_P2P_CAPS_INDEX_NVLINK)
+        out["p2p_read"] = N.nvmlDeviceGetP2PStatus(h[0], h[3], 0)  # READ
+        """,
+        scenario,
+    )
+    assert out["states0"] == [1] * 6 + [0] * 12
+    assert out["remote0"] == ["00000000:02:00.0"] * 4 + ["00000000:03:00.0"] * 2
+    assert out["types0"] == [0] * 6
+    assert out["remote0_inactive"] == 3
+    assert out["remote2"] == ["00000000:01:00.0"] * 2
+    assert out["states1"] == 4
+    assert out["levels"] == [30, 20, 50]
+    assert out["d_state"] == 3
+    assert out["p2p_nvlink"] == 5  # NOT_SUPPORTED: no NVLink between 1 and 2
+    assert out["p2p_read"] == 3  # IOH_TOPOLOGY_NOT_SUPPORTED across the CPU interconnect
+
+
+# ---- events ------------------------------------------------------------------------
+
+
+def test_event_wait_times_out_and_delivers_injected_events(rig: Rig) -> None:
+    out = rig.run(
+        f"""
+        N.nvmlInit()
+        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(8)]
+        s = N.nvmlEventSetCreate()
+        out["supported"] = N.nvmlDeviceGetSupportedEventTypes(h[0])
+        N.nvmlDeviceRegisterEvents(h[0], N.nvmlEventTypeXidCriticalError | N.nvmlEventTypeDoubleBitEccError, s)
+        N.nvmlDeviceRegisterEvents(h[3], N.nvmlEventTypeXidCriticalError, s)
+        out["register_pstate"] = code(N.nvmlDeviceRegisterEvents, h[0], N.nvmlEventTypePState, s)
+        t = time.monotonic()
+        out["timeout"] = code(N.nvmlEventSetWait_v2, s, 100)
+        out["timeout_s"] = time.monotonic() - t
+
+        # A blocked waiter must wake as soon as the event is injected.
+        sent = {{}}
+        def inject():
+            time.sleep(0.2)
+            sent["t"] = time.monotonic()
+            sent["reply"] = CTL.xid(0, 79)
+        th = threading.Thread(target=inject)
+        th.start()
+        e = N.nvmlEventSetWait_v2(s, 10000)
+        woke = time.monotonic()
+        th.join()
+        out["latency_s"] = woke - sent["t"]
+        out["reply"] = sent["reply"]
+        out["xid"] = [N.nvmlDeviceGetIndex(e.device), e.eventType, e.eventData, e.gpuInstanceId,
+                      e.computeInstanceId]
+
+        out["queued"] = [CTL.xid("{GPUS[3]["uuid"]}", 48, 1, 2), CTL.ecc(0, "dbe"), CTL.ecc(0, "sbe"),
+                         CTL.xid(1, 13), CTL.event(0, 0x8, 94)]
+        got = []
+        for _ in range(3):
+            e = N.nvmlEventSetWait_v2(s, 1000)
+            got.append([N.nvmlDeviceGetIndex(e.device), e.eventType, e.eventData, e.gpuInstanceId,
+                        e.computeInstanceId])
+        out["fifo"] = got
+        out["drained"] = code(N.nvmlEventSetWait_v2, s, 0)
+
+        # The legacy entry point fills the three-field struct only.
+        CTL.xid(0, 31, 5, 6)
+        d = N.c_nvmlEventData_t()
+        d.gpuInstanceId = 77
+        out["v1"] = [N.nvmlLib.nvmlEventSetWait(s, ctypes.byref(d), 1000), d.eventType, d.eventData,
+                     d.gpuInstanceId]
+
+        # A full queue drops the oldest events (one raw client socket: Control.send is slower).
+        import socket, tempfile
+        with tempfile.TemporaryDirectory() as d, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as c:
+            c.bind(d + "/c")
+            for i in range(4096 + 3):
+                c.sendto(b"xid 0 %d" % i, sys.argv[1])
+                assert c.recv(100) == b"ok queued=1"
+        out["state"] = CTL.state()
+        e = N.nvmlEventSetWait_v2(s, 0)
+        out["oldest_kept"] = e.eventData
+        N.nvmlEventSetFree(s)
+        out["free_again"] = code(N.nvmlEventSetFree, s)
+        """
+    )
+    assert out["supported"] == 0xE00B
+    assert out["register_pstate"] == 3
+    assert out["timeout"] == 10
+    assert 0.09 <= out["timeout_s"] < 1.0
+    assert out["reply"] == "ok queued=1"
+    assert out["xid"] == [0, 0x8, 79, 0xFFFFFFFF, 0xFFFFFFFF]
+    print(f"wake latency incl. control round trip: {out['latency_s'] * 1e3:.2f} ms")
+    assert out["latency_s"] < 0.25, out["latency_s"]  # includes a control round trip and the GIL
+    assert out["queued"] == ["ok queued=1", "ok queued=1", "ok queued=0", "ok queued=0", "ok queued=1"]
+    assert out["fifo"] == [[3, 8, 48, 1, 2], [0, 2, 0, 0xFFFFFFFF, 0xFFFFFFFF], [0, 8, 94, 0xFFFFFFFF, 0xFFFFFFFF]]
+    assert out["drained"] == 10
+    assert out["v1"] == [0, 8, 31, 77]
+    assert "dropped=3" in out["state"]
+    assert out["oldest_kept"] == 3
+    assert out["free_again"] == 2
+
+
+def test_events_injected_from_another_process(rig: Rig) -> None:
+    body = """
+        N.nvmlInit()
+        s = N.nvmlEventSetCreate()
+        for i in range(8):
+            N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(i), N.nvmlEventTypeXidCriticalError, s)
+        print("ready", flush=True)
+        e = N.nvmlEventSetWait_v2(s, 20000)
+        out["event"] = [N.nvmlDeviceGetUUID(e.device), e.eventType, e.eventData]
+        """
+    proc = subprocess.Popen(
+        rig.argv(body), env=rig.env(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        assert fakenvml.Control(rig.ctl).xid(GPUS[5]["uuid"], 79) == "ok queued=1"
+        stdout, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert json.loads(stdout.splitlines()[-1])["event"] == [GPUS[5]["uuid"], 8, 79]
+
+
+# ---- faults -------------------------------------------------------------------------
+
+
+def test_lost_gpu_and_restore(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(h1, N.nvmlEventTypeGpuUnavailableError, s)
+        out["lose"] = [CTL.lose(1), CTL.lose(1)]
+        e = N.nvmlEventSetWait_v2(s, 1000)
+        out["event"] = [addr(e.device) == addr(h1), e.eventType]
+        out["calls"] = [code(f, h1) for f in (N.nvmlDeviceGetUUID, N.nvmlDeviceGetName, N.nvmlDeviceGetMemoryInfo,
+                                              N.nvmlDeviceGetIndex, N.nvmlDeviceGetPciInfo)]
+        out["register"] = code(N.nvmlDeviceRegisterEvents, h1, N.nvmlEventTypeXidCriticalError, s)
+        out["topology"] = code(N.nvmlDeviceGetTopologyCommonAncestor, h0, h1)
+        out["other"] = N.nvmlDeviceGetUUID(h0)
+        out["count"] = N.nvmlDeviceGetCount()
+        out["relookup"] = code(N.nvmlDeviceGetUUID, N.nvmlDeviceGetHandleByIndex(1))
+        N.nvmlShutdown(); N.nvmlInit()
+        out["still_lost"] = code(N.nvmlDeviceGetUUID, h1)
+        out["restore"] = CTL.restore(1)
+        out["restored"] = N.nvmlDeviceGetUUID(h1)
+        """
+    )
+    assert out["lose"] == ["ok queued=1", "ok queued=0"]  # reported once
+    assert out["event"] == [True, 0x4000]
+    assert out["calls"] == [15] * 5
+    assert out["register"] == out["topology"] == 15
+    assert out["other"] == GPUS[0]["uuid"]
+    assert out["count"] == 8
+    assert out["relookup"] == 15
+    assert out["still_lost"] == 15
+    assert out["restore"] == "ok"
+    assert out["restored"] == GPUS[1]["uuid"]
+
+
+def test_remove_and_add_take_effect_at_next_real_init(rig: Rig) -> None:
+    out = rig.run(
+        f"""
+        N.nvmlInit()
+        h7 = N.nvmlDeviceGetHandleByIndex(7)
+        out["remove"] = CTL.remove(7)
+        out["removed_calls"] = code(N.nvmlDeviceGetUUID, h7)
+        out["count_now"] = N.nvmlDeviceGetCount()
+        N.nvmlInit(); N.nvmlShutdown()           # nested: not a real (0 -> 1) init
+        out["count_nested"] = N.nvmlDeviceGetCount()
+        N.nvmlShutdown(); N.nvmlInit()
+        out["count_after"] = N.nvmlDeviceGetCount()
+        out["lookup"] = code(N.nvmlDeviceGetHandleByUUID, "{GPUS[7]["uuid"]}")
+        out["stale"] = code(N.nvmlDeviceGetUUID, h7)
+
+        out["add"] = CTL.add('uuid=GPU-11111111-2222-3333-4444-555555555555 name="NVIDIA H100 80GB HBM3 Spare" '
+                             'minor=9 bus=0000:E1:00.0 numa=1')
+        out["dup"] = ctl_error(CTL.add, "uuid={GPUS[0]["uuid"]} minor=10 bus=0000:E2:00.0")
+        out["count_pending"] = N.nvmlDeviceGetCount()
+        N.nvmlShutdown(); N.nvmlInit()
+        out["count_added"] = N.nvmlDeviceGetCount()
+        h = N.nvmlDeviceGetHandleByIndex(7)
+        out["new"] = [N.nvmlDeviceGetUUID(h), N.nvmlDeviceGetName(h), N.nvmlDeviceGetMinorNumber(h),
+                      txt(N.nvmlDeviceGetPciInfo(h).busId), N.nvmlDeviceGetNumaNodeId(h)]
+        out["state"] = CTL.state()
+        """
+    )
+    assert out["remove"] == "ok queued=0"
+    assert out["removed_calls"] == 15
+    assert out["count_now"] == out["count_nested"] == 8
+    assert out["count_after"] == 7
+    assert out["lookup"] == 6
+    assert out["stale"] == 15
+    assert out["add"] == "ok pending GPU-11111111-2222-3333-4444-555555555555"
+    assert out["dup"].startswith("error: add: duplicate uuid")
+    assert out["count_pending"] == 7
+    assert out["count_added"] == 8
+    assert out["new"] == [
+        "GPU-11111111-2222-3333-4444-555555555555",
+        "NVIDIA H100 80GB HBM3 Spare",
+        9,
+        "00000000:E1:00.0",
+        1,
+    ]
+    assert "count=8" in out["state"] and "removed" in out["state"]
+
+
+def test_health_probes(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(2)
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(h, N.nvmlEventTypeGpuRecoveryAction, s)
+        fid = N.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+        def probe():
+            v = N.nvmlDeviceGetFieldValues(h, [fid, 1])
+            return [N.nvmlDeviceGetRetiredPagesPendingStatus(h), list(N.nvmlDeviceGetRemappedRows(h)),
+                    v[0].nvmlReturn, v[0].valueType, v[0].value.uiVal, v[1].nvmlReturn]
+        out["healthy"] = probe()
+        CTL.pending_pages(2, True)
+        CTL.send("remap 2 1 0 3 1")
+        out["action"] = CTL.recovery_action(2, 2)
+        e = N.nvmlEventSetWait_v2(s, 1000)
+        out["event"] = [e.eventType, e.eventData]
+        out["sick"] = probe()
+        CTL.restore(2)
+        out["restored"] = probe()
+        """
+    )
+    assert out["healthy"] == [0, [0, 0, 0, 0], 0, 1, 0, 3]
+    assert out["action"] == "ok queued=1"
+    assert out["event"] == [0x8000, 2]
+    assert out["sick"] == [1, [3, 1, 1, 0], 0, 1, 2, 3]
+    assert out["restored"] == [0, [3, 1, 0, 0], 0, 1, 0, 3]
+
+
+def test_unsupported_queries(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0 unsupported=numa,cc,memory,minor,serial,name,events,topology,\
+nvlink,retired_pages,remapped_rows,mig,persistence,recovery_action
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 events=0x8
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        s = N.nvmlEventSetCreate()
+        calls = [N.nvmlDeviceGetNumaNodeId, N.nvmlDeviceGetCudaComputeCapability, N.nvmlDeviceGetMemoryInfo,
+                 N.nvmlDeviceGetMinorNumber, N.nvmlDeviceGetSerial, N.nvmlDeviceGetName,
+                 N.nvmlDeviceGetSupportedEventTypes, N.nvmlDeviceGetRetiredPagesPendingStatus,
+                 N.nvmlDeviceGetRemappedRows, N.nvmlDeviceGetMigMode, N.nvmlDeviceGetPersistenceMode]
+        out["a"] = [code(f, a) for f in calls]
+        out["b"] = [code(f, b) for f in calls]
+        out["a_other"] = [code(N.nvmlDeviceRegisterEvents, a, 8, s),
+                          code(N.nvmlDeviceGetTopologyCommonAncestor, a, b),
+                          code(N.nvmlDeviceGetNvLinkState, a, 0),
+                          N.nvmlDeviceGetFieldValues(a, [N.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0].nvmlReturn,
+                          code(N.nvmlDeviceGetUUID, a)]
+        out["b_events"] = [N.nvmlDeviceGetSupportedEventTypes(b), code(N.nvmlDeviceRegisterEvents, b, 8, s),
+                           code(N.nvmlDeviceRegisterEvents, b, 8 | 2, s)]
+        """,
+        scenario,
+    )
+    assert out["a"] == [3] * 11
+    assert out["b"] == [0] * 11
+    assert out["a_other"] == [3, 3, 3, 3, 0]
+    assert out["b_events"] == [0x8, 0, 3]
+
+
+def test_init_error_from_scenario_and_control(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        init_error 9
+        gpu uuid=GPU-a
+        """
+    )
+    out = rig.run(
+        """
+        out["init"] = code(N.nvmlInit)
+        out["type"] = type(ctypes.CDLL("libnvidia-ml.so.1")) and code(N.nvmlDeviceGetCount)
+        out["clear"] = CTL.init_error(0)
+        N.nvmlInit()
+        out["count"] = N.nvmlDeviceGetCount()
+        CTL.init_error(18)
+        out["nested_init"] = code(N.nvmlInit)
+        N.nvmlShutdown()
+        out["reinit"] = code(N.nvmlInit)
+        """,
+        scenario,
+    )
+    assert out["init"] == 9
+    assert out["type"] == 1
+    assert out["clear"] == "ok"
+    assert out["count"] == 1
+    assert out["nested_init"] == out["reinit"] == 18
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("gpu uuid=GPU-a bogus=1", "unknown gpu key 'bogus'"),
+        ("frobnicate 1", "unknown keyword 'frobnicate'"),
+        ("link 0 5 nvlink=2", "link needs two indices"),
+        ('gpu name="unterminated', "unterminated quote"),
+        ("gpu unsupported=numa,warp", "unknown unsupported= item 'warp'"),
+        ("gpu cc=nine", "bad value for cc"),
+    ],
+)
+def test_bad_scenario_fails_init_with_unknown(rig: Rig, line: str, message: str) -> None:
+    scenario = rig.scenario(f"# header\ngpu uuid=GPU-ok minor=7 bus=0000:07:00.0\n{line}\n")
+    out = rig.run('out["init"] = code(N.nvmlInit); out["again"] = code(N.nvmlInit)', scenario)
+    assert out["init"] == out["again"] == 999
+    assert f"{scenario}:3: {message}" in out["_stderr"]
+    assert line in out["_stderr"]
+
+
+def test_bad_control_commands_get_errors(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        bad = ["", "bogus", "xid", "xid 8 79", "xid GPU-nope 79", "xid 0", "xid 0 abc", "ecc 0 tbe",
+               "event 0 0 1", "remap 0 2 0", "pending_pages 0", "recovery_action 0 x", "add minor=0",
+               "add colour=red", 'add name="x', "link 0 0 nvlink=1", "init_error -1", "lose 0 extra"]
+        out["errors"] = {c: ctl_error(CTL.send, c) for c in bad}
+        out["ping"] = CTL.ping()
+        out["alive"] = N.nvmlDeviceGetCount()
+        """
+    )
+    assert all(e is not None and e.startswith("error: ") for e in out["errors"].values()), out["errors"]
+    assert out["errors"]["bogus"] == "error: unknown command 'bogus'"
+    assert out["errors"]["xid 8 79"] == "error: xid: unknown gpu '8'"
+    assert out["errors"]["add minor=0"] == "error: add: duplicate minor 0"
+    assert out["ping"] == "ok"
+    assert out["alive"] == 8
