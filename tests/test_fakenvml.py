@@ -102,16 +102,11 @@ class Rig:
         return result
 
 
-@pytest.fixture(scope="session")
-def fake_lib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return fakenvml.build(tmp_path_factory.mktemp("fakenvml-lib")).parent
-
-
 @pytest.fixture
-def rig(fake_lib_dir: Path) -> Iterator[Rig]:
+def rig(nvml_lib_dir: Path) -> Iterator[Rig]:
     # Short root: the control socket path must fit sun_path (108 bytes).
     root = Path(tempfile.mkdtemp(prefix="fnv-", dir="/tmp"))
-    yield Rig(fake_lib_dir, root)
+    yield Rig(nvml_lib_dir, root)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -127,10 +122,10 @@ def test_build_is_cached_and_leaves_no_temp_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in lib.parent.iterdir()) == ["libnvidia-ml.so.1", "libnvidia-ml.so.1.sha256"]
 
 
-def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path, fake_lib_dir: Path) -> None:
+def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path, nvml_lib_dir: Path) -> None:
     dest = tmp_path / "lib"
     dest.mkdir()
-    shutil.copy(fake_lib_dir / "libnvidia-ml.so.1", dest)
+    shutil.copy(nvml_lib_dir / "libnvidia-ml.so.1", dest)
     bad_cc = tmp_path / "bad-cc"
     bad_cc.write_text("#!/bin/sh\necho 'fakenvml.c:1: error: boom' >&2\nexit 1\n")
     bad_cc.chmod(0o755)
@@ -139,7 +134,7 @@ def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path,
     assert "boom" in info.value.stderr
     with pytest.raises(fakenvml.FakeNvmlBuildError):
         fakenvml.build(dest, cc=str(tmp_path / "no-such-cc"))
-    assert (dest / "libnvidia-ml.so.1").read_bytes() == (fake_lib_dir / "libnvidia-ml.so.1").read_bytes()
+    assert (dest / "libnvidia-ml.so.1").read_bytes() == (nvml_lib_dir / "libnvidia-ml.so.1").read_bytes()
     assert sorted(p.name for p in dest.iterdir()) == ["libnvidia-ml.so.1"]
 
 

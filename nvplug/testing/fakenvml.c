@@ -9,6 +9,24 @@
  *
  * Build: cc -shared -fPIC -O2 -Wall -Wextra -pthread -o libnvidia-ml.so.1 fakenvml.c
  *
+ * Control socket: a unix datagram socket served by a thread started at the
+ * first nvmlInit call (successful or not).  One command per datagram; a bound
+ * sender gets "ok[ details]" or "error: <reason>".  <gpu> is an index in the
+ * current enumeration or a UUID.
+ *   ping | state
+ *   xid <gpu> <code> [gi ci]            event 0x8, eventData = code
+ *   ecc <gpu> sbe|dbe                   event 0x1 / 0x2
+ *   event <gpu> <hex type> <data> [gi ci]
+ *   lose <gpu>                          GPU_IS_LOST from now on, event 0x4000 (once)
+ *   remove <gpu>                        like lose now; not enumerated from the next 0->1 init
+ *   restore <gpu>                       undo lose/remove, clear the probes below
+ *   pending_pages <gpu> 0|1
+ *   remap <gpu> <pending> <failure> [corr unc]
+ *   recovery_action <gpu> <n>           field 230 value, event 0x8000 with data n
+ *   add <gpu-line key=value ...>        enumerated from the next 0->1 init
+ *   link <gpu> <gpu> [nvlink=N] [pcie=LEVEL]
+ *   init_error <nvmlReturn>             later nvmlInit calls fail with it (0: succeed)
+ *
  * One global mutex guards all state: the library is tiny and the contention
  * (a daemon plus one control thread) is negligible.
  */
@@ -698,17 +716,21 @@ static void ctl_state(char *out, size_t cap)
     for (s = 0; s < g_nslots && used < cap; s++) {
         const struct fake_dev *d = &g_devs[s];
         int idx = index_of(s);
-        char ix[16];
+        char ix[16], flags[64];
+        size_t fl;
         if (idx >= 0)
             snprintf(ix, sizeof ix, "%d", idx);
         else
             snprintf(ix, sizeof ix, "-");
-        used += (size_t)snprintf(out + used, cap - used, " | %s %s %s%s%s%s%s ra=%u", ix, d->uuid,
-                                 d->lost ? "lost," : "",
-                                 d->removed ? (d->visible ? "removing," : "removed,") : "",
-                                 !d->removed && !d->visible ? "adding," : "",
-                                 d->pending_pages ? "pages," : "",
-                                 d->remap_pending || d->remap_failure ? "remap," : "",
+        fl = (size_t)snprintf(flags, sizeof flags, "%s%s%s%s%s", d->lost ? "lost," : "",
+                              d->removed ? (d->visible ? "removing," : "removed,") : "",
+                              !d->removed && !d->visible ? "adding," : "", d->pending_pages ? "pages," : "",
+                              d->remap_pending || d->remap_failure ? "remap," : "");
+        if (fl == 0 || fl >= sizeof flags)
+            snprintf(flags, sizeof flags, "ok");
+        else
+            flags[fl - 1] = 0;   /* drop the trailing comma */
+        used += (size_t)snprintf(out + used, cap - used, " | %s %s %s ra=%u", ix, d->uuid, flags,
                                  d->recovery_action);
     }
 }
