@@ -10,23 +10,25 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
-
 from .config import Config
-from .event import Event, InventoryFound, KubeletSocketCreated, NvmlFailed, PluginSocketRemoved
+from .event import Event, KubeletSocketCreated, NvmlFailed, PciChanged, PluginSocketRemoved
 from .events.bus import EventBus
 from .events.kubelet_dir import KubeletDirWatch
+from .events.scanner import Scanner
+from .events.udev import UdevSource
 from .kubelet.api import deviceplugin_pb2 as pb
 from .kubelet.registrar import Registrar
 from .kubelet.server import DevicePluginService, PluginServer
-from .nvml import Nvml, NvmlUnavailable
+from .nvml import Nvml
+from .recovery import Reprober
 from .resources import whole_gpus
 from .state import Change, NodeState
+from .xid import XidPolicy
 
 log = logging.getLogger("nvplug")
 
-# NVML may come up long after us (driver loading at boot); don't hammer it.
-DISCOVERY_BACKOFF_MAX = 300.0
+# udev actions after which NVML must enumerate again.
+RESCAN_ACTIONS = {"add", "bind", "remove"}
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class _Plugin:
 class Daemon:
     def __init__(self, options: Options) -> None:
         self.options = options
-        self.state = NodeState()
-        self.nvml = Nvml(options.sysfs_root)
+        health = options.config.health
+        self.state = NodeState(XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids))
         self._plugins: list[_Plugin] = []
         self._stop = asyncio.Event()
 
@@ -69,19 +71,30 @@ class Daemon:
         options = pb.DevicePluginOptions(get_preferred_allocation_available=True)
         self._plugins.append(_Plugin(server, Registrar(opts.plugin_dir, name, server.endpoint, options)))
 
-        # Watch before the first look at kubelet.sock, so its creation cannot slip between.
-        watch = KubeletDirWatch(opts.plugin_dir, [p.server.socket_path for p in self._plugins], bus.publish_threadsafe)
-        watch.start()
+        scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)
+        health = opts.config.health
+        reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
+        # Sources start before the first scan and the first look at kubelet.sock: nothing slips between.
+        udev = UdevSource(loop, bus.publish, on_overflow=lambda: scanner.request("udev events were lost"))
+        try:
+            udev.start()
+        except OSError as err:
+            log.error("udev hotplug events unavailable (%s); new GPUs are found only by rescans", err)
+        kubelet_dir = KubeletDirWatch(
+            opts.plugin_dir, [p.server.socket_path for p in self._plugins], bus.publish_threadsafe
+        )
+        kubelet_dir.start()
         tasks: list[asyncio.Task[None]] = []
         try:
             # Applied before serving, so the kubelet's first list is the real one.
-            first = await self._discover()
-            self._handle(first)
+            first = await scanner.scan()
+            self._apply(first, reprober)
+            if isinstance(first, NvmlFailed):
+                scanner.request("NVML unavailable at start")
             for plugin in self._plugins:
                 await plugin.server.start()
-            tasks.append(asyncio.create_task(self._dispatch(bus), name="dispatch"))
-            if isinstance(first, NvmlFailed):
-                tasks.append(asyncio.create_task(self._rediscover(bus), name="discovery"))
+            tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
+            tasks.append(asyncio.create_task(scanner.run(), name="scanner"))
             tasks += [
                 asyncio.create_task(p.registrar.run(), name=f"register {p.registrar.resource_name}")
                 for p in self._plugins
@@ -95,53 +108,40 @@ class Daemon:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            reprober.close()
             for plugin in self._plugins:
                 await plugin.server.stop()
-            watch.stop()
+            udev.stop()
+            kubelet_dir.stop()
+            await scanner.close()
             log.info("nvplug stopped")
 
-    async def _discover(self) -> InventoryFound | NvmlFailed:
-        try:
-            found = await asyncio.to_thread(self.nvml.discover)
-        except NvmlUnavailable as err:
-            return NvmlFailed(str(err))
-        for note in found.absent:
-            log.info("%s", note)
-        for problem in found.problems:
-            log.warning("%s", problem)
-        log.info("discovered %d GPUs (driver %s)", len(found.gpus), found.driver_version or "version unknown")
-        return InventoryFound(found.gpus)
-
-    async def _rediscover(self, bus: EventBus) -> None:
-        """Retry discovery with backoff while NVML is unusable; never spin, never give up."""
-        retrying = AsyncRetrying(
-            wait=wait_random_exponential(multiplier=1.0, max=DISCOVERY_BACKOFF_MAX),
-            retry=retry_if_exception_type(NvmlUnavailable),
-        )
-        async for attempt in retrying:
-            with attempt:
-                event = await self._discover()
-                bus.publish(event)
-                if isinstance(event, NvmlFailed):
-                    raise NvmlUnavailable(event.reason)
-
-    async def _dispatch(self, bus: EventBus) -> None:
+    async def _dispatch(self, bus: EventBus, scanner: Scanner, reprober: Reprober) -> None:
         while True:
             event = await bus.next()
-            self._handle(event)
+            if isinstance(event, KubeletSocketCreated):
+                log.info("kubelet.sock appeared: registering")
+                for plugin in self._plugins:
+                    self._reconnect(plugin, registered_again=True)
+            elif isinstance(event, PluginSocketRemoved):
+                for plugin in self._plugins:
+                    if str(plugin.server.socket_path) == event.path:
+                        self._reconnect(plugin, registered_again=False)
+            else:
+                if isinstance(event, PciChanged):
+                    log.info("udev: %s %s %s", event.action, event.bus_id, event.driver or "")
+                    if event.action in RESCAN_ACTIONS:
+                        scanner.request(f"udev {event.action} of {event.bus_id}")
+                self._apply(event, reprober)
 
-    def _handle(self, event: Event) -> None:
-        if isinstance(event, KubeletSocketCreated):
-            log.info("kubelet.sock appeared: registering")
-            for plugin in self._plugins:
-                self._reconnect(plugin, registered_again=True)
-        elif isinstance(event, PluginSocketRemoved):
-            for plugin in self._plugins:
-                if str(plugin.server.socket_path) == event.path:
-                    self._reconnect(plugin, registered_again=False)
-        else:
-            for change in self.state.apply(event):
-                _log_change(change)
+    def _apply(self, event: Event, reprober: Reprober) -> None:
+        changes = self.state.apply(event)
+        for change in changes:
+            _log_change(change)
+            if change.what == "recovery evidence" and change.gpu is not None:
+                reprober.now(change.gpu.uuid)
+        if changes:
+            reprober.follow(self.state.current)
 
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
@@ -165,16 +165,21 @@ def _socket_name(resource_name: str) -> str:
     return "nvplug-" + resource_name.replace("/", "-") + ".sock"
 
 
+_ERRORS = {"nvml failed", "health watch failed"}
+_WARNINGS = {"unhealthy", "removed", "xid without catalog action"}
+
+
 def _log_change(change: Change) -> None:
     reason = f": {change.reason}" if change.reason else ""
-    if change.gpu is None:
-        if change.what == "nvml failed":
-            log.error("NVML unavailable%s; no GPUs can be discovered or checked until it works, retrying", reason)
-        else:
-            log.info("NVML works again (it failed with%s)", reason)
+    if change.what == "nvml failed":
+        log.error("NVML unavailable%s; no GPUs can be discovered or checked until it works, retrying", reason)
         return
-    level = logging.WARNING if change.what in ("unhealthy", "removed") else logging.INFO
-    log.log(level, "%s %s%s", change.gpu.label, change.what, reason)
+    if change.what == "nvml recovered":
+        log.info("NVML works again (it failed with%s)", reason)
+        return
+    level = logging.ERROR if change.what in _ERRORS else logging.WARNING if change.what in _WARNINGS else logging.INFO
+    subject = change.gpu.label if change.gpu is not None else "health checking"
+    log.log(level, "%s %s%s", subject, change.what, reason)
 
 
 async def serve(options: Options) -> None:

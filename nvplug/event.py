@@ -9,10 +9,25 @@ from .health import Health
 
 
 @dataclass(frozen=True)
+class ProbeResult:
+    """One probe of one GPU: handle, UUID, PCI info, pending retirements and remaps."""
+
+    uuid: str
+    failure: str | None  # None: the probe passed
+    # What prompted the probe, told to the operator when the GPU recovers.
+    evidence: str = "probe"
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True)
 class InventoryFound:
-    """A full discovery: these GPUs are present, any other is gone."""
+    """A full scan: these GPUs are present, any other is gone, each probed once."""
 
     gpus: tuple[Gpu, ...]
+    probes: tuple[ProbeResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -24,11 +39,36 @@ class NvmlFailed:
 
 @dataclass(frozen=True)
 class HealthReported:
-    """Evidence about one GPU's health, with the reason an operator will read."""
+    """Direct evidence about one GPU's health (lost, ECC, poison), with the reason."""
 
     uuid: str
     health: Health
     reason: str
+
+
+@dataclass(frozen=True)
+class XidOccurred:
+    """An XID critical error; the XID policy decides what it means."""
+
+    uuid: str
+    code: int
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryActionChanged:
+    """NVML's GPU recovery action (field 230): 0 means nothing is needed any more."""
+
+    uuid: str
+    action: int
+
+
+@dataclass(frozen=True)
+class HealthWatchChanged:
+    """Whether health events can be received at all; `error` None means they can."""
+
+    error: str | None
 
 
 @dataclass(frozen=True)
@@ -43,4 +83,25 @@ class PluginSocketRemoved:
     path: str
 
 
-Event = InventoryFound | NvmlFailed | HealthReported | KubeletSocketCreated | PluginSocketRemoved
+@dataclass(frozen=True)
+class PciChanged:
+    """A udev event for an NVIDIA (vendor 0x10DE) PCI device."""
+
+    action: str  # add, remove, bind, unbind or change
+    bus_id: str  # normalised, e.g. 0000:18:00.0
+    driver: str | None = None  # e.g. nvidia, once bound
+    pci_id: str = ""  # VENDOR:DEVICE, e.g. 10DE:2330
+
+
+Event = (
+    InventoryFound
+    | ProbeResult
+    | NvmlFailed
+    | HealthReported
+    | XidOccurred
+    | RecoveryActionChanged
+    | HealthWatchChanged
+    | KubeletSocketCreated
+    | PluginSocketRemoved
+    | PciChanged
+)

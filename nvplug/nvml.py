@@ -6,14 +6,16 @@ that an older driver lacks degrade one field; they never fail discovery.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pynvml  # type: ignore[import-untyped]
 
+from .event import ProbeResult
 from .gpu import NO_NUMA_NODE, Gpu, normalize_bus_id
 
 log = logging.getLogger(__name__)
@@ -22,6 +24,9 @@ T = TypeVar("T")
 
 # The driver simply lacks these; not worth more than a debug line.
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 
 
 class NvmlUnavailable(Exception):
@@ -38,6 +43,68 @@ class Discovery:
     driver_version: str | None = None
 
 
+@dataclass(frozen=True)
+class Scan:
+    discovery: Discovery
+    probes: tuple[ProbeResult, ...]
+
+
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+    """One reference on NVML's init count; a scan at count zero sees hot-added GPUs."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
+    try:
+        yield
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as err:
+            log.warning("nvmlShutdown failed: %s", err)
+
+
+def probe_gpu(uuid: str, evidence: str) -> ProbeResult:
+    """Handle valid, UUID and PCI info readable, nothing pending that needs a reset."""
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        read_back = _text(pynvml.nvmlDeviceGetUUID(handle))
+        if read_back != uuid:
+            return ProbeResult(uuid, f"UUID reads back as {read_back}", evidence)
+        pynvml.nvmlDeviceGetPciInfo(handle)
+        failure = _pending_repair(handle)
+    except pynvml.NVMLError as err:
+        failure = str(err)
+    return ProbeResult(uuid, failure, evidence)
+
+
+def _pending_repair(handle: Any) -> str | None:
+    """What the driver still wants fixed; checks the driver lacks count as passed."""
+    notes = _Notes()
+    if notes.optional(lambda: int(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)), "", "page retirement status"):
+        return "page retirement pending"
+    rows = notes.optional(lambda: pynvml.nvmlDeviceGetRemappedRows(handle), "", "remapped rows")
+    if rows is not None and rows[3]:
+        return "row remapping failed"
+    if rows is not None and rows[2]:
+        return "row remap pending"
+    action = notes.optional(lambda: recovery_action(handle), "", "recovery action")
+    if action:
+        return f"NVML recovery action pending ({action})"
+    if notes.problems:
+        return "; ".join(notes.problems)
+    return None
+
+
+def recovery_action(handle: Any) -> int | None:
+    """Field 230; None where the driver does not report it."""
+    value = pynvml.nvmlDeviceGetFieldValues(handle, [RECOVERY_ACTION_FIELD])[0]
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        raise pynvml.NVMLError(value.nvmlReturn)
+    return int(value.value.uiVal)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -46,19 +113,16 @@ class Nvml:
     def __init__(self, sysfs_root: Path = Path("/sys")) -> None:
         self._sysfs_root = sysfs_root
 
-    def discover(self) -> Discovery:
-        """Initialise NVML, read every GPU, shut down. Raises NvmlUnavailable."""
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as err:
-            raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
-        try:
-            return self._read_all()
-        finally:
-            try:
-                pynvml.nvmlShutdown()
-            except pynvml.NVMLError as err:
-                log.warning("nvmlShutdown failed: %s", err)
+    def scan(self) -> Scan:
+        """Read every GPU and probe each once, in one NVML session. Raises NvmlUnavailable."""
+        with session():
+            discovery = self._read_all()
+            probes = tuple(probe_gpu(g.uuid, "scan") for g in discovery.gpus)
+        return Scan(discovery, probes)
+
+    def probe(self, uuid: str, evidence: str) -> ProbeResult:
+        with session():
+            return probe_gpu(uuid, evidence)
 
     def _read_all(self) -> Discovery:
         try:
@@ -123,7 +187,8 @@ class _Notes:
             if err.value in _ABSENT:
                 self.absent.setdefault(subject, []).append(what)
             else:
-                self.problems.append(f"{subject}: {what} unreadable: {err}")
+                prefix = f"{subject}: " if subject else ""
+                self.problems.append(f"{prefix}{what} unreadable: {err}")
             return None
 
     def summarize_absent(self) -> tuple[str, ...]:

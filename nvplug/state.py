@@ -3,6 +3,11 @@
 Pure: events go in, a new immutable Snapshot comes out. Sinks wait for a
 revision newer than the one they last acted on, so a burst of events costs
 them one wake-up, not one per event.
+
+Health policy lives here too. A GPU turns Unhealthy on an event that says so,
+and turns Healthy again only on evidence: a probe that passed after its PCI
+device was removed and re-added or unbound and re-bound, after NVML's
+recovery action went back to none, or a re-probe of the Unhealthy GPU.
 """
 
 from __future__ import annotations
@@ -10,12 +15,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from .event import Event, HealthReported, InventoryFound, NvmlFailed
+from .event import (
+    Event,
+    HealthReported,
+    HealthWatchChanged,
+    InventoryFound,
+    NvmlFailed,
+    PciChanged,
+    ProbeResult,
+    RecoveryActionChanged,
+    XidOccurred,
+)
 from .gpu import Gpu
 from .health import Health, HealthState
+from .xid import Verdict, XidPolicy
+
+RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
+
+
+def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None = None) -> Gpu | None:
+    return next((g for g in gpus if g.uuid == uuid or g.bus_id == bus_id), None)
 
 
 @dataclass(frozen=True)
@@ -25,14 +47,22 @@ class Snapshot:
     health: Mapping[str, HealthState] = field(default_factory=lambda: MappingProxyType({}))
     # Why NVML cannot be used right now; None while it works.
     nvml_error: str | None = None
+    # Why health events cannot be received right now; None while they can.
+    health_watch_error: str | None = None
 
     def gpu(self, uuid: str) -> Gpu | None:
-        return next((g for g in self.gpus if g.uuid == uuid), None)
+        return find_gpu(self.gpus, uuid=uuid)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        return find_gpu(self.gpus, bus_id=bus_id)
+
+    def unhealthy(self) -> tuple[Gpu, ...]:
+        return tuple(g for g in self.gpus if not self.health[g.uuid].healthy)
 
 
 @dataclass(frozen=True)
 class Change:
-    """One thing an event changed, for the log and later for metrics."""
+    """One thing an event changed or meant, for the log and later for metrics."""
 
     what: str
     gpu: Gpu | None = None
@@ -40,29 +70,54 @@ class Change:
 
 
 class NodeState:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, xid_policy: XidPolicy | None = None, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
+        self._xid = xid_policy or XidPolicy()
         self._current = Snapshot(revision=0)
         # Replaced on every revision; waiters hold the one they saw.
         self._bumped = asyncio.Event()
+        # GPUs whose PCI device was removed or unbound: a passing probe on the next scan heals them.
+        self._reset_seen: dict[str, str] = {}
 
     @property
     def current(self) -> Snapshot:
         return self._current
 
+    @property
+    def xid_policy(self) -> XidPolicy:
+        return self._xid
+
+    def set_xid_policy(self, policy: XidPolicy) -> None:
+        """A new config; it applies to XIDs from now on."""
+        self._xid = policy
+
     def apply(self, event: Event) -> list[Change]:
-        """Fold one event into the state; bump the revision only if something changed."""
+        """Fold one event into the state; bump the revision only if the picture changed."""
+        draft = _Draft(self._current, self._clock())
         if isinstance(event, InventoryFound):
-            changes, snap = self._inventory(event)
+            self._inventory(draft, event)
+        elif isinstance(event, ProbeResult):
+            self._probe(draft, event, rescan=False)
         elif isinstance(event, HealthReported):
-            changes, snap = self._health(event)
+            draft.set_health(event.uuid, event.health, event.reason)
+        elif isinstance(event, XidOccurred):
+            self._xid_event(draft, event)
+        elif isinstance(event, RecoveryActionChanged):
+            self._recovery_action(draft, event)
+        elif isinstance(event, PciChanged):
+            self._pci(draft, event)
         elif isinstance(event, NvmlFailed):
-            changes, snap = self._nvml_failed(event)
-        else:
-            return []
-        if changes:
+            if draft.nvml_error != event.reason:
+                draft.nvml_error = event.reason
+                draft.note(Change("nvml failed", reason=event.reason))
+        elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
+            draft.health_watch_error = event.error
+            what = "health watch failed" if event.error else "health watch running"
+            draft.note(Change(what, reason=event.error or ""))
+        snap = draft.build()
+        if snap is not None:
             self._publish(snap)
-        return changes
+        return draft.changes
 
     async def wait_past(self, revision: int) -> Snapshot:
         """Return the first snapshot newer than `revision`, waiting if needed."""
@@ -71,45 +126,131 @@ class NodeState:
         return self._current
 
     def _publish(self, snap: Snapshot) -> None:
-        self._current = Snapshot(snap.revision + 1, snap.gpus, MappingProxyType(dict(snap.health)), snap.nvml_error)
+        self._current = snap
         bumped, self._bumped = self._bumped, asyncio.Event()
         bumped.set()
 
-    def _inventory(self, event: InventoryFound) -> tuple[list[Change], Snapshot]:
-        old = self._current
-        before = {g.uuid: g for g in old.gpus}
+    def _inventory(self, draft: _Draft, event: InventoryFound) -> None:
+        before = {g.uuid: g for g in draft.gpus}
         after = {g.uuid: g for g in event.gpus}
-        now = self._clock()
-        changes: list[Change] = []
-        health = {u: h for u, h in old.health.items() if u in after}
         for uuid, gpu in after.items():
             if uuid not in before:
-                changes.append(Change("added", gpu))
-                health[uuid] = HealthState(Health.HEALTHY, "discovered", now)
+                draft.health[uuid] = HealthState(Health.HEALTHY, "discovered", draft.now)
+                draft.note(Change("added", gpu))
             elif before[uuid] != gpu:
-                changes.append(Change("changed", gpu))
-        changes += [Change("removed", gpu) for uuid, gpu in before.items() if uuid not in after]
-        nvml_error = old.nvml_error
-        if nvml_error is not None:
-            changes.append(Change("nvml recovered", reason=nvml_error))
-            nvml_error = None
-        gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
-        return changes, Snapshot(old.revision, gpus, health, nvml_error)
+                draft.note(Change("changed", gpu))
+        for uuid, gpu in before.items():
+            if uuid not in after:
+                del draft.health[uuid]
+                self._reset_seen.pop(uuid, None)
+                draft.note(Change("removed", gpu))
+        draft.gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
+        if draft.nvml_error is not None:
+            draft.note(Change("nvml recovered", reason=draft.nvml_error))
+            draft.nvml_error = None
+        for probe in event.probes:
+            self._probe(draft, probe, rescan=True)
 
-    def _health(self, event: HealthReported) -> tuple[list[Change], Snapshot]:
-        old = self._current
-        gpu = old.gpu(event.uuid)
-        current = old.health.get(event.uuid)
-        if gpu is None or current is None or current.health is event.health:
-            return [], old
-        health = dict(old.health)
-        health[event.uuid] = HealthState(event.health, event.reason, self._clock())
-        return [Change(event.health.value.lower(), gpu, event.reason)], Snapshot(
-            old.revision, old.gpus, health, old.nvml_error
+    def _probe(self, draft: _Draft, probe: ProbeResult, rescan: bool) -> None:
+        gpu = draft.gpu(probe.uuid)
+        if gpu is None:
+            return
+        if probe.failure is not None:
+            draft.set_health(probe.uuid, Health.UNHEALTHY, f"probe failed: {probe.failure}")
+            return
+        if draft.health[probe.uuid].healthy:
+            return
+        how = self._reset_seen.pop(probe.uuid, None)
+        if rescan and how is None:
+            return  # a scan alone is no evidence for a GPU already known Unhealthy
+        evidence = how or probe.evidence
+        draft.set_health(probe.uuid, Health.HEALTHY, f"recovered: {evidence}, probe passed")
+
+    def _xid_event(self, draft: _Draft, event: XidOccurred) -> None:
+        gpu = draft.gpu(event.uuid)
+        if gpu is None:
+            return
+        decision = self._xid.decide(event.code)
+        if decision.verdict is Verdict.UNHEALTHY:
+            draft.set_health(event.uuid, Health.UNHEALTHY, decision.reason)
+        elif decision.verdict is Verdict.HEALTHY:
+            # Worth a log line even though the picture does not change.
+            draft.note(Change("xid, stays healthy", gpu, decision.reason))
+        elif decision.verdict is Verdict.INFORMATIONAL:
+            draft.note(Change("xid without catalog action", gpu, decision.reason))
+
+    def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
+        gpu = draft.gpu(event.uuid)
+        if gpu is None:
+            return
+        name = RECOVERY_ACTIONS.get(event.action, f"action {event.action}")
+        if event.action != 0:
+            draft.set_health(event.uuid, Health.UNHEALTHY, f"NVML recovery action: {name}")
+        elif not draft.health[event.uuid].healthy:
+            # The driver says nothing is needed any more; a probe must still confirm it.
+            self._reset_seen[event.uuid] = "NVML recovery action back to none"
+            draft.note(Change("recovery evidence", gpu, "NVML recovery action back to none"))
+
+    def _pci(self, draft: _Draft, event: PciChanged) -> None:
+        gpu = draft.by_bus_id(event.bus_id)
+        if gpu is None:
+            return
+        if event.action == "remove":
+            # Gone from the bus: no ID to offer, so the kubelet sees it removed.
+            del draft.health[gpu.uuid]
+            draft.gpus = tuple(g for g in draft.gpus if g.uuid != gpu.uuid)
+            self._reset_seen.pop(gpu.uuid, None)
+            draft.note(Change("removed", gpu, "PCI device removed"))
+        elif event.action == "unbind":
+            # Still on the bus, perhaps being reset: keep the ID, stop offering it.
+            self._reset_seen[gpu.uuid] = "driver unbound and re-bound"
+            draft.set_health(gpu.uuid, Health.UNHEALTHY, "driver unbound from the PCI device")
+
+
+class _Draft:
+    """The next snapshot under construction, with what changed on the way."""
+
+    def __init__(self, base: Snapshot, now: float) -> None:
+        self.base = base
+        self.now = now
+        self.gpus = base.gpus
+        self.health = dict(base.health)
+        self.nvml_error = base.nvml_error
+        self.health_watch_error = base.health_watch_error
+        self.changes: list[Change] = []
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return find_gpu(self.gpus, uuid=uuid)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        return find_gpu(self.gpus, bus_id=bus_id)
+
+    def note(self, change: Change) -> None:
+        self.changes.append(change)
+
+    def set_health(self, uuid: str, health: Health, reason: str) -> None:
+        gpu = self.gpu(uuid)
+        current = self.health.get(uuid)
+        if gpu is None or current is None or current.health is health:
+            return
+        self.health[uuid] = HealthState(health, reason, self.now)
+        self.note(Change(health.value.lower(), gpu, reason))
+
+    def build(self) -> Snapshot | None:
+        base = self.base
+        unchanged = (
+            self.gpus == base.gpus
+            and self.health == base.health
+            and self.nvml_error == base.nvml_error
+            and self.health_watch_error == base.health_watch_error
         )
-
-    def _nvml_failed(self, event: NvmlFailed) -> tuple[list[Change], Snapshot]:
-        old = self._current
-        if old.nvml_error == event.reason:
-            return [], old
-        return [Change("nvml failed", reason=event.reason)], Snapshot(old.revision, old.gpus, old.health, event.reason)
+        if unchanged:
+            return None
+        return replace(
+            base,
+            revision=base.revision + 1,
+            gpus=self.gpus,
+            health=MappingProxyType(self.health),
+            nvml_error=self.nvml_error,
+            health_watch_error=self.health_watch_error,
+        )

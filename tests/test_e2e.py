@@ -206,7 +206,7 @@ def test_bad_explicit_config_is_refused(node: SimulatedNode) -> None:
     daemon = node.start_daemon()
     assert daemon.wait(TIMEOUT) == 2
     node.stop_daemon()
-    assert "line 2: unknown key 'bogus'" in node.log_text()
+    assert "config.yaml, line 2: bogus: unknown key" in node.log_text()
     assert not node.plugin_socket.exists()
 
 

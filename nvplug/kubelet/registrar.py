@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 from pathlib import Path
 
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
+from ..retry import sleep_unless
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
 
@@ -69,7 +70,8 @@ class Registrar:
         retrying = AsyncRetrying(
             wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff),
             retry=retry_if_exception_type(RegistrationFailed),
-            sleep=self._sleep_unless_woken,
+            # A new kubelet socket cuts the backoff short.
+            sleep=functools.partial(sleep_unless, self._wanted),
             before_sleep=self._log_retry,
         )
         async for attempt in retrying:
@@ -101,11 +103,6 @@ class Registrar:
             self.kubelet_socket,
             self._endpoint,
         )
-
-    async def _sleep_unless_woken(self, seconds: float) -> None:
-        """Back off, but a new kubelet socket cuts the wait short."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wanted.wait(), timeout=seconds)
 
     @staticmethod
     def _log_retry(state: RetryCallState) -> None:

@@ -1,0 +1,117 @@
+"""NVML scans and probes, and the event watch, on one worker thread.
+
+Everything that calls NVML from the loop's side goes through one thread, so
+a rescan can take NVML's init count to zero (only then does NVML enumerate
+GPUs again) without racing a probe that holds a reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+
+from ..event import Event, InventoryFound, NvmlFailed, ProbeResult
+from ..nvml import Nvml, NvmlUnavailable
+from ..retry import sleep_unless
+from .nvml import DEFAULT_WAIT_MS, NvmlEventWatch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# NVML may come up long after us (a driver loading at boot); don't hammer it.
+BACKOFF_MAX = 300.0
+
+
+class Scanner:
+    def __init__(
+        self,
+        nvml: Nvml,
+        publish: Callable[[Event], None],
+        publish_threadsafe: Callable[[Event], None],
+        wait_ms: int = DEFAULT_WAIT_MS,
+    ) -> None:
+        self._nvml = nvml
+        self._publish = publish
+        self._publish_threadsafe = publish_threadsafe
+        self._wait_ms = wait_ms
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._watch: NvmlEventWatch | None = None
+        self._wanted = asyncio.Event()
+        self.scans = 0
+
+    def request(self, why: str) -> None:
+        """Rescan soon; requests that arrive during a scan fold into one more."""
+        log.debug("rescan requested: %s", why)
+        self._wanted.set()
+
+    async def scan(self) -> InventoryFound | NvmlFailed:
+        """Hand the watch over, scan at init count zero, subscribe the new set of GPUs."""
+        return await self._call(self._scan_blocking)
+
+    async def probe(self, uuid: str, evidence: str) -> ProbeResult:
+        try:
+            return await self._call(self._nvml.probe, uuid, evidence)
+        except NvmlUnavailable as err:
+            return ProbeResult(uuid, str(err), evidence)
+
+    async def run(self) -> None:
+        """Serve rescan requests, retrying with backoff while NVML is unusable."""
+        while True:
+            await self._wanted.wait()
+            retrying = AsyncRetrying(
+                wait=wait_random_exponential(multiplier=1.0, max=BACKOFF_MAX),
+                retry=retry_if_exception_type(NvmlUnavailable),
+                # A udev bind (the driver loading) cuts the backoff short.
+                sleep=functools.partial(sleep_unless, self._wanted),
+                before_sleep=_log_retry,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    self._wanted.clear()
+                    result = await self.scan()
+                    self._publish(result)
+                    if isinstance(result, NvmlFailed):
+                        raise NvmlUnavailable(result.reason)
+
+    async def close(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            await self._call(watch.hand_over)
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+
+    def _scan_blocking(self) -> InventoryFound | NvmlFailed:
+        if self._watch is not None:
+            self._watch.hand_over()
+            self._watch = None
+        self.scans += 1
+        try:
+            scan = self._nvml.scan()
+        except NvmlUnavailable as err:
+            return NvmlFailed(str(err))
+        found = scan.discovery
+        for note in found.absent:
+            log.info("%s", note)
+        for problem in found.problems:
+            log.warning("%s", problem)
+        log.info("scan %d: %d GPUs (driver %s)", self.scans, len(found.gpus), found.driver_version or "unknown")
+        # Subscribe before the result is published: no XID may slip past an advertised GPU.
+        if found.gpus:
+            watch = NvmlEventWatch(found.gpus, self._publish_threadsafe, self._wait_ms)
+            watch.start()
+            self._watch = watch
+        return InventoryFound(found.gpus, scan.probes)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    delay = state.next_action.sleep if state.next_action is not None else 0.0
+    log.info("NVML still unavailable; scan %d again in %.1fs (or at the next udev bind)", state.attempt_number, delay)
