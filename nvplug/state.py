@@ -178,6 +178,8 @@ class NodeState:
             draft.note(Change("xid, stays healthy", gpu, decision.reason))
         elif decision.verdict is Verdict.INFORMATIONAL:
             draft.note(Change("xid without catalog action", gpu, decision.reason))
+        else:
+            draft.note(Change("xid, reading the recovery action", gpu, decision.reason))
 
     def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
         gpu = draft.gpu(event.uuid)

@@ -10,41 +10,9 @@ import time
 import grpc
 import pytest
 
-from nvplug.testing.kubelet import FakeKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
-
-
-def registered_with(count: int):  # type: ignore[no-untyped-def]
-    def check(k: FakeKubelet) -> bool:
-        p = k.plugin(GPU_RESOURCE)
-        return p is not None and p.stream_open and len(p.updates) > 0 and p.capacity == count
-
-    return check
-
-
-def wait_log(node: SimulatedNode, text: str, timeout: float = TIMEOUT) -> str:
-    """The daemon's log is a file; there is nothing to subscribe to, so re-read it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = node.log_text()
-        if text in log:
-            return log
-        time.sleep(0.02)
-    raise AssertionError(f"{text!r} not in the daemon log:\n{node.log_text()}")
-
-
-def scenario_gpus(node: SimulatedNode) -> list[dict[str, str]]:
-    """The `gpu` lines of the scenario, as key=value maps."""
-    import shlex
-
-    gpus = []
-    for line in node.scenario.read_text().splitlines():
-        words = shlex.split(line, comments=True)
-        if words and words[0] == "gpu":
-            gpus.append(dict(w.split("=", 1) for w in words[1:]))
-    return gpus
 
 
 def test_registers_and_advertises_eight_healthy_gpus_with_numa(node: SimulatedNode) -> None:
@@ -60,7 +28,7 @@ def test_registers_and_advertises_eight_healthy_gpus_with_numa(node: SimulatedNo
     assert plugin.options.get_preferred_allocation_available
     assert not plugin.options.pre_start_required
 
-    expected = {g["uuid"]: (int(g["numa"]),) for g in scenario_gpus(node)}
+    expected = {g["uuid"]: (int(g["numa"]),) for g in node.scenario_gpus()}
     assert len(expected) == 8
     assert {d.id: d.numa_nodes for d in plugin.devices.values()} == expected
     assert all(d.healthy for d in plugin.devices.values())
@@ -77,7 +45,7 @@ def test_allocate_one_and_two_gpus(node: SimulatedNode) -> None:
     node.kubelet.start()
     node.start_daemon()
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
-    gpus = scenario_gpus(node)
+    gpus = node.scenario_gpus()
     dev = node.dev_root / "dev"
 
     one = node.kubelet.allocate(GPU_RESOURCE, [gpus[3]["uuid"]]).container_responses[0]
@@ -93,7 +61,7 @@ def test_allocate_one_and_two_gpus(node: SimulatedNode) -> None:
     two = node.kubelet.allocate(GPU_RESOURCE, pair).container_responses[0]
     assert two.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(pair)
     assert [d.container_path for d in two.devices][:2] == [f"/dev/nvidia{gpus[i]['minor']}" for i in (5, 1)]
-    log = wait_log(node, f"allocated gpu 5 {gpus[5]['uuid']}")
+    log = node.wait_log(f"allocated gpu 5 {gpus[5]['uuid']}")
     assert gpus[5]["bus"].lower() in log
 
     assert node.kubelet.preferred_allocation(GPU_RESOURCE, [g["uuid"] for g in gpus[::-1]], [gpus[6]["uuid"]], 2) == [
@@ -112,13 +80,13 @@ def test_unknown_id_is_invalid_argument_naming_it(node: SimulatedNode) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "GPU-does-not-exist" in (info.value.details() or "")
     # The daemon is unharmed and still answers.
-    uuid = scenario_gpus(node)[0]["uuid"]
+    uuid = node.scenario_gpus()[0]["uuid"]
     assert node.kubelet.allocate(GPU_RESOURCE, [uuid]).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == uuid
 
 
 def test_starts_before_the_kubelet_and_registers_within_a_second(node: SimulatedNode) -> None:
     node.start_daemon()
-    wait_log(node, "waiting for")
+    node.wait_log("waiting for")
     assert node.plugin_socket.exists()
     time.sleep(0.3)
     # Like the kubelet, the stand-in wipes every socket (ours too), then creates kubelet.sock.
@@ -129,7 +97,7 @@ def test_starts_before_the_kubelet_and_registers_within_a_second(node: Simulated
     first = next(r for r in node.kubelet.registrations if r.accepted)
     assert first.at - before < 1.0, node.kubelet.describe()
     assert node.plugin_socket.exists()
-    wait_log(node, "rebinding")
+    node.wait_log("rebinding")
 
 
 def test_sigterm_stops_cleanly_without_an_empty_list(node: SimulatedNode) -> None:
@@ -149,7 +117,7 @@ def test_sigterm_stops_cleanly_without_an_empty_list(node: SimulatedNode) -> Non
 def test_keeps_running_without_nvml_library(node: SimulatedNode) -> None:
     node.kubelet.start()
     node.start_daemon(nvml=False)
-    log = wait_log(node, "NVML unavailable")
+    log = node.wait_log("NVML unavailable")
     assert "NVML Shared Library Not Found" in log
     assert "ERROR" in next(line for line in log.splitlines() if "NVML unavailable" in line)
     node.kubelet.wait_for(registered_with(0), TIMEOUT)
@@ -162,13 +130,13 @@ def test_nvml_init_failure_is_reported_with_the_library_text(node: SimulatedNode
     node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
     node.kubelet.start()
     node.start_daemon()
-    log = wait_log(node, "NVML unavailable")
+    log = node.wait_log("NVML unavailable")
     assert "Driver Not Loaded" in log, log
     assert node.daemon is not None and node.daemon.poll() is None
 
 
 def test_degraded_optional_queries_keep_the_gpu(node: SimulatedNode) -> None:
-    gpus = scenario_gpus(node)
+    gpus = node.scenario_gpus()
     text = node.scenario.read_text().replace(
         f"uuid={gpus[2]['uuid']}", f"uuid={gpus[2]['uuid']} unsupported=numa,cc,memory,name"
     )
@@ -181,13 +149,13 @@ def test_degraded_optional_queries_keep_the_gpu(node: SimulatedNode) -> None:
     # No NUMA from NVML and none from sysfs: the device carries no topology.
     assert plugin.devices[gpus[2]["uuid"]].numa_nodes == ()
     assert plugin.devices[gpus[2]["uuid"]].healthy
-    log = wait_log(node, "not reported by the driver")
+    log = node.wait_log("not reported by the driver")
     line = next(ln for ln in log.splitlines() if "not reported by the driver" in ln)
     assert gpus[2]["uuid"] in line and "NUMA node" in line and "memory" in line
 
 
 def test_numa_node_comes_from_sysfs_first(node: SimulatedNode) -> None:
-    gpus = scenario_gpus(node)
+    gpus = node.scenario_gpus()
     bus = gpus[0]["bus"].lower()
     sysfs = node.sysfs_root / "bus/pci/devices" / bus
     sysfs.mkdir(parents=True)
@@ -219,7 +187,7 @@ def test_retries_a_kubelet_socket_that_refuses_with_capped_backoff(node: Simulat
     dead.bind(str(node.kubelet.socket_path))
     try:
         node.start_daemon()
-        log = wait_log(node, "; retry 6 in ")
+        log = node.wait_log("; retry 6 in ")
         delays = [float(d) for d in re.findall(r"; retry \d+ in ([0-9.]+)s", log)]
         assert len(delays) >= 6 and max(delays) <= 2.0, delays
         assert "kubelet.sock failed: UNAVAILABLE" in log

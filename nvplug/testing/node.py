@@ -4,21 +4,43 @@ daemon as a child process, all in one directory. Used by the tests and the demo.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 from . import fakenvml
-from .kubelet import KubeletThread
+from .kubelet import FakeKubelet, KubeletThread
 
 GPU_RESOURCE = "nvidia.com/gpu"
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+def registered_with(count: int, resource: str = GPU_RESOURCE) -> Callable[[FakeKubelet], bool]:
+    """A wait_for predicate: registered, streaming, with `count` devices."""
+
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(resource)
+        return p is not None and p.stream_open and len(p.updates) > 0 and p.capacity == count
+
+    return check
+
+
+def device_health(uuid: str, healthy: bool, resource: str = GPU_RESOURCE) -> Callable[[FakeKubelet], bool]:
+    """A wait_for predicate: the kubelet sees this device with this health."""
+
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(resource)
+        return p is not None and uuid in p.devices and p.devices[uuid].healthy is healthy
+
+    return check
 
 
 class SimulatedNode:
@@ -108,6 +130,25 @@ class SimulatedNode:
         if self._log_pump is not None:
             self._log_pump.join(5)
         return code
+
+    def scenario_gpus(self) -> list[dict[str, str]]:
+        """The scenario's `gpu` lines as key=value maps, in index order."""
+        gpus = []
+        for line in self.scenario.read_text().splitlines():
+            words = shlex.split(line, comments=True)
+            if words and words[0] == "gpu":
+                gpus.append(dict(w.split("=", 1) for w in words[1:]))
+        return gpus
+
+    def wait_log(self, text: str, timeout: float = 15.0, after: int = 0) -> str:
+        """Wait for `text` in the daemon's log past offset `after`. The log is a file: re-read it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log_text()
+            if text in log[after:]:
+                return log
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not in the daemon log:\n{self.log_text()[after:]}")
 
     def log_text(self) -> str:
         try:

@@ -161,20 +161,18 @@ def pci_event(
     """
     slot = bus_id.lower()
     domain = slot.partition(":")[0]
+    # In the kernel's order: the driver core's keys, then pci_uevent's, SEQNUM last.
     props = {
         "ACTION": action,
         "DEVPATH": f"/devices/pci{domain}:00/{domain}:00:01.0/{slot}",
         "SUBSYSTEM": "pci",
-        "PCI_CLASS": pci_class,
-        "PCI_ID": pci_id,
-        "PCI_SUBSYS_ID": subsys_id,
-        "PCI_SLOT_NAME": bus_id,
     }
+    if driver is not None and action in ("bind", "change"):
+        props["DRIVER"] = driver
+    props |= {"PCI_CLASS": pci_class, "PCI_ID": pci_id, "PCI_SUBSYS_ID": subsys_id, "PCI_SLOT_NAME": bus_id}
     modalias = _modalias(pci_id, subsys_id, pci_class)
     if modalias is not None:
         props["MODALIAS"] = modalias
-    if driver is not None and action in ("bind", "change"):
-        props["DRIVER"] = driver
     if seqnum is not None:
         props["SEQNUM"] = str(seqnum)
     return props
