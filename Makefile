@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint proto clean
+.PHONY: setup demo test lint bench proto clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict nvplug
 	$(BIN)/python scripts/gen_proto.py --check
+
+# Figures, not pass/fail: see bench/README.md. Run as root for the udev measures.
+bench: setup
+	$(BIN)/python bench/latency.py
 
 proto: setup
 	$(BIN)/python scripts/gen_proto.py

@@ -165,21 +165,24 @@ def _socket_name(resource_name: str) -> str:
     return "nvplug-" + resource_name.replace("/", "-") + ".sock"
 
 
-_ERRORS = {"nvml failed", "health watch failed"}
-_WARNINGS = {"unhealthy", "removed", "xid without catalog action"}
+# How each change that names no GPU reads in the log.
+_NODE_CHANGES = {
+    "nvml failed": (logging.ERROR, "NVML unavailable: {}; no GPUs can be discovered or checked until it works"),
+    "nvml recovered": (logging.INFO, "NVML works again (it failed with: {})"),
+    "health watch failed": (logging.ERROR, "NVML health events cannot be received: {}; GPU faults go unseen"),
+    "health watch running": (logging.INFO, "NVML health events are being received{}"),
+}
+_GPU_WARNINGS = {"unhealthy", "removed", "xid without catalog action"}
 
 
 def _log_change(change: Change) -> None:
+    if change.gpu is None:
+        level, text = _NODE_CHANGES.get(change.what, (logging.INFO, change.what + ": {}"))
+        log.log(level, text.format(change.reason))
+        return
     reason = f": {change.reason}" if change.reason else ""
-    if change.what == "nvml failed":
-        log.error("NVML unavailable%s; no GPUs can be discovered or checked until it works, retrying", reason)
-        return
-    if change.what == "nvml recovered":
-        log.info("NVML works again (it failed with%s)", reason)
-        return
-    level = logging.ERROR if change.what in _ERRORS else logging.WARNING if change.what in _WARNINGS else logging.INFO
-    subject = change.gpu.label if change.gpu is not None else "health checking"
-    log.log(level, "%s %s%s", subject, change.what, reason)
+    level = logging.WARNING if change.what in _GPU_WARNINGS else logging.INFO
+    log.log(level, "%s %s%s", change.gpu.label, change.what, reason)
 
 
 async def serve(options: Options) -> None:

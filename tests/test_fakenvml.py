@@ -473,6 +473,79 @@ def test_events_injected_from_another_process(rig: Rig) -> None:
     assert json.loads(stdout.splitlines()[-1])["event"] == [GPUS[5]["uuid"], 8, 79]
 
 
+def test_wait_error_wakes_a_blocked_waiter_then_counts_down(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
+        sent = {}
+        def inject():
+            time.sleep(0.2)
+            sent["t"] = time.monotonic()
+            CTL.wait_error(999, 2)
+        th = threading.Thread(target=inject)
+        th.start()
+        out["blocked"] = code(N.nvmlEventSetWait_v2, s, 10000)
+        out["latency_s"] = time.monotonic() - sent["t"]
+        th.join()
+
+        # The second (and last) injected failure comes at once and leaves the queue alone.
+        CTL.xid(0, 79)
+        t = time.monotonic()
+        out["second"] = code(N.nvmlEventSetWait_v2, s, 5000)
+        out["second_s"] = time.monotonic() - t
+        out["event"] = N.nvmlEventSetWait_v2(s, 0).eventData
+        out["drained"] = code(N.nvmlEventSetWait_v2, s, 0)
+
+        # -1 lasts, for the legacy entry point too, until cleared.
+        CTL.wait_error(15, -1)
+        d = N.c_nvmlEventData_t()
+        out["forever"] = [code(N.nvmlEventSetWait_v2, s, 1000) for _ in range(5)]
+        out["legacy"] = N.nvmlLib.nvmlEventSetWait(s, ctypes.byref(d), 1000)
+        out["state"] = CTL.state()
+        CTL.wait_error(0, 0)
+        out["cleared"] = code(N.nvmlEventSetWait_v2, s, 0)
+        out["bad"] = [ctl_error(CTL.send, c) for c in
+                      ("wait_error", "wait_error 15", "wait_error 0 1", "wait_error 15 -2", "wait_error x 1",
+                       "wait_error 1000 1")]
+        """
+    )
+    assert out["blocked"] == 999
+    assert out["latency_s"] < 0.25, out["latency_s"]  # includes a control round trip and the GIL
+    assert out["second"] == 999 and out["second_s"] < 0.25
+    assert out["event"] == 79
+    assert out["drained"] == 10
+    assert out["forever"] == [15] * 5 and out["legacy"] == 15
+    assert "wait_error=15 wait_left=-1" in out["state"]
+    assert out["cleared"] == 10
+    assert all(e is not None and e.startswith("error: ") for e in out["bad"]), out["bad"]
+
+
+def test_wait_error_count_is_shared_by_all_waiters(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        sets = [N.nvmlEventSetCreate() for _ in range(2)]
+        got = []
+        def wait(s):
+            t = time.monotonic()
+            got.append([code(N.nvmlEventSetWait_v2, s, 800), time.monotonic() - t])
+        threads = [threading.Thread(target=wait, args=(s,)) for s in sets]
+        for th in threads:
+            th.start()
+        time.sleep(0.2)  # both blocked
+        CTL.wait_error(999, 1)
+        for th in threads:
+            th.join()
+        out["got"] = got
+        """
+    )
+    (first, first_s), (second, second_s) = out["got"]
+    assert (first, second) == (999, 10)  # one failure to hand out; the other waiter times out
+    assert first_s < 0.5 and second_s >= 0.75
+
+
 # ---- faults -------------------------------------------------------------------------
 
 
@@ -588,6 +661,66 @@ def test_health_probes(rig: Rig) -> None:
     assert out["restored"] == [0, [3, 1, 0, 0], 0, 1, 0, 3]
 
 
+def test_faults_from_scenario_and_add_are_there_at_first_probe(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0 lost=0 pending_pages=0 remap_pending=0 remap_failure=0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 lost=1
+        gpu uuid=GPU-c bus=0000:03:00.0 minor=2 pending_pages=1
+        gpu uuid=GPU-d bus=0000:04:00.0 minor=3 remap_pending=1
+        gpu uuid=GPU-e bus=0000:05:00.0 minor=4 remap_failure=1 recovery_action=3
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        s = N.nvmlEventSetCreate()
+        def probe(i):
+            # What a daemon checks when it starts: each call's nvmlReturn_t, then its value.
+            h = N.nvmlDeviceGetHandleByIndex(i)
+            calls = [(N.nvmlDeviceGetUUID, h), (N.nvmlDeviceGetRetiredPagesPendingStatus, h),
+                     (N.nvmlDeviceGetRemappedRows, h),
+                     (N.nvmlDeviceGetFieldValues, h, [N.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]),
+                     (N.nvmlDeviceRegisterEvents, h, N.nvmlEventTypeXidCriticalError, s)]
+            rcs = [code(*c) for c in calls]
+            if any(rcs):
+                return rcs
+            return [N.nvmlDeviceGetRetiredPagesPendingStatus(h), list(N.nvmlDeviceGetRemappedRows(h))[2:],
+                    N.nvmlDeviceGetFieldValues(h, [N.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0].value.uiVal]
+        out["count"] = N.nvmlDeviceGetCount()
+        out["probes"] = [probe(i) for i in range(5)]
+        out["state"] = CTL.state()
+        out["add"] = CTL.add("uuid=GPU-f bus=0000:06:00.0 minor=5 lost=1")
+        out["add2"] = CTL.add("uuid=GPU-g bus=0000:07:00.0 minor=6 pending_pages=1 recovery_action=2")
+        out["bad_add"] = ctl_error(CTL.add, "uuid=GPU-h bus=0000:08:00.0 minor=7 remap_failure=2")
+        N.nvmlShutdown(); N.nvmlInit()
+        out["added"] = [probe(5), probe(6)]
+        CTL.restore(1); CTL.restore(4)
+        out["restored"] = [probe(1), probe(4)]
+        """,
+        scenario,
+    )
+    assert out["count"] == 5
+    assert out["probes"] == [
+        [0, [0, 0], 0],
+        [15] * 5,  # GPU_IS_LOST from the very first call
+        [1, [0, 0], 0],
+        [0, [1, 0], 0],
+        [0, [0, 1], 3],
+    ]
+    assert out["state"].split(" | ")[1:] == [
+        "0 GPU-a ok ra=0",
+        "1 GPU-b lost ra=0",
+        "2 GPU-c pages ra=0",
+        "3 GPU-d remap ra=0",
+        "4 GPU-e remap ra=3",
+    ]
+    assert out["add"] == "ok pending GPU-f" and out["add2"] == "ok pending GPU-g"
+    assert out["bad_add"] == "error: add: bad value for remap_failure: '2'"
+    assert out["added"] == [[15] * 5, [1, [0, 0], 2]]
+    assert out["restored"] == [[0, [0, 0], 0], [0, [0, 0], 0]]
+
+
 def test_unsupported_queries(rig: Rig) -> None:
     scenario = rig.scenario(
         """
@@ -660,6 +793,10 @@ def test_init_error_from_scenario_and_control(rig: Rig) -> None:
         ('gpu name="unterminated', "unterminated quote"),
         ("gpu unsupported=numa,warp", "unknown unsupported= item 'warp'"),
         ("gpu cc=nine", "bad value for cc"),
+        ("gpu lost=yes", "bad value for lost"),
+        ("gpu pending_pages=2", "bad value for pending_pages"),
+        ("gpu remap_pending=-1", "bad value for remap_pending"),
+        ("gpu recovery_action=65536", "bad value for recovery_action"),
     ],
 )
 def test_bad_scenario_fails_init_with_unknown(rig: Rig, line: str, message: str) -> None:
@@ -676,7 +813,8 @@ def test_bad_control_commands_get_errors(rig: Rig) -> None:
         N.nvmlInit()
         bad = ["", "bogus", "xid", "xid 8 79", "xid GPU-nope 79", "xid 0", "xid 0 abc", "ecc 0 tbe",
                "event 0 0 1", "remap 0 2 0", "pending_pages 0", "recovery_action 0 x", "add minor=0",
-               "add colour=red", 'add name="x', "link 0 0 nvlink=1", "init_error -1", "lose 0 extra"]
+               "add colour=red", 'add name="x', "link 0 0 nvlink=1", "init_error -1", "lose 0 extra",
+               "calls now", "calls reset all"]
         out["errors"] = {c: ctl_error(CTL.send, c) for c in bad}
         out["ping"] = CTL.ping()
         out["alive"] = N.nvmlDeviceGetCount()
@@ -688,3 +826,80 @@ def test_bad_control_commands_get_errors(rig: Rig) -> None:
     assert out["errors"]["add minor=0"] == "error: add: duplicate minor 0"
     assert out["ping"] == "ok"
     assert out["alive"] == 8
+
+
+# ---- call counting --------------------------------------------------------------------
+
+
+def test_calls_are_counted_per_entry_point_and_reset(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        N.nvmlDeviceGetUUID(h)
+        N.nvmlDeviceGetUUID(h)
+        N.nvmlDeviceGetPciInfo(h)
+        N.nvmlLib.nvmlDeviceGetCount(ctypes.byref(ctypes.c_uint()))  # a wrapper counts as itself only
+        out["failed"] = code(N.nvmlDeviceGetHandleByIndex, 99)  # failed calls count too
+        N.nvmlErrorString(15)  # not counted
+        out["raw"] = CTL.send("calls")
+        out["first"] = CTL.calls()
+        CTL.reset_calls()
+        out["reset"] = [CTL.send("calls"), CTL.calls()]
+
+        # A blocked wait is counted on entry, so a watcher sees it while it waits.
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(h, N.nvmlEventTypeXidCriticalError, s)
+        th = threading.Thread(target=lambda: N.nvmlEventSetWait_v2(s, 10000))
+        th.start()
+        deadline = time.monotonic() + 5
+        while "nvmlEventSetWait_v2" not in CTL.calls() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["waiting"] = CTL.calls()
+        CTL.xid(0, 79)
+        th.join()
+        """
+    )
+    first = {
+        "nvmlDeviceGetCount": 1,
+        "nvmlDeviceGetHandleByIndex_v2": 2,
+        "nvmlDeviceGetPciInfo_v3": 1,
+        "nvmlDeviceGetUUID": 2,
+        "nvmlInitWithFlags": 1,
+    }
+    assert out["failed"] == 2
+    assert out["first"] == first
+    assert out["raw"] == "ok total=7 " + " ".join(f"{k}={v}" for k, v in sorted(first.items()))
+    assert out["reset"] == ["ok total=0", {}]
+    assert out["waiting"] == {
+        "nvmlDeviceRegisterEvents": 1,
+        "nvmlEventSetCreate": 1,
+        "nvmlEventSetWait_v2": 1,
+    }
+
+
+def test_every_exported_function_is_counted(rig: Rig) -> None:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    symbols = subprocess.run(
+        [nm, "-D", "--defined-only", str(rig.lib_dir / "libnvidia-ml.so.1")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    exported = sorted(name for name in symbols if name.startswith("nvml"))
+    assert "nvmlEventSetWait_v2" in exported and "nvmlErrorString" in exported
+    out = rig.run(
+        f"""
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        N.nvmlInit()
+        CTL.reset_calls()
+        # NULL for every argument: each function bails out early (or inits / shuts down).
+        null = [ctypes.c_void_p(None)] * 6
+        for name in {exported!r}:
+            getattr(lib, name)(*null)
+        out["calls"] = CTL.calls()
+        """
+    )
+    assert out["calls"] == {name: 1 for name in exported if name != "nvmlErrorString"}

@@ -26,17 +26,30 @@
  *   add <gpu-line key=value ...>        enumerated from the next 0->1 init
  *   link <gpu> <gpu> [nvlink=N] [pcie=LEVEL]
  *   init_error <nvmlReturn>             later nvmlInit calls fail with it (0: succeed)
+ *   wait_error <nvmlReturn> <count>     the next <count> nvmlEventSetWait(_v2) calls return it at
+ *                                       once, leaving queued events; blocked waiters wake to it;
+ *                                       count -1: until "wait_error 0 0" (or count 0) clears it
+ *   calls                               "ok total=N name=n ...": calls per exported function
+ *                                       (not nvmlErrorString), non-zero ones, sorted by name
+ *   calls reset                         zero those counters
+ *
+ * A gpu line (scenario or add) may describe a GPU already broken when first
+ * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1
+ * recovery_action=N (all 0 by default; like the commands above, without events).
  *
  * One global mutex guards all state: the library is tiny and the contention
- * (a daemon plus one control thread) is negligible.
+ * (a daemon plus one control thread) is negligible.  The per-function call
+ * counters are atomics instead, so that counting never touches the lock.
  */
 #define _POSIX_C_SOURCE 200809L
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -223,6 +236,42 @@ static char g_driver[80] = "550.54.15";
 static char g_nvml[80] = "12.550.54.15";
 static int g_cuda = 12040;
 static struct fake_evset *g_sets;
+static nvmlReturn_t g_wait_error;   /* "wait_error": returned by the next g_wait_left waits */
+static long g_wait_left;            /* -1: every wait until cleared */
+
+/*
+ * Calls per exported function (all but nvmlErrorString, which a binding may
+ * call for any message), so that tests can see what a client does while idle.
+ * Every exported function starts with COUNT(itself); wrappers call static
+ * helpers, never each other, so that one client call counts once.
+ */
+#define NVML_FUNCS(X)                                                                              \
+    X(nvmlInit) X(nvmlInit_v2) X(nvmlInitWithFlags) X(nvmlShutdown)                                \
+    X(nvmlSystemGetDriverVersion) X(nvmlSystemGetNVMLVersion) X(nvmlSystemGetCudaDriverVersion)    \
+    X(nvmlSystemGetCudaDriverVersion_v2) X(nvmlDeviceGetCount) X(nvmlDeviceGetCount_v2)            \
+    X(nvmlDeviceGetHandleByIndex) X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetHandleByUUID)    \
+    X(nvmlDeviceGetHandleBySerial) X(nvmlDeviceGetHandleByPciBusId)                                \
+    X(nvmlDeviceGetHandleByPciBusId_v2) X(nvmlDeviceGetIndex) X(nvmlDeviceGetUUID)                 \
+    X(nvmlDeviceGetName) X(nvmlDeviceGetSerial) X(nvmlDeviceGetMinorNumber) X(nvmlDeviceGetBrand)  \
+    X(nvmlDeviceGetArchitecture) X(nvmlDeviceGetPersistenceMode) X(nvmlDeviceGetComputeMode)       \
+    X(nvmlDeviceGetPciInfo) X(nvmlDeviceGetPciInfo_v2) X(nvmlDeviceGetPciInfo_v3)                  \
+    X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) X(nvmlDeviceGetCudaComputeCapability) \
+    X(nvmlDeviceGetNumaNodeId) X(nvmlDeviceGetMigMode) X(nvmlDeviceGetMaxMigDeviceCount)           \
+    X(nvmlDeviceIsMigDeviceHandle) X(nvmlDeviceGetMigDeviceHandleByIndex)                          \
+    X(nvmlDeviceGetTopologyCommonAncestor) X(nvmlDeviceGetP2PStatus) X(nvmlDeviceGetNvLinkState)   \
+    X(nvmlDeviceGetNvLinkVersion) X(nvmlDeviceGetNvLinkRemoteDeviceType)                           \
+    X(nvmlDeviceGetNvLinkRemotePciInfo) X(nvmlDeviceGetNvLinkRemotePciInfo_v2)                     \
+    X(nvmlDeviceGetRetiredPagesPendingStatus) X(nvmlDeviceGetRemappedRows)                         \
+    X(nvmlDeviceGetFieldValues) X(nvmlDeviceGetSupportedEventTypes) X(nvmlEventSetCreate)          \
+    X(nvmlDeviceRegisterEvents) X(nvmlEventSetFree) X(nvmlEventSetWait) X(nvmlEventSetWait_v2)
+
+#define FN_ENUM(f) FN_##f,
+#define FN_NAME(f) #f,
+enum { NVML_FUNCS(FN_ENUM) N_FUNCS };
+static const char *const fn_names[N_FUNCS] = {NVML_FUNCS(FN_NAME)};
+static atomic_ullong g_calls[N_FUNCS];
+
+#define COUNT(f) atomic_fetch_add_explicit(&g_calls[FN_##f], 1, memory_order_relaxed)
 
 static nvmlReturn_t done(nvmlReturn_t rc)
 {
@@ -435,6 +484,21 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
         } else if (!strcmp(k, "events")) {
             bad = parse_ull(v, 16, ~0ULL, &u);
             d->events = u;
+        } else if (!strcmp(k, "lost")) {
+            bad = parse_ull(v, 10, 1, &u);
+            d->lost = (int)u;
+        } else if (!strcmp(k, "pending_pages")) {
+            bad = parse_ull(v, 10, 1, &u);
+            d->pending_pages = (unsigned)u;
+        } else if (!strcmp(k, "remap_pending")) {
+            bad = parse_ull(v, 10, 1, &u);
+            d->remap_pending = (unsigned)u;
+        } else if (!strcmp(k, "remap_failure")) {
+            bad = parse_ull(v, 10, 1, &u);
+            d->remap_failure = (unsigned)u;
+        } else if (!strcmp(k, "recovery_action")) {
+            bad = parse_ull(v, 10, 0xFFFF, &u);
+            d->recovery_action = (unsigned)u;
         } else if (!strcmp(k, "unsupported")) {
             char *save = NULL, *item;
             for (item = strtok_r(v, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
@@ -711,8 +775,10 @@ static void ctl_state(char *out, size_t cap)
     struct fake_evset *es;
     for (es = g_sets; es; es = es->next, nsets++)
         dropped += es->dropped;
-    used = (size_t)snprintf(out, cap, "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu",
-                            g_loaded, g_refcount, g_count, g_init_error, nsets, dropped);
+    used = (size_t)snprintf(out, cap,
+                            "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu wait_error=%d"
+                            " wait_left=%ld",
+                            g_loaded, g_refcount, g_count, g_init_error, nsets, dropped, g_wait_error, g_wait_left);
     for (s = 0; s < g_nslots && used < cap; s++) {
         const struct fake_dev *d = &g_devs[s];
         int idx = index_of(s);
@@ -735,6 +801,29 @@ static void ctl_state(char *out, size_t cap)
     }
 }
 
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(fn_names[*(const int *)a], fn_names[*(const int *)b]);
+}
+
+/* "ok total=N name=n ...": one snapshot of each counter, so the total matches the list. */
+static void ctl_calls(char *out, size_t cap)
+{
+    unsigned long long snap[N_FUNCS], total = 0;
+    int order[N_FUNCS], i;
+    size_t used;
+    for (i = 0; i < N_FUNCS; i++) {
+        snap[i] = atomic_load_explicit(&g_calls[i], memory_order_relaxed);
+        total += snap[i];
+        order[i] = i;
+    }
+    qsort(order, N_FUNCS, sizeof order[0], by_name);
+    used = (size_t)snprintf(out, cap, "ok total=%llu", total);
+    for (i = 0; i < N_FUNCS && used < cap; i++)
+        if (snap[order[i]])
+            used += (size_t)snprintf(out + used, cap - used, " %s=%llu", fn_names[order[i]], snap[order[i]]);
+}
+
 static int need_args(int n, int want, const char *usage, char *out, size_t cap)
 {
     if (n == want)
@@ -751,6 +840,7 @@ static void ctl_command(char *line, char *out, size_t cap)
     unsigned long long u, u2;
     long l, l2;
     const char *cmd;
+    size_t i;
 
     if (n <= 0) {
         snprintf(out, cap, "error: %s", n < 0 ? "unterminated quote or too many tokens" : "empty command");
@@ -773,6 +863,34 @@ static void ctl_command(char *line, char *out, size_t cap)
             return;
         }
         g_init_error = (nvmlReturn_t)l;
+        snprintf(out, cap, "ok");
+        return;
+    }
+    if (!strcmp(cmd, "calls")) {
+        if (n == 2 && !strcmp(tok[1], "reset")) {
+            for (i = 0; i < N_FUNCS; i++)
+                atomic_store_explicit(&g_calls[i], 0, memory_order_relaxed);
+            snprintf(out, cap, "ok");
+        } else if (n == 1) {
+            ctl_calls(out, cap);
+        } else {
+            snprintf(out, cap, "error: usage: calls [reset]");
+        }
+        return;
+    }
+    if (!strcmp(cmd, "wait_error")) {
+        struct fake_evset *s;
+        if (need_args(n, 3, "wait_error <nvmlReturn> <count>", out, cap))
+            return;
+        if (parse_int(tok[1], 0, 999, &l) || parse_int(tok[2], -1, LONG_MAX, &l2) || (l == 0 && l2 != 0)) {
+            snprintf(out, cap, "error: wait_error: want a code 1-999 and a count (-1: until cleared), 0 0 clears");
+            return;
+        }
+        g_wait_left = l2;
+        g_wait_error = l2 ? (nvmlReturn_t)l : NVML_SUCCESS;
+        /* Blocked waiters must see it now, not at their timeout. */
+        for (s = g_sets; s; s = s->next)
+            pthread_cond_broadcast(&s->cond);
         snprintf(out, cap, "ok");
         return;
     }
@@ -803,7 +921,6 @@ static void ctl_command(char *line, char *out, size_t cap)
     /* The remaining commands all take a GPU as the first argument. */
     static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove",
                                      "pending_pages", "remap", "recovery_action"};
-    size_t i;
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -1009,9 +1126,8 @@ static void once_init(void)
 
 /* ---- exported: init and system ------------------------------------------------ */
 
-nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+static nvmlReturn_t init_common(void)
 {
-    (void)flags;
     pthread_once(&g_once, once_init);
     pthread_mutex_lock(&g_lock);
     if (!g_loaded) {
@@ -1026,12 +1142,29 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
-nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    COUNT(nvmlInitWithFlags);
+    (void)flags;
+    return init_common();
+}
+
+nvmlReturn_t nvmlInit_v2(void)
+{
+    COUNT(nvmlInit_v2);
+    return init_common();
+}
+
+nvmlReturn_t nvmlInit(void)
+{
+    COUNT(nvmlInit);
+    return init_common();
+}
 
 nvmlReturn_t nvmlShutdown(void)
 {
     struct fake_evset *s;
+    COUNT(nvmlShutdown);
     pthread_mutex_lock(&g_lock);
     if (g_refcount == 0)
         return done(NVML_ERROR_UNINITIALIZED);
@@ -1100,17 +1233,19 @@ static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
 {
+    COUNT(nvmlSystemGetDriverVersion);
     nvmlReturn_t rc = sys_begin();
     return rc ? rc : done(put_str(version, length, g_driver));
 }
 
 nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
 {
+    COUNT(nvmlSystemGetNVMLVersion);
     nvmlReturn_t rc = sys_begin();
     return rc ? rc : done(put_str(version, length, g_nvml));
 }
 
-nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
+static nvmlReturn_t cuda_version(int *v)
 {
     nvmlReturn_t rc = sys_begin();
     if (rc)
@@ -1121,11 +1256,21 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v) { return nvmlSystemGetCudaDriverVersion(v); }
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)
+{
+    COUNT(nvmlSystemGetCudaDriverVersion);
+    return cuda_version(v);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *v)
+{
+    COUNT(nvmlSystemGetCudaDriverVersion_v2);
+    return cuda_version(v);
+}
 
 /* ---- exported: enumeration ------------------------------------------------------ */
 
-nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+static nvmlReturn_t device_count(unsigned int *count)
 {
     nvmlReturn_t rc = sys_begin();
     if (rc)
@@ -1136,10 +1281,20 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    COUNT(nvmlDeviceGetCount_v2);
+    return device_count(count);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count)
+{
+    COUNT(nvmlDeviceGetCount);
+    return device_count(count);
+}
 
 /* Lookups hand out handles of lost GPUs too: the caller learns of the loss on first use. */
-nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+static nvmlReturn_t handle_by_index(unsigned int index, nvmlDevice_t *device)
 {
     nvmlReturn_t rc = sys_begin();
     if (rc)
@@ -1150,13 +1305,21 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     return done(NVML_SUCCESS);
 }
 
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    COUNT(nvmlDeviceGetHandleByIndex_v2);
+    return handle_by_index(index, device);
+}
+
 nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
 {
-    return nvmlDeviceGetHandleByIndex_v2(index, device);
+    COUNT(nvmlDeviceGetHandleByIndex);
+    return handle_by_index(index, device);
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
+    COUNT(nvmlDeviceGetHandleByUUID);
     nvmlReturn_t rc = sys_begin();
     int i;
     if (rc)
@@ -1173,6 +1336,7 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 
 nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *device)
 {
+    COUNT(nvmlDeviceGetHandleBySerial);
     nvmlReturn_t rc = sys_begin();
     int i;
     if (rc)
@@ -1187,7 +1351,7 @@ nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *devic
     return done(NVML_ERROR_NOT_FOUND);
 }
 
-nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+static nvmlReturn_t handle_by_bus(const char *pciBusId, nvmlDevice_t *device)
 {
     nvmlReturn_t rc = sys_begin();
     unsigned dom, bus, dev, fn;
@@ -1206,9 +1370,16 @@ nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t
     return done(NVML_ERROR_NOT_FOUND);
 }
 
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    COUNT(nvmlDeviceGetHandleByPciBusId_v2);
+    return handle_by_bus(pciBusId, device);
+}
+
 nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *device)
 {
-    return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device);
+    COUNT(nvmlDeviceGetHandleByPciBusId);
+    return handle_by_bus(pciBusId, device);
 }
 
 /* ---- exported: per-device queries ----------------------------------------------- */
@@ -1262,6 +1433,7 @@ static nvmlReturn_t dev_begin(nvmlDevice_t h, struct fake_dev **out)
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
+    COUNT(nvmlDeviceGetIndex);
     DEV_BEGIN(device);
     REQUIRE(index);
     *index = (unsigned)index_of((int)(d - g_devs));
@@ -1270,12 +1442,14 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    COUNT(nvmlDeviceGetUUID);
     DEV_BEGIN(device);
     return done(put_str(uuid, length, d->uuid));
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    COUNT(nvmlDeviceGetName);
     DEV_BEGIN(device);
     SUPPORTED(U_NAME);
     return done(put_str(name, length, d->name));
@@ -1283,6 +1457,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
 
 nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length)
 {
+    COUNT(nvmlDeviceGetSerial);
     DEV_BEGIN(device);
     SUPPORTED(U_SERIAL);
     return done(put_str(serial, length, d->serial));
@@ -1290,6 +1465,7 @@ nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int
 
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
 {
+    COUNT(nvmlDeviceGetMinorNumber);
     DEV_BEGIN(device);
     REQUIRE(minorNumber);
     SUPPORTED(U_MINOR);
@@ -1299,6 +1475,7 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNu
 
 nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, int *type)
 {
+    COUNT(nvmlDeviceGetBrand);
     DEV_BEGIN(device);
     REQUIRE(type);
     *type = NVML_BRAND_NVIDIA;
@@ -1307,6 +1484,7 @@ nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, int *type)
 
 nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch)
 {
+    COUNT(nvmlDeviceGetArchitecture);
     DEV_BEGIN(device);
     REQUIRE(arch);
     switch (d->cc_major) {
@@ -1324,6 +1502,7 @@ nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch)
 
 nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode)
 {
+    COUNT(nvmlDeviceGetPersistenceMode);
     DEV_BEGIN(device);
     REQUIRE(mode);
     SUPPORTED(U_PERSISTENCE);
@@ -1333,6 +1512,7 @@ nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode)
 
 nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode)
 {
+    COUNT(nvmlDeviceGetComputeMode);
     DEV_BEGIN(device);
     REQUIRE(mode);
     *mode = 0;   /* NVML_COMPUTEMODE_DEFAULT */
@@ -1365,13 +1545,14 @@ static void fill_pci_legacy(const nvmlPciInfo_t *src, nvmlPciInfoLegacy_t *p)
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
+    COUNT(nvmlDeviceGetPciInfo_v3);
     DEV_BEGIN(device);
     REQUIRE(pci);
     fill_pci(d, pci);
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
+static nvmlReturn_t pci_info_legacy(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
 {
     nvmlPciInfo_t full;
     DEV_BEGIN(device);
@@ -1381,13 +1562,21 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoLegacy_t *p
     return done(NVML_SUCCESS);
 }
 
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
+{
+    COUNT(nvmlDeviceGetPciInfo_v2);
+    return pci_info_legacy(device, pci);
+}
+
 nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
 {
-    return nvmlDeviceGetPciInfo_v2(device, pci);
+    COUNT(nvmlDeviceGetPciInfo);
+    return pci_info_legacy(device, pci);
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
+    COUNT(nvmlDeviceGetMemoryInfo);
     DEV_BEGIN(device);
     REQUIRE(memory);
     SUPPORTED(U_MEMORY);
@@ -1399,6 +1588,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
+    COUNT(nvmlDeviceGetMemoryInfo_v2);
     DEV_BEGIN(device);
     REQUIRE(memory);
     SUPPORTED(U_MEMORY);
@@ -1413,6 +1603,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
+    COUNT(nvmlDeviceGetCudaComputeCapability);
     DEV_BEGIN(device);
     REQUIRE(major && minor);
     SUPPORTED(U_CC);
@@ -1424,6 +1615,7 @@ nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
 /* Real NVML declares unsigned int *; -1 (no NUMA affinity) reads back as -1 through pynvml's c_int. */
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, int *node)
 {
+    COUNT(nvmlDeviceGetNumaNodeId);
     DEV_BEGIN(device);
     REQUIRE(node);
     SUPPORTED(U_NUMA);
@@ -1433,6 +1625,7 @@ nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, int *node)
 
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
 {
+    COUNT(nvmlDeviceGetMigMode);
     DEV_BEGIN(device);
     REQUIRE(currentMode && pendingMode);
     SUPPORTED(U_MIG);
@@ -1442,6 +1635,7 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode
 
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
 {
+    COUNT(nvmlDeviceGetMaxMigDeviceCount);
     DEV_BEGIN(device);
     REQUIRE(count);
     *count = 0;
@@ -1450,6 +1644,7 @@ nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *c
 
 nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
 {
+    COUNT(nvmlDeviceIsMigDeviceHandle);
     DEV_BEGIN(device);
     REQUIRE(isMigDevice);
     *isMigDevice = 0;
@@ -1458,6 +1653,7 @@ nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMi
 
 nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig)
 {
+    COUNT(nvmlDeviceGetMigDeviceHandleByIndex);
     DEV_BEGIN(device);
     (void)index;
     (void)mig;
@@ -1467,6 +1663,7 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
 nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2, int *level)
 {
     int s2;
+    COUNT(nvmlDeviceGetTopologyCommonAncestor);
     DEV_BEGIN(device1);
     REQUIRE(level);
     s2 = slot_of(device2);
@@ -1482,6 +1679,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevic
 nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex, int *status)
 {
     int s1, s2;
+    COUNT(nvmlDeviceGetP2PStatus);
     DEV_BEGIN(device1);
     REQUIRE(status && p2pIndex >= 0 && p2pIndex <= 4);
     s2 = slot_of(device2);
@@ -1539,6 +1737,7 @@ static int nvlink_route(int slot, unsigned link, int *peer_slot)
 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *isActive)
 {
     int peer;
+    COUNT(nvmlDeviceGetNvLinkState);
     DEV_BEGIN(device);
     REQUIRE(isActive);
     SUPPORTED(U_NVLINK);
@@ -1564,6 +1763,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t device, unsigned int link, 
 {
     int peer;
     nvmlReturn_t rc;
+    COUNT(nvmlDeviceGetNvLinkVersion);
     DEV_BEGIN(device);
     REQUIRE(version);
     if ((rc = link_remote(d, link, &peer)))
@@ -1577,6 +1777,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned i
 {
     int peer;
     nvmlReturn_t rc;
+    COUNT(nvmlDeviceGetNvLinkRemoteDeviceType);
     DEV_BEGIN(device);
     REQUIRE(type);
     if ((rc = link_remote(d, link, &peer)))
@@ -1585,7 +1786,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned i
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+static nvmlReturn_t remote_pci(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
 {
     int peer;
     nvmlReturn_t rc;
@@ -1607,13 +1808,20 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned i
     return done(NVML_SUCCESS);
 }
 
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    COUNT(nvmlDeviceGetNvLinkRemotePciInfo_v2);
+    return remote_pci(device, link, pci);
+}
+
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link, nvmlPciInfoLegacy_t *pci)
 {
     nvmlPciInfo_t full;
     nvmlReturn_t rc;
+    COUNT(nvmlDeviceGetNvLinkRemotePciInfo);
     if (!pci)
-        return nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, NULL);
-    rc = nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, &full);
+        return remote_pci(device, link, NULL);
+    rc = remote_pci(device, link, &full);
     if (rc == NVML_SUCCESS)
         fill_pci_legacy(&full, pci);
     return rc;
@@ -1621,6 +1829,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int 
 
 nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending)
 {
+    COUNT(nvmlDeviceGetRetiredPagesPendingStatus);
     DEV_BEGIN(device);
     REQUIRE(isPending);
     SUPPORTED(U_RETIRED_PAGES);
@@ -1631,6 +1840,7 @@ nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *is
 nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
                                        unsigned int *isPending, unsigned int *failureOccurred)
 {
+    COUNT(nvmlDeviceGetRemappedRows);
     DEV_BEGIN(device);
     REQUIRE(corrRows && uncRows && isPending && failureOccurred);
     SUPPORTED(U_REMAPPED_ROWS);
@@ -1646,6 +1856,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
     struct timespec ts;
     long long now;
     int i;
+    COUNT(nvmlDeviceGetFieldValues);
     DEV_BEGIN(device);
     REQUIRE(valuesCount >= 0 && (values || valuesCount == 0));
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -1670,6 +1881,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
 
 nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
 {
+    COUNT(nvmlDeviceGetSupportedEventTypes);
     DEV_BEGIN(device);
     REQUIRE(eventTypes);
     SUPPORTED(U_EVENTS);
@@ -1681,6 +1893,7 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 {
     pthread_condattr_t ca;
     struct fake_evset *s;
+    COUNT(nvmlEventSetCreate);
     nvmlReturn_t rc = sys_begin();
     if (rc)
         return rc;
@@ -1701,6 +1914,7 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
 {
+    COUNT(nvmlDeviceRegisterEvents);
     DEV_BEGIN(device);
     REQUIRE(set_valid(set));
     SUPPORTED(U_EVENTS);
@@ -1719,6 +1933,7 @@ static void set_release(struct fake_evset *s)
 nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 {
     struct fake_evset **pp;
+    COUNT(nvmlEventSetFree);
     nvmlReturn_t rc = sys_begin();
     if (rc)
         return rc;
@@ -1739,7 +1954,8 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
 {
     struct timespec deadline;
     unsigned long cycle;
-    nvmlReturn_t rc;
+    nvmlReturn_t rc, injected = NVML_SUCCESS;
+    int timed_out = 0;
     rc = sys_begin();
     if (rc)
         return rc;
@@ -1753,11 +1969,22 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
     }
     cycle = g_cycle;
     set->waiters++;
-    while (set->count == 0 && !set->dead && cycle == g_cycle && timeoutms) {
-        if (pthread_cond_timedwait(&set->cond, &g_lock, &deadline) == ETIMEDOUT)
+    for (;;) {
+        if (set->dead || cycle != g_cycle)
             break;
+        if (g_wait_left) {   /* "wait_error": fails even with events queued, leaving them there */
+            injected = g_wait_error;
+            if (g_wait_left > 0)
+                g_wait_left--;
+            break;
+        }
+        if (set->count || !timeoutms || timed_out)
+            break;
+        timed_out = pthread_cond_timedwait(&set->cond, &g_lock, &deadline) == ETIMEDOUT;
     }
     set->waiters--;
+    if (injected)   /* taken under the lock with the set alive, so nothing to release */
+        return done(injected);
     if (set->dead) {
         if (!set->waiters)
             set_release(set);
@@ -1784,10 +2011,12 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
 
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
 {
+    COUNT(nvmlEventSetWait_v2);
     return event_wait(set, data, timeoutms, 1);
 }
 
 nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
 {
+    COUNT(nvmlEventSetWait);
     return event_wait(set, data, timeoutms, 0);
 }

@@ -189,6 +189,26 @@ class Control:
         """Make later nvmlInit calls fail with ``code`` (0 clears it)."""
         return self.send(f"init_error {code}")
 
+    def wait_error(self, code: int, count: int) -> None:
+        """Fail the next ``count`` event waits with ``code`` (-1: until ``wait_error(0, 0)``).
+
+        A waiter blocked now wakes up and fails at once; queued events stay queued.
+        """
+        self.send(f"wait_error {code} {count}")
+
+    def calls(self) -> dict[str, int]:
+        """NVML calls per exported function since the start or :meth:`reset_calls` (only non-zero ones)."""
+        reply = self.send("calls").split()
+        if reply[:1] != ["ok"] or not reply[1:2] or not reply[1].startswith("total="):
+            raise ControlError(f"unexpected reply to 'calls': {' '.join(reply)!r}")
+        counts = {name: int(n) for name, _, n in (word.partition("=") for word in reply[2:])}
+        if sum(counts.values()) != int(reply[1].removeprefix("total=")):
+            raise ControlError(f"'calls' reply does not add up: {' '.join(reply)!r}")
+        return counts
+
+    def reset_calls(self) -> None:
+        self.send("calls reset")
+
 
 def _read_text(path: Path) -> str | None:
     try:
