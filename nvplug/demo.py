@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from .testing.fakenvml import FakeNvmlBuildError
-from .testing.kubelet import FakeKubelet
-from .testing.node import GPU_RESOURCE, SimulatedNode
+from .testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from .testing.udev import UdevSender, pci_event
 
 STEP_TIMEOUT = 15.0
-XID_TIMEOUT = 3.0
+DEMO_CONFIG = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.5\n    reprobeMaxSeconds: 1\n"
 
 
 def say(text: str = "") -> None:
@@ -35,14 +36,12 @@ def _demo(root: Path, log_level: str) -> int:
     with SimulatedNode(root) as node:
         say(f"Simulated node in {root}: fake NVML library, kubelet stand-in, nvplug as a child process.")
         node.build_library()
+        # Short re-probe backoff, so recovery fits in a demo.
+        node.config.write_text(DEMO_CONFIG)
         node.kubelet.start()
         node.start_daemon(log_level=log_level, echo=lambda line: print(f"    nvplug | {line}", file=sys.stderr))
 
-        def has_all(k: FakeKubelet) -> bool:
-            p = k.plugin(GPU_RESOURCE)
-            return p is not None and p.capacity == 8
-
-        node.kubelet.wait_for(has_all, STEP_TIMEOUT)
+        node.kubelet.wait_for(registered_with(8), STEP_TIMEOUT)
         plugin = node.kubelet.plugin(GPU_RESOURCE)
         assert plugin is not None
         reg = next(r for r in node.kubelet.registrations if r.accepted)
@@ -70,26 +69,55 @@ def _demo(root: Path, log_level: str) -> int:
 
         victim = ids[-1]
         say()
-        say(f"4. Injecting XID 79 (GPU has fallen off the bus) on {victim}")
+        say(f"4. XID 79 (GPU has fallen off the bus) on {victim}; NVML now answers GPU_IS_LOST for it")
+        node.control.lose(victim)
         node.control.xid(victim, 79)
+        node.kubelet.wait_for(device_health(victim, healthy=False), STEP_TIMEOUT)
+        say(f"   {victim} is Unhealthy: {_allocatable(node)} of 8 allocatable")
+        say(f"   {_reason(node.wait_log('unhealthy: XID 79'), victim)}")
+        node.wait_log("re-probe 1 failed")
+        say("   re-probes of that GPU alone fail while it is lost; healthy GPUs are never polled")
+        node.control.restore(victim)
+        reset = time.monotonic()
+        node.kubelet.wait_for(device_health(victim, healthy=True), STEP_TIMEOUT)
+        took = time.monotonic() - reset
+        say(f"   the GPU was reset: Healthy again {took:.1f}s later, {_allocatable(node)} allocatable")
+        say(f"   {_reason(node.wait_log('healthy: recovered'), victim)}")
 
-        def unhealthy(k: FakeKubelet) -> bool:
-            p = k.plugin(GPU_RESOURCE)
-            return p is not None and victim in p.devices and not p.devices[victim].healthy
-
-        try:
-            node.kubelet.wait_for(unhealthy, XID_TIMEOUT)
+        say()
+        new_uuid = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
+        if os.geteuid() == 0:
+            say("5. Hot-adding a ninth GPU: udev add and bind of 0000:cc:00.0")
+            node.control.add(f'uuid={new_uuid} name="NVIDIA H100 80GB HBM3" minor=8 bus=0000:CC:00.0 numa=1')
+            added = time.monotonic()
+            with UdevSender() as udev:
+                udev.send(pci_event("add", "0000:cc:00.0", driver=None))
+                udev.send(pci_event("bind", "0000:cc:00.0"))
+            node.kubelet.wait_for(registered_with(9), STEP_TIMEOUT)
             plugin = node.kubelet.plugin(GPU_RESOURCE)
             assert plugin is not None
-            say(f"   {victim} is now Unhealthy: {plugin.allocatable} of {plugin.capacity} allocatable")
-        except TimeoutError:
-            say(f"   {victim} is still Healthy: NVML health events are not handled yet (event-driven core to come)")
+            numa = ",".join(map(str, plugin.devices[new_uuid].numa_nodes))
+            took = (time.monotonic() - added) * 1000
+            say(f"   {new_uuid}  Healthy    NUMA {numa}: in the list {took:.0f} ms later, 9 devices")
+        else:
+            say("5. Hot-add skipped: sending udev netlink messages needs root")
 
         started = time.monotonic()
         code = node.stop_daemon()
         last = node.kubelet.plugin(GPU_RESOURCE)
         say()
-        say(f"5. SIGTERM: nvplug exited with status {code} in {time.monotonic() - started:.2f}s;")
+        say(f"6. SIGTERM: nvplug exited with status {code} in {time.monotonic() - started:.2f}s;")
         sent = len(last.updates[-1].devices) if last and last.updates else 0
         say(f"   its last list still held {sent} devices (an empty list would drop capacity)")
         return 0 if code == 0 else 1
+
+
+def _allocatable(node: SimulatedNode) -> int:
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    return plugin.allocatable if plugin is not None else 0
+
+
+def _reason(log: str, uuid: str) -> str:
+    """The daemon's own words: its last log line about this GPU."""
+    line = [ln for ln in log.splitlines() if uuid in ln][-1]
+    return "log: " + line.split(": ", 1)[1]

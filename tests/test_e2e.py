@@ -116,7 +116,7 @@ def test_sigterm_stops_cleanly_without_an_empty_list(node: SimulatedNode) -> Non
 
 def test_keeps_running_without_nvml_library(node: SimulatedNode) -> None:
     node.kubelet.start()
-    node.start_daemon(nvml=False)
+    node.start_daemon(nvml="none")
     log = node.wait_log("NVML unavailable")
     assert "NVML Shared Library Not Found" in log
     assert "ERROR" in next(line for line in log.splitlines() if "NVML unavailable" in line)

@@ -694,6 +694,7 @@ def test_faults_from_scenario_and_add_are_there_at_first_probe(rig: Rig) -> None
         out["add2"] = CTL.add("uuid=GPU-g bus=0000:07:00.0 minor=6 pending_pages=1 recovery_action=2")
         out["bad_add"] = ctl_error(CTL.add, "uuid=GPU-h bus=0000:08:00.0 minor=7 remap_failure=2")
         N.nvmlShutdown(); N.nvmlInit()
+        s = N.nvmlEventSetCreate()  # a full shutdown released the old set
         out["added"] = [probe(5), probe(6)]
         CTL.restore(1); CTL.restore(4)
         out["restored"] = [probe(1), probe(4)]
@@ -719,6 +720,23 @@ def test_faults_from_scenario_and_add_are_there_at_first_probe(rig: Rig) -> None
     assert out["bad_add"] == "error: add: bad value for remap_failure: '2'"
     assert out["added"] == [[15] * 5, [1, [0, 0], 2]]
     assert out["restored"] == [[0, [0, 0], 0], [0, [0, 0], 0]]
+
+
+def test_full_shutdown_releases_event_sets(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        old = N.nvmlEventSetCreate()
+        N.nvmlInit(); N.nvmlShutdown()  # not the last reference: the set lives on
+        out["alive"] = code(N.nvmlEventSetWait_v2, old, 0)
+        N.nvmlShutdown(); N.nvmlInit()
+        out["stale"] = code(N.nvmlEventSetWait_v2, old, 0)
+        out["sets"] = next(w for w in CTL.state().split() if w.startswith("sets="))
+        """
+    )
+    assert out["alive"] == 10  # TIMEOUT: a valid set with nothing queued
+    assert out["stale"] == 2  # INVALID_ARGUMENT: released by the full shutdown
+    assert out["sets"] == "sets=0"
 
 
 def test_unsupported_queries(rig: Rig) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -108,3 +110,39 @@ def test_xid_154_reads_the_recovery_action(node: SimulatedNode) -> None:
     node.kubelet.wait_for(device_health(uuids[2], healthy=False), TIMEOUT)
     node.wait_log("XID 154 GPU_RECOVERY_ACTION_CHANGED")
     node.wait_log("unhealthy: NVML recovery action: node reboot")
+
+
+def test_a_gpu_broken_at_start_is_never_advertised_healthy(node: SimulatedNode) -> None:
+    uuid = node.scenario_gpus()[4]["uuid"]
+    node.scenario.write_text(node.scenario.read_text().replace(f"uuid={uuid}", f"uuid={uuid} pending_pages=1"))
+    start(node)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    # Every message the kubelet ever saw had it Unhealthy, the first one included.
+    assert all(not next(d for d in u.devices if d.id == uuid).healthy for u in plugin.updates)
+    node.wait_log("unhealthy: probe failed: page retirement pending")
+
+
+def test_healthy_gpus_are_never_polled(node: SimulatedNode) -> None:
+    start(node)
+    node.control.reset_calls()
+    time.sleep(3)
+    calls = node.control.calls()
+    # The blocked event wait is all; it re-enters at most once per wait timeout.
+    assert set(calls) <= {"nvmlEventSetWait_v2"}, calls
+    assert calls.get("nvmlEventSetWait_v2", 0) <= 1
+
+
+def test_event_wait_failures_are_reported_and_retried_with_backoff(node: SimulatedNode) -> None:
+    uuids = start(node)
+    node.control.reset_calls()
+    node.control.wait_error(999, -1)
+    node.wait_log("ERROR   nvplug: NVML health events cannot be received: nvmlEventSetWait failed: Unknown Error")
+    time.sleep(2)
+    waits = node.control.calls().get("nvmlEventSetWait_v2", 0)
+    # Backoff, not a busy loop: a handful of attempts in two seconds.
+    assert 2 <= waits <= 15, waits
+    node.control.wait_error(0, 0)
+    node.wait_log("NVML health events are being received")
+    node.control.xid(0, 79)
+    node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink 
 
 TIMEOUT = 15.0
 NEW_GPU = (
-    "uuid=GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08 name=\"NVIDIA H100 80GB HBM3\" minor=8 "
+    'uuid=GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08 name="NVIDIA H100 80GB HBM3" minor=8 '
     "bus=0000:CC:00.0 numa=1 memory_mib=81559 cc=9.0"
 )
 

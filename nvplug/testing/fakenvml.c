@@ -1161,6 +1161,8 @@ nvmlReturn_t nvmlInit(void)
     return init_common();
 }
 
+static void set_release(struct fake_evset *s);
+
 nvmlReturn_t nvmlShutdown(void)
 {
     struct fake_evset *s;
@@ -1169,9 +1171,18 @@ nvmlReturn_t nvmlShutdown(void)
     if (g_refcount == 0)
         return done(NVML_ERROR_UNINITIALIZED);
     if (--g_refcount == 0) {
+        /* A full shutdown releases every event set, as NVML does; a blocked
+         * waiter sees the new cycle and frees its set on the way out. */
         g_cycle++;
-        for (s = g_sets; s; s = s->next)
-            pthread_cond_broadcast(&s->cond);
+        while ((s = g_sets) != NULL) {
+            g_sets = s->next;
+            if (s->waiters) {
+                s->dead = 1;
+                pthread_cond_broadcast(&s->cond);
+            } else {
+                set_release(s);
+            }
+        }
     }
     return done(NVML_SUCCESS);
 }
@@ -1988,10 +1999,9 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
     if (set->dead) {
         if (!set->waiters)
             set_release(set);
-        return done(NVML_ERROR_INVALID_ARGUMENT);
+        /* NVML was shut down underneath the waiter, or the set was freed. */
+        return done(cycle != g_cycle ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT);
     }
-    if (cycle != g_cycle)   /* NVML was shut down underneath the waiter */
-        return done(NVML_ERROR_UNINITIALIZED);
     if (set->count == 0)
         return done(NVML_ERROR_TIMEOUT);
     {

@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Literal
 
 from . import fakenvml
 from .kubelet import FakeKubelet, KubeletThread
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# The fake library; whatever the host's loader finds (a real driver); or no library at all.
+NvmlSource = Literal["fake", "host", "none"]
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 
 
@@ -79,9 +81,11 @@ class SimulatedNode:
     def plugin_socket(self) -> Path:
         return self.plugin_dir / "nvplug-nvidia.com-gpu.sock"
 
-    def daemon_env(self, nvml: bool = True) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-        if nvml:
+    def daemon_env(self, nvml: NvmlSource = "fake") -> dict[str, str]:
+        env = dict(os.environ)
+        if nvml != "host":
+            env.pop("LD_LIBRARY_PATH", None)
+        if nvml == "fake":
             env = fakenvml.environ(self.lib_dir, self.scenario, self.control_path, env)
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -89,13 +93,13 @@ class SimulatedNode:
     def start_daemon(
         self,
         *extra: str,
-        nvml: bool = True,
+        nvml: NvmlSource = "fake",
         log_level: str = "debug",
         env: Mapping[str, str] | None = None,
         echo: Callable[[str], None] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`."""
-        if nvml:
+        if nvml == "fake":
             self.build_library()
         argv: Sequence[str] = [
             sys.executable, "-m", "nvplug", "run",

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""The real-GPU check: discovery, event types and the daemon against the real driver.
+
+Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
+it found; it changes nothing on the GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pynvml  # type: ignore[import-untyped]
+
+from nvplug.events.nvml import WANTED
+from nvplug.nvml import Nvml, NvmlUnavailable, recovery_action, session
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+
+EVENT_NAMES = {
+    0x1: "SingleBitEccError",
+    0x2: "DoubleBitEccError",
+    0x4: "PState",
+    0x8: "XidCriticalError",
+    0x10: "Clock",
+    0x80: "PowerSourceChange",
+    0x100: "MigConfigChange",
+    0x200: "SingleBitEccErrorStorm",
+    0x400: "DramRetirementEvent",
+    0x800: "DramRetirementFailure",
+    0x1000: "NonFatalPoisonError",
+    0x2000: "FatalPoisonError",
+    0x4000: "GpuUnavailableError",
+    0x8000: "GpuRecoveryAction",
+}
+
+
+def names(mask: int) -> str:
+    return ", ".join(n for bit, n in EVENT_NAMES.items() if mask & bit) or "none"
+
+
+def discovery() -> list[str]:
+    started = time.monotonic()
+    scan = Nvml().scan()
+    took = time.monotonic() - started
+    found = scan.discovery
+    print(f"== discovery: {len(found.gpus)} GPUs in {took * 1000:.1f} ms, driver {found.driver_version}")
+    for gpu in found.gpus:
+        for field in ("index", "uuid", "bus_id", "minor", "numa_node", "name", "memory_mib", "compute_capability"):
+            print(f"   {field:<19} {getattr(gpu, field)}")
+    for line in (*found.absent, *found.problems):
+        print(f"   note: {line}")
+    for probe in scan.probes:
+        print(f"   probe {probe.uuid}: {'passed' if probe.passed else probe.failure}")
+    print("== NVML event types")
+    with session():
+        for gpu in found.gpus:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            try:
+                mask = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
+            except pynvml.NVMLError as err:
+                print(f"   gpu {gpu.index}: supported event types unreadable: {err}")
+                continue
+            print(f"   gpu {gpu.index}: supported 0x{mask:x}: {names(mask)}")
+            print(f"   gpu {gpu.index}: nvplug subscribes 0x{mask & WANTED:x}: {names(mask & WANTED)}")
+            try:
+                print(f"   gpu {gpu.index}: recovery action (field 230): {recovery_action(handle)}")
+            except pynvml.NVMLError as err:
+                print(f"   gpu {gpu.index}: recovery action (field 230): {err}")
+    return [g.uuid for g in found.gpus]
+
+
+def daemon(uuids: list[str]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="nvr-", dir="/tmp"))
+    try:
+        with SimulatedNode(root) as node:
+            node.kubelet.start()
+            started = time.monotonic()
+            node.start_daemon("--dev-root", "/", nvml="host", log_level="info")
+            node.kubelet.wait_for(registered_with(len(uuids)), 60)
+            plugin = node.kubelet.plugin(GPU_RESOURCE)
+            assert plugin is not None
+            first = plugin.updates[0].at - started
+            print(f"== daemon: start to first ListAndWatch {first * 1000:.0f} ms (target 500 ms)")
+            for device in plugin.devices.values():
+                print(f"   {device.id} {device.health} NUMA {list(device.numa_nodes)}")
+            response = node.kubelet.allocate(GPU_RESOURCE, uuids[:1]).container_responses[0]
+            print(f"== Allocate {uuids[0]}")
+            for key, value in sorted(response.envs.items()):
+                print(f"   env    {key}={value}")
+            for spec in response.devices:
+                print(f"   device {spec.container_path} <- {spec.host_path} ({spec.permissions})")
+            code = node.stop_daemon(signal.SIGTERM)
+            print(f"== daemon stopped with status {code}; its log:")
+            print(node.log_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    print(f"== host: {os.uname().sysname} {os.uname().release}, uid {os.geteuid()}")
+    try:
+        uuids = discovery()
+    except NvmlUnavailable as err:
+        print(f"== NVML unavailable: {err}")
+        return 1
+    if not uuids:
+        print("== no GPUs: nothing more to check")
+        return 1
+    daemon(uuids)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
