@@ -194,6 +194,8 @@ class PluginServer:
         log.info("%s: stopped serving on %s", self.service.resource_name, self.socket_path)
 
     async def rebind(self) -> None:
+        # Stop first: gRPC unlinks its socket path when the old listener closes,
+        # which would take a new socket at the same path with it.
         await self.stop(grace=0)
         await self.start()
 
