@@ -184,7 +184,7 @@ def row(name: str, samples: list[float]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 import tempfile
@@ -39,7 +41,8 @@ def _demo(root: Path, log_level: str) -> int:
         # Short re-probe backoff, so recovery fits in a demo.
         node.config.write_text(DEMO_CONFIG)
         node.kubelet.start()
-        node.start_daemon(log_level=log_level, echo=lambda line: print(f"    nvplug | {line}", file=sys.stderr))
+        # The daemon logs at info (the demo quotes its reasons); the user sees what they asked for.
+        node.start_daemon(log_level="info", echo=functools.partial(_echo, logging.getLevelName(log_level.upper())))
 
         node.kubelet.wait_for(registered_with(8), STEP_TIMEOUT)
         plugin = node.kubelet.plugin(GPU_RESOURCE)
@@ -70,8 +73,8 @@ def _demo(root: Path, log_level: str) -> int:
         victim = ids[-1]
         say()
         say(f"4. XID 79 (GPU has fallen off the bus) on {victim}; NVML now answers GPU_IS_LOST for it")
-        node.control.lose(victim)
         node.control.xid(victim, 79)
+        node.control.lose(victim)
         node.kubelet.wait_for(device_health(victim, healthy=False), STEP_TIMEOUT)
         say(f"   {victim} is Unhealthy: {_allocatable(node)} of 8 allocatable")
         say(f"   {_reason(node.wait_log('unhealthy: XID 79'), victim)}")
@@ -110,6 +113,14 @@ def _demo(root: Path, log_level: str) -> int:
         sent = len(last.updates[-1].devices) if last and last.updates else 0
         say(f"   its last list still held {sent} devices (an empty list would drop capacity)")
         return 0 if code == 0 else 1
+
+
+def _echo(threshold: int, line: str) -> None:
+    """Show a daemon log line if its level (the third field) reaches the threshold."""
+    fields = line.split(maxsplit=3)
+    level = logging.getLevelName(fields[2]) if len(fields) > 2 else logging.INFO
+    if not isinstance(level, int) or level >= threshold:
+        print(f"    nvplug | {line}", file=sys.stderr)
 
 
 def _allocatable(node: SimulatedNode) -> int:

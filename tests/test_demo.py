@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,14 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     assert out.count("Healthy    NUMA 0") == 4 and out.count("Healthy    NUMA 1") == 4
     assert "3. Allocate 2 GPUs" in out and "NVIDIA_VISIBLE_DEVICES=GPU-" in out
     assert "device /dev/nvidia0 <- " in out and "device /dev/nvidiactl <- " in out
-    assert "4. Injecting XID 79" in out
-    assert "5. SIGTERM: nvplug exited with status 0" in out
-    assert "its last list still held 8 devices" in out
+    assert "4. XID 79 (GPU has fallen off the bus)" in out
+    assert "is Unhealthy: 7 of 8 allocatable" in out
+    assert "unhealthy: XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)" in out
+    assert "Healthy again" in out and "8 allocatable" in out
+    assert "healthy: recovered: re-probe" in out
+    if os.geteuid() == 0:
+        assert "5. Hot-adding a ninth GPU" in out and "9 devices" in out
+        assert "its last list still held 9 devices" in out
+    else:
+        assert "5. Hot-add skipped" in out
+    assert "6. SIGTERM: nvplug exited with status 0" in out

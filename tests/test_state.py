@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import asyncio
 
-from nvplug.event import HealthReported, InventoryFound, KubeletSocketCreated, NvmlFailed
+from nvplug.event import (
+    HealthReported,
+    InventoryFound,
+    KubeletSocketCreated,
+    NvmlFailed,
+    PciChanged,
+    ProbeResult,
+    RecoveryActionChanged,
+    XidOccurred,
+)
 from nvplug.gpu import Gpu, normalize_bus_id
 from nvplug.health import Health
 from nvplug.resources import whole_gpus
 from nvplug.state import NodeState
+from nvplug.xid import XidPolicy
 
 
 def gpu(i: int, numa: int = 0) -> Gpu:
@@ -121,3 +131,79 @@ def test_whole_gpus_projection_carries_numa_and_health() -> None:
 def test_normalize_bus_id() -> None:
     assert normalize_bus_id("00000000:18:00.0") == "0000:18:00.0"
     assert normalize_bus_id("0000:AB:00.0") == "0000:ab:00.0"
+
+
+# --- health rules ------------------------------------------------------------------
+
+
+def eight() -> NodeState:
+    state = NodeState(XidPolicy.with_overrides(fatal=[13]))
+    state.apply(InventoryFound(tuple(gpu(i) for i in range(8))))
+    return state
+
+
+def health_of(state: NodeState, i: int) -> tuple[Health, str]:
+    h = state.current.health[f"GPU-{i:08d}"]
+    return h.health, h.reason
+
+
+def test_xid_policy_decides_and_healthy_xids_are_noted_without_a_revision() -> None:
+    state = eight()
+    changes = state.apply(XidOccurred("GPU-00000000", 31))
+    assert [c.what for c in changes] == ["xid, stays healthy"]
+    assert state.current.revision == 1
+    state.apply(XidOccurred("GPU-00000001", 79))
+    assert health_of(state, 1) == (Health.UNHEALTHY, "XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)")
+    state.apply(XidOccurred("GPU-00000002", 13))
+    assert health_of(state, 2)[0] is Health.UNHEALTHY
+
+
+def test_scan_probe_heals_only_with_reset_evidence() -> None:
+    state = eight()
+    state.apply(XidOccurred("GPU-00000001", 79))
+    gpus = state.current.gpus
+    ok = (ProbeResult("GPU-00000001", None, "scan"),)
+    state.apply(InventoryFound(gpus, ok))
+    assert health_of(state, 1)[0] is Health.UNHEALTHY  # a scan alone is no evidence
+    state.apply(PciChanged("unbind", "0000:19:00.0"))
+    assert health_of(state, 1) == (Health.UNHEALTHY, "XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)")
+    state.apply(InventoryFound(gpus, ok))
+    assert health_of(state, 1) == (Health.HEALTHY, "recovered: driver unbound and re-bound, probe passed")
+
+
+def test_unbind_marks_unhealthy_and_remove_drops_the_gpu() -> None:
+    state = eight()
+    state.apply(PciChanged("unbind", "0000:1a:00.0"))
+    assert health_of(state, 2) == (Health.UNHEALTHY, "driver unbound from the PCI device")
+    changes = state.apply(PciChanged("remove", "0000:1b:00.0"))
+    assert [(c.what, c.reason) for c in changes] == [("removed", "PCI device removed")]
+    assert "GPU-00000003" not in state.current.health and len(state.current.gpus) == 7
+    # Unknown bus ids and other actions change nothing.
+    assert state.apply(PciChanged("remove", "0000:99:00.0")) == []
+    assert state.apply(PciChanged("change", "0000:18:00.0")) == []
+
+
+def test_re_probe_heals_and_failing_probe_marks() -> None:
+    state = eight()
+    state.apply(ProbeResult("GPU-00000004", "GPU is lost", "re-probe 1"))
+    assert health_of(state, 4) == (Health.UNHEALTHY, "probe failed: GPU is lost")
+    state.apply(ProbeResult("GPU-00000004", None, "re-probe 2 of the Unhealthy GPU"))
+    assert health_of(state, 4) == (Health.HEALTHY, "recovered: re-probe 2 of the Unhealthy GPU, probe passed")
+
+
+def test_recovery_action_marks_and_its_return_to_none_is_evidence() -> None:
+    state = eight()
+    state.apply(RecoveryActionChanged("GPU-00000005", 4))
+    assert health_of(state, 5) == (Health.UNHEALTHY, "NVML recovery action: drain and reset")
+    changes = state.apply(RecoveryActionChanged("GPU-00000005", 0))
+    assert [c.what for c in changes] == ["recovery evidence"]
+    assert health_of(state, 5)[0] is Health.UNHEALTHY  # a probe must still confirm it
+    state.apply(InventoryFound(state.current.gpus, (ProbeResult("GPU-00000005", None, "scan"),)))
+    assert health_of(state, 5) == (Health.HEALTHY, "recovered: NVML recovery action back to none, probe passed")
+
+
+def test_a_new_gpu_that_fails_its_first_probe_is_unhealthy_in_the_same_revision() -> None:
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0), gpu(1)), (ProbeResult("GPU-00000001", "row remap pending", "scan"),)))
+    assert state.current.revision == 1
+    assert health_of(state, 1) == (Health.UNHEALTHY, "probe failed: row remap pending")
