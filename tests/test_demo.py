@@ -15,7 +15,8 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     assert result.returncode == 0, out + result.stderr
     assert "1. Registered nvidia.com/gpu (API v1beta1)" in out
     assert "2. ListAndWatch: 8 devices, 8 allocatable" in out
-    assert out.count("Healthy    NUMA 0") == 4 and out.count("Healthy    NUMA 1") == 4
+    listing = out.split("2. ListAndWatch", 1)[1].split("3. Allocate", 1)[0]
+    assert listing.count("Healthy    NUMA 0") == 4 and listing.count("Healthy    NUMA 1") == 4
     assert "3. Allocate 2 GPUs" in out and "NVIDIA_VISIBLE_DEVICES=GPU-" in out
     assert "device /dev/nvidia0 <- " in out and "device /dev/nvidiactl <- " in out
     assert "4. XID 79 (GPU has fallen off the bus)" in out
