@@ -628,7 +628,8 @@ def test_remove_and_add_take_effect_at_next_real_init(rig: Rig) -> None:
         "00000000:E1:00.0",
         1,
     ]
-    assert "count=8" in out["state"] and "removed" in out["state"]
+    # The removed GPU was gone for good, so the new one took its slot.
+    assert "count=8" in out["state"] and "removed" not in out["state"]
 
 
 def test_health_probes(rig: Rig) -> None:
@@ -921,3 +922,25 @@ def test_every_exported_function_is_counted(rig: Rig) -> None:
         """
     )
     assert out["calls"] == {name: 1 for name in exported if name != "nvmlErrorString"}
+
+
+def test_add_reuses_the_slots_of_gpus_gone_for_good(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        out["before"] = N.nvmlDeviceGetCount()
+        for i in range(100):  # far more than MAX_GPUS slots
+            CTL.add(f"uuid=GPU-cycle-{i} bus=0001:{i:02x}:00.0 minor={100 + i}")
+            N.nvmlShutdown(); N.nvmlInit()
+            CTL.remove(f"GPU-cycle-{i}")
+            N.nvmlShutdown(); N.nvmlInit()
+        out["count"] = N.nvmlDeviceGetCount()
+        out["last"] = CTL.add("uuid=GPU-last bus=0001:ff:00.0 minor=255")
+        N.nvmlShutdown(); N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByUUID(b"GPU-last")
+        out["index"] = N.nvmlDeviceGetIndex(h)
+        """
+    )
+    assert out["count"] == out["before"]
+    assert out["last"] == "ok pending GPU-last"
+    assert out["index"] == out["before"]

@@ -8,6 +8,7 @@ on the thread that will rescan, drops it. That also wakes the blocked wait.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -81,25 +82,52 @@ class NvmlEventWatch:
 
     def _run(self) -> None:
         try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as err:
-            self._emit(HealthWatchChanged(f"NVML initialisation for health events failed: {err}"))
+            self._run_watch()
+        except Exception as err:
+            # A bug must not end health checking quietly.
+            log.exception("the NVML event watch failed")
+            self._emit(HealthWatchChanged(f"the NVML event watch failed: {err!r}"))
+        finally:
             self._subscribed.set()
-            return
-        with self._lock:
-            self._holds_ref = True
-        try:
-            event_set = pynvml.nvmlEventSetCreate()
-            handles = self._subscribe(event_set)
-        except pynvml.NVMLError as err:
-            self._emit(HealthWatchChanged(f"cannot subscribe to NVML events: {err}"))
-            self._subscribed.set()
-            return
+
+    def _run_watch(self) -> None:
+        retrying = Retrying(
+            wait=wait_random_exponential(multiplier=0.5, max=self._max_backoff),
+            retry=retry_if_exception_type(pynvml.NVMLError),
+            sleep=self._sleep,
+            before_sleep=self._subscribe_failed,
+        )
+        for attempt in retrying:
+            with attempt:
+                if self._stopping.is_set():
+                    return
+                event_set, handles = self._open()
         self._subscribed.set()
         if not handles:
             return
         self._emit(HealthWatchChanged(None))
         self._watch(event_set, handles)
+
+    def _open(self) -> tuple[Any, dict[int, str]]:
+        with self._lock:
+            if not self._holds_ref:
+                pynvml.nvmlInit()
+                self._holds_ref = True
+        event_set = pynvml.nvmlEventSetCreate()
+        try:
+            return event_set, self._subscribe(event_set)
+        except pynvml.NVMLError:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlEventSetFree(event_set)
+            raise
+
+    def _subscribe_failed(self, state: RetryCallState) -> None:
+        """Say so, and let start() return: the retries go on in the background."""
+        outcome = state.outcome
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        err = outcome.exception() if outcome is not None else None
+        self._emit(HealthWatchChanged(f"cannot subscribe to NVML events: {err}; retry in {delay:.1f}s"))
+        self._subscribed.set()
 
     def _subscribe(self, event_set: Any) -> dict[int, str]:
         handles: dict[int, str] = {}

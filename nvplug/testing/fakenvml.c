@@ -23,7 +23,7 @@
  *   pending_pages <gpu> 0|1
  *   remap <gpu> <pending> <failure> [corr unc]
  *   recovery_action <gpu> <n>           field 230 value, event 0x8000 with data n
- *   add <gpu-line key=value ...>        enumerated from the next 0->1 init
+ *   add <gpu-line key=value ...>        enumerated from the next 0->1 init; reuses gone-for-good slots
  *   link <gpu> <gpu> [nvlink=N] [pcie=LEVEL]
  *   init_error <nvmlReturn>             later nvmlInit calls fail with it (0: succeed)
  *   wait_error <nvmlReturn> <count>     the next <count> nvmlEventSetWait(_v2) calls return it at
@@ -540,18 +540,31 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     return 0;
 }
 
-/* Appends a GPU slot; it becomes visible at the next 0->1 init. */
+/* Adds a GPU; it becomes visible at the next 0->1 init. It takes the slot of
+ * a GPU that is gone for good (removed, and not enumerated since), so endless
+ * add/remove cycles fit in MAX_GPUS; a stale handle to the old one then names
+ * the new GPU. Returns the slot, or -1. */
 static int add_gpu(char **tok, int n, char *err, size_t errlen)
 {
     struct fake_dev d;
-    if (g_nslots >= MAX_GPUS) {
+    int slot, j;
+    for (slot = 0; slot < g_nslots; slot++)
+        if (g_devs[slot].removed && !g_devs[slot].visible)
+            break;
+    if (slot >= MAX_GPUS) {
         snprintf(err, errlen, "too many GPUs (max %d)", MAX_GPUS);
         return -1;
     }
-    if (parse_gpu(tok, n, g_nslots, &d, err, errlen))
+    if (parse_gpu(tok, n, slot, &d, err, errlen))
         return -1;
-    g_devs[g_nslots++] = d;
-    return 0;
+    for (j = 0; j < MAX_GPUS; j++) {   /* no links survive from the slot's last GPU */
+        g_nvlink[slot][j] = g_nvlink[j][slot] = 0;
+        g_pcie[slot][j] = g_pcie[j][slot] = NVML_TOPOLOGY_SYSTEM;
+    }
+    g_devs[slot] = d;
+    if (slot == g_nslots)
+        g_nslots++;
+    return slot;
 }
 
 static int parse_link(int a, int b, char **tok, int n, char *err, size_t errlen)
@@ -598,7 +611,7 @@ static int scenario_line(char *line, char *err, size_t errlen)
     if (n == 0)
         return 0;
     if (!strcmp(tok[0], "gpu"))
-        return add_gpu(tok + 1, n - 1, err, errlen);
+        return add_gpu(tok + 1, n - 1, err, errlen) < 0 ? -1 : 0;
     if (!strcmp(tok[0], "link")) {
         long a, b;
         if (n < 3 || parse_int(tok[1], 0, g_nslots - 1, &a) || parse_int(tok[2], 0, g_nslots - 1, &b)) {
@@ -899,10 +912,11 @@ static void ctl_command(char *line, char *out, size_t cap)
         return;
     }
     if (!strcmp(cmd, "add")) {
-        if (add_gpu(tok + 1, n - 1, err, sizeof err))
+        int slot = add_gpu(tok + 1, n - 1, err, sizeof err);
+        if (slot < 0)
             snprintf(out, cap, "error: add: %s", err);
         else
-            snprintf(out, cap, "ok pending %s", g_devs[g_nslots - 1].uuid);
+            snprintf(out, cap, "ok pending %s", g_devs[slot].uuid);
         return;
     }
     if (!strcmp(cmd, "link")) {
