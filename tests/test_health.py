@@ -69,6 +69,12 @@ def test_lost_gpu_recovers_only_when_a_re_probe_passes(node: SimulatedNode) -> N
     # While lost, re-probes run and fail; the GPU stays out.
     node.wait_log("re-probe 2 failed")
     assert allocatable(node) == 7
+    # Allocation never asks NVML: a lost GPU does not get in the way of the others.
+    pair = [uuids[4], uuids[6]]
+    assert node.kubelet.allocate(GPU_RESOURCE, pair).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(
+        pair
+    )
+    assert node.kubelet.preferred_allocation(GPU_RESOURCE, [u for u in uuids if u != uuids[5]], [], 2) == uuids[:2]
     node.control.restore(5)
     node.kubelet.wait_for(device_health(uuids[5], healthy=True), TIMEOUT)
     node.wait_log("healthy: recovered: re-probe")
