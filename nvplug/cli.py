@@ -64,7 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except config.ConfigError as err:
         log.error("%s", err)
         return 2
-    options = Options(plugin_dir=args.device_plugin_dir, dev_root=args.dev_root, sysfs_root=args.sysfs_root, config=cfg)
+    options = Options(
+        plugin_dir=args.device_plugin_dir,
+        dev_root=args.dev_root,
+        sysfs_root=args.sysfs_root,
+        config=cfg,
+        config_path=args.config,
+    )
     try:
         asyncio.run(serve(options))
     except Exception:

@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import config
 from .config import Config
 from .event import Event, KubeletSocketCreated, NvmlFailed, PciChanged, PluginSocketRemoved
 from .events.bus import EventBus
@@ -23,6 +24,7 @@ from .nvml import Nvml
 from .recovery import Reprober
 from .resources import whole_gpus
 from .state import Change, NodeState
+from .systemd import Notifier
 from .xid import XidPolicy
 
 log = logging.getLogger("nvplug")
@@ -37,6 +39,8 @@ class Options:
     dev_root: Path
     sysfs_root: Path
     config: Config
+    # Where SIGHUP re-reads the config from; None is the default path.
+    config_path: Path | None = None
 
 
 @dataclass
@@ -47,16 +51,27 @@ class _Plugin:
 
 
 class Daemon:
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, notifier: Notifier | None = None) -> None:
         self.options = options
+        self.config = options.config
         health = options.config.health
         self.state = NodeState(XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids))
+        self.notifier = notifier or Notifier()
         self._plugins: list[_Plugin] = []
+        self._reprober: Reprober | None = None
         self._stop = asyncio.Event()
+        self._reloading: asyncio.Task[None] | None = None
+        self._status = ""
 
     def request_stop(self, why: str) -> None:
         log.info("stopping: %s", why)
+        self.notifier.stopping()
         self._stop.set()
+
+    def request_reload(self) -> None:
+        """SIGHUP: one reload at a time; a second signal during one is folded in."""
+        if self._reloading is None or self._reloading.done():
+            self._reloading = asyncio.create_task(self._reload())
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,11 +84,13 @@ class Daemon:
         service = DevicePluginService(name, self.state, functools.partial(whole_gpus, name=name), opts.dev_root)
         server = PluginServer(service, opts.plugin_dir / _socket_name(name))
         options = pb.DevicePluginOptions(get_preferred_allocation_available=True)
-        self._plugins.append(_Plugin(server, Registrar(opts.plugin_dir, name, server.endpoint, options)))
+        registrar = Registrar(opts.plugin_dir, name, server.endpoint, options, on_change=self._update_status)
+        self._plugins.append(_Plugin(server, registrar))
 
         scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)
         health = opts.config.health
         reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
+        self._reprober = reprober
         # Sources start before the first scan and the first look at kubelet.sock: nothing slips between.
         udev = UdevSource(loop, bus.publish, on_overflow=lambda: scanner.request("udev events were lost"))
         try:
@@ -93,7 +110,11 @@ class Daemon:
                 scanner.request("NVML unavailable at start")
             for plugin in self._plugins:
                 await plugin.server.start()
+            # Ready once serving: the kubelet may come later, and we wait for it ourselves.
+            self.notifier.ready(self._status_line())
             tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
+            if self.notifier.watchdog_interval is not None:
+                tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             tasks.append(asyncio.create_task(scanner.run(), name="scanner"))
             tasks += [
                 asyncio.create_task(p.registrar.run(), name=f"register {p.registrar.resource_name}")
@@ -142,6 +163,54 @@ class Daemon:
                 reprober.now(change.gpu.uuid)
         if changes:
             reprober.follow(self.state.current)
+            self._update_status()
+
+    async def _watchdog(self, interval: float) -> None:
+        """Pinged from the loop itself, so a hung loop stops the pings and systemd restarts us."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _status_line(self) -> str:
+        snap = self.state.current
+        parts = []
+        for plugin in self._plugins:
+            resource = plugin.server.service.resource()
+            if plugin.registrar.registered.is_set():
+                how = "registered"
+            elif plugin.registrar.kubelet_socket.exists():
+                how = "registering"
+            else:
+                how = "waiting for kubelet.sock"
+            parts.append(f"{resource.name} {how}: {len(resource.devices)} devices, {resource.healthy_count} healthy")
+        if snap.nvml_error:
+            parts.append(f"NVML unavailable: {snap.nvml_error}")
+        if snap.health_watch_error:
+            parts.append(f"health events unavailable: {snap.health_watch_error}")
+        return "; ".join(parts)
+
+    def _update_status(self) -> None:
+        line = self._status_line()
+        if line != self._status:
+            self._status = line
+            self.notifier.status(line)
+
+    async def _reload(self) -> None:
+        self.notifier.reloading()
+        source = self.options.config_path or "the default config"
+        try:
+            new = config.load(self.options.config_path)
+            policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
+        except (config.ConfigError, ValueError) as err:
+            log.error("reload refused, the config in force stays: %s", err)
+        else:
+            self.state.set_xid_policy(policy)
+            if self._reprober is not None:
+                self._reprober.set_backoff(new.health.reprobe_initial_seconds, new.health.reprobe_max_seconds)
+            # Resources are fixed so far; once they can change, a change re-registers here.
+            log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
+            self.config = new
+        self.notifier.ready(self._status_line())
 
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
@@ -190,9 +259,10 @@ async def serve(options: Options) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop, signal.Signals(sig).name)
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     try:
         await daemon.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)

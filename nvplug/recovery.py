@@ -45,6 +45,10 @@ class Reprober:
             self._wake[uuid] = asyncio.Event()
             self._tasks[uuid] = asyncio.create_task(self._reprobe(uuid), name=f"reprobe {uuid}")
 
+    def set_backoff(self, initial: float, maximum: float) -> None:
+        """From a reloaded config; GPUs already being re-probed keep their schedule."""
+        self._initial, self._maximum = initial, maximum
+
     def now(self, uuid: str) -> None:
         """New evidence for this GPU: probe it without waiting out the backoff."""
         wake = self._wake.get(uuid)

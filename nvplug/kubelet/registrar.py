@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -41,6 +42,7 @@ class Registrar:
         endpoint: str,
         options: pb.DevicePluginOptions,
         max_backoff: float = 2.0,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self.resource_name = resource_name
@@ -51,11 +53,14 @@ class Registrar:
         self._wanted.set()
         self.registered = asyncio.Event()
         self.registrations = 0
+        # Told whenever `registered` flips, for the status line.
+        self._on_change = on_change
 
     def wake(self) -> None:
         """Register (again) now: the kubelet restarted or our socket was rebound."""
         self.registered.clear()
         self._wanted.set()
+        self._on_change()
 
     async def run(self) -> None:
         while True:
@@ -81,6 +86,7 @@ class Registrar:
                 self._wanted.clear()
                 await self._register_once()
         self.registered.set()
+        self._on_change()
 
     async def _register_once(self) -> None:
         request = pb.RegisterRequest(

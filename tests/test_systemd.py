@@ -1,0 +1,207 @@
+"""The systemd side without systemd: sd_notify on a real datagram socket, journald
+priorities on a real stream, and SIGHUP reloads of the real daemon."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nvplug.logs import JournalFormatter, journal_stream
+from nvplug.systemd import Notifier
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+
+TIMEOUT = 15.0
+
+
+class NotifySocket:
+    """What systemd listens on: one datagram per sd_notify call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.messages: list[tuple[float, dict[str, str]]] = []
+
+    def receive(self, until: str, timeout: float = TIMEOUT) -> dict[str, str]:
+        """Collect messages until one carries `until` (KEY or KEY=VALUE); return it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {until} among {self.messages}")
+            self.sock.settimeout(remaining)
+            data = self.sock.recv(4096).decode()
+            fields = dict(line.split("=", 1) for line in data.splitlines())
+            self.messages.append((time.monotonic(), fields))
+            key, _, value = until.partition("=")
+            if key in fields and (not value or fields[key] == value):
+                return fields
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def notify(short_tmp: Path) -> Iterator[NotifySocket]:
+    sock = NotifySocket(short_tmp / "notify.sock")
+    yield sock
+    sock.close()
+
+
+def test_notifier_sends_each_message(notify: NotifySocket) -> None:
+    n = Notifier({"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "3000000"})
+    assert n.enabled and n.watchdog_interval == 1.5
+    n.ready("8 devices")
+    assert notify.receive("READY") == {"READY": "1", "STATUS": "8 devices"}
+    n.watchdog()
+    assert notify.receive("WATCHDOG") == {"WATCHDOG": "1"}
+    n.reloading()
+    assert notify.receive("RELOADING")["RELOADING"] == "1"
+    n.stopping()
+    assert notify.receive("STOPPING")["STOPPING"] == "1"
+
+
+def test_notifier_abstract_socket_and_absence() -> None:
+    name = f"nvplug-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        Notifier({"NOTIFY_SOCKET": "@" + name}).status("hello")
+        assert sock.recv(100) == b"STATUS=hello"
+    quiet = Notifier({})
+    assert not quiet.enabled and quiet.watchdog_interval is None
+    quiet.ready("nobody listens")  # a no-op, not an error
+    # A watchdog meant for another process is not ours to ping.
+    assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "100", "WATCHDOG_PID": "1"}).watchdog_interval is None
+
+
+def test_journal_formatter_prefixes_priority_and_keeps_tracebacks_on_one_line() -> None:
+    fmt = JournalFormatter()
+    record = logging.LogRecord("nvplug", logging.ERROR, __file__, 1, "reload refused: %s", ("bad",), None)
+    assert fmt.format(record) == "<3>nvplug: reload refused: bad"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        record = logging.LogRecord("nvplug", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    line = fmt.format(record)
+    assert line.startswith("<3>nvplug: failed ⏎ Traceback") and "\n" not in line and "RuntimeError: boom" in line
+    for level, prefix in ((logging.WARNING, "<4>"), (logging.INFO, "<6>"), (logging.DEBUG, "<7>")):
+        assert fmt.format(logging.LogRecord("x", level, __file__, 1, "m", (), None)).startswith(prefix)
+
+
+def test_journal_stream_matches_device_and_inode(tmp_path: Path) -> None:
+    with (tmp_path / "stream").open("w") as f:
+        st = os.fstat(f.fileno())
+        assert journal_stream({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}, f.fileno())
+        assert not journal_stream({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino + 1}"}, f.fileno())
+        assert not journal_stream({}, f.fileno())
+        assert not journal_stream({"JOURNAL_STREAM": "garbage"}, f.fileno())
+
+
+def test_daemon_notifies_ready_status_watchdog_reload_and_stopping(node: SimulatedNode, notify: NotifySocket) -> None:
+    node.kubelet.start()
+    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    ready = notify.receive("READY")
+    assert "nvidia.com/gpu" in ready["STATUS"] and "8 devices, 8 healthy" in ready["STATUS"]
+    notify.receive("STATUS=nvidia.com/gpu registered: 8 devices, 8 healthy")
+    # Pings from the loop at half the watchdog timeout.
+    pings = []
+    while len(pings) < 4:
+        notify.receive("WATCHDOG")
+        pings.append(notify.messages[-1][0])
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
+    assert all(0.1 < g < 0.4 for g in gaps), gaps
+    node.control.xid(3, 79)
+    notify.receive("STATUS=nvidia.com/gpu registered: 8 devices, 7 healthy")
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    notify.receive("RELOADING")
+    notify.receive("READY")
+    assert node.stop_daemon() == 0
+    notify.receive("STOPPING")
+
+
+def test_a_stopped_loop_stops_the_watchdog_pings(node: SimulatedNode, notify: NotifySocket) -> None:
+    node.kubelet.start()
+    daemon = node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "200000"})
+    notify.receive("READY")
+    notify.receive("WATCHDOG")
+    daemon.send_signal(signal.SIGSTOP)
+    time.sleep(0.05)
+    notify.sock.settimeout(0.6)
+    with pytest.raises(socket.timeout):
+        while True:  # drain what was sent before the stop, then nothing for 0.6 s
+            notify.sock.recv(4096)
+    daemon.send_signal(signal.SIGCONT)
+    notify.receive("WATCHDOG")
+
+
+def test_reload_applies_a_new_config_without_touching_the_stream(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    uuids = [g["uuid"] for g in node.scenario_gpus()]
+    node.config.write_text("version: v1\nnvplug:\n  health:\n    fatalXids: [13]\n")
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    node.wait_log("reloaded the config from")
+    node.control.xid(2, 13)
+    node.kubelet.wait_for(device_health(uuids[2], healthy=False), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.stream_open
+    assert node.kubelet.accepted_registrations(GPU_RESOURCE) == 1
+
+
+def test_a_bad_config_on_reload_is_refused_and_the_old_one_stays(node: SimulatedNode) -> None:
+    node.config.write_text("version: v1\nnvplug:\n  health:\n    fatalXids: [13]\n")
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    node.config.write_text("version: v1\nnvplug:\n  health:\n    fatalXids: [13]\n    reprobe: 3\n")
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    log = node.wait_log("reload refused")
+    line = next(ln for ln in log.splitlines() if "reload refused" in ln)
+    assert "ERROR" in line and "config.yaml, line 5: nvplug.health.reprobe: unknown key" in line
+    # Still in force: XID 13 is fatal.
+    uuid = node.scenario_gpus()[1]["uuid"]
+    node.control.xid(1, 13)
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)
+
+
+def test_journald_priorities_when_stderr_is_the_journal(node: SimulatedNode, short_tmp: Path) -> None:
+    """The daemon writes <N> prefixes only when $JOURNAL_STREAM names its stderr."""
+    node.kubelet.start()
+    node.build_library()
+    log_path = short_tmp / "journal.stream"
+    with log_path.open("wb") as stream:
+        st = os.fstat(stream.fileno())
+        env = node.daemon_env()
+        env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        argv = [sys.executable, "-m", "nvplug", "run", "--device-plugin-dir", str(node.plugin_dir),
+                "--config", str(node.config), "--dev-root", str(node.dev_root)]  # fmt: skip
+        daemon = subprocess.Popen(argv, env=env, stderr=stream, stdin=subprocess.DEVNULL)
+        try:
+            node.kubelet.wait_for(registered_with(8), TIMEOUT)
+            node.config.write_text("bogus: 1\n")
+            daemon.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + TIMEOUT
+            while b"reload refused" not in log_path.read_bytes():
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.02)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(TIMEOUT) == 0
+    lines = log_path.read_text().splitlines()
+    assert lines and all(line[:3] in ("<3>", "<4>", "<6>", "<7>") for line in lines), lines
+    assert any(line.startswith("<3>nvplug: reload refused") for line in lines)
+    assert any(line.startswith("<6>nvplug.kubelet.registrar: nvidia.com/gpu: registered") for line in lines)
