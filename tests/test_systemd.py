@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,3 +206,15 @@ def test_journald_priorities_when_stderr_is_the_journal(node: SimulatedNode, sho
     assert lines and all(line[:3] in ("<3>", "<4>", "<6>", "<7>") for line in lines), lines
     assert any(line.startswith("<3>nvplug: reload refused") for line in lines)
     assert any(line.startswith("<6>nvplug.kubelet.registrar: nvidia.com/gpu: registered") for line in lines)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_file_verifies_clean(tmp_path: Path) -> None:
+    # verify insists that ExecStart exists: point it at this checkout's nvplug.
+    unit = (Path(__file__).parent.parent / "systemd" / "nvplug.service").read_text()
+    nvplug = shutil.which("nvplug") or str(Path(sys.executable).parent / "nvplug")
+    (tmp_path / "nvplug.service").write_text(unit.replace("ExecStart=/usr/bin/nvplug", f"ExecStart={nvplug}"))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / "nvplug.service")], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stderr == "" and result.stdout == "", result.stderr + result.stdout
