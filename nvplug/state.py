@@ -107,9 +107,7 @@ class NodeState:
         elif isinstance(event, PciChanged):
             self._pci(draft, event)
         elif isinstance(event, NvmlFailed):
-            if draft.nvml_error != event.reason:
-                draft.nvml_error = event.reason
-                draft.note(Change("nvml failed", reason=event.reason))
+            self._nvml_failed(draft, event)
         elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
             draft.health_watch_error = event.error
             what = "health watch failed" if event.error else "health watch running"
@@ -150,6 +148,17 @@ class NodeState:
             draft.nvml_error = None
         for probe in event.probes:
             self._probe(draft, probe, rescan=True)
+
+    def _nvml_failed(self, draft: _Draft, event: NvmlFailed) -> None:
+        if draft.nvml_error == event.reason:
+            return
+        draft.nvml_error = event.reason
+        draft.note(Change("nvml failed", reason=event.reason))
+        # Nothing can check these GPUs now: stop offering them until NVML is back and probes pass.
+        for gpu in draft.gpus:
+            if draft.health[gpu.uuid].healthy:
+                self._reset_seen[gpu.uuid] = "NVML available again"
+            draft.set_health(gpu.uuid, Health.UNHEALTHY, f"NVML unavailable: {event.reason}")
 
     def _probe(self, draft: _Draft, probe: ProbeResult, rescan: bool) -> None:
         gpu = draft.gpu(probe.uuid)

@@ -207,3 +207,16 @@ def test_a_new_gpu_that_fails_its_first_probe_is_unhealthy_in_the_same_revision(
     state.apply(InventoryFound((gpu(0), gpu(1)), (ProbeResult("GPU-00000001", "row remap pending", "scan"),)))
     assert state.current.revision == 1
     assert health_of(state, 1) == (Health.UNHEALTHY, "probe failed: row remap pending")
+
+
+def test_nvml_lost_after_working_makes_gpus_unhealthy_until_a_scan_probes_them() -> None:
+    state = eight()
+    state.apply(XidOccurred("GPU-00000007", 79))
+    state.apply(NvmlFailed("Driver Not Loaded"))
+    assert all(not h.healthy for h in state.current.health.values())
+    assert health_of(state, 0) == (Health.UNHEALTHY, "NVML unavailable: Driver Not Loaded")
+    passed = tuple(ProbeResult(g.uuid, None, "scan") for g in state.current.gpus)
+    state.apply(InventoryFound(state.current.gpus, passed))
+    assert health_of(state, 0) == (Health.HEALTHY, "recovered: NVML available again, probe passed")
+    # The GPU that was already Unhealthy for its own reason still needs its own evidence.
+    assert health_of(state, 7)[0] is Health.UNHEALTHY

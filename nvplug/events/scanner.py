@@ -81,18 +81,20 @@ class Scanner:
                         raise NvmlUnavailable(result.reason)
 
     async def close(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            await self._call(watch.hand_over)
+        await self._call(self._release_watch)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
 
-    def _scan_blocking(self) -> InventoryFound | NvmlFailed:
+    def _release_watch(self) -> None:
+        """On the worker, like every other use of the watch."""
         if self._watch is not None:
             self._watch.hand_over()
             self._watch = None
+
+    def _scan_blocking(self) -> InventoryFound | NvmlFailed:
+        self._release_watch()
         self.scans += 1
         try:
             scan = self._nvml.scan()
