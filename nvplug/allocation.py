@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .resources import Device, Resource
+from .topology import best_set
 
 # Driver-wide nodes every GPU container needs, when the host has them.
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
@@ -74,7 +75,7 @@ def allocate(
 
 
 def preferred(resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-    """Must-include first, then the lowest GPU index. Topology awareness comes later."""
+    """Must-include first, then the best-connected rest; among equals, the lowest GPU index."""
     if size <= 0:
         raise AllocationError(f"{resource.name}: allocation size {size} is not positive")
     offered = set(available)
@@ -92,8 +93,4 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
         # IDs we don't know go last rather than failing the whole answer.
         return (device.gpu.index if device is not None else 1 << 30, device_id)
 
-    for device_id in sorted(offered - set(chosen), key=order):
-        if len(chosen) == size:
-            break
-        chosen.append(device_id)
-    return chosen
+    return best_set(resource.topology.score, sorted(offered, key=order), chosen, size)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .gpu import Gpu
 from .health import Health
+from .topology import Topology
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class InventoryFound:
 
     gpus: tuple[Gpu, ...]
     probes: tuple[ProbeResult, ...] = ()
+    topology: Topology = field(default_factory=Topology)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ that an older driver lacks degrade one field; they never fail discovery.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +19,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from .event import ProbeResult
 from .gpu import NO_NUMA_NODE, Gpu, normalize_bus_id
+from .topology import Link, PcieLevel, Topology
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class Discovery:
     # Fields that failed to read and GPUs skipped: worth a warning.
     problems: tuple[str, ...] = ()
     driver_version: str | None = None
+    topology: Topology = field(default_factory=Topology)
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,50 @@ def recovery_action(handle: Any) -> int | None:
     return int(value.value.uiVal)
 
 
+def _read_topology(found: list[tuple[Gpu, Any]], notes: _Notes) -> Topology:
+    """NVLinks per pair (direct, or both ends on the NVSwitch fabric) and the PCIe path."""
+    by_bus = {gpu.bus_id: gpu.uuid for gpu, _ in found}
+    direct: dict[tuple[str, str], int] = {}
+    to_switch: dict[str, int] = {}
+    for gpu, handle in found:
+        for remote in _nvlink_peers(gpu, handle, notes):
+            peer = by_bus.get(remote)
+            if peer is None:
+                # Not a GPU we see: an NVSwitch, whose GPUs all reach each other.
+                to_switch[gpu.uuid] = to_switch.get(gpu.uuid, 0) + 1
+            elif peer != gpu.uuid:
+                direct[(gpu.uuid, peer)] = direct.get((gpu.uuid, peer), 0) + 1
+    links: dict[tuple[str, str], Link] = {}
+    for (a, ha), (b, hb) in itertools.combinations(found, 2):
+        level = notes.optional(functools.partial(_common_ancestor, ha, hb), a.label, "PCIe topology")
+        # Each end counts the same links; take the larger count in case one end cannot tell.
+        nvlinks = max(direct.get((a.uuid, b.uuid), 0), direct.get((b.uuid, a.uuid), 0))
+        nvlinks += min(to_switch.get(a.uuid, 0), to_switch.get(b.uuid, 0))
+        links[(a.uuid, b.uuid)] = Link(nvlinks, level if level is not None else PcieLevel.SYSTEM)
+    return Topology.of(links)
+
+
+def _common_ancestor(a: Any, b: Any) -> PcieLevel:
+    return PcieLevel(int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)))
+
+
+def _nvlink_peers(gpu: Gpu, handle: Any, notes: _Notes) -> list[str]:
+    """Bus ids at the far end of each active NVLink of this GPU."""
+    peers = []
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        except pynvml.NVMLError as err:
+            # Past the last link, or no NVLink at all: both end the walk.
+            if err.value not in (*_ABSENT, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                notes.problems.append(f"{gpu.label}: NVLink {link} unreadable: {err}")
+            break
+        peers.append(normalize_bus_id(_text(remote.busId)))
+    return peers
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -131,16 +179,18 @@ class Nvml:
             raise NvmlUnavailable(f"NVML cannot count devices: {err}") from err
         notes = _Notes()
         driver = notes.optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
-        gpus: list[Gpu] = []
+        found: list[tuple[Gpu, Any]] = []
         for index in range(count):
             try:
-                gpus.append(self._read_gpu(index, notes))
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                found.append((self._read_gpu(index, handle, notes), handle))
             except pynvml.NVMLError as err:
                 notes.problems.append(f"gpu {index}: skipped, its identity cannot be read: {err}")
-        return Discovery(tuple(gpus), notes.summarize_absent(), tuple(notes.problems), driver)
+        topology = _read_topology(found, notes)
+        gpus = tuple(gpu for gpu, _ in found)
+        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology)
 
-    def _read_gpu(self, index: int, notes: _Notes) -> Gpu:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    def _read_gpu(self, index: int, handle: Any, notes: _Notes) -> Gpu:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         bus_id = normalize_bus_id(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
         label = f"gpu {index} {uuid} ({bus_id})"

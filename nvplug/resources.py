@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .gpu import NO_NUMA_NODE, Gpu
 from .health import HealthState
 from .state import Snapshot
+from .topology import Topology
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -29,6 +30,7 @@ class Device:
 class Resource:
     name: str
     devices: tuple[Device, ...] = ()
+    topology: Topology = field(default_factory=Topology)
     _by_id: Mapping[str, Device] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -45,4 +47,4 @@ class Resource:
 def whole_gpus(snapshot: Snapshot, name: str = GPU_RESOURCE) -> Resource:
     """Each GPU once, under its UUID, in index order."""
     devices = tuple(Device(g.uuid, g, snapshot.health[g.uuid]) for g in snapshot.gpus if g.uuid in snapshot.health)
-    return Resource(name, devices)
+    return Resource(name, devices, snapshot.topology)

@@ -31,6 +31,7 @@ from .event import (
 )
 from .gpu import Gpu
 from .health import Health, HealthState
+from .topology import Topology
 from .xid import Verdict, XidPolicy
 
 RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
@@ -49,6 +50,8 @@ class Snapshot:
     nvml_error: str | None = None
     # Why health events cannot be received right now; None while they can.
     health_watch_error: str | None = None
+    # Links between GPUs, read with the inventory.
+    topology: Topology = field(default_factory=Topology)
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -143,6 +146,7 @@ class NodeState:
                 self._reset_seen.pop(uuid, None)
                 draft.note(Change("removed", gpu))
         draft.gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
+        draft.topology = event.topology
         if draft.nvml_error is not None:
             draft.note(Change("nvml recovered", reason=draft.nvml_error))
             draft.nvml_error = None
@@ -228,6 +232,7 @@ class _Draft:
         self.health = dict(base.health)
         self.nvml_error = base.nvml_error
         self.health_watch_error = base.health_watch_error
+        self.topology = base.topology
         self.changes: list[Change] = []
 
     def gpu(self, uuid: str) -> Gpu | None:
@@ -254,6 +259,7 @@ class _Draft:
             and self.health == base.health
             and self.nvml_error == base.nvml_error
             and self.health_watch_error == base.health_watch_error
+            and self.topology == base.topology
         )
         if unchanged:
             return None
@@ -264,4 +270,5 @@ class _Draft:
             health=MappingProxyType(self.health),
             nvml_error=self.nvml_error,
             health_watch_error=self.health_watch_error,
+            topology=self.topology,
         )

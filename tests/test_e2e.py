@@ -64,10 +64,13 @@ def test_allocate_one_and_two_gpus(node: SimulatedNode) -> None:
     log = node.wait_log(f"allocated gpu 5 {gpus[5]['uuid']}")
     assert gpus[5]["bus"].lower() in log
 
-    assert node.kubelet.preferred_allocation(GPU_RESOURCE, [g["uuid"] for g in gpus[::-1]], [gpus[6]["uuid"]], 2) == [
+    # All pairs share the NVSwitch; GPUs 6 and 7 also share a PCIe switch, so 6 goes with 7.
+    everyone = [g["uuid"] for g in gpus[::-1]]
+    assert node.kubelet.preferred_allocation(GPU_RESOURCE, everyone, [gpus[6]["uuid"]], 2) == [
         gpus[6]["uuid"],
-        gpus[0]["uuid"],
+        gpus[7]["uuid"],
     ]
+    assert node.kubelet.preferred_allocation(GPU_RESOURCE, everyone, [], 4) == [g["uuid"] for g in gpus[:4]]
     node.kubelet.pre_start(GPU_RESOURCE, pair, check_options=False)
 
 
