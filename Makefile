@@ -29,6 +29,7 @@ lint: setup
 # Figures, not pass/fail: see bench/README.md. Run as root for the udev measures.
 bench: setup
 	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/allocation.py
 
 proto: setup
 	$(BIN)/python scripts/gen_proto.py
