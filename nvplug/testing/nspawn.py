@@ -1,0 +1,597 @@
+"""Boot a real systemd in a throwaway systemd-nspawn container, for the install test.
+
+A Debian root made by debootstrap is cached once (:func:`ensure_image`); each
+:class:`Container` boots a disposable snapshot of it, waits until systemd says
+the system is up, runs commands inside with ``nsenter`` and, whatever happens,
+powers off, kills what is left and removes the snapshot.
+
+The snapshot is an overlay mount made inside the container's own mount
+namespace (``unshare --mount`` then ``exec systemd-nspawn``), so the host never
+sees the mount and nothing is left mounted when the container dies; where the
+cache's file system cannot be an overlay's upper layer it falls back to a copy.
+
+Everything here needs root, ``systemd-nspawn`` (Debian's ``systemd-container``),
+``nsenter``, ``unshare`` and ``setpriv`` (``util-linux``) and, to build the image,
+``debootstrap`` with network access to a Debian mirror.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal
+
+from . import fakenvml
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "IMAGE_PACKAGES",
+    "SUITE",
+    "Bind",
+    "Container",
+    "ContainerControl",
+    "ContainerError",
+    "cache_dir",
+    "ensure_image",
+    "missing_requirements",
+    "wait_until",
+]
+
+DEFAULT_CACHE = Path("/var/cache/nvplug-test")
+SUITE = "bookworm"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+# What the image holds besides minbase: an init, a bus, and what the deb depends on,
+# so that installing it needs no download.
+IMAGE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3.11-venv", "libudev1")
+# Files a finished image has; debootstrap leaves its own directory behind when it fails.
+_IMAGE_MARKERS = ("usr/lib/systemd/systemd", "usr/bin/python3")
+# Host tools: what each one comes from on Debian.
+HOST_TOOLS = {
+    "systemd-nspawn": "systemd-container",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
+    "setpriv": "util-linux",
+    "debootstrap": "debootstrap",
+}
+# The environment of every command run inside: nothing leaks in from the host.
+CONTAINER_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "HOME": "/root",
+    "DEBIAN_FRONTEND": "noninteractive",
+    "SYSTEMD_PAGER": "",
+    "SYSTEMD_COLORS": "0",
+}
+_RUN_PREFIX = "run-"
+
+Log = Callable[[str], None]
+
+
+class ContainerError(RuntimeError):
+    """The container could not be built, booted, or a command inside it failed."""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """``$NVPLUG_NSPAWN_CACHE`` or /var/cache/nvplug-test."""
+    return Path(os.environ.get("NVPLUG_NSPAWN_CACHE") or DEFAULT_CACHE)
+
+
+def missing_requirements(cache: Path | None = None) -> str | None:
+    """Why containers cannot run here (a skip reason), or None when they can.
+
+    debootstrap is only needed while no image is cached.
+    """
+    if os.geteuid() != 0:
+        return "needs root (systemd-nspawn, nsenter and debootstrap run as root)"
+    image = (cache or cache_dir()) / SUITE
+    need = [tool for tool in HOST_TOOLS if shutil.which(tool) is None]
+    if "debootstrap" in need and _image_complete(image):
+        need.remove("debootstrap")
+    if need:
+        packages = sorted({HOST_TOOLS[t] for t in need})
+        return f"missing {', '.join(need)} (apt-get install {' '.join(packages)})"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The cached image
+# ---------------------------------------------------------------------------
+
+
+def _image_complete(root: Path) -> bool:
+    return all((root / marker).exists() for marker in _IMAGE_MARKERS) and not (root / "debootstrap").exists()
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """One builder or cleaner at a time per cache (other test runs wait)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_image(cache: Path | None = None, *, mirror: str | None = None, log: Log = _stderr) -> Path:
+    """The pristine root ``<cache>/bookworm``, made by debootstrap the first time.
+
+    It is built in ``<cache>/bookworm.tmp`` and renamed into place only when
+    complete; a complete ``bookworm.tmp`` left by an earlier run is adopted.
+    Snapshots left by runs that were killed are removed here too.
+    """
+    cache = cache or cache_dir()
+    image = cache / SUITE
+    with _locked(cache):
+        _remove_stale_runs(cache, log)
+        if _image_complete(image):
+            return image
+        tmp = cache / f"{SUITE}.tmp"
+        if not _image_complete(tmp):
+            if shutil.which("debootstrap") is None:
+                raise ContainerError("no cached image and no debootstrap (apt-get install debootstrap)")
+            shutil.rmtree(tmp, ignore_errors=True)
+            mirror = mirror or os.environ.get("NVPLUG_DEBIAN_MIRROR") or DEFAULT_MIRROR
+            argv = [
+                "debootstrap", "--variant=minbase", "--include=" + ",".join(IMAGE_PACKAGES),
+                SUITE, str(tmp), mirror,
+            ]  # fmt: skip
+            log(f"nspawn: building the {SUITE} image: {shlex.join(argv)}")
+            started = time.monotonic()
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not _image_complete(tmp):
+                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+                raise ContainerError(f"debootstrap failed (exit {proc.returncode}):\n{tail}")
+            log(f"nspawn: debootstrap took {time.monotonic() - started:.0f} s")
+        else:
+            log(f"nspawn: adopting the complete image in {tmp}")
+        # Smaller snapshots: the downloaded debs are not needed any more.
+        for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
+            deb.unlink()
+        if image.exists():  # an incomplete one
+            shutil.rmtree(image)
+        tmp.rename(image)
+        return image
+
+
+def _remove_stale_runs(cache: Path, log: Log) -> None:
+    """Snapshots whose owner (the nspawn process recorded in them) is gone."""
+    for run in cache.glob(_RUN_PREFIX + "*"):
+        try:
+            pid = int((run / "pid").read_text())
+        except (OSError, ValueError):
+            pid = 0
+        # The pid runs setpriv, unshare and sh, each exec'ing the next, then systemd-nspawn.
+        if pid and any(_alive(pid, comm) for comm in ("systemd-nspawn", "setpriv", "unshare", "sh")):
+            continue
+        if pid == 0 and time.time() - run.stat().st_mtime < 3600:
+            continue  # being set up right now by another run
+        if _mounts_under(run):
+            log(f"nspawn: {run} still has mounts; leaving it")
+            continue
+        log(f"nspawn: removing the stale snapshot {run}")
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _alive(pid: int, comm: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == comm
+    except OSError:
+        return False
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve())
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The container
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host directory (or file) mounted into the container with ``--bind``/``--bind-ro``.
+
+    Unix sockets work across it in both directions.
+    """
+
+    host: Path
+    container: str
+    read_only: bool = False
+
+    def option(self) -> str:
+        flag = "--bind-ro" if self.read_only else "--bind"
+        return f"{flag}={self.host}:{self.container}"
+
+
+Snapshot = Literal["overlay", "copy"]
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, explain: Callable[[], str] | None = None
+) -> float:
+    """Poll `predicate` until it holds; return the seconds it took. On timeout, AssertionError
+    saying `what` was awaited and, if given, what `explain()` says about the state."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        if predicate():
+            return time.monotonic() - started
+        if time.monotonic() >= deadline:
+            detail = f"\n{explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+        time.sleep(0.05)
+
+
+class Container:
+    """A throwaway booted Debian with a real systemd as its PID 1.
+
+    ``with Container(image, binds=[...]) as ctr:`` boots it (``start``) and
+    always cleans up (``close``): a poweroff, then SIGKILL for what is left,
+    then the snapshot is removed. Commands run inside with ``nsenter`` and a
+    clean environment (:data:`CONTAINER_ENV`).
+    """
+
+    def __init__(
+        self,
+        image: Path,
+        *,
+        binds: Sequence[Bind] = (),
+        name: str | None = None,
+        snapshot: Snapshot | None = None,
+        log: Log = _stderr,
+    ) -> None:
+        self.image = image
+        self.binds = tuple(binds)
+        # Machine names become the hostname: short, lowercase, unique per run.
+        self.name = name or f"nvplug-{secrets.token_hex(4)}"
+        self.snapshot: Snapshot = snapshot or ("overlay" if _overlay_works(image.parent) else "copy")
+        self._log = log
+        self.run_dir = image.parent / f"{_RUN_PREFIX}{self.name}"
+        self.console_log = self.run_dir / "console.log"
+        self._nspawn: subprocess.Popen[bytes] | None = None
+        self._leader: int | None = None
+        # Seconds each phase took: snapshot, boot, poweroff, ...
+        self.timings: dict[str, float] = {}
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Snapshot the image, boot it and wait until ``systemctl is-system-running``
+        answers running or degraded."""
+        if self._nspawn is not None:
+            raise ContainerError("already started")
+        try:
+            self._boot(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _boot(self, timeout: float) -> None:
+        started = time.monotonic()
+        self.run_dir.mkdir(parents=True)
+        root = self.run_dir / "root"
+        argv = [
+            "systemd-nspawn", "--quiet", "--boot", "--console=pipe", "--register=no", "--keep-unit",
+            f"--machine={self.name}", f"--directory={root}", *(b.option() for b in self.binds),
+        ]  # fmt: skip
+        if self.snapshot == "overlay":
+            upper, work = self.run_dir / "upper", self.run_dir / "work"
+            for d in (upper, work, root):
+                d.mkdir()
+            options = f"lowerdir={self.image},upperdir={upper},workdir={work}"
+            # The overlay exists only in the new mount namespace that nspawn then runs in.
+            script = f"mount -t overlay nvplug-snapshot -o {shlex.quote(options)} {shlex.quote(str(root))} && exec "
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script + shlex.join(argv)]
+        else:
+            subprocess.run(["cp", "-a", "--reflink=auto", str(self.image), str(root)], check=True)
+            command = argv
+        # If this process dies without closing, nspawn gets SIGTERM and powers the container off;
+        # the next ensure_image() removes the snapshot.
+        command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
+        self.timings["snapshot"] = time.monotonic() - started
+
+        started = time.monotonic()
+        with self.console_log.open("wb") as console:
+            # A session of its own (setsid): the terminal's signals never reach it.
+            self._nspawn = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        (self.run_dir / "pid").write_text(str(self._nspawn.pid))
+        self._leader = self._find_leader(started + timeout)
+        state = ""
+
+        def up() -> bool:
+            nonlocal state
+            if self._nspawn is not None and self._nspawn.poll() is not None:
+                raise ContainerError(f"systemd-nspawn exited with {self._nspawn.returncode}\n{self.console_tail()}")
+            state = self.run("systemctl", "is-system-running", check=False, timeout=10).stdout.strip()
+            return state in ("running", "degraded")
+
+        wait_until(
+            up,
+            max(started + timeout - time.monotonic(), 1.0),
+            "systemd in the container to finish booting",
+            lambda: f"is-system-running: {state!r}\n{self.console_tail()}",
+        )
+        self.timings["boot"] = time.monotonic() - started
+        self._log(f"nspawn: {self.name} is {state} (leader pid {self._leader}, {self.snapshot} snapshot)")
+
+    def _find_leader(self, deadline: float) -> int:
+        """The container's PID 1, seen from the host: the descendant of nspawn that runs
+        in another pid namespace and has exec'd systemd."""
+        assert self._nspawn is not None
+        own_ns = Path("/proc/self/ns/pid").readlink()
+        while time.monotonic() < deadline:
+            if self._nspawn.poll() is not None:
+                raise ContainerError(f"systemd-nspawn exited with {self._nspawn.returncode}\n{self.console_tail()}")
+            for pid in _descendants(self._nspawn.pid):
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/ns/pid").readlink() != own_ns and _alive(pid, "systemd"):
+                        return pid
+            time.sleep(0.02)
+        raise ContainerError(f"no container init under systemd-nspawn ({self._nspawn.pid})\n{self.console_tail()}")
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Power off (SIGTERM to nspawn asks systemd to halt), SIGKILL what is left, remove the snapshot."""
+        started = time.monotonic()
+        proc, leader = self._nspawn, self._leader
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._log(f"nspawn: {self.name} did not power off in {timeout:.0f} s; killing it")
+        # Killing the container's PID 1 kills every process in its pid namespace.
+        if leader is not None and _alive(leader, "systemd"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leader, signal.SIGKILL)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        self._nspawn = None
+        self._leader = None
+        self._remove_run_dir()
+        self.timings["poweroff"] = time.monotonic() - started
+
+    def _remove_run_dir(self) -> None:
+        if not self.run_dir.exists():
+            return
+        mounts = _mounts_under(self.run_dir)
+        if mounts:
+            # Never delete through a mount: it could be a bound host directory.
+            raise ContainerError(f"{self.run_dir} still has mounts, not removing it: {mounts}")
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Container:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def leader(self) -> int:
+        if self._leader is None:
+            raise ContainerError("the container is not running")
+        return self._leader
+
+    @property
+    def running(self) -> bool:
+        return self._nspawn is not None and self._nspawn.poll() is None
+
+    def console_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.console_log.read_text(errors="replace")
+        except OSError:
+            return "(no console output)"
+        return "--- container console (tail) ---\n" + "\n".join(text.splitlines()[-lines:])
+
+    # -- commands inside --------------------------------------------------------
+
+    def command(self, *argv: str) -> list[str]:
+        """The host argv that runs `argv` inside the container."""
+        env = [f"{k}={v}" for k, v in CONTAINER_ENV.items()]
+        return ["nsenter", f"--target={self.leader}", "--all", "env", "-i", *env, *argv]
+
+    def run(
+        self,
+        *argv: str,
+        check: bool = True,
+        timeout: float = 120.0,
+        input: str | None = None,
+        stdin: IO[bytes] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` inside; raise ContainerError with its output when `check` and it fails."""
+        try:
+            if stdin is not None:
+                raw = subprocess.run(
+                    self.command(*argv), stdin=stdin, capture_output=True, timeout=timeout, check=False
+                )
+                proc = subprocess.CompletedProcess(
+                    raw.args, raw.returncode, raw.stdout.decode(errors="replace"), raw.stderr.decode(errors="replace")
+                )
+            else:
+                proc = subprocess.run(
+                    self.command(*argv),
+                    input=input,
+                    stdin=None if input is not None else subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    errors="replace",
+                    timeout=timeout,
+                    check=False,
+                )
+        except subprocess.TimeoutExpired as err:
+            raise ContainerError(f"{shlex.join(argv)} did not finish in {timeout:.0f} s inside {self.name}") from err
+        if check and proc.returncode != 0:
+            raise ContainerError(
+                f"{shlex.join(argv)} failed inside {self.name} (exit {proc.returncode}):\n"
+                f"{proc.stdout.rstrip()}\n{proc.stderr.rstrip()}".rstrip()
+            )
+        return proc
+
+    def sh(self, script: str, *, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        return self.run("sh", "-ec", script, check=check, timeout=timeout)
+
+    def write_file(self, path: str, text: str, mode: int = 0o644) -> None:
+        """Create or replace `path` (absolute, inside) with `text`, making its directory."""
+        self.run(
+            "sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat > "$1.new"; chmod "$2" "$1.new"; mv -f "$1.new" "$1"',
+            "sh", path, f"{mode:o}", input=text,
+        )  # fmt: skip
+
+    def copy_in(self, host: Path, path: str, mode: int = 0o644) -> None:
+        """Copy a host file to `path` inside (through a pipe: no bind needed)."""
+        with host.open("rb") as src:
+            self.run(
+                "sh", "-ec", 'mkdir -p "$(dirname "$1")"; cat > "$1"; chmod "$2" "$1"',
+                "sh", path, f"{mode:o}", stdin=src,
+            )  # fmt: skip
+
+    def exists(self, path: str) -> bool:
+        return self.run("test", "-e", path, check=False).returncode == 0
+
+    # -- systemd ------------------------------------------------------------------
+
+    def show(self, unit: str, *properties: str) -> dict[str, str]:
+        """``systemctl show -p ...`` as a dict."""
+        args = [f"--property={p}" for p in properties]
+        out = self.run("systemctl", "show", *args, unit).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def journal(self, unit: str, *options: str) -> str:
+        """``journalctl -u unit --no-pager`` plus `options` (``-p err``, ``-o cat``...).
+
+        Flushed first, so entries that systemd already has are all in it."""
+        self.run("journalctl", "--sync", check=False)
+        return self.run("journalctl", "--no-pager", "--quiet", "-u", unit, *options).stdout
+
+    def wait_journal(self, unit: str, text: str, *options: str, timeout: float = 15.0) -> str:
+        """Wait until `text` is in the unit's journal (with `options`); return the journal."""
+        seen = ""
+
+        def found() -> bool:
+            nonlocal seen
+            seen = self.journal(unit, *options)
+            return text in seen
+
+        wait_until(found, timeout, f"{text!r} in journalctl -u {unit} {' '.join(options)}", lambda: seen[-4000:])
+        return seen
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                queue += children
+    return found
+
+
+def _overlay_works(where: Path) -> bool:
+    """Whether an overlay with its upper layer in `where` can be mounted (not on overlayfs, say)."""
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".overlay-probe-", dir=where) as tmp:
+        lower, upper, work, merged = (Path(tmp) / d for d in ("lower", "upper", "work", "merged"))
+        for d in (lower, upper, work, merged):
+            d.mkdir()
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+        probe = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "mount", "-t", "overlay", "probe", "-o", options,
+             str(merged)],
+            capture_output=True,
+            check=False,
+        )  # fmt: skip
+        return probe.returncode == 0
+
+
+# ---------------------------------------------------------------------------
+# The fake NVML, driven from the host
+# ---------------------------------------------------------------------------
+
+
+class ContainerControl(fakenvml.Control):
+    """:class:`fakenvml.Control` for a library that runs inside a container.
+
+    The library replies to the sender's address. The stock client binds a path
+    under the host's /tmp, which the container (and the unit's private /tmp)
+    cannot see; this one binds an abstract address instead, which the library
+    reaches because nspawn shares the host's network namespace.
+    """
+
+    def send(self, command: str, timeout: float = 5.0) -> str:
+        if "\n" in command.rstrip("\n"):
+            raise ValueError("one command per call")
+        deadline = time.monotonic() + timeout
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind("")  # Linux autobind: a unique abstract address
+            while True:
+                try:
+                    sock.sendto(command.encode(), str(self.path))
+                    break
+                except (FileNotFoundError, ConnectionRefusedError) as exc:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"fake NVML control socket {self.path} is not being served") from exc
+                    time.sleep(0.02)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                reply = sock.recv(65536).decode(errors="replace")
+            except TimeoutError as exc:
+                raise TimeoutError(f"no reply to {command!r} from {self.path}") from exc
+        if reply.startswith("error"):
+            raise fakenvml.ControlError(reply)
+        return reply
+
+
+def service_dropin(
+    *,
+    environment: Mapping[str, str] = {},
+    read_write_paths: Sequence[str] = (),
+    watchdog_sec: float | None = None,
+) -> str:
+    """A ``[Service]`` drop-in: extra environment, writable paths, a watchdog timeout."""
+    lines = ["[Service]"]
+    if environment:
+        lines.append("Environment=" + " ".join(shlex.quote(f"{k}={v}") for k, v in environment.items()))
+    if read_write_paths:
+        lines.append("ReadWritePaths=" + " ".join(read_write_paths))
+    if watchdog_sec is not None:
+        lines.append(f"WatchdogSec={watchdog_sec:g}s")
+    return "\n".join(lines) + "\n"

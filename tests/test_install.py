@@ -1,0 +1,390 @@
+"""The deb on a real systemd: boot Debian bookworm in systemd-nspawn, install the
+package built by packaging/build-deb.sh and run the unit for real.
+
+The daemon inside loads the fake NVML (built here, bound in read-only) and
+registers with the kubelet stand-in, which serves a host directory bound at
+/var/lib/kubelet/device-plugins. The tests share one container and run in file
+order: each step starts from the state the previous one left.
+
+Needs root, systemd-nspawn (systemd-container), nsenter/unshare (util-linux)
+and, until the image is cached, debootstrap with network to a Debian mirror.
+Set NVPLUG_TEST_DEB to test a deb built elsewhere instead of running the script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from nvplug.testing import fakenvml, nspawn
+from nvplug.testing.kubelet import FakeKubelet, KubeletThread
+from nvplug.testing.node import GPU_RESOURCE, device_health, registered_with
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+PLUGIN_SOCKET = "nvplug-nvidia.com-gpu.sock"
+NVML_DIR = "/opt/fakenvml"  # the library and its scenario, read-only
+CONTROL_DIR = "/var/lib/fakenvml"  # the fake's control socket: the unit must be able to bind it
+CONFIG = "/etc/nvplug/config.yaml"
+UNIT = "nvplug"
+WATCHDOG_SEC = 3
+TIMEOUT = 20.0
+
+_skip = nspawn.missing_requirements()
+pytestmark = [
+    pytest.mark.skipif(_skip is not None, reason=f"install test: {_skip}"),
+    # Includes the fixtures: a first run builds the image (debootstrap) and the deb.
+    pytest.mark.timeout(900),
+]
+
+
+@dataclass
+class Timings:
+    phases: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def report(self) -> str:
+        rows = [f"  {name:<38} {secs:7.2f} s" for name, secs in self.phases.items()]
+        total = time.monotonic() - self.started
+        return "\n".join(["install test timings:", *rows, f"  {'total (wall clock)':<38} {total:7.2f} s"])
+
+
+TIMINGS = Timings()
+
+
+@dataclass
+class Node:
+    """The booted container with the package installed, and the host side of it."""
+
+    ctr: nspawn.Container
+    kubelet: KubeletThread
+    control: nspawn.ContainerControl
+    plugin_dir: Path  # the host's side of PLUGIN_DIR
+    uuids: list[str]
+
+    def diagnose(self) -> str:
+        """What an assertion message needs: the unit's state, its journal, what the stand-in saw."""
+        try:
+            status = self.ctr.run("systemctl", "status", "--no-pager", "--lines=0", UNIT, check=False).stdout
+            log = self.ctr.journal(UNIT, "-n", "60")
+        except nspawn.ContainerError as err:
+            status, log = f"(cannot ask the container: {err})", ""
+        return f"--- systemctl status ---\n{status}\n--- journal (tail) ---\n{log}\n--- stand-in ---\n" + (
+            self.kubelet.describe()
+        )
+
+    def show(self, *properties: str) -> dict[str, str]:
+        return self.ctr.show(UNIT, *properties)
+
+    def registrations(self) -> int:
+        return self.kubelet.accepted_registrations(GPU_RESOURCE)
+
+
+def _reload(node: Node) -> None:
+    proc = node.ctr.run("systemctl", "reload", UNIT, check=False)
+    assert proc.returncode == 0, (
+        f"systemctl reload {UNIT} failed (exit {proc.returncode}): {proc.stderr.strip()}\n{node.diagnose()}"
+    )
+
+
+def _timed(phase: str, started: float) -> None:
+    TIMINGS.add(phase, time.monotonic() - started)
+
+
+@pytest.fixture(scope="session")
+def deb() -> Path:
+    """The package from packaging/build-deb.sh (its last line of output is the path)."""
+    TIMINGS.started = time.monotonic()
+    if os.environ.get("NVPLUG_TEST_DEB"):
+        return Path(os.environ["NVPLUG_TEST_DEB"]).resolve()
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "packaging/build-deb.sh"], cwd=REPO, capture_output=True, text=True, check=False, timeout=600
+    )
+    _timed("build the deb (build-deb.sh)", started)
+    assert proc.returncode == 0, f"packaging/build-deb.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"packaging/build-deb.sh printed nothing:\n{proc.stderr}"
+    path = Path(lines[-1].strip())
+    path = path if path.is_absolute() else REPO / path
+    assert path.is_file() and path.suffix == ".deb", f"build-deb.sh's last line is not a deb: {lines[-1]!r}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def say(line: str) -> None:
+        """Straight to the terminal, past pytest's capture: the timings are wanted on every run."""
+        if reporter is None or capture is None:
+            print(line)
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.ensure_newline()
+            reporter.write_line(line)
+
+    started = time.monotonic()
+    image = nspawn.ensure_image(log=say)
+    _timed("image (cached or debootstrap)", started)
+
+    # Short host paths: the stand-in's and the plugin's unix sockets live in plugin_dir.
+    host = Path(tempfile.mkdtemp(prefix="nvp-inst-", dir="/tmp"))
+    plugin_dir, nvml_dir, control_dir = host / "dp", host / "nvml", host / "ctl"
+    for d in (plugin_dir, control_dir):
+        d.mkdir()
+    fakenvml.build(nvml_dir)
+    shutil.copyfile(fakenvml.DEFAULT_SCENARIO, nvml_dir / "node.scenario")
+    uuids = re.findall(r"^gpu .*?\buuid=(\S+)", fakenvml.DEFAULT_SCENARIO.read_text(), re.MULTILINE)
+
+    kubelet = KubeletThread(plugin_dir)
+    ctr = nspawn.Container(
+        image,
+        binds=[
+            nspawn.Bind(plugin_dir, PLUGIN_DIR),
+            nspawn.Bind(nvml_dir, NVML_DIR, read_only=True),
+            nspawn.Bind(control_dir, CONTROL_DIR),
+        ],
+        log=say,
+    )
+    try:
+        kubelet.start()
+        ctr.start()
+        TIMINGS.add("snapshot + boot to running", ctr.timings["snapshot"] + ctr.timings["boot"])
+
+        started = time.monotonic()
+        # Before the package: its postinst starts the unit, which must load the fake from the start.
+        ctr.write_file(
+            f"/etc/systemd/system/{UNIT}.service.d/test.conf",
+            nspawn.service_dropin(
+                environment={
+                    "LD_LIBRARY_PATH": NVML_DIR,
+                    "FAKE_NVML_SCENARIO": f"{NVML_DIR}/node.scenario",
+                    "FAKE_NVML_CONTROL": f"{CONTROL_DIR}/nvml.ctl",
+                },
+                read_write_paths=[CONTROL_DIR],
+                watchdog_sec=WATCHDOG_SEC,
+            ),
+        )
+        ctr.copy_in(deb, f"/var/tmp/{deb.name}")
+        _install(ctr, f"/var/tmp/{deb.name}", say)
+        _timed("install the deb (apt-get, postinst)", started)
+
+        yield Node(ctr, kubelet, nspawn.ContainerControl(control_dir / "nvml.ctl"), plugin_dir, uuids)
+    finally:
+        try:
+            ctr.close()
+            TIMINGS.add("poweroff + cleanup", ctr.timings.get("poweroff", 0.0))
+        finally:
+            kubelet.stop()
+            shutil.rmtree(host, ignore_errors=True)
+            say("\n" + TIMINGS.report())
+
+
+def _install(ctr: nspawn.Container, path: str, say: nspawn.Log) -> None:
+    """apt-get install of a local deb; the image holds its dependencies, so no download is
+    needed unless they changed: then the package lists are refreshed and it is tried again."""
+    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Use-Pty=0", path]
+    first = ctr.run(*argv, check=False, timeout=300)
+    if first.returncode == 0:
+        return
+    # Unpacked at all: the dependencies were there and the package itself failed.
+    status = ctr.run("dpkg-query", "-W", "-f=${db:Status-Abbrev}", "nvplug", check=False).stdout.strip()
+    if status not in ("", "un"):
+        raise AssertionError(f"apt-get install failed (dpkg status {status!r}):\n{first.stdout}\n{first.stderr}")
+    say("install: dependencies missing from the image; running apt-get update")
+    ctr.run("apt-get", "update", "-q", timeout=300)
+    second = ctr.run(*argv, check=False, timeout=300)
+    assert second.returncode == 0, f"apt-get install failed:\n{second.stdout}\n{second.stderr}"
+
+
+# ---------------------------------------------------------------------------
+# The checks, in order
+# ---------------------------------------------------------------------------
+
+
+def test_unit_is_active_running_and_sent_ready(node: Node) -> None:
+    started = time.monotonic()
+    props = node.show("ActiveState", "SubState", "Type", "NRestarts", "StatusText", "WatchdogUSec")
+    # Type=notify: systemctl start (in postinst) returns, and the unit is running, only after READY=1.
+    assert (props["ActiveState"], props["SubState"]) == ("active", "running"), f"{props}\n{node.diagnose()}"
+    assert props["Type"] == "notify", props
+    assert props["NRestarts"] == "0", f"it restarted already: {props}\n{node.diagnose()}"
+    assert props["WatchdogUSec"] in (f"{WATCHDOG_SEC}s", str(WATCHDOG_SEC * 1_000_000)), props
+    want = f"{GPU_RESOURCE} registered: 8 devices, 8 healthy"
+    seen = props
+
+    def status_ok() -> bool:
+        nonlocal seen
+        seen = node.show("StatusText")
+        return want in seen["StatusText"]
+
+    nspawn.wait_until(status_ok, TIMEOUT, f"StatusText {want!r}", lambda: f"{seen}\n{node.diagnose()}")
+    # systemd logs "Started" for a Type=notify unit only once READY=1 came.
+    log = node.ctr.journal(UNIT, "-o", "cat")
+    assert "Started nvplug.service" in log, f"no READY=1 seen by systemd\n{node.diagnose()}"
+    _timed("check 1: active, READY, STATUS", started)
+
+
+def test_stand_in_sees_registration_and_eight_devices(node: Node) -> None:
+    started = time.monotonic()
+    try:
+        node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"no registration with 8 devices at the stand-in\n{node.diagnose()}") from err
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    assert node.registrations() == 1, node.diagnose()
+    assert plugin.endpoint == PLUGIN_SOCKET
+    assert sorted(plugin.devices) == sorted(node.uuids), plugin.describe()
+    assert plugin.allocatable == 8, plugin.describe()
+    assert (node.plugin_dir / PLUGIN_SOCKET).is_socket()
+    _timed("check 2: registration at the stand-in", started)
+
+
+def test_journal_has_no_errors_and_a_forced_error_shows_at_err(node: Node) -> None:
+    started = time.monotonic()
+    errors = node.ctr.journal(UNIT, "-p", "err", "-o", "cat")
+    assert errors.strip() == "", f"errors in the journal of a healthy start:\n{errors}\n{node.diagnose()}"
+    info = node.ctr.journal(UNIT, "-p", "info", "-o", "cat")
+    assert "nvplug starting" in info, f"the daemon's own lines are not in the journal:\n{info}"
+
+    # An unknown key: the reload is refused at error level and the config in force stays.
+    node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  noSuchKey: 1\n")
+    try:
+        _reload(node)
+        errors = node.ctr.wait_journal(UNIT, "reload refused", "-p", "err", "-o", "cat", timeout=TIMEOUT)
+    finally:
+        # A restart in a later step must not meet the broken config.
+        node.ctr.write_file(CONFIG, "version: v1\n")
+    assert "noSuchKey" in errors, errors
+    # The <N> prefix sets the priority and is not part of the message.
+    leaked = [line for line in node.ctr.journal(UNIT, "-o", "cat").splitlines() if re.match(r"<\d>", line)]
+    assert not leaked, f"priority prefixes leaked into the messages: {leaked[:3]}"
+    props = node.show("ActiveState", "SubState", "NRestarts")
+    assert (props["ActiveState"], props["SubState"], props["NRestarts"]) == ("active", "running", "0"), props
+    _timed("check 3: journal priorities", started)
+
+
+def test_reload_keeps_the_stream_and_applies_the_config(node: Node) -> None:
+    started = time.monotonic()
+    before = node.kubelet.plugin(GPU_RESOURCE)
+    assert before is not None and before.stream_open, node.diagnose()
+    registrations = node.registrations()
+    gpu0 = node.uuids[0]
+
+    # XID 13 is an application error: harmless under the default policy.
+    node.control.xid(0, 13)
+    node.ctr.wait_journal(UNIT, "xid, stays healthy", "-o", "cat", timeout=TIMEOUT)
+    now = node.kubelet.plugin(GPU_RESOURCE)
+    assert now is not None and now.devices[gpu0].healthy, f"XID 13 took {gpu0} down by default\n{node.diagnose()}"
+
+    node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  health:\n    fatalXids: [13]\n")
+    _reload(node)
+    node.ctr.wait_journal(UNIT, f"reloaded the config from {CONFIG}", "-o", "cat", timeout=TIMEOUT)
+    node.control.xid(0, 13)
+    try:
+        node.kubelet.wait_for(device_health(gpu0, healthy=False), TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"fatalXids [13] after reload did not make {gpu0} Unhealthy\n{node.diagnose()}") from err
+
+    after = node.kubelet.plugin(GPU_RESOURCE)
+    assert after is not None
+    assert node.registrations() == registrations, f"the reload re-registered\n{node.diagnose()}"
+    assert after.serial == before.serial and after.stream_open, (
+        f"the ListAndWatch stream did not survive the reload: before {before.describe()}\nafter {after.describe()}"
+    )
+    assert after.allocatable == 7, after.describe()
+    props = node.show("ActiveState", "SubState", "NRestarts")
+    assert (props["ActiveState"], props["SubState"], props["NRestarts"]) == ("active", "running", "0"), props
+    _timed("check 4: reload", started)
+
+
+def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> None:
+    started = time.monotonic()
+    before = node.show("MainPID", "NRestarts")
+    registrations = node.registrations()
+    assert before["MainPID"] not in ("", "0"), f"no main process: {before}\n{node.diagnose()}"
+
+    node.ctr.run("systemctl", "kill", "--signal=SIGSTOP", UNIT)
+    seen = before
+
+    def restarted() -> bool:
+        nonlocal seen
+        seen = node.show("MainPID", "NRestarts", "ActiveState", "SubState")
+        return (
+            int(seen["NRestarts"]) > int(before["NRestarts"])
+            and seen["MainPID"] not in ("0", before["MainPID"])
+            and (seen["ActiveState"], seen["SubState"]) == ("active", "running")
+        )
+
+    nspawn.wait_until(
+        restarted, 30, "a watchdog kill and a restart", lambda: f"before {before}, now {seen}\n{node.diagnose()}"
+    )
+    stopped_to_running = time.monotonic() - started
+    log = node.ctr.journal(UNIT, "-o", "cat")
+    assert "Watchdog timeout" in log, f"the restart was not the watchdog's\n{node.diagnose()}"
+
+    def reregistered(k: FakeKubelet) -> bool:
+        return node.registrations() > registrations and registered_with(8)(k)
+
+    try:
+        node.kubelet.wait_for(reregistered, TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"the restarted daemon did not register again\n{node.diagnose()}") from err
+    TIMINGS.add("  (SIGSTOP to active again)", stopped_to_running)
+    TIMINGS.add("  (SIGSTOP to registered again)", time.monotonic() - started)
+    _timed("check 5: watchdog restart", started)
+
+
+def test_stop_is_clean(node: Node) -> None:
+    started = time.monotonic()
+    node.ctr.run("systemctl", "stop", UNIT, timeout=60)
+    props = node.show("ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
+    assert props["ActiveState"] == "inactive", f"{props}\n{node.diagnose()}"
+    # ExecMainCode 1 is CLD_EXITED: it exited by itself on SIGTERM, with status 0.
+    assert (props["Result"], props["ExecMainCode"], props["ExecMainStatus"]) == ("success", "1", "0"), (
+        f"{props}\n{node.diagnose()}"
+    )
+    assert not (node.plugin_dir / PLUGIN_SOCKET).exists(), "the plugin's socket was left behind"
+    log = node.ctr.journal(UNIT, "-o", "cat")
+    assert "nvplug stopped" in log, f"no 'nvplug stopped' in the journal\n{log[-3000:]}"
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and not plugin.stream_open, "the stand-in's stream is still open"
+    _timed("check 6: stop", started)
+
+
+def test_remove_and_purge(node: Node) -> None:
+    started = time.monotonic()
+    apt = ("apt-get", "-y", "-q", "-o", "Dpkg::Use-Pty=0")
+    node.ctr.run(*apt, "remove", "nvplug", timeout=120)
+    for path in ("/lib/systemd/system/nvplug.service", "/usr/bin/nvplug"):
+        assert not node.ctr.exists(path), f"{path} is still there after apt-get remove"
+    assert node.ctr.exists(CONFIG), "apt-get remove must keep the conffile (only purge removes it)"
+    load = node.show("LoadState")["LoadState"]
+    assert load == "not-found", f"systemd still knows the unit after remove: LoadState={load}"
+
+    node.ctr.run(*apt, "purge", "nvplug", timeout=120)
+    status = node.ctr.run("dpkg-query", "-W", "-f=${db:Status-Abbrev}", "nvplug", check=False).stdout.strip()
+    assert status in ("", "un"), f"dpkg still lists nvplug after purge: {status!r}"
+    left = node.ctr.sh(
+        "for p in /etc/nvplug /opt/nvplug /usr/bin/nvplug /lib/systemd/system/nvplug.service "
+        "/etc/systemd/system/multi-user.target.wants/nvplug.service; do "
+        '[ -e "$p" ] || [ -L "$p" ] && echo "$p"; done; true'
+    ).stdout.split()
+    assert not left, f"left behind after purge: {shlex.join(left)}"
+    _timed("check 7: remove and purge", started)
