@@ -36,3 +36,14 @@ proto: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# Packages for a GPU node (packaging/README.md): dist/nvplug_<version>-1_amd64.deb
+# and dist/nvplug-<version>-1.x86_64.rpm. Pinned wheels are cached in build/wheel-cache.
+.PHONY: deb rpm packages
+deb:
+	bash packaging/build-deb.sh
+
+rpm:
+	bash packaging/build-rpm.sh
+
+packages: deb rpm
