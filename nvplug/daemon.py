@@ -17,9 +17,8 @@ from .events.bus import EventBus
 from .events.kubelet_dir import KubeletDirWatch
 from .events.scanner import Scanner
 from .events.udev import UdevSource
-from .kubelet.api import deviceplugin_pb2 as pb
 from .kubelet.registrar import Registrar
-from .kubelet.server import DevicePluginService, PluginServer
+from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
 from .resources import whole_gpus
@@ -83,8 +82,7 @@ class Daemon:
         name = opts.config.resource_name
         service = DevicePluginService(name, self.state, functools.partial(whole_gpus, name=name), opts.dev_root)
         server = PluginServer(service, opts.plugin_dir / _socket_name(name))
-        options = pb.DevicePluginOptions(get_preferred_allocation_available=True)
-        registrar = Registrar(opts.plugin_dir, name, server.endpoint, options, on_change=self._update_status)
+        registrar = Registrar(opts.plugin_dir, name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status)
         self._plugins.append(_Plugin(server, registrar))
 
         scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)

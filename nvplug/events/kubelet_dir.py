@@ -11,10 +11,9 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.inotify import InotifyObserver
 
 from ..event import Event, KubeletSocketCreated, PluginSocketRemoved
+from ..kubelet.api import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
-
-KUBELET_SOCKET = "kubelet.sock"
 
 
 class _Handler(FileSystemEventHandler):

@@ -12,13 +12,12 @@ import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from ..retry import sleep_unless
+from .api import API_VERSION, KUBELET_SOCKET
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
 # The kubelet dials back inside Register with a 10 s timeout of its own.
 REGISTER_TIMEOUT = 15.0
 

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 # Projects a snapshot onto the devices of this resource.
 Projection = Callable[[Snapshot], Resource]
+# What Register announces and GetDevicePluginOptions answers: the same, always.
+PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
 def to_list_and_watch(resource: Resource) -> pb.ListAndWatchResponse:
@@ -56,7 +58,7 @@ class DevicePluginService:
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
     ) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+        return PLUGIN_OPTIONS
 
     async def ListAndWatch(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]

@@ -35,10 +35,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from nvplug.kubelet.api import API_VERSION, KUBELET_SOCKET
 from nvplug.kubelet.api import deviceplugin_pb2 as pb
 
-API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
