@@ -205,8 +205,15 @@ class Daemon:
             self.state.set_xid_policy(policy)
             if self._reprober is not None:
                 self._reprober.set_backoff(new.health.reprobe_initial_seconds, new.health.reprobe_max_seconds)
-            # Resources are fixed so far; once they can change, a change re-registers here.
-            log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
+            if new.resource_name != self.config.resource_name:
+                # Servers and registrations are made at start; renaming them takes a restart.
+                log.error(
+                    "reload: the resource name %s -> %s applies at the next restart",
+                    self.config.resource_name,
+                    new.resource_name,
+                )
+            else:
+                log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new
         self.notifier.ready(self._status_line())
 
