@@ -6,15 +6,40 @@ allocation of the others.
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .gpu import Gpu
 from .resources import Device, Resource
 from .topology import best_set
 
 # Driver-wide nodes every GPU container needs, when the host has them.
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+# The container toolkit reads the device list from mount points under here.
+VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+# What the toolkit reads as "no devices", so it injects none of its own accord.
+NO_DEVICES = "void"
+LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+ID_STRATEGIES = ("uuid", "index")
+
+
+@dataclass(frozen=True)
+class AllocationPolicy:
+    """How Allocate names the devices (NVIDIA's flags.plugin.* settings)."""
+
+    list_strategies: tuple[str, ...] = ("envvar",)
+    id_strategy: str = "uuid"
+    pass_device_specs: bool = True
+    cdi_annotation_prefix: str = "cdi.k8s.io/"
+    cdi_kind: str = "nvidia.com/gpu"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.list_strategies) - set(LIST_STRATEGIES)
+        if unknown or self.id_strategy not in ID_STRATEGIES:
+            raise ValueError(f"unknown strategy {sorted(unknown) or self.id_strategy!r}")
 
 
 class AllocationError(ValueError):
@@ -29,10 +54,22 @@ class DeviceNode:
 
 
 @dataclass(frozen=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class ContainerAllocation:
     devices: tuple[Device, ...]
+    # The physical GPUs behind them, each once, replicas folded.
+    gpus: tuple[Gpu, ...]
     envs: Mapping[str, str]
-    device_nodes: tuple[DeviceNode, ...]
+    device_nodes: tuple[DeviceNode, ...] = ()
+    mounts: tuple[Mount, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
 
 
 def resolve(resource: Resource, device_ids: Sequence[str]) -> list[Device]:
@@ -59,19 +96,41 @@ def resolve(resource: Resource, device_ids: Sequence[str]) -> list[Device]:
 def allocate(
     resource: Resource,
     device_ids: Sequence[str],
+    policy: AllocationPolicy,
     host_path: Callable[[str], str],
     node_exists: Callable[[str], bool],
 ) -> ContainerAllocation:
     """One container's response. `host_path` maps /dev/... under the driver root."""
+    if resource.fail_requests_greater_than_one and len(device_ids) > 1:
+        raise AllocationError(
+            f"{resource.name}: {len(device_ids)} replicas requested, but this shared resource gives one per "
+            "container (failRequestsGreaterThanOne)"
+        )
     devices = resolve(resource, device_ids)
+    gpus = tuple({d.gpu.uuid: d.gpu for d in devices}.values())
+    ids = [gpu.uuid if policy.id_strategy == "uuid" else str(gpu.index) for gpu in gpus]
+    strategies = set(policy.list_strategies)
+    envs = {VISIBLE_DEVICES_ENV: NO_DEVICES}
+    mounts: tuple[Mount, ...] = ()
+    annotations: dict[str, str] = {}
+    cdi_devices: tuple[str, ...] = ()
+    if "envvar" in strategies:
+        envs[VISIBLE_DEVICES_ENV] = ",".join(ids)
+    if "volume-mounts" in strategies:
+        envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
+        mounts = tuple(Mount(f"{VOLUME_MOUNTS_ROOT}/{i}", "/dev/null") for i in ids)
+    qualified = [f"{policy.cdi_kind}={i}" for i in ids]
+    if "cdi-annotations" in strategies:
+        # One key per container: the same devices always give the same key.
+        unique = hashlib.sha256(",".join(qualified).encode()).hexdigest()[:16]
+        annotations[f"{policy.cdi_annotation_prefix}nvplug_{unique}"] = ",".join(qualified)
+    if "cdi-cri" in strategies:
+        cdi_devices = tuple(qualified)
     nodes: list[DeviceNode] = []
-    for device in devices:
-        path = device.gpu.device_node
-        if path is not None:
-            nodes.append(DeviceNode(path, host_path(path)))
-    nodes += [DeviceNode(p, host_path(p)) for p in CONTROL_NODES if node_exists(host_path(p))]
-    envs = {VISIBLE_DEVICES_ENV: ",".join(d.gpu.uuid for d in devices)}
-    return ContainerAllocation(tuple(devices), envs, tuple(nodes))
+    if policy.pass_device_specs:
+        nodes = [DeviceNode(g.device_node, host_path(g.device_node)) for g in gpus if g.device_node is not None]
+        nodes += [DeviceNode(p, host_path(p)) for p in CONTROL_NODES if node_exists(host_path(p))]
+    return ContainerAllocation(tuple(devices), gpus, envs, tuple(nodes), mounts, annotations, cdi_devices)
 
 
 def preferred(resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
@@ -88,9 +147,33 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
     if len(chosen) > size:
         raise AllocationError(f"{resource.name}: {len(chosen)} must-include IDs exceed allocation size {size}")
 
-    def order(device_id: str) -> tuple[int, str]:
+    def order(device_id: str) -> tuple[int, int, str]:
         device = resource.get(device_id)
         # IDs we don't know go last rather than failing the whole answer.
-        return (device.gpu.index if device is not None else 1 << 30, device_id)
+        if device is None:
+            return (1 << 30, 0, device_id)
+        return (device.gpu.index, device.replica or 0, device_id)
 
-    return best_set(resource.topology.score, sorted(offered, key=order), chosen, size)
+    candidates = sorted(offered, key=order)
+    if resource.shared:
+        return _spread(resource, candidates, chosen, size)
+    return best_set(resource.topology.score, candidates, chosen, size)
+
+
+def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: int) -> list[str]:
+    """Replicas from the least-loaded GPUs: fewest taken by this request, then most still free."""
+
+    def gpu_of(device_id: str) -> str:
+        device = resource.get(device_id)
+        return device.gpu.uuid if device is not None else device_id
+
+    free = Counter(gpu_of(i) for i in candidates)
+    taken = Counter(gpu_of(i) for i in chosen)
+    rest = [i for i in candidates if i not in set(chosen)]
+    while len(chosen) < size:
+        # min() keeps the first of equals, and `rest` is in GPU-index order.
+        pick = min(rest, key=lambda i: (taken[gpu_of(i)], -free[gpu_of(i)]))
+        rest.remove(pick)
+        chosen.append(pick)
+        taken[gpu_of(pick)] += 1
+    return chosen

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from nvplug.allocation import CONTROL_NODES, AllocationError, allocate, preferred
+from nvplug.allocation import (
+    CONTROL_NODES,
+    AllocationError,
+    AllocationPolicy,
+    ContainerAllocation,
+    allocate,
+    preferred,
+)
 from nvplug.event import HealthReported, InventoryFound
 from nvplug.gpu import Gpu
 from nvplug.health import Health
-from nvplug.resources import Resource, whole_gpus
+from nvplug.resources import Resource, replicated, whole_gpus
 from nvplug.state import NodeState
 
 
@@ -21,13 +28,16 @@ def resource() -> Resource:
     return whole_gpus(state.current)
 
 
+POLICY = AllocationPolicy()
+
+
 def host(path: str) -> str:
     return "/host" + path
 
 
 def test_allocate_two_gpus(resource: Resource) -> None:
     present = {"/host/dev/nvidiactl", "/host/dev/nvidia-uvm"}
-    out = allocate(resource, ["GPU-2", "GPU-0"], host, present.__contains__)
+    out = allocate(resource, ["GPU-2", "GPU-0"], POLICY, host, present.__contains__)
     assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-2,GPU-0"}
     assert [(n.container_path, n.host_path, n.permissions) for n in out.device_nodes] == [
         ("/dev/nvidia2", "/host/dev/nvidia2", "rw"),
@@ -38,7 +48,7 @@ def test_allocate_two_gpus(resource: Resource) -> None:
 
 
 def test_allocate_includes_every_control_node_present(resource: Resource) -> None:
-    out = allocate(resource, ["GPU-0"], host, lambda p: True)
+    out = allocate(resource, ["GPU-0"], POLICY, host, lambda p: True)
     assert [n.container_path for n in out.device_nodes] == ["/dev/nvidia0", *CONTROL_NODES]
 
 
@@ -53,7 +63,7 @@ def test_allocate_includes_every_control_node_present(resource: Resource) -> Non
 )
 def test_allocate_refusals_name_the_id(resource: Resource, ids: list[str], message: str) -> None:
     with pytest.raises(AllocationError, match=message):
-        allocate(resource, ids, host, lambda p: False)
+        allocate(resource, ids, POLICY, host, lambda p: False)
 
 
 def test_preferred_must_include_first_then_lowest_index(resource: Resource) -> None:
@@ -75,3 +85,63 @@ def test_preferred_refuses_impossible_requests(
 ) -> None:
     with pytest.raises(AllocationError, match=message):
         preferred(resource, available, must, size)
+
+
+# --- device-list and ID strategies, time-slicing -----------------------------------
+
+
+def test_each_list_strategy_and_both_id_strategies(resource: Resource) -> None:
+    def run(policy: AllocationPolicy) -> ContainerAllocation:
+        return allocate(resource, ["GPU-2", "GPU-1"], policy, host, lambda p: False)
+
+    out = run(AllocationPolicy(list_strategies=("envvar",), id_strategy="index"))
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "2,1"}
+    out = run(AllocationPolicy(list_strategies=("volume-mounts",)))
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert [(m.container_path, m.host_path) for m in out.mounts] == [
+        ("/var/run/nvidia-container-devices/GPU-2", "/dev/null"),
+        ("/var/run/nvidia-container-devices/GPU-1", "/dev/null"),
+    ]
+    out = run(AllocationPolicy(list_strategies=("cdi-annotations",), cdi_annotation_prefix="cdi.k8s.io/"))
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "void"}
+    ((key, value),) = out.annotations.items()
+    assert key.startswith("cdi.k8s.io/nvplug_") and value == "nvidia.com/gpu=GPU-2,nvidia.com/gpu=GPU-1"
+    out = run(AllocationPolicy(list_strategies=("cdi-cri",), id_strategy="index"))
+    assert out.cdi_devices == ("nvidia.com/gpu=2", "nvidia.com/gpu=1")
+    out = run(AllocationPolicy(list_strategies=("envvar", "cdi-cri"), pass_device_specs=False))
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-2,GPU-1"} and out.device_nodes == ()
+    assert out.cdi_devices == ("nvidia.com/gpu=GPU-2", "nvidia.com/gpu=GPU-1")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        AllocationPolicy(list_strategies=("carrier-pigeon",))
+
+
+def shared_resource(replicas: int = 4, fail_gt_one: bool = False) -> Resource:
+    state = NodeState()
+    state.apply(
+        InventoryFound(tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0", minor=i) for i in range(3)))
+    )
+    return replicated(state.current, "nvidia.com/gpu.shared", replicas, fail_requests_greater_than_one=fail_gt_one)
+
+
+def test_replicas_are_advertised_and_folded_to_their_gpus() -> None:
+    resource = shared_resource()
+    assert [d.id for d in resource.devices][:5] == ["GPU-0::0", "GPU-0::1", "GPU-0::2", "GPU-0::3", "GPU-1::0"]
+    out = allocate(resource, ["GPU-1::0", "GPU-1::3", "GPU-2::1"], POLICY, host, lambda p: False)
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-2"}
+    assert [n.container_path for n in out.device_nodes] == ["/dev/nvidia1", "/dev/nvidia2"]
+
+
+def test_fail_requests_greater_than_one() -> None:
+    resource = shared_resource(fail_gt_one=True)
+    assert allocate(resource, ["GPU-0::1"], POLICY, host, lambda p: False).envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0"
+    with pytest.raises(AllocationError, match=r"2 replicas requested.*\(failRequestsGreaterThanOne\)"):
+        allocate(resource, ["GPU-0::1", "GPU-1::1"], POLICY, host, lambda p: False)
+
+
+def test_preferred_replicas_spread_over_the_least_loaded_gpus() -> None:
+    resource = shared_resource()
+    # GPU-0 has one replica left, GPU-1 two, GPU-2 all four: the freest GPUs come first.
+    available = ["GPU-0::3", "GPU-1::2", "GPU-1::3", "GPU-2::0", "GPU-2::1", "GPU-2::2", "GPU-2::3"]
+    assert preferred(resource, available, [], 2) == ["GPU-2::0", "GPU-1::2"]
+    assert preferred(resource, available, [], 4) == ["GPU-2::0", "GPU-1::2", "GPU-0::3", "GPU-2::1"]
+    assert preferred(resource, available, ["GPU-1::3"], 2) == ["GPU-1::3", "GPU-2::0"]

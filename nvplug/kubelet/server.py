@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from ..allocation import AllocationError, allocate, preferred
+from ..allocation import AllocationError, AllocationPolicy, allocate, preferred
 from ..resources import Resource
 from ..state import NodeState, Snapshot
 from .api import deviceplugin_pb2 as pb
@@ -38,11 +38,19 @@ def to_list_and_watch(resource: Resource) -> pb.ListAndWatchResponse:
 class DevicePluginService:
     """Answers the kubelet from state alone; never calls NVML on the request path."""
 
-    def __init__(self, resource_name: str, state: NodeState, project: Projection, dev_root: Path) -> None:
+    def __init__(
+        self,
+        resource_name: str,
+        state: NodeState,
+        project: Projection,
+        dev_root: Path,
+        policy: AllocationPolicy | None = None,
+    ) -> None:
         self.resource_name = resource_name
         self._state = state
         self._project = project
         self._dev_root = dev_root
+        self.policy = policy or AllocationPolicy()
         self._closing = asyncio.Event()
 
     def open(self) -> None:
@@ -112,17 +120,24 @@ class DevicePluginService:
         response = pb.AllocateResponse()
         for container in request.container_requests:
             try:
-                result = allocate(resource, list(container.devices_ids), self._host_path, os.path.exists)
+                result = allocate(resource, list(container.devices_ids), self.policy, self._host_path, os.path.exists)
             except AllocationError as err:
                 log.warning("Allocate refused: %s", err)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             out = response.container_responses.add()
             out.envs.update(result.envs)
+            out.annotations.update(result.annotations)
             for node in result.device_nodes:
                 out.devices.add(
                     container_path=node.container_path, host_path=node.host_path, permissions=node.permissions
                 )
-            log.info("%s: allocated %s", self.resource_name, ", ".join(d.gpu.label for d in result.devices))
+            for mount in result.mounts:
+                out.mounts.add(
+                    container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only
+                )
+            for name in result.cdi_devices:
+                out.cdi_devices.add(name=name)
+            log.info("%s: allocated %s", self.resource_name, ", ".join(g.label for g in result.gpus))
         return response
 
     async def GetPreferredAllocation(
