@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
-from .resources import whole_gpus
+from .resources import ResourceSpec
 from .state import Change, NodeState
 from .systemd import Notifier
 from .xid import XidPolicy
@@ -80,7 +79,7 @@ class Daemon:
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
 
         name = opts.config.resource_name
-        service = DevicePluginService(name, self.state, functools.partial(whole_gpus, name=name), opts.dev_root)
+        service = DevicePluginService(name, self.state, ResourceSpec(name).project, opts.dev_root)
         server = PluginServer(service, opts.plugin_dir / _socket_name(name))
         registrar = Registrar(opts.plugin_dir, name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status)
         self._plugins.append(_Plugin(server, registrar))

@@ -54,24 +54,28 @@ class Resource:
         return sum(1 for d in self.devices if d.health.healthy)
 
 
-def whole_gpus(snapshot: Snapshot, name: str = GPU_RESOURCE) -> Resource:
-    """Each GPU once, under its UUID, in index order."""
-    devices = tuple(Device(g.uuid, g, snapshot.health[g.uuid]) for g in snapshot.gpus if g.uuid in snapshot.health)
-    return Resource(name, devices, snapshot.topology)
+def _every_gpu(gpu: Gpu) -> bool:
+    return True
 
 
-def replicated(
-    snapshot: Snapshot,
-    name: str,
-    replicas: int,
-    select: Callable[[Gpu], bool] = lambda gpu: True,
-    fail_requests_greater_than_one: bool = False,
-) -> Resource:
-    """Each selected GPU `replicas` times, as <uuid>::<n>; every replica shares its GPU's health."""
-    devices = tuple(
-        Device(f"{g.uuid}{REPLICA_SEPARATOR}{n}", g, snapshot.health[g.uuid], replica=n)
-        for g in snapshot.gpus
-        if g.uuid in snapshot.health and select(g)
-        for n in range(replicas)
-    )
-    return Resource(name, devices, snapshot.topology, replicas, fail_requests_greater_than_one)
+@dataclass(frozen=True)
+class ResourceSpec:
+    """One advertised resource: a name, which GPUs, and how many times each (time-slicing)."""
+
+    name: str = GPU_RESOURCE
+    replicas: int = 1
+    select: Callable[[Gpu], bool] = field(default=_every_gpu, compare=False)
+    fail_requests_greater_than_one: bool = False
+
+    def project(self, snapshot: Snapshot) -> Resource:
+        """Unshared GPUs by UUID; replicas as <uuid>::<n>, each with its GPU's health; index order."""
+        gpus = [g for g in snapshot.gpus if g.uuid in snapshot.health and self.select(g)]
+        if self.replicas == 1:
+            devices = tuple(Device(g.uuid, g, snapshot.health[g.uuid]) for g in gpus)
+        else:
+            devices = tuple(
+                Device(f"{g.uuid}{REPLICA_SEPARATOR}{n}", g, snapshot.health[g.uuid], replica=n)
+                for g in gpus
+                for n in range(self.replicas)
+            )
+        return Resource(self.name, devices, snapshot.topology, self.replicas, self.fail_requests_greater_than_one)

@@ -15,7 +15,7 @@ from nvplug.allocation import (
 from nvplug.event import HealthReported, InventoryFound
 from nvplug.gpu import Gpu
 from nvplug.health import Health
-from nvplug.resources import Resource, replicated, whole_gpus
+from nvplug.resources import Resource, ResourceSpec
 from nvplug.state import NodeState
 
 
@@ -25,7 +25,7 @@ def resource() -> Resource:
     gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0", minor=i) for i in range(4))
     state.apply(InventoryFound(gpus))
     state.apply(HealthReported("GPU-3", Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
-    return whole_gpus(state.current)
+    return ResourceSpec().project(state.current)
 
 
 POLICY = AllocationPolicy()
@@ -120,7 +120,8 @@ def shared_resource(replicas: int = 4, fail_gt_one: bool = False) -> Resource:
     state.apply(
         InventoryFound(tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0", minor=i) for i in range(3)))
     )
-    return replicated(state.current, "nvidia.com/gpu.shared", replicas, fail_requests_greater_than_one=fail_gt_one)
+    spec = ResourceSpec("nvidia.com/gpu.shared", replicas, fail_requests_greater_than_one=fail_gt_one)
+    return spec.project(state.current)
 
 
 def test_replicas_are_advertised_and_folded_to_their_gpus() -> None:

@@ -16,7 +16,7 @@ from nvplug.event import (
 )
 from nvplug.gpu import Gpu, normalize_bus_id
 from nvplug.health import Health
-from nvplug.resources import whole_gpus
+from nvplug.resources import ResourceSpec
 from nvplug.state import NodeState
 from nvplug.xid import XidPolicy
 
@@ -119,7 +119,7 @@ def test_snapshot_is_immutable_for_readers() -> None:
 def test_whole_gpus_projection_carries_numa_and_health() -> None:
     state = NodeState()
     state.apply(InventoryFound((gpu(0, numa=0), gpu(1, numa=1), Gpu("GPU-x", 2, "0000:99:00.0"))))
-    resource = whole_gpus(state.current)
+    resource = ResourceSpec().project(state.current)
     assert [(d.id, d.numa_node) for d in resource.devices] == [
         ("GPU-00000000", 0),
         ("GPU-00000001", 1),
