@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import config
+from .allocation import AllocationPolicy
 from .config import Config
 from .event import Event, KubeletSocketCreated, NvmlFailed, PciChanged, PluginSocketRemoved
 from .events.bus import EventBus
@@ -78,11 +79,16 @@ class Daemon:
         opts.plugin_dir.mkdir(parents=True, exist_ok=True)
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
 
-        name = opts.config.resource_name
-        service = DevicePluginService(name, self.state, ResourceSpec(name).project, opts.dev_root)
-        server = PluginServer(service, opts.plugin_dir / _socket_name(name))
-        registrar = Registrar(opts.plugin_dir, name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status)
-        self._plugins.append(_Plugin(server, registrar))
+        # One server, socket and registration per resource name.
+        for spec in resource_specs(opts.config):
+            service = DevicePluginService(
+                spec.name, self.state, spec.project, opts.dev_root, allocation_policy(opts.config)
+            )
+            server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
+            registrar = Registrar(
+                opts.plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status
+            )
+            self._plugins.append(_Plugin(server, registrar))
 
         scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)
         health = opts.config.health
@@ -231,6 +237,16 @@ class Daemon:
     async def _rebind(self, plugin: _Plugin) -> None:
         await plugin.server.rebind()
         plugin.registrar.wake()
+
+
+def resource_specs(cfg: Config) -> list[ResourceSpec]:
+    """What the config asks to advertise. Whole GPUs under one name so far."""
+    return [ResourceSpec(cfg.resource_name)]
+
+
+def allocation_policy(cfg: Config) -> AllocationPolicy:
+    """How Allocate names devices. The built-in policy until the config carries NVIDIA's flags."""
+    return AllocationPolicy()
 
 
 def _socket_name(resource_name: str) -> str:
