@@ -49,7 +49,35 @@ def _parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="the daemon's log level, shown interleaved (default: %(default)s)",
     )
+
+    cfg = sub.add_parser("config", help="check a config file, or show the config in force")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    check = cfg_sub.add_parser("check", help="check FILE; exit 0 if it loads, 2 with its file, key and line if not")
+    check.add_argument("file", type=Path, metavar="FILE")
+    show = cfg_sub.add_parser("show", help="print the effective config, every default filled in, as YAML")
+    show.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"config file (default: {config.DEFAULT_PATH}, built-in defaults if absent)",
+    )
     return parser
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    """`config check` and `config show`: no logging set up, the answer is the output."""
+    path: Path | None = args.file if args.config_command == "check" else args.config
+    try:
+        cfg = config.load(path)
+    except config.ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.config_command == "check":
+        print(f"{args.file}: ok")
+    else:
+        print(f"# nvplug config from {cfg.source}, every default filled in")
+        sys.stdout.write(config.to_yaml(cfg))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.log_level)
+    if args.command == "config":
+        return _config_command(args)
     logs.setup(args.log_level)
     try:
         cfg = config.load(args.config)
