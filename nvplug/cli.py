@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__, config, logs
 from .daemon import Options, serve
+from .resources import resource_specs, unserved_sharing
 
 log = logging.getLogger("nvplug")
 
@@ -68,7 +69,7 @@ def _config_command(args: argparse.Namespace) -> int:
     """`config check` and `config show`: no logging set up, the answer is the output."""
     path: Path | None = args.file if args.config_command == "check" else args.config
     try:
-        cfg = config.load(path)
+        cfg = _load(path)
     except config.ConfigError as err:
         print(err, file=sys.stderr)
         return 2
@@ -78,6 +79,19 @@ def _config_command(args: argparse.Namespace) -> int:
         print(f"# nvplug config from {cfg.source}, every default filled in")
         sys.stdout.write(config.to_yaml(cfg))
     return 0
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _load(path: Path | None, warn: Callable[[str], None] = _stderr) -> config.Config:
+    """The config, checked against the schema and against what nvplug can serve."""
+    cfg = config.load(path)
+    resource_specs(cfg)
+    for name in unserved_sharing(cfg):
+        warn(f"{cfg.source}: sharing.timeSlicing for {name} is ignored: nvplug serves no such resource yet")
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config_command(args)
     logs.setup(args.log_level)
     try:
-        cfg = config.load(args.config)
+        cfg = _load(args.config, log.warning)
     except config.ConfigError as err:
         log.error("%s", err)
         return 2

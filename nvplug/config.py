@@ -66,7 +66,8 @@ class HealthConfig:
 class PluginFlags:
     """`flags.plugin`: NVIDIA's device-plugin-only options."""
 
-    pass_device_specs: bool = False
+    # NVIDIA's default is off; a host service hands out the device nodes itself.
+    pass_device_specs: bool = True
     device_list_strategy: tuple[DeviceListStrategy, ...] = ("envvar",)
     device_id_strategy: DeviceIDStrategy = "uuid"
     cdi_annotation_prefix: str = "cdi.k8s.io/"

@@ -21,7 +21,7 @@ from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
-from .resources import ResourceSpec
+from .resources import resource_specs
 from .state import Change, NodeState
 from .systemd import Notifier
 from .xid import XidPolicy
@@ -203,20 +203,20 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
+            specs = resource_specs(new)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
+            allocation = allocation_policy(new)
         except (config.ConfigError, ValueError) as err:
             log.error("reload refused, the config in force stays: %s", err)
         else:
             self.state.set_xid_policy(policy)
             if self._reprober is not None:
                 self._reprober.set_backoff(new.health.reprobe_initial_seconds, new.health.reprobe_max_seconds)
-            if new.resource_name != self.config.resource_name:
-                # Servers and registrations are made at start; renaming them takes a restart.
-                log.error(
-                    "reload: the resource name %s -> %s applies at the next restart",
-                    self.config.resource_name,
-                    new.resource_name,
-                )
+            for plugin in self._plugins:
+                plugin.server.service.policy = allocation
+            if specs != resource_specs(self.config):
+                # Servers and registrations are made at start; new resources take a restart.
+                log.error("reload: the advertised resources changed; they apply at the next restart")
             else:
                 log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new
@@ -239,14 +239,15 @@ class Daemon:
         plugin.registrar.wake()
 
 
-def resource_specs(cfg: Config) -> list[ResourceSpec]:
-    """What the config asks to advertise. Whole GPUs under one name so far."""
-    return [ResourceSpec(cfg.resource_name)]
-
-
 def allocation_policy(cfg: Config) -> AllocationPolicy:
-    """How Allocate names devices. The built-in policy until the config carries NVIDIA's flags."""
-    return AllocationPolicy()
+    """How Allocate names devices: NVIDIA's flags.plugin settings."""
+    plugin = cfg.flags.plugin
+    return AllocationPolicy(
+        list_strategies=tuple(plugin.device_list_strategy),
+        id_strategy=plugin.device_id_strategy,
+        pass_device_specs=plugin.pass_device_specs,
+        cdi_annotation_prefix=plugin.cdi_annotation_prefix,
+    )
 
 
 def _socket_name(resource_name: str) -> str:

@@ -1,0 +1,98 @@
+"""Time-slicing and the device-list strategies, configured through the YAML and seen at the kubelet."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+
+TIMEOUT = 15.0
+
+
+def start(node: SimulatedNode, cfg: str, resource: str, count: int) -> list[str]:
+    node.config.write_text(cfg)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(count, resource), TIMEOUT)
+    return [g["uuid"] for g in node.scenario_gpus()]
+
+
+def test_time_slicing_renamed_by_default(node: SimulatedNode) -> None:
+    cfg = """version: v1
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+"""
+    uuids = start(node, cfg, "nvidia.com/gpu.shared", 32)
+    plugin = node.kubelet.plugin("nvidia.com/gpu.shared")
+    assert plugin is not None
+    assert sorted(plugin.devices)[:2] == sorted(f"{uuids[0]}::{n}" for n in range(4))[:2]
+    assert node.kubelet.plugin(GPU_RESOURCE) is None  # every GPU is shared: no whole-GPU resource
+    out = node.kubelet.allocate("nvidia.com/gpu.shared", [f"{uuids[3]}::2"]).container_responses[0]
+    assert out.envs["NVIDIA_VISIBLE_DEVICES"] == uuids[3]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        node.kubelet.allocate("nvidia.com/gpu.shared", [f"{uuids[3]}::1", f"{uuids[4]}::1"])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "failRequestsGreaterThanOne" in (info.value.details() or "")
+    # Preferred replicas spread over GPUs rather than stacking on one.
+    got = node.kubelet.preferred_allocation("nvidia.com/gpu.shared", sorted(plugin.devices), [], 3)
+    assert len({g.split("::")[0] for g in got}) == 3
+
+
+def test_sharing_some_gpus_leaves_the_rest_whole(node: SimulatedNode) -> None:
+    cfg = """version: v1
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/gpu
+      rename: nvidia.com/gpu-small
+      devices: [0, 1]
+      replicas: 2
+"""
+    uuids = start(node, cfg, "nvidia.com/gpu-small", 4)
+    node.kubelet.wait_for(registered_with(6, GPU_RESOURCE), TIMEOUT)
+    whole = node.kubelet.plugin(GPU_RESOURCE)
+    assert whole is not None and set(whole.devices) == set(uuids[2:])
+
+
+def test_list_and_id_strategies_from_the_config(node: SimulatedNode) -> None:
+    cfg = """version: v1
+flags:
+  plugin:
+    passDeviceSpecs: false
+    deviceListStrategy: [volume-mounts, cdi-cri, cdi-annotations]
+    deviceIDStrategy: index
+    cdiAnnotationPrefix: cdi.example.com/
+"""
+    uuids = start(node, cfg, GPU_RESOURCE, 8)
+    out = node.kubelet.allocate(GPU_RESOURCE, [uuids[5], uuids[2]]).container_responses[0]
+    assert dict(out.envs) == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert [(m.container_path, m.host_path) for m in out.mounts] == [
+        ("/var/run/nvidia-container-devices/5", "/dev/null"),
+        ("/var/run/nvidia-container-devices/2", "/dev/null"),
+    ]
+    assert [c.name for c in out.cdi_devices] == ["nvidia.com/gpu=5", "nvidia.com/gpu=2"]
+    ((key, value),) = out.annotations.items()
+    assert key.startswith("cdi.example.com/nvplug_") and value == "nvidia.com/gpu=5,nvidia.com/gpu=2"
+    assert list(out.devices) == []
+
+
+def test_what_nvplug_cannot_serve_is_refused_up_front(node: SimulatedNode) -> None:
+    node.config.write_text(
+        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+    )
+    check = subprocess.run(
+        [sys.executable, "-m", "nvplug", "config", "check", str(node.config)], capture_output=True, text=True
+    )
+    assert check.returncode == 2 and "sharing.mps is not supported by nvplug yet" in check.stderr
+    daemon = node.start_daemon()
+    assert daemon.wait(TIMEOUT) == 2
+    assert "sharing.mps is not supported" in node.log_text()
