@@ -21,7 +21,7 @@ from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
-from .resources import resource_specs
+from .resources import ResourceSpec, resource_specs
 from .state import Change, NodeState
 from .systemd import Notifier
 from .xid import XidPolicy
@@ -44,8 +44,10 @@ class Options:
 
 @dataclass
 class _Plugin:
+    spec: ResourceSpec
     server: PluginServer
     registrar: Registrar
+    registering: asyncio.Task[None] | None = None
     rebinding: asyncio.Task[None] | None = None
 
 
@@ -60,6 +62,7 @@ class Daemon:
         self._reprober: Reprober | None = None
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
+        self._kubelet_dir: KubeletDirWatch | None = None
         self._status = ""
 
     def request_stop(self, why: str) -> None:
@@ -80,15 +83,8 @@ class Daemon:
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
 
         # One server, socket and registration per resource name.
-        for spec in resource_specs(opts.config):
-            service = DevicePluginService(
-                spec.name, self.state, spec.project, opts.dev_root, allocation_policy(opts.config)
-            )
-            server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
-            registrar = Registrar(
-                opts.plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status
-            )
-            self._plugins.append(_Plugin(server, registrar))
+        policy = allocation_policy(opts.config)
+        self._plugins = [self._make_plugin(spec, policy) for spec in resource_specs(opts.config)]
 
         scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)
         health = opts.config.health
@@ -103,6 +99,7 @@ class Daemon:
         kubelet_dir = KubeletDirWatch(
             opts.plugin_dir, [p.server.socket_path for p in self._plugins], bus.publish_threadsafe
         )
+        self._kubelet_dir = kubelet_dir
         kubelet_dir.start()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -112,17 +109,13 @@ class Daemon:
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
             for plugin in self._plugins:
-                await plugin.server.start()
+                await self._open(plugin)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready(self._status_line())
             tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
             if self.notifier.watchdog_interval is not None:
                 tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             tasks.append(asyncio.create_task(scanner.run(), name="scanner"))
-            tasks += [
-                asyncio.create_task(p.registrar.run(), name=f"register {p.registrar.resource_name}")
-                for p in self._plugins
-            ]
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -134,11 +127,56 @@ class Daemon:
             await asyncio.gather(*tasks, return_exceptions=True)
             reprober.close()
             for plugin in self._plugins:
-                await plugin.server.stop()
+                await self._close(plugin)
             udev.stop()
             kubelet_dir.stop()
             await scanner.close()
             log.info("nvplug stopped")
+
+    def _make_plugin(self, spec: ResourceSpec, policy: AllocationPolicy) -> _Plugin:
+        opts = self.options
+        service = DevicePluginService(spec.name, self.state, spec.project, opts.dev_root, policy)
+        server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
+        registrar = Registrar(
+            opts.plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status
+        )
+        return _Plugin(spec, server, registrar)
+
+    async def _open(self, plugin: _Plugin) -> None:
+        """Serve first, then register: the kubelet dials back inside Register."""
+        await plugin.server.start()
+        plugin.registering = asyncio.create_task(plugin.registrar.run(), name=f"register {plugin.spec.name}")
+        plugin.registering.add_done_callback(self._registrar_ended)
+
+    async def _close(self, plugin: _Plugin) -> None:
+        if plugin.registering is not None:
+            plugin.registering.cancel()
+            await asyncio.gather(plugin.registering, return_exceptions=True)
+        await plugin.server.stop()
+
+    def _registrar_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended: %r; stopping so that systemd restarts us", task.get_name(), task.exception())
+            self.request_stop("a registrar failed")
+
+    async def _apply_resources(self, specs: list[ResourceSpec], policy: AllocationPolicy) -> None:
+        """A reload that changes what is advertised: new servers register, gone ones stop, changed ones
+        register again so that the kubelet reads their new device lists. Unchanged ones are left alone."""
+        wanted = {spec.name: spec for spec in specs}
+        keep: list[_Plugin] = []
+        for plugin in self._plugins:
+            if wanted.get(plugin.spec.name) == plugin.spec:
+                keep.append(plugin)
+                del wanted[plugin.spec.name]
+            else:
+                log.info("%s: advertised differently now: stopping its server", plugin.spec.name)
+                await self._close(plugin)
+        fresh = [self._make_plugin(spec, policy) for spec in wanted.values()]
+        self._plugins = keep + fresh
+        if self._kubelet_dir is not None:
+            self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
+        for plugin in fresh:
+            await self._open(plugin)
 
     async def _dispatch(self, bus: EventBus, scanner: Scanner, reprober: Reprober) -> None:
         while True:
@@ -214,9 +252,9 @@ class Daemon:
                 self._reprober.set_backoff(new.health.reprobe_initial_seconds, new.health.reprobe_max_seconds)
             for plugin in self._plugins:
                 plugin.server.service.policy = allocation
-            if specs != resource_specs(self.config):
-                # Servers and registrations are made at start; new resources take a restart.
-                log.error("reload: the advertised resources changed; they apply at the next restart")
+            if specs != [p.spec for p in self._plugins]:
+                await self._apply_resources(specs, allocation)
+                log.info("reloaded the config from %s; resources changed: %s", source, [s.name for s in specs])
             else:
                 log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new

@@ -69,6 +69,8 @@ class ResourceSpec:
     fail_requests_greater_than_one: bool = False
     # Which of the selected GPUs are replicated; the others are offered whole.
     shared: Callable[[Gpu], bool] = field(default=_every_gpu, compare=False)
+    # What `select` and `shared` were made from, so that two specs compare by it.
+    selection: str = "all"
 
     def project(self, snapshot: Snapshot) -> Resource:
         """Unshared GPUs by UUID; replicas as <uuid>::<n>, each with its GPU's health; index order."""
@@ -107,12 +109,24 @@ def resource_specs(cfg: Config) -> list[ResourceSpec]:
     entries = [r for r in sharing.resources if r.name == base]
     renamed = [(r, _device_filter(r.devices)) for r in entries if r.advertised_name != base]
     in_place = [(r, _device_filter(r.devices)) for r in entries if r.advertised_name == base]
-    specs = [ResourceSpec(r.advertised_name, r.replicas, pick, fail_gt_one) for r, pick in renamed]
+    specs = [
+        ResourceSpec(r.advertised_name, r.replicas, pick, fail_gt_one, selection=repr(r.devices)) for r, pick in renamed
+    ]
     picks = [pick for _, pick in renamed]
-    whole = ResourceSpec(base, select=lambda gpu: not any(pick(gpu) for pick in picks))
+    whole = ResourceSpec(
+        base,
+        select=lambda gpu: not any(pick(gpu) for pick in picks),
+        selection="all but " + repr([r.devices for r, _ in renamed]) if renamed else "all",
+    )
     if in_place:
         (entry, pick), *_ = in_place
-        whole = replace(whole, replicas=entry.replicas, fail_requests_greater_than_one=fail_gt_one, shared=pick)
+        whole = replace(
+            whole,
+            replicas=entry.replicas,
+            fail_requests_greater_than_one=fail_gt_one,
+            shared=pick,
+            selection=f"{whole.selection}, shared {entry.devices!r}",
+        )
     if in_place or not renamed or any(r.devices != "all" for r, _ in renamed):
         specs.insert(0, whole)
     return specs

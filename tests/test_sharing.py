@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -96,3 +97,26 @@ def test_what_nvplug_cannot_serve_is_refused_up_front(node: SimulatedNode) -> No
     daemon = node.start_daemon()
     assert daemon.wait(TIMEOUT) == 2
     assert "sharing.mps is not supported" in node.log_text()
+
+
+def test_reload_that_changes_resources_registers_them_without_a_restart(node: SimulatedNode) -> None:
+    uuids = start(node, "version: v1\n", GPU_RESOURCE, 8)
+    assert node.daemon is not None
+    pid = node.daemon.pid
+    node.config.write_text(
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
+        "      rename: nvidia.com/gpu-small\n      devices: [0, 1]\n      replicas: 2\n"
+    )
+    node.daemon.send_signal(signal.SIGHUP)
+    node.kubelet.wait_for(registered_with(4, "nvidia.com/gpu-small"), TIMEOUT)
+    node.kubelet.wait_for(registered_with(6, GPU_RESOURCE), TIMEOUT)
+    whole = node.kubelet.plugin(GPU_RESOURCE)
+    assert whole is not None and set(whole.devices) == set(uuids[2:])
+    # And back: the shared resource's server stops, the whole-GPU one offers all eight again.
+    node.config.write_text("version: v1\n")
+    node.daemon.send_signal(signal.SIGHUP)
+    node.kubelet.wait_for(registered_with(8, GPU_RESOURCE), TIMEOUT)
+    small = node.kubelet.plugin("nvidia.com/gpu-small")
+    assert small is not None and not small.stream_open
+    assert node.daemon.pid == pid and node.daemon.poll() is None
+    assert not (node.plugin_dir / "nvplug-nvidia.com-gpu-small.sock").exists()

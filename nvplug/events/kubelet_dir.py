@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 
 
 class _Handler(FileSystemEventHandler):
-    def __init__(self, kubelet_socket: str, own: set[str], emit: Callable[[Event], None]) -> None:
+    def __init__(self, kubelet_socket: str, own: Iterable[Path], emit: Callable[[Event], None]) -> None:
         self._kubelet_socket = kubelet_socket
-        self._own = own
+        self.own = frozenset(str(p) for p in own)
         self._emit = emit
 
     # The directory itself also reports modifications; only paths matter.
@@ -33,7 +33,7 @@ class _Handler(FileSystemEventHandler):
 
     def on_deleted(self, event: FileSystemEvent) -> None:
         path = os.fsdecode(event.src_path)
-        if path in self._own:
+        if path in self.own:
             self._emit(PluginSocketRemoved(path))
 
 
@@ -42,8 +42,7 @@ class KubeletDirWatch:
 
     def __init__(self, plugin_dir: Path, own_sockets: Iterable[Path], emit: Callable[[Event], None]) -> None:
         self.plugin_dir = plugin_dir
-        self._own = {str(p) for p in own_sockets}
-        self._handler = _Handler(str(plugin_dir / KUBELET_SOCKET), self._own, emit)
+        self._handler = _Handler(str(plugin_dir / KUBELET_SOCKET), own_sockets, emit)
         self._observer: InotifyObserver | None = None
 
     def start(self) -> None:
@@ -53,6 +52,10 @@ class KubeletDirWatch:
         observer.start()
         self._observer = observer
         log.info("watching %s for the kubelet's socket", self.plugin_dir)
+
+    def set_own(self, own_sockets: Iterable[Path]) -> None:
+        """Our sockets changed (a reload); swapped whole, so the observer thread sees one or the other."""
+        self._handler.own = frozenset(str(p) for p in own_sockets)
 
     def stop(self) -> None:
         observer, self._observer = self._observer, None
