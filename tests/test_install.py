@@ -71,7 +71,7 @@ class Node:
 
     ctr: nspawn.Container
     kubelet: KubeletThread
-    control: nspawn.ContainerControl
+    control: fakenvml.Control
     plugin_dir: Path  # the host's side of PLUGIN_DIR
     uuids: list[str]
 
@@ -184,7 +184,7 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         _install(ctr, f"/var/tmp/{deb.name}", say)
         _timed("install the deb (apt-get, postinst)", started)
 
-        yield Node(ctr, kubelet, nspawn.ContainerControl(control_dir / "nvml.ctl"), plugin_dir, uuids)
+        yield Node(ctr, kubelet, fakenvml.Control(control_dir / "nvml.ctl"), plugin_dir, uuids)
     finally:
         try:
             ctr.close()

@@ -231,12 +231,12 @@ def _temp_in(directory: Path, suffix: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def _client_socket() -> Iterator[socket.socket]:
-    """A datagram socket bound to an address, so that the library can reply to it."""
-    with (
-        tempfile.TemporaryDirectory(prefix="fakenvml-") as tmp,
-        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock,
-    ):
-        path = str(Path(tmp) / "c")
-        # sun_path holds 108 bytes; a long TMPDIR falls back to Linux autobind (abstract name).
-        sock.bind(path if len(path.encode()) < 100 else "")
+    """A datagram socket bound to an address, so that the library can reply to it.
+
+    Linux autobind gives a unique abstract address: no file to clean up, and a
+    library in another mount namespace (a container sharing our network
+    namespace) can still reach it.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("")
         yield sock

@@ -24,7 +24,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,15 +34,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
-from . import fakenvml
-
 __all__ = [
     "DEFAULT_CACHE",
     "IMAGE_PACKAGES",
     "SUITE",
     "Bind",
     "Container",
-    "ContainerControl",
     "ContainerError",
     "cache_dir",
     "ensure_image",
@@ -545,39 +541,6 @@ def _overlay_works(where: Path) -> bool:
 # ---------------------------------------------------------------------------
 # The fake NVML, driven from the host
 # ---------------------------------------------------------------------------
-
-
-class ContainerControl(fakenvml.Control):
-    """:class:`fakenvml.Control` for a library that runs inside a container.
-
-    The library replies to the sender's address. The stock client binds a path
-    under the host's /tmp, which the container (and the unit's private /tmp)
-    cannot see; this one binds an abstract address instead, which the library
-    reaches because nspawn shares the host's network namespace.
-    """
-
-    def send(self, command: str, timeout: float = 5.0) -> str:
-        if "\n" in command.rstrip("\n"):
-            raise ValueError("one command per call")
-        deadline = time.monotonic() + timeout
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.bind("")  # Linux autobind: a unique abstract address
-            while True:
-                try:
-                    sock.sendto(command.encode(), str(self.path))
-                    break
-                except (FileNotFoundError, ConnectionRefusedError) as exc:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"fake NVML control socket {self.path} is not being served") from exc
-                    time.sleep(0.02)
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                reply = sock.recv(65536).decode(errors="replace")
-            except TimeoutError as exc:
-                raise TimeoutError(f"no reply to {command!r} from {self.path}") from exc
-        if reply.startswith("error"):
-            raise fakenvml.ControlError(reply)
-        return reply
 
 
 def service_dropin(
