@@ -45,6 +45,9 @@ class Link:
         return self.nvlinks * NVLINK_WEIGHT + _PCIE_SCORE[self.pcie]
 
 
+_UNLINKED = Link().score
+
+
 def _key(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
 
@@ -54,6 +57,14 @@ class Topology:
     """Links between pairs of GPUs by UUID; a pair not listed meets across the system."""
 
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    # Scores by ordered pair, both orders: the hot path of every preferred allocation.
+    _scores: Mapping[tuple[str, str], int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        scores = {}
+        for (a, b), link in self.links.items():
+            scores[(a, b)] = scores[(b, a)] = link.score
+        object.__setattr__(self, "_scores", scores)
 
     @classmethod
     def of(cls, pairs: Mapping[tuple[str, str], Link]) -> Topology:
@@ -63,7 +74,7 @@ class Topology:
         return self.links.get(_key(a, b), Link())
 
     def score(self, a: str, b: str) -> int:
-        return self.link(a, b).score
+        return self._scores.get((a, b), _UNLINKED)
 
     def set_score(self, ids: Sequence[str]) -> int:
         return sum(self.score(a, b) for a, b in itertools.combinations(ids, 2))
@@ -86,8 +97,13 @@ def best_set(
     n = len(pool)
     w = [[score(a, b) if a != b else 0 for b in pool] for a in pool]
     gain = [sum(score(u, v) for u in chosen) for v in pool]
-    # For the bound: each GPU's weights to the GPUs after position i, best first.
-    ahead = [[sorted((w[v][x] for x in range(i, n) if x != v), reverse=True) for v in range(n)] for i in range(n)]
+    # For the bound: each GPU's weights to the GPUs from position i on, best first; made when first needed.
+    ahead: dict[int, list[list[int]]] = {}
+
+    def weights_from(i: int) -> list[list[int]]:
+        if i not in ahead:
+            ahead[i] = [sorted((w[v][x] for x in range(i, n) if x != v), reverse=True) for v in range(n)]
+        return ahead[i]
 
     best_score = -1
     best: list[int] = []
@@ -95,7 +111,8 @@ def best_set(
 
     def bound(start: int, left: int, gains: list[int]) -> float:
         # Each new pair counted half from each end: no set of `left` more can beat this.
-        optimistic = sorted((gains[v] + sum(ahead[start][v][: left - 1]) / 2 for v in range(start, n)), reverse=True)
+        top = weights_from(start)
+        optimistic = sorted((gains[v] + sum(top[v][: left - 1]) / 2 for v in range(start, n)), reverse=True)
         return sum(optimistic[:left])
 
     def search(start: int, current: int, gains: list[int]) -> None:
