@@ -8,6 +8,17 @@ NO_NUMA_NODE = -1
 
 
 @dataclass(frozen=True)
+class MigDevice:
+    """One MIG device: a GPU instance with one compute instance, on its parent GPU."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    profile: str  # e.g. 1g.10gb, 1g.10gb.me, 3g.40gb
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
 class Gpu:
     """One physical GPU. Fields the driver cannot report are None."""
 
@@ -19,6 +30,9 @@ class Gpu:
     name: str | None = None
     memory_mib: int | None = None
     compute_capability: tuple[int, int] | None = None
+    # MIG mode as the driver reports it now, and the MIG devices it holds.
+    mig_enabled: bool = False
+    mig: tuple[MigDevice, ...] = ()
 
     @property
     def label(self) -> str:
