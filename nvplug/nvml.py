@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import pynvml  # type: ignore[import-untyped]
 
 from .event import ProbeResult
-from .gpu import NO_NUMA_NODE, Gpu, normalize_bus_id
+from .gpu import NO_NUMA_NODE, Gpu, MigDevice, normalize_bus_id
+from .mig import profile_name
 from .topology import Link, PcieLevel, Topology
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,41 @@ def _read_topology(found: list[tuple[Gpu, Any]], notes: _Notes) -> Topology:
     return Topology.of(links)
 
 
+def _read_mig(handle: Any, label: str, total_mib: int | None, notes: _Notes) -> tuple[MigDevice, ...]:
+    """The MIG devices of a GPU in MIG mode; one that cannot be read is skipped and said."""
+    count = notes.optional(lambda: int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)), label, "MIG device count")
+    devices = []
+    for index in range(count or 0):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+        except pynvml.NVMLError as err:
+            if err.value != pynvml.NVML_ERROR_NOT_FOUND:  # an empty slot is normal
+                notes.problems.append(f"{label}: MIG device {index} unreadable: {err}")
+            continue
+        try:
+            attrs = pynvml.nvmlDeviceGetAttributes(mig)
+            memory = int(attrs.memorySizeMB)
+            profile = profile_name(
+                int(attrs.gpuInstanceSliceCount),
+                int(attrs.computeInstanceSliceCount),
+                memory,
+                total_mib or memory,
+                int(attrs.sharedOfaCount),
+            )
+            devices.append(
+                MigDevice(
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(mig)),
+                    gpu_instance=int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),
+                    compute_instance=int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
+                    profile=profile,
+                    memory_mib=memory,
+                )
+            )
+        except pynvml.NVMLError as err:
+            notes.problems.append(f"{label}: MIG device {index} unreadable: {err}")
+    return tuple(devices)
+
+
 def _common_ancestor(a: Any, b: Any) -> PcieLevel:
     return PcieLevel(int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)))
 
@@ -203,6 +239,9 @@ class Nvml:
         numa = self._sysfs_numa(bus_id)
         if numa is None:
             numa = opt(lambda: int(pynvml.nvmlDeviceGetNumaNodeId(handle)), "NUMA node")
+        mode = opt(lambda: pynvml.nvmlDeviceGetMigMode(handle), "MIG mode")
+        enabled = mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        mig = _read_mig(handle, label, memory, notes) if enabled else None
         return Gpu(
             uuid=uuid,
             index=index,
@@ -212,6 +251,8 @@ class Nvml:
             name=opt(lambda: _text(pynvml.nvmlDeviceGetName(handle)), "name"),
             memory_mib=memory,
             compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
+            mig_enabled=mig is not None,
+            mig=mig or (),
         )
 
     def _sysfs_numa(self, bus_id: str) -> int | None:
