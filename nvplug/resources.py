@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from .config import Config, ConfigError, Devices
-from .gpu import NO_NUMA_NODE, Gpu
+from .gpu import NO_NUMA_NODE, Gpu, MigDevice
 from .health import HealthState
 from .state import Snapshot
 from .topology import Topology
@@ -24,6 +24,7 @@ class Device:
     gpu: Gpu
     health: HealthState
     replica: int | None = None
+    mig: MigDevice | None = None
 
     @property
     def numa_node(self) -> int | None:
@@ -88,6 +89,55 @@ class ResourceSpec:
         return Resource(
             self.name, tuple(devices), snapshot.topology, self.replicas, self.fail_requests_greater_than_one
         )
+
+
+@dataclass(frozen=True)
+class MigSpec:
+    """The MIG devices of one profile, on every GPU in MIG mode."""
+
+    name: str
+    profile: str
+
+    def project(self, snapshot: Snapshot) -> Resource:
+        devices = []
+        for g in snapshot.gpus:
+            parent = snapshot.health.get(g.uuid)
+            if parent is None:
+                continue
+            for m in g.mig:
+                own = snapshot.health.get(m.uuid)
+                if m.profile == self.profile and own is not None:
+                    # A fault of the whole GPU is a fault of each of its MIG devices.
+                    devices.append(Device(m.uuid, g, own if parent.healthy else parent, mig=m))
+        return Resource(self.name, tuple(devices), snapshot.topology)
+
+
+Spec = ResourceSpec | MigSpec
+
+
+def mig_plan(cfg: Config, snapshot: Snapshot) -> tuple[list[Spec], str | None]:
+    """flags.migStrategy over the GPUs present: the specs to serve, or none and the reason why."""
+    strategy = cfg.flags.mig_strategy
+    whole = resource_specs(cfg)
+    if strategy == "none":
+        return list(whole), None
+    on = [g for g in snapshot.gpus if g.mig_enabled]
+    profiles = sorted({m.profile for g in on for m in g.mig})
+    if strategy == "single":
+        if not on:
+            return list(whole), None
+        off = [g.label for g in snapshot.gpus if not g.mig_enabled]
+        if off or len(profiles) != 1:
+            why = f"GPUs without MIG: {off}" if off else f"MIG profiles {profiles}"
+            return [], f"migStrategy single needs every GPU in MIG mode with one profile; found {why}"
+        return [MigSpec(cfg.resource_name, profiles[0])], None
+    # mixed: whole GPUs where MIG is off, one resource per MIG profile.
+    base = [replace(spec, select=_and_not_mig(spec.select), selection=f"{spec.selection}, MIG off") for spec in whole]
+    return [*base, *(MigSpec(f"nvidia.com/mig-{p}", p) for p in profiles)], None
+
+
+def _and_not_mig(select: Callable[[Gpu], bool]) -> Callable[[Gpu], bool]:
+    return lambda gpu: not gpu.mig_enabled and select(gpu)
 
 
 def unserved_sharing(cfg: Config) -> list[str]:

@@ -29,7 +29,7 @@ from .event import (
     RecoveryActionChanged,
     XidOccurred,
 )
-from .gpu import Gpu
+from .gpu import Gpu, MigDevice
 from .health import Health, HealthState
 from .topology import Topology
 from .xid import Verdict, XidPolicy
@@ -145,6 +145,12 @@ class NodeState:
                 del draft.health[uuid]
                 self._reset_seen.pop(uuid, None)
                 draft.note(Change("removed", gpu))
+        # MIG devices carry their own health (instance-scoped XIDs); new ones start Healthy.
+        migs = {m.uuid for g in event.gpus for m in g.mig}
+        for uuid in [u for u in draft.health if u not in after and u not in migs]:
+            del draft.health[uuid]
+        for uuid in migs - draft.health.keys():
+            draft.health[uuid] = HealthState(Health.HEALTHY, "discovered", draft.now)
         draft.gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
         draft.topology = event.topology
         if draft.nvml_error is not None:
@@ -178,14 +184,26 @@ class NodeState:
             return  # a scan alone is no evidence for a GPU already known Unhealthy
         evidence = how or probe.evidence
         draft.set_health(probe.uuid, Health.HEALTHY, f"recovered: {evidence}, probe passed")
+        # The GPU's recovery covers faults of its MIG devices too.
+        for mig in gpu.mig:
+            draft.set_health(mig.uuid, Health.HEALTHY, f"recovered with its GPU: {evidence}")
 
     def _xid_event(self, draft: _Draft, event: XidOccurred) -> None:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
         decision = self._xid.decide(event.code)
+        # An XID that names a GPU and compute instance belongs to that MIG device alone.
+        mig = next(
+            (
+                m
+                for m in gpu.mig
+                if (m.gpu_instance, m.compute_instance) == (event.gpu_instance, event.compute_instance)
+            ),
+            None,
+        )
         if decision.verdict is Verdict.UNHEALTHY:
-            draft.set_health(event.uuid, Health.UNHEALTHY, decision.reason)
+            draft.set_health(mig.uuid if mig else event.uuid, Health.UNHEALTHY, decision.reason)
         elif decision.verdict is Verdict.HEALTHY:
             # Worth a log line even though the picture does not change.
             draft.note(Change("xid, stays healthy", gpu, decision.reason))
@@ -245,12 +263,23 @@ class _Draft:
         self.changes.append(change)
 
     def set_health(self, uuid: str, health: Health, reason: str) -> None:
+        """For a GPU, or a MIG device (logged under its GPU, the MIG device named first)."""
         gpu = self.gpu(uuid)
+        subject = ""
+        if gpu is None:
+            found = self.mig_owner(uuid)
+            if found is None:
+                return
+            gpu, mig = found
+            subject = f"MIG {mig.profile} gi {mig.gpu_instance} ci {mig.compute_instance} ({mig.uuid}): "
         current = self.health.get(uuid)
-        if gpu is None or current is None or current.health is health:
+        if current is None or current.health is health:
             return
         self.health[uuid] = HealthState(health, reason, self.now)
-        self.note(Change(health.value.lower(), gpu, reason))
+        self.note(Change(health.value.lower(), gpu, subject + reason))
+
+    def mig_owner(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
+        return next(((g, m) for g in self.gpus for m in g.mig if m.uuid == uuid), None)
 
     def build(self) -> Snapshot | None:
         base = self.base

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from nvplug import config
+from nvplug.event import InventoryFound, ProbeResult, XidOccurred
+from nvplug.gpu import Gpu, MigDevice
+from nvplug.health import Health
 from nvplug.mig import parse_mig_minors, profile_name, read_mig_minors
+from nvplug.resources import MigSpec, mig_plan
+from nvplug.state import NodeState
 
 H100 = 81559  # MiB, an H100 80GB HBM3
 A100 = 40960  # MiB, an A100 40GB
@@ -52,3 +58,69 @@ def test_mig_minors_table(tmp_path: Path) -> None:
     (tmp_path / "driver/nvidia-caps/mig-minors").write_text(text)
     assert read_mig_minors(tmp_path) == minors
     assert read_mig_minors(tmp_path / "absent").nodes(0, 1, 0) is None
+
+
+# --- MIG in the state and the strategies ---------------------------------------------
+
+
+def mig_gpu(i: int, profiles: list[str]) -> Gpu:
+    migs = tuple(
+        MigDevice(f"MIG-{i}-{n}", gpu_instance=n + 1, compute_instance=0, profile=p) for n, p in enumerate(profiles)
+    )
+    return Gpu(f"GPU-{i}", i, f"0000:{i:02x}:00.0", minor=i, mig_enabled=bool(profiles), mig=migs)
+
+
+def node(*gpus: Gpu) -> NodeState:
+    state = NodeState()
+    state.apply(InventoryFound(gpus))
+    return state
+
+
+def plan(strategy: str, state: NodeState) -> tuple[list[str], str | None]:
+    cfg = config.parse(f"version: v1\nflags:\n  migStrategy: {strategy}\n", "c.yaml")
+    specs, error = mig_plan(cfg, state.current)
+    return [f"{s.name}={len(s.project(state.current).devices)}" for s in specs], error
+
+
+def test_strategies_on_a_mixed_node() -> None:
+    state = node(mig_gpu(0, ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]), mig_gpu(1, []), mig_gpu(2, ["1g.10gb"] * 7))
+    assert plan("none", state) == (["nvidia.com/gpu=3"], None)
+    assert plan("mixed", state) == (
+        ["nvidia.com/gpu=1", "nvidia.com/mig-1g.10gb=9", "nvidia.com/mig-2g.20gb=1", "nvidia.com/mig-3g.40gb=1"],
+        None,
+    )
+    specs, error = plan("single", state)
+    assert specs == [] and error is not None and "GPUs without MIG" in error
+
+
+def test_single_serves_one_profile_as_the_gpu_resource() -> None:
+    state = node(mig_gpu(0, ["1g.10gb"] * 7), mig_gpu(1, ["1g.10gb"] * 7))
+    assert plan("single", state) == (["nvidia.com/gpu=14"], None)
+    two = node(mig_gpu(0, ["1g.10gb"] * 7), mig_gpu(1, ["3g.40gb"]))
+    specs, error = plan("single", two)
+    assert specs == [] and "MIG profiles ['1g.10gb', '3g.40gb']" in (error or "")
+    assert plan("single", node(mig_gpu(0, []), mig_gpu(1, []))) == (["nvidia.com/gpu=2"], None)
+
+
+def test_instance_scoped_xid_marks_only_its_mig_device() -> None:
+    state = node(mig_gpu(0, ["1g.10gb"] * 3))
+    state.apply(XidOccurred("GPU-0", 79, gpu_instance=2, compute_instance=0))
+    resource = MigSpec("nvidia.com/mig-1g.10gb", "1g.10gb").project(state.current)
+    assert [(d.id, d.health.health) for d in resource.devices] == [
+        ("MIG-0-0", Health.HEALTHY),
+        ("MIG-0-1", Health.UNHEALTHY),
+        ("MIG-0-2", Health.HEALTHY),
+    ]
+    assert state.current.health["GPU-0"].healthy
+    # A whole-GPU XID takes every MIG device of the GPU with it; its recovery brings them all back.
+    state.apply(XidOccurred("GPU-0", 48))
+    assert all(not d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+    state.apply(ProbeResult("GPU-0", None, "re-probe 1"))
+    assert all(d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+
+
+def test_layout_change_drops_and_adds_mig_health() -> None:
+    state = node(mig_gpu(0, ["1g.10gb"] * 2))
+    state.apply(InventoryFound((mig_gpu(0, ["3g.40gb"]),)))
+    assert set(state.current.health) == {"GPU-0", "MIG-0-0"}
+    assert state.current.gpus[0].mig[0].profile == "3g.40gb"
