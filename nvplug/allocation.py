@@ -108,7 +108,10 @@ def allocate(
         )
     devices = resolve(resource, device_ids)
     gpus = tuple({d.gpu.uuid: d.gpu for d in devices}.values())
-    ids = [gpu.uuid if policy.id_strategy == "uuid" else str(gpu.index) for gpu in gpus]
+    # What the container sees: whole GPUs (replicas folded), or the MIG devices themselves.
+    units: list[Device] = [d for d in devices if d.mig is not None]
+    units += [Device(g.uuid, g, devices[0].health) for g in gpus if not any(d.gpu == g for d in units)]
+    ids = [_visible_id(d, policy.id_strategy) for d in units]
     strategies = set(policy.list_strategies)
     envs = {VISIBLE_DEVICES_ENV: NO_DEVICES}
     mounts: tuple[Mount, ...] = ()
@@ -129,8 +132,35 @@ def allocate(
     nodes: list[DeviceNode] = []
     if policy.pass_device_specs:
         nodes = [DeviceNode(g.device_node, host_path(g.device_node)) for g in gpus if g.device_node is not None]
+        for d in units:
+            caps = _cap_nodes(resource, d)
+            nodes += [DeviceNode(p, host_path(p)) for p in caps]
         nodes += [DeviceNode(p, host_path(p)) for p in CONTROL_NODES if node_exists(host_path(p))]
     return ContainerAllocation(tuple(devices), gpus, envs, tuple(nodes), mounts, annotations, cdi_devices)
+
+
+def _visible_id(device: Device, id_strategy: str) -> str:
+    """NVIDIA's naming: UUIDs (GPU-... or MIG-...), or indices (`2`, or `2:1` for a GPU's second MIG device)."""
+    mig = device.mig
+    if id_strategy == "uuid":
+        return mig.uuid if mig is not None else device.gpu.uuid
+    if mig is None:
+        return str(device.gpu.index)
+    return f"{device.gpu.index}:{device.gpu.mig.index(mig)}"
+
+
+def _cap_nodes(resource: Resource, device: Device) -> tuple[str, ...]:
+    """The /dev/nvidia-caps nodes of a MIG device's GPU and compute instance."""
+    mig, minor = device.mig, device.gpu.minor
+    if mig is None or minor is None:
+        return ()
+    nodes = resource.cap_minors.nodes(minor, mig.gpu_instance, mig.compute_instance)
+    if nodes is None:
+        raise AllocationError(
+            f"{resource.name}: no capability device minors listed for {mig.uuid} "
+            f"(gpu {minor}, gi {mig.gpu_instance}, ci {mig.compute_instance})"
+        )
+    return nodes
 
 
 def preferred(resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:

@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    run.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
 
     demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
     demo.add_argument(
@@ -114,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sysfs_root=args.sysfs_root,
         config=cfg,
         config_path=args.config,
+        proc_root=args.proc_root,
     )
     try:
         asyncio.run(serve(options))

@@ -40,6 +40,7 @@ class Options:
     config: Config
     # Where SIGHUP re-reads the config from; None is the default path.
     config_path: Path | None = None
+    proc_root: Path = Path("/proc")
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Daemon:
         policy = allocation_policy(opts.config)
         self._plugins = [self._make_plugin(spec, policy) for spec in resource_specs(opts.config)]
 
-        scanner = Scanner(Nvml(opts.sysfs_root), bus.publish, bus.publish_threadsafe)
+        scanner = Scanner(Nvml(opts.sysfs_root, opts.proc_root), bus.publish, bus.publish_threadsafe)
         health = opts.config.health
         reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
         self._reprober = reprober

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .gpu import Gpu
 from .health import Health
+from .mig import CapMinors
 from .topology import Topology
 
 
@@ -30,6 +31,7 @@ class InventoryFound:
     gpus: tuple[Gpu, ...]
     probes: tuple[ProbeResult, ...] = ()
     topology: Topology = field(default_factory=Topology)
+    cap_minors: CapMinors = field(default_factory=CapMinors)
 
 
 @dataclass(frozen=True)

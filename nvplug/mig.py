@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Where the driver lists the /dev/nvidia-caps minors of every GPU and compute instance.
@@ -36,8 +36,8 @@ def profile_name(
 class CapMinors:
     """The /dev/nvidia-caps minors, by (gpu minor, gi) and (gpu minor, gi, ci)."""
 
-    gpu_instances: Mapping[tuple[int, int], int]
-    compute_instances: Mapping[tuple[int, int, int], int]
+    gpu_instances: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    compute_instances: Mapping[tuple[int, int, int], int] = field(default_factory=dict)
 
     def nodes(self, gpu_minor: int, gi: int, ci: int) -> tuple[str, str] | None:
         """The two capability nodes a container needs for one MIG device, if listed."""

@@ -19,7 +19,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from .event import ProbeResult
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice, normalize_bus_id
-from .mig import profile_name
+from .mig import CapMinors, profile_name, read_mig_minors
 from .topology import Link, PcieLevel, Topology
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Discovery:
     problems: tuple[str, ...] = ()
     driver_version: str | None = None
     topology: Topology = field(default_factory=Topology)
+    cap_minors: CapMinors = field(default_factory=CapMinors)
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,9 @@ def _text(value: Any) -> str:
 
 
 class Nvml:
-    def __init__(self, sysfs_root: Path = Path("/sys")) -> None:
+    def __init__(self, sysfs_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) -> None:
         self._sysfs_root = sysfs_root
+        self._proc_root = proc_root
 
     def scan(self) -> Scan:
         """Read every GPU and probe each once, in one NVML session. Raises NvmlUnavailable."""
@@ -224,7 +226,8 @@ class Nvml:
                 notes.problems.append(f"gpu {index}: skipped, its identity cannot be read: {err}")
         topology = _read_topology(found, notes)
         gpus = tuple(gpu for gpu, _ in found)
-        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology)
+        minors = read_mig_minors(self._proc_root) if any(g.mig for g in gpus) else CapMinors()
+        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology, minors)
 
     def _read_gpu(self, index: int, handle: Any, notes: _Notes) -> Gpu:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))

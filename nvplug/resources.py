@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from .config import Config, ConfigError, Devices
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice
 from .health import HealthState
+from .mig import CapMinors
 from .state import Snapshot
 from .topology import Topology
 
@@ -39,6 +40,8 @@ class Resource:
     # Time-slicing: each GPU offered this many times; optionally one replica per request.
     replicas: int = 1
     fail_requests_greater_than_one: bool = False
+    # For MIG devices: the /dev/nvidia-caps minors of their instances.
+    cap_minors: CapMinors = field(default_factory=CapMinors)
     _by_id: Mapping[str, Device] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,7 +112,7 @@ class MigSpec:
                 if m.profile == self.profile and own is not None:
                     # A fault of the whole GPU is a fault of each of its MIG devices.
                     devices.append(Device(m.uuid, g, own if parent.healthy else parent, mig=m))
-        return Resource(self.name, tuple(devices), snapshot.topology)
+        return Resource(self.name, tuple(devices), snapshot.topology, cap_minors=snapshot.cap_minors)
 
 
 Spec = ResourceSpec | MigSpec

@@ -31,6 +31,7 @@ from .event import (
 )
 from .gpu import Gpu, MigDevice
 from .health import Health, HealthState
+from .mig import CapMinors
 from .topology import Topology
 from .xid import Verdict, XidPolicy
 
@@ -52,6 +53,8 @@ class Snapshot:
     health_watch_error: str | None = None
     # Links between GPUs, read with the inventory.
     topology: Topology = field(default_factory=Topology)
+    # The /dev/nvidia-caps minors of the MIG instances, read with the inventory.
+    cap_minors: CapMinors = field(default_factory=CapMinors)
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -153,6 +156,7 @@ class NodeState:
             draft.health[uuid] = HealthState(Health.HEALTHY, "discovered", draft.now)
         draft.gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
         draft.topology = event.topology
+        draft.cap_minors = event.cap_minors
         if draft.nvml_error is not None:
             draft.note(Change("nvml recovered", reason=draft.nvml_error))
             draft.nvml_error = None
@@ -251,6 +255,7 @@ class _Draft:
         self.nvml_error = base.nvml_error
         self.health_watch_error = base.health_watch_error
         self.topology = base.topology
+        self.cap_minors = base.cap_minors
         self.changes: list[Change] = []
 
     def gpu(self, uuid: str) -> Gpu | None:
@@ -289,6 +294,7 @@ class _Draft:
             and self.nvml_error == base.nvml_error
             and self.health_watch_error == base.health_watch_error
             and self.topology == base.topology
+            and self.cap_minors == base.cap_minors
         )
         if unchanged:
             return None
@@ -300,4 +306,5 @@ class _Draft:
             nvml_error=self.nvml_error,
             health_watch_error=self.health_watch_error,
             topology=self.topology,
+            cap_minors=self.cap_minors,
         )

@@ -124,3 +124,26 @@ def test_layout_change_drops_and_adds_mig_health() -> None:
     state.apply(InventoryFound((mig_gpu(0, ["3g.40gb"]),)))
     assert set(state.current.health) == {"GPU-0", "MIG-0-0"}
     assert state.current.gpus[0].mig[0].profile == "3g.40gb"
+
+
+def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
+    from nvplug.allocation import AllocationError, AllocationPolicy, allocate
+    from nvplug.mig import CapMinors
+
+    state = NodeState()
+    minors = CapMinors({(0, 1): 12, (0, 2): 21}, {(0, 1, 0): 13, (0, 2, 0): 22})
+    state.apply(InventoryFound((mig_gpu(0, ["3g.40gb", "3g.40gb"]),), cap_minors=minors))
+    resource = MigSpec("nvidia.com/mig-3g.40gb", "3g.40gb").project(state.current)
+    out = allocate(resource, ["MIG-0-1"], AllocationPolicy(), lambda p: "/host" + p, lambda p: False)
+    assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "MIG-0-1"}
+    assert [n.container_path for n in out.device_nodes] == [
+        "/dev/nvidia0",
+        "/dev/nvidia-caps/nvidia-cap21",
+        "/dev/nvidia-caps/nvidia-cap22",
+    ]
+    by_index = allocate(resource, ["MIG-0-1", "MIG-0-0"], AllocationPolicy(id_strategy="index"), str, lambda p: False)
+    assert by_index.envs == {"NVIDIA_VISIBLE_DEVICES": "0:1,0:0"}
+    # A MIG device whose minors the driver does not list cannot be handed out safely.
+    bare = MigSpec("m", "3g.40gb").project(node(mig_gpu(0, ["3g.40gb"])).current)
+    with pytest.raises(AllocationError, match="no capability device minors listed for MIG-0-0"):
+        allocate(bare, ["MIG-0-0"], AllocationPolicy(), str, lambda p: False)

@@ -32,10 +32,29 @@
  *   calls                               "ok total=N name=n ...": calls per exported function
  *                                       (not nvmlErrorString), non-zero ones, sorted by name
  *   calls reset                         zero those counters
+ *   mig <gpu> mode 0|1                  MIG mode now (current = pending); 0 also clears the layout
+ *   mig <gpu> layout <p>[,<p>...] | -   replace the GPU's MIG devices (profiles below), gi ids
+ *                                       1, 2, ... in order, ci 0 each; "-" clears.  Both queue
+ *                                       event 0x100 (MigConfigChange) when anything changed; no
+ *                                       nvmlInit needed; MIG handles of replaced devices go stale
  *
  * A gpu line (scenario or add) may describe a GPU already broken when first
  * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1
  * recovery_action=N (all 0 by default; like the commands above, without events).
+ *
+ * MIG: gpu key mig=0|1 (current mode), and scenario lines
+ *   mig <gpu-index> <profile> [gi=N] [ci=N] [uuid=MIG-...]
+ * each add one MIG device (one GPU instance holding one compute instance) to
+ * the GPU defined above with that index, in enumeration order.  Profiles (H100
+ * 80GB): 1g.10gb 1g.10gb+me 1g.20gb 2g.20gb 3g.40gb 4g.40gb 7g.80gb; at most
+ * 7 slices per GPU, gi unique per GPU (0-14, default the lowest free from 1),
+ * ci 0-7 (default 0).  UUIDs default to MIG-<hash of parent uuid, gi, ci>
+ * (fakenvml.mig_uuid in Python computes the same).  MIG handles are pointers
+ * into a separate static array; most per-device queries answer NOT_SUPPORTED
+ * for them; UUID, name, memory info, attributes, gi/ci ids, parent lookup and
+ * IsMigDeviceHandle work; a lost parent makes them GPU_IS_LOST; a removed MIG
+ * device's handle gives INVALID_ARGUMENT (slots are reused round-robin, so a
+ * very old stale handle may name a newer MIG device, as NVML allows).
  *
  * One global mutex guards all state: the library is tiny and the contention
  * (a daemon plus one control thread) is negligible.  The per-function call
@@ -91,10 +110,13 @@ enum {
 #define EV_SBE 0x1ULL
 #define EV_DBE 0x2ULL
 #define EV_XID 0x8ULL
+#define EV_MIG_CONFIG 0x100ULL
 #define EV_FATAL_POISON 0x2000ULL
 #define EV_GPU_UNAVAILABLE 0x4000ULL
 #define EV_RECOVERY_ACTION 0x8000ULL
-#define EV_DEFAULT (EV_XID | EV_DBE | EV_SBE | EV_GPU_UNAVAILABLE | EV_FATAL_POISON | EV_RECOVERY_ACTION)
+#define EV_DEFAULT \
+    (EV_XID | EV_DBE | EV_SBE | EV_MIG_CONFIG | EV_GPU_UNAVAILABLE | EV_FATAL_POISON | EV_RECOVERY_ACTION)
+#define ID_ANY 0xFFFFFFFFu   /* NVML_GPU_INSTANCE_ID_ANY / NVML_COMPUTE_INSTANCE_ID_ANY */
 
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
@@ -110,6 +132,10 @@ enum {
 #define NVLINK_MAX 18     /* links per GPU this fake models (NVML_NVLINK_MAX_LINKS of older headers) */
 #define MAX_GPUS 64       /* slots; never reused, so removed GPUs keep stale handles well defined */
 #define QCAP 4096         /* events queued per event set before the oldest is dropped */
+#define MIG_PER_GPU 7     /* MIG devices (= slices) per GPU at most */
+#define MIG_SLOTS (MAX_GPUS * MIG_PER_GPU)
+#define MIG_MAX_GI 14     /* GPU instance ids 0..14 (15 per GPU, as in nvidia-caps) */
+#define MIG_MAX_CI 7      /* compute instance ids 0..7 */
 
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct fake_evset *nvmlEventSet_t;
@@ -136,6 +162,18 @@ typedef struct {
     unsigned int version;
     unsigned long long total, reserved, free, used;
 } nvmlMemory_v2_t;
+
+typedef struct {
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    unsigned int gpuInstanceSliceCount;
+    unsigned int computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
 
 typedef struct {
     nvmlDevice_t device;
@@ -202,6 +240,30 @@ struct fake_dev {
     /* health probes */
     unsigned pending_pages, remap_pending, remap_failure, corr_rows, unc_rows;
     unsigned recovery_action;
+    /* MIG */
+    int mig_mode;
+    int nmig;
+    int mig[MIG_PER_GPU];   /* g_migs indices, in MIG device index order */
+};
+
+/* H100 80GB MIG profiles; a MIG device is one GPU instance with one compute instance. */
+static const struct mig_profile {
+    const char *name;
+    unsigned slices, memory_mb, sms, copy, dec, jpeg, ofa;
+} mig_profiles[] = {
+    {"1g.10gb", 1, 9856, 16, 1, 1, 1, 0},   {"1g.10gb+me", 1, 9856, 16, 1, 1, 1, 1},
+    {"1g.20gb", 1, 19968, 16, 1, 1, 1, 0},  {"2g.20gb", 2, 19968, 32, 2, 2, 2, 0},
+    {"3g.40gb", 3, 40192, 48, 3, 3, 3, 0},  {"4g.40gb", 4, 40192, 64, 4, 4, 4, 0},
+    {"7g.80gb", 7, 80896, 132, 7, 7, 7, 1},
+};
+#define N_PROFILES ((int)(sizeof mig_profiles / sizeof mig_profiles[0]))
+
+struct fake_mig {
+    int used;           /* part of its parent's current layout */
+    int parent;         /* g_devs slot */
+    int profile;        /* mig_profiles index */
+    unsigned gi, ci;
+    char uuid[96];
 };
 
 struct ev {
@@ -228,6 +290,8 @@ static int g_order[MAX_GPUS];   /* slots enumerated in this init cycle, by index
 static int g_count;
 static unsigned char g_nvlink[MAX_GPUS][MAX_GPUS];
 static unsigned char g_pcie[MAX_GPUS][MAX_GPUS];
+static struct fake_mig g_migs[MIG_SLOTS];
+static int g_mig_next;   /* round-robin allocation cursor: stale handles stay stale for long */
 static int g_loaded;
 static int g_refcount;
 static unsigned long g_cycle;   /* bumped at each full shutdown; wakes event waiters */
@@ -258,6 +322,8 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) X(nvmlDeviceGetCudaComputeCapability) \
     X(nvmlDeviceGetNumaNodeId) X(nvmlDeviceGetMigMode) X(nvmlDeviceGetMaxMigDeviceCount)           \
     X(nvmlDeviceIsMigDeviceHandle) X(nvmlDeviceGetMigDeviceHandleByIndex)                          \
+    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle) X(nvmlDeviceGetGpuInstanceId)                  \
+    X(nvmlDeviceGetComputeInstanceId) X(nvmlDeviceGetAttributes) X(nvmlDeviceGetAttributes_v2)     \
     X(nvmlDeviceGetTopologyCommonAncestor) X(nvmlDeviceGetP2PStatus) X(nvmlDeviceGetNvLinkState)   \
     X(nvmlDeviceGetNvLinkVersion) X(nvmlDeviceGetNvLinkRemoteDeviceType)                           \
     X(nvmlDeviceGetNvLinkRemotePciInfo) X(nvmlDeviceGetNvLinkRemotePciInfo_v2)                     \
@@ -499,6 +565,9 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
         } else if (!strcmp(k, "recovery_action")) {
             bad = parse_ull(v, 10, 0xFFFF, &u);
             d->recovery_action = (unsigned)u;
+        } else if (!strcmp(k, "mig")) {
+            bad = parse_ull(v, 10, 1, &u);
+            d->mig_mode = (int)u;
         } else if (!strcmp(k, "unsupported")) {
             char *save = NULL, *item;
             for (item = strtok_r(v, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
@@ -520,6 +589,10 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
             return -1;
         }
     }
+    if (d->mig_mode && (d->unsupported & U_MIG)) {
+        snprintf(err, errlen, "mig=1 on a GPU with unsupported=mig");
+        return -1;
+    }
     for (j = 0; j < g_nslots; j++) {
         const struct fake_dev *o = &g_devs[j];
         if (o->removed)
@@ -538,6 +611,172 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
         }
     }
     return 0;
+}
+
+/* ---- MIG devices ---------------------------------------------------------------- */
+
+static unsigned long long fnv1a(const char *s, unsigned long long h)
+{
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 0x100000001B3ULL;
+    }
+    return h;
+}
+
+/* MIG-<uuid> from two FNV-1a hashes of "<parent uuid>/<gi>/<ci>"; fakenvml.mig_uuid mirrors it. */
+static void mig_default_uuid(const char *parent, unsigned gi, unsigned ci, char *out, size_t cap)
+{
+    char key[128];
+    unsigned long long a, b;
+    snprintf(key, sizeof key, "%s/%u/%u", parent, gi, ci);
+    a = fnv1a(key, 0xCBF29CE484222325ULL);
+    b = fnv1a(key, 0x84222325CBF29CE4ULL);
+    snprintf(out, cap, "MIG-%08llx-%04llx-%04llx-%04llx-%012llx", a >> 32, (a >> 16) & 0xFFFF, a & 0xFFFF,
+             b >> 48, b & 0xFFFFFFFFFFFFULL);
+}
+
+static int profile_index(const char *name)
+{
+    int i;
+    for (i = 0; i < N_PROFILES; i++)
+        if (!strcmp(mig_profiles[i].name, name))
+            return i;
+    return -1;
+}
+
+static unsigned used_slices(const struct fake_dev *d)
+{
+    unsigned n = 0;
+    int i;
+    for (i = 0; i < d->nmig; i++)
+        n += mig_profiles[g_migs[d->mig[i]].profile].slices;
+    return n;
+}
+
+/* Drops every MIG device of a GPU; their handles go stale. */
+static void mig_clear(struct fake_dev *d)
+{
+    int i;
+    for (i = 0; i < d->nmig; i++)
+        g_migs[d->mig[i]].used = 0;
+    d->nmig = 0;
+}
+
+static int gi_taken(const struct fake_dev *d, unsigned gi)
+{
+    int i;
+    for (i = 0; i < d->nmig; i++)
+        if (g_migs[d->mig[i]].gi == gi)
+            return 1;
+    return 0;
+}
+
+static int uuid_taken(const char *uuid)
+{
+    int i;
+    for (i = 0; i < g_nslots; i++)
+        if (!g_devs[i].removed && !strcmp(g_devs[i].uuid, uuid))
+            return 1;
+    for (i = 0; i < MIG_SLOTS; i++)
+        if (g_migs[i].used && !strcmp(g_migs[i].uuid, uuid))
+            return 1;
+    return 0;
+}
+
+/*
+ * Appends a MIG device to GPU slot; gi < 0 picks the lowest free id from 1,
+ * uuid NULL the derived one.  Returns 0, or -1 with err set (nothing changed).
+ */
+static int mig_add(int slot, int profile, long gi, long ci, const char *uuid, char *err, size_t errlen)
+{
+    struct fake_dev *d = &g_devs[slot];
+    struct fake_mig *m;
+    char id[96];
+    int i;
+    if (!d->mig_mode) {
+        snprintf(err, errlen, "MIG device on a GPU with mig=0");
+        return -1;
+    }
+    if (used_slices(d) + mig_profiles[profile].slices > MIG_PER_GPU) {
+        snprintf(err, errlen, "MIG layout over %d slices (%u used, %s needs %u)", MIG_PER_GPU, used_slices(d),
+                 mig_profiles[profile].name, mig_profiles[profile].slices);
+        return -1;
+    }
+    if (gi < 0)
+        for (gi = 1; gi <= MIG_MAX_GI && gi_taken(d, (unsigned)gi); gi++)
+            ;
+    if (gi_taken(d, (unsigned)gi)) {
+        snprintf(err, errlen, "duplicate gi %ld", gi);
+        return -1;
+    }
+    if (uuid)
+        snprintf(id, sizeof id, "%s", uuid);
+    else
+        mig_default_uuid(d->uuid, (unsigned)gi, (unsigned)ci, id, sizeof id);
+    if (uuid_taken(id)) {
+        snprintf(err, errlen, "duplicate uuid %s", id);
+        return -1;
+    }
+    for (i = 0; i < MIG_SLOTS && g_migs[(g_mig_next + i) % MIG_SLOTS].used; i++)
+        ;
+    if (i == MIG_SLOTS) {   /* cannot happen: MIG_PER_GPU per GPU slot */
+        snprintf(err, errlen, "out of MIG device slots");
+        return -1;
+    }
+    i = (g_mig_next + i) % MIG_SLOTS;
+    g_mig_next = (i + 1) % MIG_SLOTS;
+    m = &g_migs[i];
+    memset(m, 0, sizeof *m);
+    m->used = 1;
+    m->parent = slot;
+    m->profile = profile;
+    m->gi = (unsigned)gi;
+    m->ci = (unsigned)ci;
+    memcpy(m->uuid, id, sizeof m->uuid);
+    d->mig[d->nmig++] = i;
+    return 0;
+}
+
+/* Scenario "mig <gpu-index> <profile> [gi=N] [ci=N] [uuid=MIG-...]". */
+static int parse_mig_line(char **tok, int n, char *err, size_t errlen)
+{
+    long idx, gi = -1, ci = 0;
+    const char *uuid = NULL;
+    int i, profile;
+    if (n < 3 || parse_int(tok[1], 0, g_nslots - 1, &idx)) {
+        snprintf(err, errlen, "mig needs the index of a GPU defined above and a profile");
+        return -1;
+    }
+    if ((profile = profile_index(tok[2])) < 0) {
+        snprintf(err, errlen, "unknown MIG profile '%s'", tok[2]);
+        return -1;
+    }
+    for (i = 3; i < n; i++) {
+        const char *v = strchr(tok[i], '=');
+        int bad;
+        if (!v) {
+            snprintf(err, errlen, "expected key=value, got '%s'", tok[i]);
+            return -1;
+        }
+        v++;
+        if (!strncmp(tok[i], "gi=", 3))
+            bad = parse_int(v, 0, MIG_MAX_GI, &gi);
+        else if (!strncmp(tok[i], "ci=", 3))
+            bad = parse_int(v, 0, MIG_MAX_CI, &ci);
+        else if (!strncmp(tok[i], "uuid=", 5)) {
+            bad = strncmp(v, "MIG-", 4) || strlen(v) < 5 || strlen(v) >= 80;
+            uuid = v;
+        } else {
+            snprintf(err, errlen, "unknown mig key '%.*s'", (int)(v - 1 - tok[i]), tok[i]);
+            return -1;
+        }
+        if (bad) {
+            snprintf(err, errlen, "bad value for %s", tok[i]);
+            return -1;
+        }
+    }
+    return mig_add((int)idx, profile, gi, ci, uuid, err, errlen);
 }
 
 /* Adds a GPU; it becomes visible at the next 0->1 init. It takes the slot of
@@ -561,6 +800,7 @@ static int add_gpu(char **tok, int n, char *err, size_t errlen)
         g_nvlink[slot][j] = g_nvlink[j][slot] = 0;
         g_pcie[slot][j] = g_pcie[j][slot] = NVML_TOPOLOGY_SYSTEM;
     }
+    mig_clear(&g_devs[slot]);   /* the old GPU's MIG handles go stale */
     g_devs[slot] = d;
     if (slot == g_nslots)
         g_nslots++;
@@ -620,6 +860,8 @@ static int scenario_line(char *line, char *err, size_t errlen)
         }
         return parse_link((int)a, (int)b, tok + 3, n - 3, err, errlen);
     }
+    if (!strcmp(tok[0], "mig"))
+        return parse_mig_line(tok, n, err, errlen);
     if (n != 2) {
         snprintf(err, errlen, "unknown line or wrong number of values");
         return -1;
@@ -649,6 +891,8 @@ static void reset_state(void)
     memset(g_devs, 0, sizeof g_devs);
     memset(g_nvlink, 0, sizeof g_nvlink);
     memset(g_pcie, NVML_TOPOLOGY_SYSTEM, sizeof g_pcie);
+    memset(g_migs, 0, sizeof g_migs);
+    g_mig_next = 0;
     g_nslots = g_count = 0;
     g_init_error = NVML_SUCCESS;
 }
@@ -811,6 +1055,15 @@ static void ctl_state(char *out, size_t cap)
             flags[fl - 1] = 0;   /* drop the trailing comma */
         used += (size_t)snprintf(out + used, cap - used, " | %s %s %s ra=%u", ix, d->uuid, flags,
                                  d->recovery_action);
+        if (d->mig_mode && used < cap) {   /* mig=profile/gi/ci/uuid,... ("-": none) */
+            int k;
+            used += (size_t)snprintf(out + used, cap - used, " mig=%s", d->nmig ? "" : "-");
+            for (k = 0; k < d->nmig && used < cap; k++) {
+                const struct fake_mig *m = &g_migs[d->mig[k]];
+                used += (size_t)snprintf(out + used, cap - used, "%s%s/%u/%u/%s", k ? "," : "",
+                                         mig_profiles[m->profile].name, m->gi, m->ci, m->uuid);
+            }
+        }
     }
 }
 
@@ -934,7 +1187,7 @@ static void ctl_command(char *line, char *out, size_t cap)
 
     /* The remaining commands all take a GPU as the first argument. */
     static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove",
-                                     "pending_pages", "remap", "recovery_action"};
+                                     "pending_pages", "remap", "recovery_action", "mig"};
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -1041,6 +1294,54 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->corr_rows = (unsigned)corr;
         d->unc_rows = (unsigned)unc;
         snprintf(out, cap, "ok");
+    } else if (!strcmp(cmd, "mig")) {
+        if (n == 4 && !strcmp(tok[2], "mode")) {
+            if (parse_int(tok[3], 0, 1, &l)) {
+                snprintf(out, cap, "error: mig: mode must be 0 or 1");
+                return;
+            }
+            if (l && (d->unsupported & U_MIG)) {
+                snprintf(out, cap, "error: mig: the GPU has unsupported=mig");
+                return;
+            }
+            d->mig_mode = (int)l;
+            if (!l)
+                mig_clear(d);
+        } else if (n == 4 && !strcmp(tok[2], "layout")) {
+            int prof[MIG_PER_GPU], np = 0, k;
+            unsigned slices = 0;
+            char *save = NULL, *item;
+            if (!d->mig_mode) {
+                snprintf(out, cap, "error: mig: MIG mode is off on this GPU");
+                return;
+            }
+            if (strcmp(tok[3], "-")) {
+                for (item = strtok_r(tok[3], ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+                    int p = profile_index(item);
+                    if (p < 0) {
+                        snprintf(out, cap, "error: mig: unknown MIG profile '%s'", item);
+                        return;
+                    }
+                    slices += mig_profiles[p].slices;
+                    if (slices > MIG_PER_GPU) {
+                        snprintf(out, cap, "error: mig: layout over %d slices", MIG_PER_GPU);
+                        return;
+                    }
+                    prof[np++] = p;
+                }
+            }
+            mig_clear(d);
+            for (k = 0; k < np; k++)
+                if (mig_add(slot, prof[k], -1, 0, NULL, err, sizeof err)) {   /* e.g. a clashing uuid= */
+                    mig_clear(d);
+                    snprintf(out, cap, "error: mig: %s (layout cleared)", err);
+                    return;
+                }
+        } else {
+            snprintf(out, cap, "error: usage: mig <gpu> mode 0|1 | mig <gpu> layout <profile>[,<profile>...]|-");
+            return;
+        }
+        snprintf(out, cap, "ok queued=%d", deliver(slot, EV_MIG_CONFIG, 0, ID_ANY, ID_ANY));
     } else {   /* recovery_action */
         if (need_args(n, 3, "recovery_action <gpu> <n>", out, cap))
             return;
@@ -1356,6 +1657,11 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
             *device = &g_devs[g_order[i]];
             return done(NVML_SUCCESS);
         }
+    for (i = 0; i < MIG_SLOTS; i++)   /* MIG devices of the GPUs enumerated now */
+        if (g_migs[i].used && g_devs[g_migs[i].parent].visible && !strcmp(g_migs[i].uuid, uuid)) {
+            *device = (nvmlDevice_t)(void *)&g_migs[i];
+            return done(NVML_SUCCESS);
+        }
     return done(NVML_ERROR_NOT_FOUND);
 }
 
@@ -1417,9 +1723,50 @@ static int slot_of(const void *h)
     return (int)((p - base) / sizeof(struct fake_dev));
 }
 
+static int mig_of(const void *h)
+{
+    uintptr_t p = (uintptr_t)h, base = (uintptr_t)g_migs;
+    if (p < base || p >= base + sizeof g_migs || (p - base) % sizeof(struct fake_mig))
+        return -1;
+    return (int)((p - base) / sizeof(struct fake_mig));
+}
+
+static int gone(const struct fake_dev *d)
+{
+    return d->lost || d->removed || !d->visible;
+}
+
 /*
- * Locks and validates a handle.  On success returns NVML_SUCCESS with g_lock
- * held (release it with done()); on failure g_lock is already released.
+ * Locks and validates a handle, a GPU's or a MIG device's.  On success
+ * returns NVML_SUCCESS with g_lock held (release it with done()), *out the
+ * GPU (a MIG device's parent) and *mig the MIG device or NULL; on failure
+ * g_lock is already released.
+ */
+static nvmlReturn_t any_begin(nvmlDevice_t h, struct fake_dev **out, struct fake_mig **mig)
+{
+    int m;
+    pthread_mutex_lock(&g_lock);
+    if (!g_refcount)
+        return done(NVML_ERROR_UNINITIALIZED);
+    m = mig_of(h);
+    if (m < 0) {
+        *mig = NULL;
+        pthread_mutex_unlock(&g_lock);
+        return NVML_ERROR_NOT_FOUND;   /* internal: not a MIG handle, caller goes on with dev_begin */
+    }
+    if (!g_migs[m].used)
+        return done(NVML_ERROR_INVALID_ARGUMENT);   /* removed by a layout change */
+    if (gone(&g_devs[g_migs[m].parent]))
+        return done(NVML_ERROR_GPU_IS_LOST);
+    *out = &g_devs[g_migs[m].parent];
+    *mig = &g_migs[m];
+    return NVML_SUCCESS;
+}
+
+/*
+ * Locks and validates a GPU handle.  On success returns NVML_SUCCESS with
+ * g_lock held (release it with done()); on failure g_lock is already
+ * released.  MIG handles get NOT_SUPPORTED (or their own errors).
  */
 static nvmlReturn_t dev_begin(nvmlDevice_t h, struct fake_dev **out)
 {
@@ -1427,19 +1774,40 @@ static nvmlReturn_t dev_begin(nvmlDevice_t h, struct fake_dev **out)
     pthread_mutex_lock(&g_lock);
     if (!g_refcount)
         return done(NVML_ERROR_UNINITIALIZED);
+    if ((s = mig_of(h)) >= 0) {
+        if (!g_migs[s].used)
+            return done(NVML_ERROR_INVALID_ARGUMENT);
+        return done(gone(&g_devs[g_migs[s].parent]) ? NVML_ERROR_GPU_IS_LOST : NVML_ERROR_NOT_SUPPORTED);
+    }
     s = slot_of(h);
     if (s < 0 || s >= g_nslots || !g_devs[s].ever_visible)
         return done(NVML_ERROR_INVALID_ARGUMENT);
-    if (g_devs[s].lost || g_devs[s].removed || !g_devs[s].visible)
+    if (gone(&g_devs[s]))
         return done(NVML_ERROR_GPU_IS_LOST);
     *out = &g_devs[s];
     return NVML_SUCCESS;
+}
+
+/* A GPU or a MIG handle: m is the MIG device or NULL, d the GPU (a MIG device's parent). */
+static nvmlReturn_t either_begin(nvmlDevice_t h, struct fake_dev **d, struct fake_mig **m)
+{
+    nvmlReturn_t rc = any_begin(h, d, m);
+    return rc == NVML_ERROR_NOT_FOUND ? dev_begin(h, d) : rc;
 }
 
 #define DEV_BEGIN(h)                                   \
     struct fake_dev *d;                                \
     do {                                               \
         nvmlReturn_t r_ = dev_begin((h), &d);          \
+        if (r_ != NVML_SUCCESS)                        \
+            return r_;                                 \
+    } while (0)
+
+#define ANY_BEGIN(h)                                   \
+    struct fake_dev *d;                                \
+    struct fake_mig *mig;                              \
+    do {                                               \
+        nvmlReturn_t r_ = either_begin((h), &d, &mig); \
         if (r_ != NVML_SUCCESS)                        \
             return r_;                                 \
     } while (0)
@@ -1468,16 +1836,21 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     COUNT(nvmlDeviceGetUUID);
-    DEV_BEGIN(device);
-    return done(put_str(uuid, length, d->uuid));
+    ANY_BEGIN(device);
+    return done(put_str(uuid, length, mig ? mig->uuid : d->uuid));
 }
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    char mig_name[160];
     COUNT(nvmlDeviceGetName);
-    DEV_BEGIN(device);
+    ANY_BEGIN(device);
     SUPPORTED(U_NAME);
-    return done(put_str(name, length, d->name));
+    if (!mig)
+        return done(put_str(name, length, d->name));
+    /* As the driver names them: "NVIDIA H100 80GB HBM3 MIG 1g.10gb". */
+    snprintf(mig_name, sizeof mig_name, "%s MIG %s", d->name, mig_profiles[mig->profile].name);
+    return done(put_str(name, length, mig_name));
 }
 
 nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length)
@@ -1602,10 +1975,10 @@ nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     COUNT(nvmlDeviceGetMemoryInfo);
-    DEV_BEGIN(device);
+    ANY_BEGIN(device);
     REQUIRE(memory);
     SUPPORTED(U_MEMORY);
-    memory->total = d->memory_mib << 20;
+    memory->total = (mig ? mig_profiles[mig->profile].memory_mb : d->memory_mib) << 20;
     memory->used = 0;
     memory->free = memory->total;
     return done(NVML_SUCCESS);
@@ -1614,12 +1987,12 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     COUNT(nvmlDeviceGetMemoryInfo_v2);
-    DEV_BEGIN(device);
+    ANY_BEGIN(device);
     REQUIRE(memory);
     SUPPORTED(U_MEMORY);
     if (memory->version != NVML_MEMORY_V2)
         return done(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-    memory->total = d->memory_mib << 20;
+    memory->total = (mig ? mig_profiles[mig->profile].memory_mb : d->memory_mib) << 20;
     memory->reserved = 0;
     memory->used = 0;
     memory->free = memory->total;
@@ -1654,35 +2027,109 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode
     DEV_BEGIN(device);
     REQUIRE(currentMode && pendingMode);
     SUPPORTED(U_MIG);
-    *currentMode = *pendingMode = 0;
+    *currentMode = *pendingMode = (unsigned)d->mig_mode;   /* mode changes here apply at once */
     return done(NVML_SUCCESS);
 }
 
+/* "Returns zero if MIG is not supported or enabled." */
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
 {
     COUNT(nvmlDeviceGetMaxMigDeviceCount);
     DEV_BEGIN(device);
     REQUIRE(count);
-    *count = 0;
+    *count = d->mig_mode ? MIG_PER_GPU : 0;
     return done(NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
 {
     COUNT(nvmlDeviceIsMigDeviceHandle);
-    DEV_BEGIN(device);
+    ANY_BEGIN(device);
     REQUIRE(isMigDevice);
-    *isMigDevice = 0;
+    *isMigDevice = mig != NULL;
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig)
+/*
+ * Indices run over the GPU's current MIG devices (dense, in layout order);
+ * index < max count but past the last one: NOT_FOUND; index >= max count
+ * (always, with MIG off): INVALID_ARGUMENT, as nvml.h documents.
+ */
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *migDevice)
 {
     COUNT(nvmlDeviceGetMigDeviceHandleByIndex);
     DEV_BEGIN(device);
-    (void)index;
-    (void)mig;
-    return done(NVML_ERROR_INVALID_ARGUMENT);   /* MIG is never enabled here */
+    REQUIRE(migDevice);
+    SUPPORTED(U_MIG);
+    REQUIRE(d->mig_mode && index < MIG_PER_GPU);
+    if (index >= (unsigned)d->nmig)
+        return done(NVML_ERROR_NOT_FOUND);
+    *migDevice = (nvmlDevice_t)(void *)&g_migs[d->mig[index]];
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice, nvmlDevice_t *device)
+{
+    COUNT(nvmlDeviceGetDeviceHandleFromMigDeviceHandle);
+    ANY_BEGIN(migDevice);
+    REQUIRE(device && mig);
+    *device = d;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    COUNT(nvmlDeviceGetGpuInstanceId);
+    ANY_BEGIN(device);
+    REQUIRE(id);
+    if (!mig)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    *id = mig->gi;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    COUNT(nvmlDeviceGetComputeInstanceId);
+    ANY_BEGIN(device);
+    REQUIRE(id);
+    if (!mig)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    *id = mig->ci;
+    return done(NVML_SUCCESS);
+}
+
+/* nvml.h: "This API currently only supports MIG device handles." */
+static nvmlReturn_t attributes(nvmlDevice_t device, nvmlDeviceAttributes_t *a)
+{
+    const struct mig_profile *p;
+    ANY_BEGIN(device);
+    REQUIRE(a);
+    if (!mig)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    p = &mig_profiles[mig->profile];
+    memset(a, 0, sizeof *a);
+    a->multiprocessorCount = p->sms;
+    a->sharedCopyEngineCount = p->copy;
+    a->sharedDecoderCount = p->dec;
+    a->sharedEncoderCount = 0;
+    a->sharedJpegCount = p->jpeg;
+    a->sharedOfaCount = p->ofa;
+    a->gpuInstanceSliceCount = a->computeInstanceSliceCount = p->slices;
+    a->memorySizeMB = p->memory_mb;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes_)
+{
+    COUNT(nvmlDeviceGetAttributes_v2);
+    return attributes(device, attributes_);
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes_)
+{
+    COUNT(nvmlDeviceGetAttributes);
+    return attributes(device, attributes_);
 }
 
 nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2, int *level)
