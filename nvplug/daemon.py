@@ -12,7 +12,15 @@ from pathlib import Path
 from . import config
 from .allocation import AllocationPolicy
 from .config import Config
-from .event import Event, KubeletSocketCreated, NvmlFailed, PciChanged, PluginSocketRemoved
+from .event import (
+    Event,
+    InventoryFound,
+    KubeletSocketCreated,
+    MigConfigChanged,
+    NvmlFailed,
+    PciChanged,
+    PluginSocketRemoved,
+)
 from .events.bus import EventBus
 from .events.kubelet_dir import KubeletDirWatch
 from .events.scanner import Scanner
@@ -21,15 +29,15 @@ from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
-from .resources import ResourceSpec, resource_specs
+from .resources import Spec, mig_plan
 from .state import Change, NodeState
 from .systemd import Notifier
 from .xid import XidPolicy
 
 log = logging.getLogger("nvplug")
 
-# udev actions after which NVML must enumerate again.
-RESCAN_ACTIONS = {"add", "bind", "remove"}
+# udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
+RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class Options:
 
 @dataclass
 class _Plugin:
-    spec: ResourceSpec
+    spec: Spec
     server: PluginServer
     registrar: Registrar
     registering: asyncio.Task[None] | None = None
@@ -64,6 +72,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
+        self._plan_error: str | None = None
         self._status = ""
 
     def request_stop(self, why: str) -> None:
@@ -83,9 +92,9 @@ class Daemon:
         opts.plugin_dir.mkdir(parents=True, exist_ok=True)
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
 
-        # One server, socket and registration per resource name.
+        # One server, socket and registration per resource name; which ones depends on the
+        # GPUs found (MIG profiles), so they are made after the first scan.
         policy = allocation_policy(opts.config)
-        self._plugins = [self._make_plugin(spec, policy) for spec in resource_specs(opts.config)]
 
         scanner = Scanner(Nvml(opts.sysfs_root, opts.proc_root), bus.publish, bus.publish_threadsafe)
         health = opts.config.health
@@ -97,9 +106,7 @@ class Daemon:
             udev.start()
         except OSError as err:
             log.error("udev hotplug events unavailable (%s); new GPUs are found only by rescans", err)
-        kubelet_dir = KubeletDirWatch(
-            opts.plugin_dir, [p.server.socket_path for p in self._plugins], bus.publish_threadsafe
-        )
+        kubelet_dir = KubeletDirWatch(opts.plugin_dir, [], bus.publish_threadsafe)
         self._kubelet_dir = kubelet_dir
         kubelet_dir.start()
         tasks: list[asyncio.Task[None]] = []
@@ -109,8 +116,7 @@ class Daemon:
             self._apply(first, reprober)
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
-            for plugin in self._plugins:
-                await self._open(plugin)
+            await self._apply_resources(self._planned(self.config), policy)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready(self._status_line())
             tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
@@ -134,7 +140,18 @@ class Daemon:
             await scanner.close()
             log.info("nvplug stopped")
 
-    def _make_plugin(self, spec: ResourceSpec, policy: AllocationPolicy) -> _Plugin:
+    def _planned(self, cfg: Config) -> list[Spec]:
+        """The resources to serve for this config and the GPUs present; a misfit is said once."""
+        specs, error = mig_plan(cfg, self.state.current)
+        if error != self._plan_error:
+            if error:
+                log.error("advertising nothing: %s", error)
+            elif self._plan_error:
+                log.info("the MIG layout fits %s again", cfg.flags.mig_strategy)
+            self._plan_error = error
+        return specs
+
+    def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
         service = DevicePluginService(spec.name, self.state, spec.project, opts.dev_root, policy)
         server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
@@ -160,7 +177,7 @@ class Daemon:
             log.error("%s ended: %r; stopping so that systemd restarts us", task.get_name(), task.exception())
             self.request_stop("a registrar failed")
 
-    async def _apply_resources(self, specs: list[ResourceSpec], policy: AllocationPolicy) -> None:
+    async def _apply_resources(self, specs: list[Spec], policy: AllocationPolicy) -> None:
         """A reload that changes what is advertised: new servers register, gone ones stop, changed ones
         register again so that the kubelet reads their new device lists. Unchanged ones are left alone."""
         wanted = {spec.name: spec for spec in specs}
@@ -186,6 +203,8 @@ class Daemon:
                 log.info("kubelet.sock appeared: registering")
                 for plugin in self._plugins:
                     self._reconnect(plugin, registered_again=True)
+            elif isinstance(event, MigConfigChanged):
+                scanner.request(f"MIG layout of {event.uuid} changed")
             elif isinstance(event, PluginSocketRemoved):
                 for plugin in self._plugins:
                     if str(plugin.server.socket_path) == event.path:
@@ -196,6 +215,11 @@ class Daemon:
                     if event.action in RESCAN_ACTIONS:
                         scanner.request(f"udev {event.action} of {event.bus_id}")
                 self._apply(event, reprober)
+                if isinstance(event, InventoryFound):
+                    # A MIG layout change can add or remove whole resources.
+                    specs = self._planned(self.config)
+                    if specs != [p.spec for p in self._plugins]:
+                        await self._apply_resources(specs, allocation_policy(self.config))
 
     def _apply(self, event: Event, reprober: Reprober) -> None:
         changes = self.state.apply(event)
@@ -229,6 +253,8 @@ class Daemon:
             parts.append(f"NVML unavailable: {snap.nvml_error}")
         if snap.health_watch_error:
             parts.append(f"health events unavailable: {snap.health_watch_error}")
+        if self._plan_error:
+            parts.append(f"advertising nothing: {self._plan_error}")
         return "; ".join(parts)
 
     def _update_status(self) -> None:
@@ -242,7 +268,7 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
-            specs = resource_specs(new)
+            specs = self._planned(new)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             allocation = allocation_policy(new)
         except (config.ConfigError, ValueError) as err:

@@ -69,6 +69,13 @@ class RecoveryActionChanged:
 
 
 @dataclass(frozen=True)
+class MigConfigChanged:
+    """NVML says a GPU's MIG layout changed: its MIG devices must be read again."""
+
+    uuid: str
+
+
+@dataclass(frozen=True)
 class HealthWatchChanged:
     """Whether health events can be received at all; `error` None means they can."""
 
@@ -104,6 +111,7 @@ Event = (
     | HealthReported
     | XidOccurred
     | RecoveryActionChanged
+    | MigConfigChanged
     | HealthWatchChanged
     | KubeletSocketCreated
     | PluginSocketRemoved

@@ -18,7 +18,14 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
 
-from ..event import Event, HealthReported, HealthWatchChanged, RecoveryActionChanged, XidOccurred
+from ..event import (
+    Event,
+    HealthReported,
+    HealthWatchChanged,
+    MigConfigChanged,
+    RecoveryActionChanged,
+    XidOccurred,
+)
 from ..gpu import Gpu
 from ..health import Health
 from ..nvml import recovery_action
@@ -31,8 +38,9 @@ DOUBLE_BIT_ECC = pynvml.nvmlEventTypeDoubleBitEccError
 FATAL_POISON = 0x2000
 GPU_UNAVAILABLE = 0x4000
 RECOVERY_ACTION = 0x8000
-# What makes a GPU unusable; registered wherever the driver supports it.
-WANTED = XID | DOUBLE_BIT_ECC | FATAL_POISON | GPU_UNAVAILABLE | RECOVERY_ACTION
+MIG_CONFIG_CHANGE = 0x100
+# What makes a GPU unusable, and MIG layout changes; registered wherever the driver supports it.
+WANTED = XID | DOUBLE_BIT_ECC | FATAL_POISON | GPU_UNAVAILABLE | RECOVERY_ACTION | MIG_CONFIG_CHANGE
 NO_INSTANCE = 0xFFFFFFFF
 # The wait wakes this often with nothing to do; hand_over() ends it sooner.
 DEFAULT_WAIT_MS = 5000
@@ -227,6 +235,8 @@ class NvmlEventWatch:
             self._emit(HealthReported(uuid, Health.UNHEALTHY, "GPU unavailable (NVML event)"))
         elif kind & RECOVERY_ACTION:
             self._emit_recovery_action(data.device, uuid, payload)
+        elif kind & MIG_CONFIG_CHANGE:
+            self._emit(MigConfigChanged(uuid))
 
     def _emit_recovery_action(self, handle: Any, uuid: str, fallback: int | None) -> None:
         try:
