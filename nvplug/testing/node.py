@@ -53,6 +53,8 @@ class SimulatedNode:
         self.plugin_dir = root / "device-plugins"
         self.dev_root = root / "dev-root"
         self.sysfs_root = root / "sys"
+        # Where the daemon reads driver/nvidia-caps/mig-minors.
+        self.proc_root = root / "proc"
         self.config = root / "config.yaml"
         self.control_path = root / "nvml.ctl"
         self.log_path = root / "nvplug.log"
@@ -106,6 +108,7 @@ class SimulatedNode:
             "--device-plugin-dir", str(self.plugin_dir),
             "--dev-root", str(self.dev_root),
             "--sysfs-root", str(self.sysfs_root),
+            "--proc-root", str(self.proc_root),
             "--config", str(self.config),
             "--log-level", log_level,
             *extra,
