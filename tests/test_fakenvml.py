@@ -432,7 +432,7 @@ def test_event_wait_times_out_and_delivers_injected_events(rig: Rig) -> None:
         out["free_again"] = code(N.nvmlEventSetFree, s)
         """
     )
-    assert out["supported"] == 0xE00B
+    assert out["supported"] == 0xE10B
     assert out["register_pstate"] == 3
     assert out["timeout"] == 10
     assert 0.09 <= out["timeout_s"] < 1.0
@@ -944,3 +944,385 @@ def test_add_reuses_the_slots_of_gpus_gone_for_good(rig: Rig) -> None:
     assert out["count"] == out["before"]
     assert out["last"] == "ok pending GPU-last"
     assert out["index"] == out["before"]
+
+
+# ---- MIG ------------------------------------------------------------------------------
+
+MIG_SCENARIO = """
+    gpu uuid=GPU-mig0 bus=0000:01:00.0 minor=0 mig=1
+    gpu uuid=GPU-full bus=0000:02:00.0 minor=1
+    gpu uuid=GPU-mig2 bus=0000:03:00.0 minor=2 mig=1
+    mig 0 3g.40gb gi=2 ci=0
+    mig 0 2g.20gb gi=5 ci=0
+    mig 0 1g.10gb+me gi=9 ci=0 uuid=MIG-custom-0009
+    mig 0 1g.20gb
+    mig 2 7g.80gb gi=0
+    """
+
+# (profile, attributes as in c_nvmlDeviceAttributes field order, memory MiB)
+MIG_ATTRS = {
+    "1g.10gb": [16, 1, 1, 0, 1, 0, 1, 1, 9856],
+    "1g.10gb+me": [16, 1, 1, 0, 1, 1, 1, 1, 9856],
+    "1g.20gb": [16, 1, 1, 0, 1, 0, 1, 1, 19968],
+    "2g.20gb": [32, 2, 2, 0, 2, 0, 2, 2, 19968],
+    "3g.40gb": [48, 3, 3, 0, 3, 0, 3, 3, 40192],
+    "4g.40gb": [64, 4, 4, 0, 4, 0, 4, 4, 40192],
+    "7g.80gb": [132, 7, 7, 0, 7, 1, 7, 7, 80896],
+}
+
+# Child helper: everything a client learns about a MIG device handle.
+MIG_DESCRIBE = """
+def describe(m):
+    a = N.nvmlDeviceGetAttributes_v2(m)
+    mem = N.nvmlDeviceGetMemoryInfo(m)
+    mem2 = N.nvmlDeviceGetMemoryInfo(m, version=N.nvmlMemory_v2)
+    return dict(
+        uuid=N.nvmlDeviceGetUUID(m), name=N.nvmlDeviceGetName(m),
+        gi=N.nvmlDeviceGetGpuInstanceId(m), ci=N.nvmlDeviceGetComputeInstanceId(m),
+        is_mig=N.nvmlDeviceIsMigDeviceHandle(m).value,
+        attrs=[getattr(a, f) for f, _ in N.c_nvmlDeviceAttributes._fields_],
+        memory=[mem.total, mem.free, mem.used], memory_v2=[mem2.total, mem2.free],
+        parent=N.nvmlDeviceGetUUID(N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)),
+        by_uuid=addr(N.nvmlDeviceGetHandleByUUID(N.nvmlDeviceGetUUID(m))) == addr(m),
+    )
+def migs(h):
+    out = []
+    for i in range(N.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            out.append(N.nvmlDeviceGetMigDeviceHandleByIndex(h, i))
+        except N.NVMLError_NotFound:
+            continue
+    return out
+"""
+
+
+def test_mig_devices_from_scenario(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(N.nvmlDeviceGetCount())]
+        out["count"] = len(h)
+        out["mode"] = [N.nvmlDeviceGetMigMode(x) for x in h]
+        out["max"] = [N.nvmlDeviceGetMaxMigDeviceCount(x) for x in h]
+        out["migs"] = [[describe(m) for m in migs(x)] for x in h]
+        m0 = N.nvmlDeviceGetMigDeviceHandleByIndex(h[0], 0)
+        out["distinct"] = len({addr(m) for x in h for m in migs(x)} | {addr(x) for x in h})
+        out["same_handle"] = addr(N.nvmlDeviceGetMigDeviceHandleByIndex(h[0], 0)) == addr(m0)
+        out["parent_is_gpu_handle"] = addr(N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m0)) == addr(h[0])
+        out["past_end"] = [code(N.nvmlDeviceGetMigDeviceHandleByIndex, h[0], 4),
+                           code(N.nvmlDeviceGetMigDeviceHandleByIndex, h[0], 7)]
+        out["attrs_v1"] = N.nvmlLib.nvmlDeviceGetAttributes(m0, ctypes.byref(N.c_nvmlDeviceAttributes()))
+        # Queries that are not MIG-aware, and MIG-only queries on a full GPU.
+        out["mig_unsupported"] = [code(f, m0) for f in (
+            N.nvmlDeviceGetIndex, N.nvmlDeviceGetMinorNumber, N.nvmlDeviceGetPciInfo, N.nvmlDeviceGetMigMode,
+            N.nvmlDeviceGetMaxMigDeviceCount, N.nvmlDeviceGetSerial, N.nvmlDeviceGetSupportedEventTypes)]
+        out["mig_by_index_on_mig"] = code(N.nvmlDeviceGetMigDeviceHandleByIndex, m0, 0)
+        out["full_gpu"] = [code(N.nvmlDeviceGetAttributes_v2, h[1]), code(N.nvmlDeviceGetGpuInstanceId, h[1]),
+                           code(N.nvmlDeviceGetComputeInstanceId, h[1]),
+                           code(N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, h[1]),
+                           N.nvmlDeviceIsMigDeviceHandle(h[1]).value,
+                           code(N.nvmlDeviceGetMigDeviceHandleByIndex, h[1], 0)]
+        out["state"] = CTL.state()
+        """
+        ),
+        rig.scenario(MIG_SCENARIO),
+    )
+    assert out["count"] == 3  # MIG devices are not enumerated as GPUs
+    assert out["mode"] == [[1, 1], [0, 0], [1, 1]]
+    assert out["max"] == [7, 0, 7]
+    gpu0, full, gpu2 = out["migs"]
+    assert full == []
+    want0 = [
+        ("3g.40gb", 2, fakenvml.mig_uuid("GPU-mig0", 2, 0)),
+        ("2g.20gb", 5, fakenvml.mig_uuid("GPU-mig0", 5, 0)),
+        ("1g.10gb+me", 9, "MIG-custom-0009"),
+        ("1g.20gb", 1, fakenvml.mig_uuid("GPU-mig0", 1, 0)),  # lowest free gi from 1
+    ]
+    for got, (profile, gi, uuid) in zip(gpu0, want0, strict=True):
+        attrs = MIG_ATTRS[profile]
+        assert got == {
+            "uuid": uuid,
+            "name": f"NVIDIA H100 80GB HBM3 MIG {profile}",
+            "gi": gi,
+            "ci": 0,
+            "is_mig": 1,
+            "attrs": attrs,
+            "memory": [attrs[-1] << 20, attrs[-1] << 20, 0],
+            "memory_v2": [attrs[-1] << 20, attrs[-1] << 20],
+            "parent": "GPU-mig0",
+            "by_uuid": True,
+        }
+    assert [(m["gi"], m["attrs"], m["uuid"]) for m in gpu2] == [
+        (0, MIG_ATTRS["7g.80gb"], fakenvml.mig_uuid("GPU-mig2", 0, 0))
+    ]
+    assert all(m["uuid"].startswith("MIG-") and len(m["uuid"]) == 40 for m in gpu0[:2] + gpu2)
+    assert out["distinct"] == 3 + 5
+    assert out["same_handle"] and out["parent_is_gpu_handle"]
+    assert out["past_end"] == [6, 2]  # NOT_FOUND below the max count, INVALID_ARGUMENT at it
+    assert out["attrs_v1"] == 0
+    assert out["mig_unsupported"] == [3] * 7
+    assert out["mig_by_index_on_mig"] == 3
+    assert out["full_gpu"] == [3, 3, 3, 2, 0, 2]
+    gpu0_state = out["state"].split(" | ")[1]
+    assert gpu0_state.startswith("0 GPU-mig0 ok ra=0 mig=3g.40gb/2/0/MIG-")
+    assert "1g.10gb+me/9/0/MIG-custom-0009,1g.20gb/1/0/" in gpu0_state
+    assert out["state"].split(" | ")[2] == "1 GPU-full ok ra=0"
+
+
+def test_mig_layout_changes_apply_at_once_with_an_event(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        s = N.nvmlEventSetCreate()
+        out["supported"] = N.nvmlDeviceGetSupportedEventTypes(h0) & N.nvmlEventMigConfigChange
+        N.nvmlDeviceRegisterEvents(h0, N.nvmlEventMigConfigChange, s)
+        old = migs(h0)
+        out["before"] = [describe(m)["gi"] for m in old]
+
+        # A waiter blocked in nvmlEventSetWait wakes for the layout change.
+        got = {}
+        def wait():
+            e = N.nvmlEventSetWait_v2(s, 10000)
+            got["e"] = [N.nvmlDeviceGetUUID(e.device), e.eventType, e.eventData, e.gpuInstanceId,
+                        e.computeInstanceId]
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(0.1)
+        out["reply"] = CTL.mig_layout(0, ["1g.10gb", "1g.10gb", "4g.40gb"])
+        th.join()
+        out["event"] = got["e"]
+        new = migs(h0)
+        out["after"] = [[d["gi"], d["ci"], d["attrs"][-1], d["uuid"]] for d in map(describe, new)]
+        out["stale"] = [code(N.nvmlDeviceGetUUID, m) for m in old]
+        out["stale_by_uuid"] = code(N.nvmlDeviceGetHandleByUUID, "MIG-custom-0009")
+
+        out["clear"] = CTL.mig_layout(0, [])
+        out["cleared"] = [len(migs(h0)), N.nvmlDeviceGetMigMode(h0),
+                          code(N.nvmlDeviceGetMigDeviceHandleByIndex, h0, 0)]
+        CTL.mig_layout(0, ["7g.80gb"])
+        m = N.nvmlDeviceGetMigDeviceHandleByIndex(h0, 0)
+        out["mode_off"] = CTL.mig_mode(0, False)
+        out["off"] = [N.nvmlDeviceGetMigMode(h0), N.nvmlDeviceGetMaxMigDeviceCount(h0),
+                      code(N.nvmlDeviceGetMigDeviceHandleByIndex, h0, 0), code(N.nvmlDeviceGetUUID, m)]
+        out["layout_when_off"] = ctl_error(CTL.mig_layout, 0, ["1g.10gb"])
+        # Turning MIG on for a GPU that had it off: empty layout until one is set.
+        out["mode_on"] = CTL.mig_mode(1, True)
+        out["on"] = [N.nvmlDeviceGetMigMode(h1), N.nvmlDeviceGetMaxMigDeviceCount(h1), len(migs(h1))]
+        CTL.mig_layout("GPU-full", ["2g.20gb"])
+        out["on_layout"] = [describe(m)["uuid"] for m in migs(h1)]
+        out["events"] = []
+        while True:
+            try:
+                e = N.nvmlEventSetWait_v2(s, 0)
+            except N.NVMLError_Timeout:
+                break
+            out["events"].append(e.eventType)
+        out["errors"] = [ctl_error(CTL.send, c) for c in (
+            "mig 0 layout 7g.80gb,1g.10gb", "mig 1 layout 8g.90gb", "mig 1 mode 2", "mig 1 frob",
+            "mig 1 layout", "mig 9 mode 1")]
+        out["kept"] = len(migs(h1))
+        """
+        ),
+        rig.scenario(MIG_SCENARIO),
+    )
+    assert out["supported"] == 0x100
+    assert out["before"] == [2, 5, 9, 1]
+    assert out["reply"] == "ok queued=1"
+    assert out["event"] == ["GPU-mig0", 0x100, 0, 0xFFFFFFFF, 0xFFFFFFFF]
+    assert out["after"] == [
+        [1, 0, 9856, fakenvml.mig_uuid("GPU-mig0", 1, 0)],
+        [2, 0, 9856, fakenvml.mig_uuid("GPU-mig0", 2, 0)],
+        [3, 0, 40192, fakenvml.mig_uuid("GPU-mig0", 3, 0)],
+    ]
+    assert out["stale"] == [2, 2, 2, 2]
+    assert out["stale_by_uuid"] == 6
+    assert out["clear"] == "ok queued=1"
+    assert out["cleared"] == [0, [1, 1], 6]
+    assert out["mode_off"] == "ok queued=1"
+    assert out["off"] == [[0, 0], 0, 2, 2]
+    assert out["layout_when_off"] == "error: mig: MIG mode is off on this GPU"
+    assert out["mode_on"] == "ok queued=0"  # GPU 1 is not registered for it
+    assert out["on"] == [[1, 1], 7, 0]
+    assert out["on_layout"] == [fakenvml.mig_uuid("GPU-full", 1, 0)]
+    assert out["events"] == [0x100, 0x100, 0x100]  # clear, 7g layout, mode off (first one already taken)
+    assert out["errors"][0] == "error: mig: MIG mode is off on this GPU"
+    assert out["errors"][1] == "error: mig: unknown MIG profile '8g.90gb'"
+    assert all(e and e.startswith("error: ") for e in out["errors"]), out["errors"]
+    assert out["kept"] == 1  # failed commands leave the layout alone
+
+
+def test_mig_layout_over_seven_slices_is_rejected_and_kept(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        out["err"] = ctl_error(CTL.mig_layout, 0, ["4g.40gb", "3g.40gb", "1g.10gb"])
+        out["count"] = N.nvmlDeviceGetMaxMigDeviceCount(N.nvmlDeviceGetHandleByIndex(0))
+        out["n"] = len(CTL.state().split(" | ")[1].split("mig=")[1].split(","))
+        out["full"] = CTL.mig_layout(0, ["1g.10gb"] * 7)
+        try:
+            CTL.mig_layout(0, "1g.10gb")
+        except TypeError as e:
+            out["type"] = str(e)
+        """,
+        rig.scenario(MIG_SCENARIO),
+    )
+    assert out["err"] == "error: mig: layout over 7 slices"
+    assert out["count"] == 7 and out["n"] == 4  # unchanged
+    assert out["full"] == "ok queued=0"
+    assert out["type"] == "profiles must be a sequence of profile names, not one string"
+
+
+def test_mig_lost_parent_and_instance_scoped_xid(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        h0 = N.nvmlDeviceGetHandleByIndex(0)
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(h0, N.nvmlEventTypeXidCriticalError | N.nvmlEventTypeGpuUnavailableError, s)
+        m = migs(h0)
+        out["register_on_mig"] = code(N.nvmlDeviceRegisterEvents, m[0], N.nvmlEventTypeXidCriticalError, s)
+        CTL.xid(0, 31, 5, 0)   # inside GPU instance 5
+        CTL.xid("GPU-mig0", 79)  # the whole GPU
+        ev = []
+        for _ in range(2):
+            e = N.nvmlEventSetWait_v2(s, 1000)
+            ev.append([N.nvmlDeviceGetUUID(e.device), e.eventData, e.gpuInstanceId, e.computeInstanceId])
+        out["xids"] = ev
+        CTL.lose(0)
+        out["lost"] = [code(f, m[0]) for f in (N.nvmlDeviceGetUUID, N.nvmlDeviceGetGpuInstanceId,
+                                               N.nvmlDeviceGetAttributes_v2, N.nvmlDeviceGetMemoryInfo,
+                                               N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+                                               N.nvmlDeviceGetIndex)]
+        out["lost_by_index"] = code(N.nvmlDeviceGetMigDeviceHandleByIndex, h0, 0)
+        CTL.restore(0)
+        out["restored"] = describe(m[0])["gi"]
+        out["calls"] = CTL.calls()
+        """
+        ),
+        rig.scenario(MIG_SCENARIO),
+    )
+    assert out["register_on_mig"] == 3
+    assert out["xids"] == [["GPU-mig0", 31, 5, 0], ["GPU-mig0", 79, 0xFFFFFFFF, 0xFFFFFFFF]]
+    assert out["lost"] == [15] * 6
+    assert out["lost_by_index"] == 15
+    assert out["restored"] == 2
+    calls = out["calls"]
+    for name in (
+        "nvmlDeviceGetAttributes_v2",
+        "nvmlDeviceGetGpuInstanceId",
+        "nvmlDeviceGetComputeInstanceId",
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+        "nvmlDeviceGetMigDeviceHandleByIndex",
+        "nvmlDeviceGetMaxMigDeviceCount",
+        "nvmlDeviceIsMigDeviceHandle",
+    ):
+        assert calls.get(name, 0) >= 1, name
+
+
+def test_mig_gpu_removed_and_its_slot_reused(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        m = migs(N.nvmlDeviceGetHandleByIndex(2))[0]
+        uuid = N.nvmlDeviceGetUUID(m)
+        CTL.remove(2)
+        out["removing"] = code(N.nvmlDeviceGetUUID, m)
+        N.nvmlShutdown(); N.nvmlInit()
+        out["removed"] = [code(N.nvmlDeviceGetUUID, m), code(N.nvmlDeviceGetHandleByUUID, uuid)]
+        CTL.add("uuid=GPU-new bus=0000:09:00.0 minor=9 mig=1")
+        N.nvmlShutdown(); N.nvmlInit()
+        out["reused"] = [code(N.nvmlDeviceGetUUID, m), len(migs(N.nvmlDeviceGetHandleByUUID("GPU-new")))]
+        """
+        ),
+        rig.scenario(MIG_SCENARIO),
+    )
+    assert out["removing"] == 15
+    assert out["removed"] == [15, 6]
+    assert out["reused"] == [2, 0]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("mig 0 1g.10gb", "MIG device on a GPU with mig=0"),
+        ("mig 1 9g.99gb", "unknown MIG profile '9g.99gb'"),
+        ("mig 5 1g.10gb", "mig needs the index of a GPU defined above"),
+        ("mig 1 1g.10gb gi=15", "bad value for gi=15"),
+        ("mig 1 1g.10gb ci=8", "bad value for ci=8"),
+        ("mig 1 1g.10gb uuid=GPU-x", "bad value for uuid=GPU-x"),
+        ("mig 1 1g.10gb colour=red", "unknown mig key 'colour'"),
+        ("mig 1 4g.40gb gi=3", "duplicate gi 3"),
+        ("mig 1 7g.80gb", "MIG layout over 7 slices (3 used, 7g.80gb needs 7)"),
+        ("mig 1 1g.10gb uuid=MIG-taken", "duplicate uuid MIG-taken"),
+        ("gpu uuid=GPU-c minor=2 bus=0000:09:00.0 mig=1 unsupported=mig", "mig=1 on a GPU with unsupported=mig"),
+        ("gpu uuid=GPU-c minor=2 bus=0000:09:00.0 mig=2", "bad value for mig"),
+    ],
+)
+def test_bad_mig_scenario_lines(rig: Rig, line: str, message: str) -> None:
+    scenario = rig.scenario(
+        "gpu uuid=GPU-ok minor=7 bus=0000:07:00.0\n"
+        "gpu uuid=GPU-m minor=8 bus=0000:08:00.0 mig=1\n"
+        "mig 1 3g.40gb gi=3 uuid=MIG-taken\n"
+        f"{line}\n"
+    )
+    out = rig.run('out["init"] = code(N.nvmlInit)', scenario)
+    assert out["init"] == 999
+    assert f"{scenario}:4: {message}" in out["_stderr"]
+    assert line in out["_stderr"]
+
+
+def test_mig_unsupported_gpu(rig: Rig) -> None:
+    scenario = rig.scenario("gpu uuid=GPU-a unsupported=mig\n")
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        out["q"] = [code(N.nvmlDeviceGetMigMode, h), N.nvmlDeviceGetMaxMigDeviceCount(h),
+                    code(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 0)]
+        out["ctl"] = ctl_error(CTL.mig_mode, 0, True)
+        """,
+        scenario,
+    )
+    assert out["q"] == [3, 0, 3]
+    assert out["ctl"] == "error: mig: the GPU has unsupported=mig"
+
+
+def test_mig_uuid_is_stable_and_distinct() -> None:
+    a = fakenvml.mig_uuid("GPU-x", 1, 0)
+    assert a == fakenvml.mig_uuid("GPU-x", 1, 0)
+    others = [fakenvml.mig_uuid("GPU-x", 2, 0), fakenvml.mig_uuid("GPU-x", 1, 1), fakenvml.mig_uuid("GPU-y", 1, 0)]
+    assert len({a, *others}) == 4
+    assert a.startswith("MIG-") and [len(p) for p in a[4:].split("-")] == [8, 4, 4, 4, 12]
+
+
+def test_write_mig_minors(tmp_path: Path) -> None:
+    path = tmp_path / "proc" / "mig-minors"
+    fakenvml.write_mig_minors(path, {1: [(0, 0)], 0: [(2, 1), (1, 0), (2, 0)]})
+    assert path.read_text().splitlines() == [
+        "config 1",
+        "monitor 2",
+        "gpu0/gi1/access 12",
+        "gpu0/gi1/ci0/access 13",
+        "gpu0/gi2/access 21",
+        "gpu0/gi2/ci0/access 22",
+        "gpu0/gi2/ci1/access 23",
+        "gpu1/gi0/access 138",
+        "gpu1/gi0/ci0/access 139",
+    ]
+    assert fakenvml.mig_minor(0, 0) == 3 and fakenvml.mig_minor(0, 0, 7) == 11 and fakenvml.mig_minor(0, 14, 7) == 137
+    # Unique over the whole space.
+    minors = [fakenvml.mig_minor(g, gi, ci) for g in range(4) for gi in range(15) for ci in (None, *range(8))]
+    assert len(set(minors)) == len(minors) and min(minors) == 3
+    with pytest.raises(ValueError):
+        fakenvml.write_mig_minors(path, {0: [(15, 0)]})
+    with pytest.raises(ValueError):
+        fakenvml.mig_minor(0, 1, 8)

@@ -13,7 +13,7 @@
  * first nvmlInit call (successful or not).  One command per datagram; a bound
  * sender gets "ok[ details]" or "error: <reason>".  <gpu> is an index in the
  * current enumeration or a UUID.
- *   ping | state
+ *   ping | state                        state: " | idx uuid flags ra=N[ mig=prof/gi/ci/uuid,...|-]"
  *   xid <gpu> <code> [gi ci]            event 0x8, eventData = code
  *   ecc <gpu> sbe|dbe                   event 0x1 / 0x2
  *   event <gpu> <hex type> <data> [gi ci]
@@ -34,9 +34,9 @@
  *   calls reset                         zero those counters
  *   mig <gpu> mode 0|1                  MIG mode now (current = pending); 0 also clears the layout
  *   mig <gpu> layout <p>[,<p>...] | -   replace the GPU's MIG devices (profiles below), gi ids
- *                                       1, 2, ... in order, ci 0 each; "-" clears.  Both queue
- *                                       event 0x100 (MigConfigChange) when anything changed; no
- *                                       nvmlInit needed; MIG handles of replaced devices go stale
+ *                                       1, 2, ... in order, ci 0 each; "-" clears.  Both take
+ *                                       effect at once (no nvmlInit needed) and queue event 0x100
+ *                                       (MigConfigChange, data 0); replaced devices' handles go stale
  *
  * A gpu line (scenario or add) may describe a GPU already broken when first
  * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1

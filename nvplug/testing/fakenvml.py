@@ -15,19 +15,24 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, TypeAlias
 
 __all__ = [
     "DEFAULT_SCENARIO",
     "LIB_NAME",
+    "MIG_PROFILES",
     "SOURCE",
     "Control",
     "ControlError",
     "FakeNvmlBuildError",
+    "MigProfile",
     "build",
     "environ",
+    "mig_minor",
+    "mig_uuid",
+    "write_mig_minors",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -38,6 +43,72 @@ _CFLAGS = ("-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-pthread")
 
 # A GPU as the control socket names it: an index in the current enumeration or a UUID.
 GpuRef: TypeAlias = "int | str"
+
+MigProfile: TypeAlias = Literal["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+# The H100 80GB MIG profiles the fake knows, in its table order.
+MIG_PROFILES: tuple[MigProfile, ...] = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
+
+_FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def _fnv1a(text: str, h: int) -> int:
+    for byte in text.encode():
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
+    return h
+
+
+def mig_uuid(parent_uuid: str, gi: int, ci: int) -> str:
+    """The UUID the fake gives a MIG device without a ``uuid=`` (mirrors ``mig_default_uuid`` in the C)."""
+    key = f"{parent_uuid}/{gi}/{ci}"
+    a = _fnv1a(key, 0xCBF29CE484222325)
+    b = _fnv1a(key, 0x84222325CBF29CE4)
+    return f"MIG-{a >> 32:08x}-{(a >> 16) & 0xFFFF:04x}-{a & 0xFFFF:04x}-{b >> 48:04x}-{b & 0xFFFFFFFFFFFF:012x}"
+
+
+# nvidia-caps numbering (/proc/driver/nvidia-caps/mig-minors): "config 1", "monitor 2", then for
+# each GPU minor 0..31 and GPU instance 0..14 the GI's access minor followed by its compute
+# instances 0..7: 9 minors per GI, 135 per GPU.
+_MIG_GIS = 15
+_MIG_CIS = 8
+_MIG_PER_GI = 1 + _MIG_CIS
+_MIG_PER_GPU = _MIG_GIS * _MIG_PER_GI
+
+
+def mig_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The nvidia-cap minor of ``gpu<gpu_minor>/gi<gi>/access`` or, with ``ci``, ``.../ci<ci>/access``.
+
+    ``3 + gpu_minor*135 + gi*9`` for the GPU instance, plus ``1 + ci`` for a compute
+    instance: the order in which the driver lists every possible capability (so
+    ``gpu0/gi1/access 12``, ``gpu0/gi1/ci0/access 13``, ``gpu1/gi0/access 138``).
+    """
+    if not 0 <= gpu_minor <= 255 or not 0 <= gi < _MIG_GIS or (ci is not None and not 0 <= ci < _MIG_CIS):
+        raise ValueError(f"no nvidia-caps minor for gpu{gpu_minor}/gi{gi}/ci{ci}")
+    base = 3 + gpu_minor * _MIG_PER_GPU + gi * _MIG_PER_GI
+    return base if ci is None else base + 1 + ci
+
+
+def write_mig_minors(path: Path, layout: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+    """Write a ``mig-minors`` file like the driver's ``/proc/driver/nvidia-caps/mig-minors``.
+
+    ``layout`` maps GPU minor numbers to (gi, ci) pairs.  The file has the
+    ``config``/``monitor`` lines and, per GPU and GI in ascending order, the GI
+    access line then its CI lines, numbered by :func:`mig_minor`.  (The real
+    file lists every possible GPU/GI/CI; listing only the given ones keeps the
+    same numbers.)
+    """
+    lines = ["config 1", "monitor 2"]
+    for gpu in sorted(layout):
+        gis: dict[int, set[int]] = {}
+        for gi, ci in layout[gpu]:
+            mig_minor(gpu, gi, ci)  # validates
+            gis.setdefault(gi, set()).add(ci)
+        for gi in sorted(gis):
+            lines.append(f"gpu{gpu}/gi{gi}/access {mig_minor(gpu, gi)}")
+            lines.extend(f"gpu{gpu}/gi{gi}/ci{ci}/access {mig_minor(gpu, gi, ci)}" for ci in sorted(gis[gi]))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 class FakeNvmlBuildError(RuntimeError):
@@ -184,6 +255,26 @@ class Control:
 
     def recovery_action(self, gpu: GpuRef, action: int) -> str:
         return self.send(f"recovery_action {gpu} {action}")
+
+    def mig_mode(self, gpu: GpuRef, enabled: bool) -> str:
+        """Set the GPU's MIG mode at once (current = pending); off also drops its MIG devices.
+
+        Queues a MigConfigChange (0x100) event.
+        """
+        return self.send(f"mig {gpu} mode {int(enabled)}")
+
+    def mig_layout(self, gpu: GpuRef, profiles: Sequence[str]) -> str:
+        """Replace the GPU's MIG devices (MIG mode must be on) with one per profile, in order.
+
+        GPU instance ids are 1, 2, ... in that order, compute instance ids 0;
+        UUIDs are :func:`mig_uuid` of those.  An empty sequence clears the
+        layout.  Takes effect at once and queues a MigConfigChange (0x100) event.
+        """
+        if isinstance(profiles, str):
+            raise TypeError("profiles must be a sequence of profile names, not one string")
+        if any(not p or "," in p or p.split() != [p] for p in profiles):
+            raise ValueError(f"bad MIG profile names: {list(profiles)!r}")
+        return self.send(f"mig {gpu} layout {','.join(profiles) or '-'}")
 
     def init_error(self, code: int) -> str:
         """Make later nvmlInit calls fail with ``code`` (0 clears it)."""
