@@ -63,7 +63,10 @@ class Snapshot:
         return find_gpu(self.gpus, bus_id=bus_id)
 
     def unhealthy(self) -> tuple[Gpu, ...]:
-        return tuple(g for g in self.gpus if not self.health[g.uuid].healthy)
+        """GPUs that are Unhealthy or hold an Unhealthy MIG device: the ones worth re-probing."""
+        return tuple(
+            g for g in self.gpus if not all(self.health[u].healthy for u in (g.uuid, *(m.uuid for m in g.mig)))
+        )
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,8 @@ class NodeState:
         if probe.failure is not None:
             draft.set_health(probe.uuid, Health.UNHEALTHY, f"probe failed: {probe.failure}")
             return
-        if draft.health[probe.uuid].healthy:
+        sick_migs = [m for m in gpu.mig if not draft.health[m.uuid].healthy]
+        if draft.health[probe.uuid].healthy and not sick_migs:
             return
         how = self._reset_seen.pop(probe.uuid, None)
         if rescan and how is None:

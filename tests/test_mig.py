@@ -147,3 +147,12 @@ def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
     bare = MigSpec("m", "3g.40gb").project(node(mig_gpu(0, ["3g.40gb"])).current)
     with pytest.raises(AllocationError, match="no capability device minors listed for MIG-0-0"):
         allocate(bare, ["MIG-0-0"], AllocationPolicy(), str, lambda p: False)
+
+
+def test_a_re_probe_of_the_gpu_heals_its_mig_device() -> None:
+    state = node(mig_gpu(0, ["1g.10gb"] * 2))
+    state.apply(XidOccurred("GPU-0", 46, gpu_instance=1, compute_instance=0))
+    assert [g.uuid for g in state.current.unhealthy()] == ["GPU-0"]  # so the GPU is re-probed
+    state.apply(ProbeResult("GPU-0", None, "re-probe 1 of the Unhealthy GPU"))
+    assert state.current.health["MIG-0-0"].healthy and state.current.unhealthy() == ()
+    assert state.current.health["MIG-0-0"].reason == "recovered with its GPU: re-probe 1 of the Unhealthy GPU"
