@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     run.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
+    run.add_argument("--status-listen", default=None,
+                     help="serve /healthz, /status and /metrics here: off, unix:/path or host:port "
+                          "(default: the config's nvplug.status.listen, unix:/run/nvplug/status.sock)")  # fmt: skip
 
     demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
     demo.add_argument(
@@ -116,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config=cfg,
         config_path=args.config,
         proc_root=args.proc_root,
+        status_listen=args.status_listen,
     )
     try:
         asyncio.run(serve(options))

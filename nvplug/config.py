@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args
 import yaml
 
 DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
+# Root-only by default: a unix socket in the unit's RuntimeDirectory.
+DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
 # NVIDIA's v1 sections, plus our own under `nvplug:`.
 SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
 MAX_BYTES = 1 << 20
@@ -164,6 +166,8 @@ class Config:
     resource_name: str = GPU_RESOURCE
     health: HealthConfig = field(default_factory=HealthConfig)
     flags: Flags = field(default_factory=Flags)
+    # nvplug.status.listen: where /healthz, /status and /metrics are served.
+    status_listen: str = DEFAULT_STATUS_LISTEN
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -201,9 +205,11 @@ def parse(text: str, source: str) -> Config:
     version = found.get("version")
     if version is not None and not _is_null(version) and _scalar(version) != "v1":
         raise ctx.error(version, "version", f"{_scalar(version)!r} is not supported; use v1")
+    health, listen = _nvplug(ctx, found["nvplug"]) if "nvplug" in found else (HealthConfig(), DEFAULT_STATUS_LISTEN)
     cfg = Config(
         source=source,
-        health=_nvplug(ctx, found["nvplug"]) if "nvplug" in found else HealthConfig(),
+        health=health,
+        status_listen=listen,
         flags=_flags(ctx, found["flags"], "flags") if "flags" in found else Flags(),
         resources=_resources(ctx, found["resources"], "resources") if "resources" in found else Resources(),
         sharing=_sharing(ctx, found["sharing"], "sharing") if "sharing" in found else Sharing(),
@@ -259,12 +265,13 @@ def as_dict(cfg: Config) -> dict[str, Any]:
         },
         "imex": {"channelIDs": list(cfg.imex.channel_ids), "required": cfg.imex.required},
         "nvplug": {
+            "status": {"listen": cfg.status_listen},
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
                 "reprobeInitialSeconds": h.reprobe_initial_seconds,
                 "reprobeMaxSeconds": h.reprobe_max_seconds,
-            }
+            },
         },
     }
 
@@ -288,9 +295,26 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-def _nvplug(ctx: _Context, node: yaml.Node) -> HealthConfig:
-    found = _Map(ctx, node, "nvplug").items(("health",))
-    return _health(ctx, found["health"], "nvplug.health") if "health" in found else HealthConfig()
+def _nvplug(ctx: _Context, node: yaml.Node) -> tuple[HealthConfig, str]:
+    found = _Map(ctx, node, "nvplug").items(("health", "status"))
+    health = _health(ctx, found["health"], "nvplug.health") if "health" in found else HealthConfig()
+    listen = DEFAULT_STATUS_LISTEN
+    if "status" in found:
+        status = _Map(ctx, found["status"], "nvplug.status").items(("listen",))
+        if "listen" in status:
+            listen = _listen(ctx, status["listen"], "nvplug.status.listen")
+    return health, listen
+
+
+def _listen(ctx: _Context, node: yaml.Node, path: str) -> str:
+    """`off`, `unix:/absolute/path` or `host:port`."""
+    value = _str(ctx, node, path)
+    if value == "off" or (value.startswith("unix:/") and "\0" not in value):
+        return value
+    host, _, port = value.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return value
+    raise ctx.error(node, path, f"{value!r} is not off, unix:/absolute/path or host:port")
 
 
 def _health(ctx: _Context, node: yaml.Node, path: str) -> HealthConfig:

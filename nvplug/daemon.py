@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +15,14 @@ from .allocation import AllocationPolicy
 from .config import Config
 from .event import (
     Event,
+    HealthWatchChanged,
     InventoryFound,
     KubeletSocketCreated,
     MigConfigChanged,
     NvmlFailed,
     PciChanged,
     PluginSocketRemoved,
+    ProbeResult,
 )
 from .events.bus import EventBus
 from .events.kubelet_dir import KubeletDirWatch
@@ -31,6 +34,7 @@ from .nvml import Nvml
 from .recovery import Reprober
 from .resources import Spec, mig_plan
 from .state import Change, NodeState
+from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_route, reason_class, status_document
 from .systemd import Notifier
 from .xid import XidPolicy
 
@@ -49,6 +53,8 @@ class Options:
     # Where SIGHUP re-reads the config from; None is the default path.
     config_path: Path | None = None
     proc_root: Path = Path("/proc")
+    # Overrides the config's nvplug.status.listen.
+    status_listen: str | None = None
 
 
 @dataclass
@@ -72,6 +78,9 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
+        self.metrics = Metrics(self._resource_views)
+        # When each recent revision's event arrived, for the event-to-ListAndWatch latency.
+        self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
         self._status = ""
 
@@ -110,6 +119,7 @@ class Daemon:
         self._kubelet_dir = kubelet_dir
         kubelet_dir.start()
         tasks: list[asyncio.Task[None]] = []
+        status: StatusServer | None = None
         try:
             # Applied before serving, so the kubelet's first list is the real one.
             first = await scanner.scan()
@@ -117,6 +127,20 @@ class Daemon:
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
             await self._apply_resources(self._planned(self.config), policy)
+            status = StatusServer(
+                opts.status_listen or self.config.status_listen,
+                {
+                    "/healthz": self._healthz,
+                    "/status": json_route(
+                        lambda: status_document(self.state.current, self._resource_views(), self._plan_error)
+                    ),
+                    "/metrics": lambda: (200, PROMETHEUS_TEXT, self.metrics.render()),
+                },
+            )
+            try:
+                await status.start()
+            except OSError as err:
+                log.error("status endpoint %s unavailable: %s", status.listen, err)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready(self._status_line())
             tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
@@ -133,6 +157,8 @@ class Daemon:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             reprober.close()
+            if status is not None:
+                await status.stop()
             for plugin in self._plugins:
                 await self._close(plugin)
             udev.stop()
@@ -153,7 +179,7 @@ class Daemon:
 
     def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
-        service = DevicePluginService(spec.name, self.state, spec.project, opts.dev_root, policy)
+        service = DevicePluginService(spec.name, self.state, spec.project, opts.dev_root, policy, self._sent)
         server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
         registrar = Registrar(
             opts.plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status
@@ -199,6 +225,8 @@ class Daemon:
     async def _dispatch(self, bus: EventBus, scanner: Scanner, reprober: Reprober) -> None:
         while True:
             event = await bus.next()
+            if isinstance(event, (KubeletSocketCreated, MigConfigChanged, PluginSocketRemoved)):
+                self._count(event)  # the others are counted as they are applied
             if isinstance(event, KubeletSocketCreated):
                 log.info("kubelet.sock appeared: registering")
                 for plugin in self._plugins:
@@ -222,14 +250,62 @@ class Daemon:
                         await self._apply_resources(specs, allocation_policy(self.config))
 
     def _apply(self, event: Event, reprober: Reprober) -> None:
+        arrived = time.monotonic()
+        before = self.state.current.revision
+        self._count(event)
         changes = self.state.apply(event)
+        if self.state.current.revision != before:
+            self._event_times[self.state.current.revision] = arrived
+            if len(self._event_times) > 1024:
+                del self._event_times[min(self._event_times)]
         for change in changes:
             _log_change(change)
             if change.what == "recovery evidence" and change.gpu is not None:
                 reprober.now(change.gpu.uuid)
+            if change.what in ("healthy", "unhealthy"):
+                self.metrics.transitions.labels(change.what, reason_class(change.reason)).inc()
         if changes:
             reprober.follow(self.state.current)
             self._update_status()
+
+    def _count(self, event: Event) -> None:
+        kind = type(event).__name__
+        self.metrics.events.labels(_SOURCES.get(kind, "nvplug"), kind).inc()
+        failed = (
+            "nvmlInit"
+            if isinstance(event, NvmlFailed)
+            else "nvmlEventSetWait"
+            if isinstance(event, HealthWatchChanged) and event.error
+            else "probe"
+            if isinstance(event, ProbeResult) and not event.passed
+            else None
+        )
+        if failed:
+            self.metrics.nvml_errors.labels(failed).inc()
+
+    def _sent(self, resource: str, revision: int) -> None:
+        arrived = self._event_times.get(revision)
+        if arrived is not None:
+            self.metrics.latency.labels(resource).observe(time.monotonic() - arrived)
+
+    def _resource_views(self) -> list[ResourceView]:
+        return [
+            ResourceView(
+                p.server.service.resource(),
+                p.server.endpoint,
+                p.registrar.registered.is_set(),
+                p.registrar.registrations,
+                p.registrar.failures,
+            )
+            for p in self._plugins
+        ]
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        """200 when the loop answers (it does, or nothing would) and everything is registered."""
+        ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
+        if ready and not self._plan_error:
+            return 200, "text/plain", b"ok\n"
+        return 503, "text/plain", (self._status_line() or "nothing to advertise").encode() + b"\n"
 
     async def _watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a hung loop stops the pings and systemd restarts us."""
@@ -321,6 +397,21 @@ def _socket_name(resource_name: str) -> str:
 
 
 # How each change that names no GPU reads in the log.
+# Where each kind of event comes from, for the events metric.
+_SOURCES = {
+    "InventoryFound": "nvml",
+    "NvmlFailed": "nvml",
+    "ProbeResult": "nvml",
+    "HealthReported": "nvml",
+    "XidOccurred": "nvml",
+    "RecoveryActionChanged": "nvml",
+    "HealthWatchChanged": "nvml",
+    "MigConfigChanged": "nvml",
+    "PciChanged": "udev",
+    "KubeletSocketCreated": "kubelet_dir",
+    "PluginSocketRemoved": "kubelet_dir",
+}
+
 _NODE_CHANGES = {
     "nvml failed": (logging.ERROR, "NVML unavailable: {}; no GPUs can be discovered or checked until it works"),
     "nvml recovered": (logging.INFO, "NVML works again (it failed with: {})"),

@@ -52,6 +52,7 @@ class Registrar:
         self._wanted.set()
         self.registered = asyncio.Event()
         self.registrations = 0
+        self.failures = 0
         # Told whenever `registered` flips, for the status line.
         self._on_change = on_change
 
@@ -98,6 +99,7 @@ class Registrar:
             async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
                 await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
         except grpc.aio.AioRpcError as err:
+            self.failures += 1
             raise RegistrationFailed(
                 f"{self.resource_name}: Register on {self.kubelet_socket} failed: {err.code().name}: {err.details()}"
             ) from err

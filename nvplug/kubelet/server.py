@@ -45,12 +45,15 @@ class DevicePluginService:
         project: Projection,
         dev_root: Path,
         policy: AllocationPolicy | None = None,
+        on_send: Callable[[str, int], None] = lambda resource, revision: None,
     ) -> None:
         self.resource_name = resource_name
         self._state = state
         self._project = project
         self._dev_root = dev_root
         self.policy = policy or AllocationPolicy()
+        # Told (resource, revision) as each ListAndWatch message goes out, for the latency metric.
+        self._on_send = on_send
         self._closing = asyncio.Event()
 
     def open(self) -> None:
@@ -94,6 +97,7 @@ class DevicePluginService:
                     revision,
                 )
                 yield message
+                self._on_send(self.resource_name, revision)
         finally:
             log.info("%s: ListAndWatch stream closed", self.resource_name)
 

@@ -55,6 +55,8 @@ class SimulatedNode:
         self.sysfs_root = root / "sys"
         # Where the daemon reads driver/nvidia-caps/mig-minors.
         self.proc_root = root / "proc"
+        # The daemon's /healthz, /status and /metrics.
+        self.status_socket = root / "status.sock"
         self.config = root / "config.yaml"
         self.control_path = root / "nvml.ctl"
         self.log_path = root / "nvplug.log"
@@ -109,6 +111,7 @@ class SimulatedNode:
             "--dev-root", str(self.dev_root),
             "--sysfs-root", str(self.sysfs_root),
             "--proc-root", str(self.proc_root),
+            "--status-listen", f"unix:{self.status_socket}",
             "--config", str(self.config),
             "--log-level", log_level,
             *extra,

@@ -1,0 +1,251 @@
+"""What operators see: /healthz, /status (JSON) and /metrics (Prometheus), on a local socket.
+
+A small HTTP/1.1 server on the event loop itself (GET only, one request per
+connection): the answers are read from the state, never from NVML, so a
+scrape cannot disturb the kubelet's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from . import __version__
+from .resources import Resource
+from .state import Snapshot
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 8192
+READ_TIMEOUT = 5.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class ResourceView:
+    """One advertised resource as the status page shows it."""
+
+    resource: Resource
+    endpoint: str
+    registered: bool
+    registrations: int
+    registration_failures: int
+
+
+def reason_class(reason: str) -> str:
+    """A bounded label for a health reason: `XID 79`, `probe failed`, `driver unbound from the PCI device`."""
+    if reason.startswith("MIG ") and "): " in reason:
+        reason = reason.split("): ", 1)[1]  # drop the MIG device's name: one label per reason, not per device
+    head = reason.split(" (", 1)[0].split(":", 1)[0]
+    words = head.split()
+    if len(words) >= 2 and words[0] == "XID":
+        return " ".join(words[:2])
+    return head[:48]
+
+
+def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_error: str | None) -> dict[str, Any]:
+    advertised: dict[str, dict[str, list[str]]] = {}
+    for view in resources:
+        for device in view.resource.devices:
+            owner = device.gpu.uuid
+            advertised.setdefault(owner, {}).setdefault(view.resource.name, []).append(device.id)
+    gpus = []
+    for gpu in snapshot.gpus:
+        health = snapshot.health[gpu.uuid]
+        peers = {
+            other.uuid: link.nvlinks
+            for other in snapshot.gpus
+            if other.uuid != gpu.uuid and (link := snapshot.topology.link(gpu.uuid, other.uuid)).nvlinks
+        }
+        migs = []
+        for mig in gpu.mig:
+            own = snapshot.health.get(mig.uuid)
+            migs.append(
+                {
+                    "uuid": mig.uuid,
+                    "profile": mig.profile,
+                    "gpu_instance": mig.gpu_instance,
+                    "compute_instance": mig.compute_instance,
+                    "health": own.health.value if own else None,
+                    "reason": own.reason if own else None,
+                }
+            )
+        gpus.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "bus_id": gpu.bus_id,
+                "name": gpu.name,
+                "memory_mib": gpu.memory_mib,
+                "numa_node": gpu.numa_node,
+                "minor": gpu.minor,
+                "health": health.health.value,
+                "reason": health.reason,
+                "since": health.since,
+                "advertised": advertised.get(gpu.uuid, {}),
+                "nvlink_peers": peers,
+                "mig": migs,
+            }
+        )
+    return {
+        "version": __version__,
+        "revision": snapshot.revision,
+        "nvml_error": snapshot.nvml_error,
+        "health_watch_error": snapshot.health_watch_error,
+        "plan_error": plan_error,
+        "resources": [
+            {
+                "name": v.resource.name,
+                "registered": v.registered,
+                "endpoint": v.endpoint,
+                "devices": len(v.resource.devices),
+                "healthy": v.resource.healthy_count,
+            }
+            for v in resources
+        ],
+        "gpus": gpus,
+    }
+
+
+class Metrics:
+    """The daemon's counters, in a registry of its own (no process-wide state)."""
+
+    def __init__(self, resources: Callable[[], Sequence[ResourceView]]) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
+        self.transitions = Counter(
+            "nvplug_health_transitions", "Health transitions, by new health and reason", ["to", "reason"], registry=reg
+        )
+        self.nvml_errors = Counter(
+            "nvplug_nvml_errors", "NVML failures, by the call that failed", ["function"], registry=reg
+        )
+        self.latency = Histogram(
+            "nvplug_event_to_list_and_watch_seconds",
+            "From an event's arrival to the ListAndWatch message that carries its effect",
+            ["resource"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=reg,
+        )
+        build = Info("nvplug_build", "Build information", registry=reg)
+        build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
+        reg.register(_ResourceCollector(resources))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ResourceCollector(Collector):
+    """Read at scrape time, so the gauges can never disagree with the state."""
+
+    def __init__(self, resources: Callable[[], Sequence[ResourceView]]) -> None:
+        self._resources = resources
+
+    def collect(self) -> Iterator[Metric]:
+        devices = GaugeMetricFamily(
+            "nvplug_devices", "Advertised devices, by resource and health", labels=["resource", "health"]
+        )
+        registered = GaugeMetricFamily(
+            "nvplug_registered", "1 when the resource is registered with the kubelet", labels=["resource"]
+        )
+        ok = CounterMetricFamily(
+            "nvplug_registrations", "Successful registrations with the kubelet", labels=["resource"]
+        )
+        failed = CounterMetricFamily(
+            "nvplug_registration_failures", "Failed registration attempts", labels=["resource"]
+        )
+        for view in self._resources():
+            name = view.resource.name
+            healthy = view.resource.healthy_count
+            devices.add_metric([name, "Healthy"], healthy)
+            devices.add_metric([name, "Unhealthy"], len(view.resource.devices) - healthy)
+            registered.add_metric([name], 1.0 if view.registered else 0.0)
+            ok.add_metric([name], view.registrations)
+            failed.add_metric([name], view.registration_failures)
+        yield from (devices, registered, ok, failed)
+
+
+Route = Callable[[], tuple[int, str, bytes]]
+
+
+class StatusServer:
+    """`unix:/path` (mode 0600) or `host:port`; `off` serves nothing."""
+
+    def __init__(self, listen: str, routes: Mapping[str, Route]) -> None:
+        self.listen = listen
+        self._routes = routes
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        if self.listen == "off":
+            return
+        if self.listen.startswith("unix:"):
+            path = _prepare_socket_path(Path(self.listen[5:]))
+            old = os.umask(0o177)  # root alone may ask
+            try:
+                self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+            finally:
+                os.umask(old)
+        else:
+            host, _, port = self.listen.rpartition(":")
+            self._server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
+        log.info("status endpoint on %s (/healthz, /status, /metrics)", self.listen)
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+            if self.listen.startswith("unix:"):
+                _prepare_socket_path(Path(self.listen[5:]))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            route = self._routes.get(target.split("?", 1)[0])
+            if method != "GET":
+                status, ctype, body = 405, "text/plain", b"GET only\n"
+            elif route is None:
+                status, ctype, body = 404, "text/plain", b"try /healthz, /status or /metrics\n"
+            else:
+                status, ctype, body = route()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        writer.write(
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+def _prepare_socket_path(path: Path) -> Path:
+    """Our directory, and no stale socket of ours in the way; anything else is left alone."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()
+    return path
+
+
+def json_route(document: Callable[[], dict[str, Any]]) -> Route:
+    return lambda: (200, "application/json", json.dumps(document(), indent=1).encode() + b"\n")

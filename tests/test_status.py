@@ -1,0 +1,118 @@
+"""The status endpoint: /healthz, /status and /metrics of the real daemon, over HTTP on its socket."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nvplug.status import reason_class
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+
+TIMEOUT = 15.0
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=5)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(self._path)
+
+
+def get(node: SimulatedNode, path: str) -> tuple[int, str]:
+    deadline = time.monotonic() + TIMEOUT
+    while not node.status_socket.exists():
+        assert time.monotonic() < deadline, node.log_text()
+        time.sleep(0.02)
+    conn = UnixHTTPConnection(str(node.status_socket))
+    conn.request("GET", path)
+    response = conn.getresponse()
+    body = response.read().decode()
+    conn.close()
+    return response.status, body
+
+
+def metrics(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], float]]]:
+    status, text = get(node, "/metrics")
+    assert status == 200
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def test_healthz_waits_for_registration(node: SimulatedNode) -> None:
+    node.start_daemon()
+    status, body = get(node, "/healthz")
+    assert status == 503 and "waiting for kubelet.sock" in body
+    node.kubelet.start()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while get(node, "/healthz")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert get(node, "/healthz") == (200, "ok\n")
+    assert get(node, "/nope")[0] == 404
+    assert oct(node.status_socket.stat().st_mode & 0o777) == "0o600"
+
+
+def test_status_and_metrics_after_an_xid(node: SimulatedNode) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    uuid = node.scenario_gpus()[5]["uuid"]
+    node.control.xid(5, 79)
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)
+    status, body = get(node, "/status")
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["resources"] == [
+        {"name": GPU_RESOURCE, "registered": True, "endpoint": node.plugin_socket.name, "devices": 8, "healthy": 7}
+    ]
+    gpu5 = next(g for g in doc["gpus"] if g["uuid"] == uuid)
+    assert gpu5["health"] == "Unhealthy" and gpu5["reason"].startswith("XID 79 ")
+    assert gpu5["advertised"] == {GPU_RESOURCE: [uuid]} and gpu5["numa_node"] == 1
+    assert len(gpu5["nvlink_peers"]) == 7 and set(gpu5["nvlink_peers"].values()) == {18}
+
+    m = metrics(node)
+    assert value(m, "nvplug_devices", resource=GPU_RESOURCE, health="Healthy") == 7
+    assert value(m, "nvplug_devices", resource=GPU_RESOURCE, health="Unhealthy") == 1
+    assert value(m, "nvplug_health_transitions_total", to="unhealthy", reason="XID 79") == 1
+    assert value(m, "nvplug_events_total", source="nvml", kind="XidOccurred") == 1
+    assert value(m, "nvplug_events_total", source="nvml", kind="InventoryFound") == 1
+    assert value(m, "nvplug_registrations_total", resource=GPU_RESOURCE) == 1
+    assert value(m, "nvplug_registered", resource=GPU_RESOURCE) == 1
+    # The XID's message and the first list both had their latency measured, in well under a second.
+    assert value(m, "nvplug_event_to_list_and_watch_seconds_count", resource=GPU_RESOURCE) >= 2
+    assert value(m, "nvplug_event_to_list_and_watch_seconds_bucket", resource=GPU_RESOURCE, le="1.0") >= 2
+    assert value(m, "nvplug_build_info") == 1
+
+
+def test_nvml_failure_shows_in_metrics_and_healthz(node: SimulatedNode) -> None:
+    node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
+    node.kubelet.start()
+    node.start_daemon()
+    node.wait_log("NVML unavailable")
+    m = metrics(node)
+    assert value(m, "nvplug_nvml_errors_total", function="nvmlInit") >= 1
+    doc = json.loads(get(node, "/status")[1])
+    assert "Driver Not Loaded" in doc["nvml_error"] and doc["gpus"] == []
+
+
+def test_reason_classes_are_bounded() -> None:
+    assert reason_class("XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)") == "XID 79"
+    assert reason_class("probe failed: GPU is lost") == "probe failed"
+    assert reason_class("MIG 1g.10gb gi 3 ci 0 (MIG-abc): XID 79 X (RESTART_BM)") == "XID 79"
+    assert reason_class("recovered: re-probe 2 of the Unhealthy GPU, probe passed") == "recovered"
