@@ -11,6 +11,10 @@ from pathlib import Path
 
 from . import __version__, config, logs
 from .daemon import Options, serve
+from .devices import add_arguments as add_devices
+from .devices import run as run_devices
+from .doctor import add_arguments as add_doctor
+from .doctor import run as run_doctor
 from .resources import resource_specs, unserved_sharing
 
 log = logging.getLogger("nvplug")
@@ -46,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--status-listen", default=None,
                      help="serve /healthz, /status and /metrics here: off, unix:/path or host:port "
                           "(default: the config's nvplug.status.listen, unix:/run/nvplug/status.sock)")  # fmt: skip
+
+    add_doctor(sub.add_parser("doctor", help="check the chain from the kernel driver to the kubelet, step by step"))
+    add_devices(sub.add_parser("devices", help="list every GPU: health, what it is advertised as, NVLink peers"))
 
     demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
     demo.add_argument(
@@ -104,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.log_level)
+    if args.command == "doctor":
+        return run_doctor(args)
+    if args.command == "devices":
+        return run_devices(args)
     if args.command == "config":
         return _config_command(args)
     logs.setup(args.log_level)

@@ -1,0 +1,254 @@
+"""`nvplug devices`: every GPU, its health and what it is advertised as.
+
+From the running daemon's status endpoint when it answers, else from a direct
+NVML read (labelled so), with the health of that read's probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from . import config, statusclient
+from .health import Health, HealthState
+from .resources import mig_plan
+from .state import Snapshot
+
+DIRECT_LABEL = "(direct NVML read; the daemon is not running)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON: the GPUs as /status has them, and the source")
+    parser.add_argument(
+        "--status-listen",
+        default=None,
+        metavar="ADDR",
+        help="the daemon's status endpoint, unix:/path or HOST:PORT "
+        f"(default: the config's nvplug.status.listen, else {statusclient.DEFAULT_LISTEN})",
+    )
+    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
+    parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    parser.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    listen = statusclient.listen_address(args.status_listen, args.config)
+    try:
+        doc = statusclient.status(listen)
+    except (statusclient.StatusUnavailable, ValueError) as err:
+        daemon_error = str(err)
+    else:
+        return _print(doc.get("gpus") or [], "daemon", args.json, header=_daemon_header(doc))
+    try:
+        gpus = direct_read(_config_or_default(args.config), args.sysfs_root, args.proc_root)
+    except Exception as err:  # NvmlUnavailable, or pynvml failing to load the library at all
+        if args.json:
+            print(json.dumps({"source": None, "gpus": [], "daemon_error": daemon_error, "nvml_error": str(err)}))
+        else:
+            print(f"the daemon does not answer: {daemon_error}", file=sys.stderr)
+            print(f"and NVML cannot be read directly: {err}", file=sys.stderr)
+        return 1
+    return _print(gpus, "nvml", args.json, header=[DIRECT_LABEL, f"  daemon: {daemon_error}"], extra=daemon_error)
+
+
+def _config_or_default(path: Path | None) -> config.Config:
+    try:
+        return config.load(path)
+    except (config.ConfigError, OSError):
+        return config.Config()
+
+
+def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
+    lines = [f"nvplug {doc.get('version', '?')}, state revision {doc.get('revision', '?')} (from the daemon)"]
+    for r in doc.get("resources") or []:
+        state = "registered" if r.get("registered") else "NOT registered"
+        lines.append(f"  {r.get('name')}: {state}, {r.get('devices', 0)} devices, {r.get('healthy', 0)} healthy")
+    for key in ("nvml_error", "health_watch_error", "plan_error"):
+        if doc.get(key):
+            lines.append(f"  {key.replace('_', ' ')}: {doc[key]}")
+    return lines
+
+
+def direct_read(cfg: config.Config, sysfs_root: Path, proc_root: Path) -> list[dict[str, Any]]:
+    """One NVML scan, shaped like /status's `gpus`; what the config would advertise, by the same plan."""
+    from .nvml import Nvml  # loads pynvml; only needed when the daemon does not answer
+
+    now = time.time()
+    scan = Nvml(sysfs_root, proc_root).scan()
+    found = scan.discovery
+    failures = {p.uuid: p.failure for p in scan.probes}
+    health: dict[str, HealthState] = {}
+    for g in found.gpus:
+        failure = failures.get(g.uuid)
+        state = (
+            HealthState(Health.HEALTHY, "discovered", now)
+            if failure is None
+            else HealthState(Health.UNHEALTHY, f"probe failed: {failure}", now)
+        )
+        health[g.uuid] = state
+        for m in g.mig:
+            health[m.uuid] = state
+    snapshot = Snapshot(
+        revision=0,
+        gpus=found.gpus,
+        health=MappingProxyType(health),
+        topology=found.topology,
+        cap_minors=found.cap_minors,
+    )
+    advertised: dict[str, dict[str, list[str]]] = {}
+    try:
+        specs, _ = mig_plan(cfg, snapshot)
+    except config.ConfigError:
+        specs = []
+    for spec in specs:
+        for device in spec.project(snapshot).devices:
+            advertised.setdefault(device.gpu.uuid, {}).setdefault(spec.name, []).append(device.id)
+    out = []
+    for g in found.gpus:
+        peers = {}
+        for other in found.gpus:
+            if other.uuid != g.uuid:
+                links = found.topology.link(g.uuid, other.uuid).nvlinks
+                if links:
+                    peers[other.uuid] = links
+        state = health[g.uuid]
+        out.append(
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "bus_id": g.bus_id,
+                "name": g.name,
+                "memory_mib": g.memory_mib,
+                "numa_node": g.numa_node,
+                "minor": g.minor,
+                "health": state.health.value,
+                "reason": state.reason,
+                "since": state.since,
+                "advertised": advertised.get(g.uuid, {}),
+                "nvlink_peers": peers,
+                "mig": [
+                    {
+                        "uuid": m.uuid,
+                        "profile": m.profile,
+                        "gpu_instance": m.gpu_instance,
+                        "compute_instance": m.compute_instance,
+                        "health": state.health.value,
+                        "reason": state.reason,
+                    }
+                    for m in g.mig
+                ],
+            }
+        )
+    return out
+
+
+def _print(
+    gpus: Sequence[Mapping[str, Any]],
+    source: str,
+    as_json: bool,
+    header: Sequence[str] = (),
+    extra: str | None = None,
+) -> int:
+    if as_json:
+        doc: dict[str, Any] = {"source": source, "gpus": list(gpus)}
+        if extra is not None:
+            doc["daemon_error"] = extra
+        print(json.dumps(doc, indent=2))
+    else:
+        for line in header:
+            print(line)
+        print(render(gpus, time.time()))
+    return 0
+
+
+def since_text(since: Any, now: float) -> str:
+    """`14:03:11 (for 3m12s)`; a date too once it is not today."""
+    if not isinstance(since, (int, float)):
+        return "-"
+    then = time.localtime(since)
+    same_day = time.localtime(now)[:3] == then[:3]
+    when = time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M", then)
+    return f"{when} (for {duration(now - since)})"
+
+
+def duration(seconds: float) -> str:
+    s = max(int(seconds), 0)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{s}s"
+    return f"{s}s"
+
+
+def _advertised_text(advertised: Mapping[str, Sequence[str]], uuid: str) -> str:
+    parts = []
+    for resource, ids in advertised.items():
+        replicas = [i.removeprefix(f"{uuid}::") for i in ids if i.startswith(f"{uuid}::")]
+        if ids and len(replicas) == len(ids):
+            parts.append(f"{resource} x{len(ids)} ({uuid}::{replicas[0]}..::{replicas[-1]})")
+        else:
+            parts.append(f"{resource} {', '.join(ids)}")
+    return "; ".join(parts) if parts else "not advertised"
+
+
+def _nvlink_text(peers: Mapping[str, int], index_of: Mapping[str, Any]) -> str:
+    if not peers:
+        return "none"
+    named = sorted(((index_of.get(u, u), n) for u, n in peers.items()), key=lambda p: str(p[0]).zfill(8))
+    counts = {n for _, n in named}
+    if len(counts) == 1:
+        return f"{', '.join(str(i) for i, _ in named)} ({counts.pop()} links each)"
+    return ", ".join(f"{i} ({n} links)" for i, n in named)
+
+
+def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
+    """A row per GPU, then its advertisement, NVLink peers and MIG devices on indented lines."""
+    if not gpus:
+        return "no GPUs"
+    headers = ("IDX", "UUID", "BUS ID", "NAME", "MEMORY", "NUMA", "HEALTH", "SINCE", "REASON")
+    rows = []
+    for g in gpus:
+        numa = g.get("numa_node")
+        memory = g.get("memory_mib")
+        rows.append(
+            (
+                str(g.get("index", "?")),
+                str(g.get("uuid", "?")),
+                str(g.get("bus_id", "?")),
+                str(g.get("name") or "?"),
+                f"{memory} MiB" if memory is not None else "?",
+                str(numa) if isinstance(numa, int) and numa >= 0 else "-",
+                str(g.get("health", "?")),
+                since_text(g.get("since"), now),
+                str(g.get("reason") or ""),
+            )
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
+
+    index_of = {str(g.get("uuid")): g.get("index") for g in gpus}
+    out = [line(headers)]
+    for g, row in zip(gpus, rows, strict=True):
+        out.append(line(row))
+        uuid = str(g.get("uuid", ""))
+        out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, uuid)}")
+        out.append(f"     nvlink peers: {_nvlink_text(g.get('nvlink_peers') or {}, index_of)}")
+        for m in g.get("mig") or []:
+            out.append(
+                f"     mig {m.get('profile')} gi {m.get('gpu_instance')} ci {m.get('compute_instance')} "
+                f"{m.get('uuid')}: {m.get('health')} ({m.get('reason')})"
+            )
+    return "\n".join(out)

@@ -1,0 +1,480 @@
+"""`nvplug doctor`: walk the failure chain from the kernel driver to the kubelet, in order.
+
+Each step prints PASS, WARN or FAIL, the evidence, and the fix. The exit status is
+1 when any step fails. Doctor loads NVML itself, in its own process, with the
+operator's environment (so the library it finds is the one `nvplug run` would find
+under the same environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import socket
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from . import config, statusclient
+
+Verdict = Literal["PASS", "WARN", "FAIL"]
+LIB_NAME = "libnvidia-ml.so.1"
+
+
+@dataclass
+class Check:
+    verdict: Verdict
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    fix: str | None = None
+
+
+@dataclass
+class _Context:
+    args: argparse.Namespace
+    lib_loaded: bool = False
+    nvml_ok: bool = False
+    minors: list[int] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--status-listen",
+        default=None,
+        metavar="ADDR",
+        help="the daemon's status endpoint, unix:/path or HOST:PORT "
+        f"(default: the config's nvplug.status.listen, else {statusclient.DEFAULT_LISTEN})",
+    )
+    parser.add_argument(
+        "--device-plugin-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/device-plugins"),
+        help="the kubelet's device-plugin directory (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dev-root", type=Path, default=Path("/"), help="root under which /dev/nvidia* live (default: %(default)s)"
+    )
+    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
+    parser.add_argument(
+        "--proc-root", type=Path, default=Path("/proc"), help="where the driver's proc files live (default: /proc)"
+    )
+    parser.add_argument("--sys-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+
+
+# --- 1. kernel driver ---------------------------------------------------------------------------
+
+
+def check_driver(ctx: _Context) -> Check:
+    version_file = ctx.args.proc_root / "driver/nvidia/version"
+    module = ctx.args.sys_root / "module/nvidia"
+    try:
+        first = version_file.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        first = None
+    if first:
+        return Check("PASS", "the NVIDIA kernel driver is loaded", [f"{version_file}: {first}"])
+    if module.is_dir():
+        try:
+            version = (module / "version").read_text().strip()
+        except OSError:
+            version = "version unknown"
+        return Check("PASS", "the NVIDIA kernel driver is loaded", [f"{module} exists ({version})"])
+    return Check(
+        "FAIL",
+        "the NVIDIA kernel driver is not loaded",
+        [f"neither {version_file} nor {module} exists"],
+        "load it: `modprobe nvidia` (check `dmesg | grep -i -e nvrm -e nvidia` for why it did not load: "
+        "a missing build for this kernel, Secure Boot refusing an unsigned module, or nouveau holding the GPU)",
+    )
+
+
+# --- 2. libnvidia-ml.so.1 -----------------------------------------------------------------------
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def library_path(lib: ctypes.CDLL) -> str | None:
+    """Where the loader found `lib`: dladdr of one of its symbols, else /proc/self/maps."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        dladdr = libc.dladdr
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        dladdr.restype = ctypes.c_int
+        info = _DlInfo()
+        symbol = ctypes.cast(lib.nvmlInit_v2, ctypes.c_void_p)
+        if dladdr(symbol, ctypes.byref(info)) and info.dli_fname:
+            return os.fsdecode(info.dli_fname)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libnvidia-ml.so" in line:
+                    return line.split(None, 5)[-1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def check_library(ctx: _Context) -> Check:
+    try:
+        lib = ctypes.CDLL(LIB_NAME)
+    except OSError as err:
+        search = os.environ.get("LD_LIBRARY_PATH")
+        return Check(
+            "FAIL",
+            f"{LIB_NAME} does not load",
+            [str(err), f"LD_LIBRARY_PATH={search}" if search else "LD_LIBRARY_PATH is not set"],
+            "install the NVIDIA driver's NVML library (the `libnvidia-compute-<version>` / "
+            "`nvidia-driver-cuda-libs` package, same version as the kernel module) and run `ldconfig`; "
+            f"`ldconfig -p | grep {LIB_NAME}` must list it",
+        )
+    ctx.lib_loaded = True
+    path = library_path(lib)
+    evidence = [f"loaded from {path}" if path else "loaded (its path could not be read)"]
+    if path and os.path.realpath(path) != path:
+        evidence.append(f"which is {os.path.realpath(path)}")
+    return Check("PASS", f"{LIB_NAME} loads", evidence)
+
+
+# --- 3. NVML initialises ------------------------------------------------------------------------
+
+
+def _nvml_fix(code: int | None) -> tuple[str, str]:
+    """(what it means, the fix) for an nvmlInit error."""
+    import pynvml  # type: ignore[import-untyped]
+
+    fixes: dict[int, tuple[str, str]] = {
+        pynvml.NVML_ERROR_NO_PERMISSION: (
+            "no permission to the GPUs",
+            "run nvplug as root (the unit does) and check /dev/nvidiactl and /dev/nvidia* are rw for root "
+            "(a device cgroup or an LSM policy can also deny them)",
+        ),
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+            "the NVML library and the kernel module are different driver versions",
+            "reboot, or reload the driver (`rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && modprobe nvidia`) "
+            "so that the kernel module matches the library (typical after a driver upgrade without a reboot)",
+        ),
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+            "the NVIDIA kernel driver is not loaded",
+            "load it: `modprobe nvidia`; `dmesg | grep -i nvrm` says why it failed",
+        ),
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+            f"{LIB_NAME} was not found",
+            "see step 2: install the driver's NVML library",
+        ),
+    }
+    return fixes.get(
+        code if code is not None else -1,
+        (
+            "NVML failed",
+            "check `nvidia-smi` and `dmesg | grep -i nvrm`; reinstall the driver if nvidia-smi fails the same way",
+        ),
+    )
+
+
+def check_nvml(ctx: _Context) -> Check:
+    try:
+        import pynvml
+    except ImportError as err:  # pragma: no cover - a broken install
+        return Check("FAIL", "pynvml cannot be imported", [str(err)], "reinstall nvplug")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        code = getattr(err, "value", None)
+        meaning, fix = _nvml_fix(code)
+        return Check("FAIL", f"NVML does not initialise: {meaning}", [f"nvmlInit: {err} (NVML error {code})"], fix)
+    try:
+        evidence = []
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            evidence.append(f"driver {driver.decode() if isinstance(driver, bytes) else driver}")
+        except pynvml.NVMLError as err:
+            evidence.append(f"driver version unreadable: {err}")
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as err:
+            return Check("FAIL", "NVML cannot count the GPUs", [f"nvmlDeviceGetCount: {err}"], _nvml_fix(None)[1])
+        if count == 0:
+            return Check(
+                "FAIL",
+                "NVML initialises but sees no GPU",
+                [*evidence, "nvmlDeviceGetCount: 0"],
+                "check `lspci -d 10de:` lists the GPUs and `dmesg | grep -i nvrm` for GPUs the driver refused "
+                "(fallen off the bus, unsupported by this driver branch)",
+            )
+        problems = []
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                ctx.minors.append(int(pynvml.nvmlDeviceGetMinorNumber(handle)))
+            except pynvml.NVMLError as err:
+                problems.append(f"gpu {index}: {err}")
+        ctx.nvml_ok = True
+        evidence.append(f"{count} GPU{'s' if count != 1 else ''}")
+        if problems:
+            return Check(
+                "WARN",
+                "NVML initialises, but some GPUs cannot be read",
+                evidence + problems,
+                "see `nvidia-smi -q` and `dmesg | grep -i xid` for these GPUs",
+            )
+        return Check("PASS", "NVML initialises", evidence)
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+# --- 4. device nodes ----------------------------------------------------------------------------
+
+
+def check_device_nodes(ctx: _Context) -> Check:
+    dev = ctx.args.dev_root / "dev"
+    found = sorted(dev.glob("nvidia*"))
+    names = [p.name for p in found]
+    wanted = ["nvidiactl", *(f"nvidia{m}" for m in ctx.minors)]
+    missing = [n for n in wanted if n not in names]
+    if not ctx.minors and not any(n[len("nvidia") :].isdigit() for n in names):
+        missing.append("nvidia<N> (no GPU node at all)")
+    denied = []
+    not_char = []
+    for p in found:
+        if p.is_dir():
+            continue
+        try:
+            mode = p.stat().st_mode
+        except OSError as err:
+            denied.append(f"{p}: {err}")
+            continue
+        if not stat.S_ISCHR(mode):
+            not_char.append(p.name)
+        if not os.access(p, os.R_OK | os.W_OK):
+            denied.append(f"{p}: not readable and writable by uid {os.geteuid()}")
+    evidence = [f"{dev}: {' '.join(names) or 'no nvidia* node'}"]
+    if not_char:
+        evidence.append(f"not character devices (a test tree?): {' '.join(not_char)}")
+    problems = [f"missing: {dev / n}" for n in missing] + denied
+    if problems:
+        return Check(
+            "FAIL",
+            "the NVIDIA device nodes are missing or not accessible",
+            problems + evidence,
+            "the nodes appear when the driver is used as root: run `nvidia-smi` once, or `nvidia-modprobe -c <minor>` "
+            "per GPU, or enable nvidia-persistenced; they must be rw for root (crw-rw-rw- is the default)",
+        )
+    verdict: Verdict = "PASS"
+    fix = None
+    if os.geteuid() != 0:
+        verdict = "WARN"
+        fix = "run `nvplug doctor` as root to check the nodes as the service (root) sees them"
+    return Check(verdict, f"{len(names)} device nodes present and rw", evidence, fix)
+
+
+# --- 5. device-plugin directory -----------------------------------------------------------------
+
+
+def check_plugin_dir(ctx: _Context) -> Check:
+    directory: Path = ctx.args.device_plugin_dir
+    if not directory.is_dir():
+        return Check(
+            "FAIL",
+            "the device-plugin directory does not exist",
+            [f"{directory}: not a directory"],
+            "is the kubelet installed and is this its root dir? pass --device-plugin-dir "
+            "(the kubelet's --root-dir + /device-plugins); the kubelet creates it when it starts",
+        )
+    try:
+        fd, name = tempfile.mkstemp(prefix=".nvplug-doctor-", dir=directory)
+        os.close(fd)
+        Path(name).unlink()
+    except OSError as err:
+        return Check(
+            "FAIL",
+            "the device-plugin directory is not writable",
+            [f"creating a file in {directory}: {err}"],
+            "nvplug creates its socket there: the directory must be writable by root; check for a read-only "
+            "mount (`findmnt -T " + str(directory) + "`) or ReadWritePaths= in a local drop-in of nvplug.service",
+        )
+    return Check("PASS", "the device-plugin directory is writable", [f"{directory}: created and removed a file"])
+
+
+# --- 6. kubelet.sock ----------------------------------------------------------------------------
+
+
+def check_kubelet(ctx: _Context) -> Check:
+    sock_path: Path = ctx.args.device_plugin_dir / "kubelet.sock"
+    fix_start = "start the kubelet (`systemctl status kubelet`, `journalctl -u kubelet`); nvplug registers when it is"
+    try:
+        mode = sock_path.stat().st_mode
+    except FileNotFoundError:
+        return Check("FAIL", "kubelet.sock does not exist", [f"{sock_path}: no such file"], fix_start)
+    except OSError as err:
+        return Check("FAIL", "kubelet.sock cannot be read", [f"{sock_path}: {err}"], fix_start)
+    if not stat.S_ISSOCK(mode):
+        return Check("FAIL", "kubelet.sock is not a socket", [f"{sock_path}: {stat.filemode(mode)}"], fix_start)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(sock_path))
+        except OSError as err:
+            return Check(
+                "FAIL",
+                "kubelet.sock refuses connections",
+                [f"connect {sock_path}: {err}", "a stale socket: the kubelet that made it is gone or hung"],
+                "restart the kubelet (`systemctl restart kubelet`); it recreates the socket",
+            )
+    import grpc
+
+    with grpc.insecure_channel(f"unix://{sock_path}") as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2.0)
+        except grpc.FutureTimeoutError:
+            return Check(
+                "FAIL",
+                "kubelet.sock accepts connections but does not answer gRPC within 2 s",
+                [str(sock_path)],
+                "the kubelet is hung or something else owns the socket: `journalctl -u kubelet`, restart it",
+            )
+    return Check("PASS", "the kubelet answers on kubelet.sock", [f"{sock_path}: gRPC channel ready"])
+
+
+# --- 7. the daemon ------------------------------------------------------------------------------
+
+
+def check_daemon(ctx: _Context) -> Check:
+    listen = statusclient.listen_address(ctx.args.status_listen, ctx.args.config)
+    try:
+        doc = statusclient.status(listen)
+    except (statusclient.StatusUnavailable, ValueError) as err:
+        return Check(
+            "FAIL",
+            "the nvplug daemon does not answer",
+            [str(err)],
+            "`systemctl status nvplug` and `journalctl -u nvplug -p err`; start it with `systemctl start nvplug` "
+            "(or pass --status-listen where it listens)",
+        )
+    evidence = [f"{listen}: nvplug {doc.get('version', '?')}, state revision {doc.get('revision', '?')}"]
+    failures = []
+    for key in ("nvml_error", "plan_error"):
+        if doc.get(key):
+            failures.append(f"{key.replace('_', ' ')}: {doc[key]}")
+    resources = doc.get("resources") or []
+    if not resources:
+        failures.append("no resource is advertised")
+    for r in resources:
+        registered = bool(r.get("registered"))
+        line = f"{r.get('name')}: {'registered' if registered else 'NOT registered'}"
+        line += f", {r.get('devices', 0)} devices, {r.get('healthy', 0)} healthy"
+        evidence.append(line)
+        if not registered:
+            failures.append(f"{r.get('name')} is not registered with the kubelet")
+    unhealthy = []
+    for g in doc.get("gpus") or []:
+        if g.get("health") != "Healthy":
+            unhealthy.append(f"unhealthy: gpu {g.get('index')} {g.get('uuid')} ({g.get('bus_id')}): {g.get('reason')}")
+        for m in g.get("mig") or []:
+            if m.get("health") != "Healthy" and g.get("health") == "Healthy":
+                where = f"MIG {m.get('profile')} {m.get('uuid')} on gpu {g.get('index')}"
+                unhealthy.append(f"unhealthy: {where}: {m.get('reason')}")
+    warnings = []
+    if doc.get("health_watch_error"):
+        warnings.append(f"health watch error: {doc['health_watch_error']}")
+    if failures:
+        return Check(
+            "FAIL",
+            "the daemon runs but does not serve every resource",
+            failures + evidence + unhealthy + warnings,
+            "`journalctl -u nvplug -p warning` says why; registration waits for kubelet.sock (step 6) "
+            "and NVML (step 3)",
+        )
+    total = sum(int(r.get("devices", 0)) for r in resources)
+    healthy = sum(int(r.get("healthy", 0)) for r in resources)
+    if unhealthy or warnings:
+        return Check(
+            "WARN",
+            f"the daemon is registered: {total} devices advertised, {healthy} healthy",
+            evidence + unhealthy + warnings,
+            "`nvplug devices` and `journalctl -u nvplug` for the evidence; a GPU whose XID asks for a reset "
+            "needs `nvidia-smi -r -i <index>` (no processes on it) or a reboot; nvplug re-probes and "
+            "marks it Healthy by itself once it recovers",
+        )
+    return Check("PASS", f"the daemon is registered: {total} devices advertised, all healthy", evidence)
+
+
+# --- 8. the config ------------------------------------------------------------------------------
+
+
+def check_config(ctx: _Context) -> Check:
+    from .resources import resource_specs, unserved_sharing
+
+    path: Path | None = ctx.args.config
+    try:
+        cfg = config.load(path)
+        specs = resource_specs(cfg)
+    except config.ConfigError as err:
+        return Check(
+            "FAIL",
+            "the config is invalid",
+            [str(err)],
+            "fix the key named above (`nvplug config check FILE`), then `systemctl reload nvplug`",
+        )
+    evidence = [f"{cfg.source}: resources {', '.join(s.name for s in specs)}"]
+    ignored = unserved_sharing(cfg)
+    if ignored:
+        return Check(
+            "WARN",
+            "the config is valid but has settings nvplug ignores",
+            evidence + [f"sharing.timeSlicing for {name} is ignored" for name in ignored],
+            "remove those sharing entries, or expect no time-slicing of them",
+        )
+    return Check("PASS", "the config is valid", evidence)
+
+
+STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (
+    ("kernel driver", check_driver),
+    (LIB_NAME, check_library),
+    ("NVML init", check_nvml),
+    ("device nodes", check_device_nodes),
+    ("device-plugin dir", check_plugin_dir),
+    ("kubelet.sock", check_kubelet),
+    ("nvplug daemon", check_daemon),
+    ("config", check_config),
+)
+
+
+def _guarded(step: Callable[[_Context], Check], ctx: _Context) -> Check:
+    try:
+        return step(ctx)
+    except Exception as err:  # a doctor that crashes halfway helps nobody
+        return Check("FAIL", "the check itself failed", [f"{type(err).__name__}: {err}"], "report this as a bug")
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    stream = out or sys.stdout
+    ctx = _Context(args)
+    counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
+    for number, (name, step) in enumerate(STEPS, 1):
+        check = _guarded(step, ctx)
+        counts[check.verdict] += 1
+        print(f"{check.verdict}  {number}. {name}: {check.summary}", file=stream)
+        for line in check.evidence:
+            print(f"        {line}", file=stream)
+        if check.fix and check.verdict != "PASS":
+            print(f"      fix: {check.fix}", file=stream)
+        stream.flush()
+    print(f"\n{counts['FAIL']} failed, {counts['WARN']} warnings, {counts['PASS']} passed", file=stream)
+    return 1 if counts["FAIL"] else 0
