@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="serve /healthz, /status and /metrics here: off, unix:/path or host:port "
                           "(default: the config's nvplug.status.listen, unix:/run/nvplug/status.sock)")  # fmt: skip
 
+    reload = sub.add_parser("reload", help="ask the running daemon to re-read its config (SIGHUP)")
+    reload.add_argument(
+        "--pid", type=int, default=None, help="the daemon's pid (default: $MAINPID, as systemd sets it)"
+    )
+
     add_doctor(sub.add_parser("doctor", help="check the chain from the kernel driver to the kubelet, step by step"))
     add_devices(sub.add_parser("devices", help="list every GPU: health, what it is advertised as, NVLink peers"))
 
@@ -92,6 +99,21 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reload(pid: int | None) -> int:
+    if pid is None:
+        mainpid = os.environ.get("MAINPID", "")
+        if not mainpid.isdigit():
+            print("nvplug reload: no --pid and no $MAINPID", file=sys.stderr)
+            return 2
+        pid = int(mainpid)
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as err:
+        print(f"nvplug reload: cannot signal pid {pid}: {err.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -111,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.log_level)
+    if args.command == "reload":
+        return _reload(args.pid)
     if args.command == "doctor":
         return run_doctor(args)
     if args.command == "devices":

@@ -202,3 +202,14 @@ def test_retries_a_kubelet_socket_that_refuses_with_capped_backoff(node: Simulat
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
     first = next(r for r in node.kubelet.registrations if r.accepted)
     assert first.at - before < 1.0
+
+
+def test_refuses_to_replace_what_is_not_its_socket(node: SimulatedNode) -> None:
+    # A symlink where our socket goes (someone steering us into deleting another file): refuse, touch nothing.
+    victim = node.root / "precious"
+    victim.write_text("keep me")
+    node.plugin_socket.symlink_to(victim)
+    daemon = node.start_daemon()
+    assert daemon.wait(TIMEOUT) != 0
+    assert "exists and is not a unix socket; refusing to replace it" in node.log_text()
+    assert node.plugin_socket.is_symlink() and victim.read_text() == "keep me"

@@ -210,11 +210,26 @@ def test_journald_priorities_when_stderr_is_the_journal(node: SimulatedNode, sho
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_unit_file_verifies_clean(tmp_path: Path) -> None:
-    # verify insists that ExecStart exists: point it at this checkout's nvplug.
+    # verify insists that the commands exist: point them at this checkout's nvplug.
     unit = (Path(__file__).parent.parent / "systemd" / "nvplug.service").read_text()
     nvplug = shutil.which("nvplug") or str(Path(sys.executable).parent / "nvplug")
-    (tmp_path / "nvplug.service").write_text(unit.replace("ExecStart=/usr/bin/nvplug", f"ExecStart={nvplug}"))
+    (tmp_path / "nvplug.service").write_text(unit.replace("=/usr/bin/nvplug ", f"={nvplug} "))
     result = subprocess.run(
         ["systemd-analyze", "verify", str(tmp_path / "nvplug.service")], capture_output=True, text=True
     )
     assert result.returncode == 0 and result.stderr == "" and result.stdout == "", result.stderr + result.stdout
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_hardening_score(tmp_path: Path) -> None:
+    """`systemd-analyze security`: the exposure SECURITY.md records must not creep up."""
+    unit = (Path(__file__).parent.parent / "systemd" / "nvplug.service").read_text()
+    nvplug = shutil.which("nvplug") or str(Path(sys.executable).parent / "nvplug")
+    (tmp_path / "nvplug.service").write_text(unit.replace("=/usr/bin/nvplug ", f"={nvplug} "))
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(tmp_path / "nvplug.service")],
+        capture_output=True,
+        text=True,
+    )
+    line = next(ln for ln in result.stdout.splitlines() if "Overall exposure level" in ln)
+    assert float(line.split(":")[1].split()[0]) <= 2.4, line
