@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Invariant-checked soak of the real daemon: random faults, checks after every step.
+
+Random interleavings of XIDs, lost and restored GPUs, hot add and remove
+(udev, as root), kubelet restarts and config reloads, against `nvplug run` on
+the fake NVML library with the kubelet stand-in. After each step:
+
+- every GPU the daemon knows is advertised exactly once (whole GPUs),
+- no device the daemon holds Unhealthy is offered as Healthy,
+- the kubelet stand-in's view converges to the daemon's state within 100 ms,
+and at the end memory and file descriptors must be flat.
+
+    python bench/soak.py [--seconds 600] [--seed N]
+
+Prints the faults injected and the checks passed; exits 1 on a broken invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from http.client import HTTPConnection
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from nvplug.testing.kubelet import FakeKubelet
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev import UdevSender, pci_event
+
+CONVERGE = 0.1  # seconds the stand-in may lag the daemon
+TIMEOUT = 15.0
+
+
+class _UnixHTTP(HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=5)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(self._path))
+
+
+def daemon_status(node: SimulatedNode) -> dict[str, Any]:
+    conn = _UnixHTTP(node.status_socket)
+    conn.request("GET", "/status")
+    body = conn.getresponse().read()
+    conn.close()
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+def fds_and_rss(pid: int) -> tuple[int, float]:
+    fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    rss = next(
+        int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS")
+    )
+    return fds, rss / 1024
+
+
+class Soak:
+    def __init__(self, node: SimulatedNode, rng: random.Random) -> None:
+        self.node = node
+        self.rng = rng
+        self.faults: dict[str, int] = {}
+        self.checks = 0
+        self.added: list[str] = []  # bus ids of hot-added GPUs still present
+        self.serial = 0
+        self.fatal_13 = False
+        self.udev = UdevSender() if os.geteuid() == 0 else None
+
+    def step(self) -> None:
+        actions = [self.xid, self.xid, self.lose_and_restore, self.kubelet_restart, self.reload]
+        if self.udev is not None:
+            actions += [self.hot_add, self.hot_remove]
+        action = self.rng.choice(actions)
+        if action() is not False:  # a hot add with four added already, say, is skipped
+            self.faults[action.__name__] = self.faults.get(action.__name__, 0) + 1
+        self.check()
+
+    def gpus(self) -> list[str]:
+        return [g["uuid"] for g in daemon_status(self.node)["gpus"]]
+
+    def xid(self) -> None:
+        gpus = self.gpus()
+        self.node.control.xid(self.rng.choice(gpus), self.rng.choice([13, 31, 43, 48, 79, 94]))
+
+    def lose_and_restore(self) -> None:
+        gpu = self.rng.choice(self.gpus())
+        self.node.control.lose(gpu)
+        time.sleep(self.rng.uniform(0, 0.05))
+        self.node.control.restore(gpu)
+
+    def kubelet_restart(self) -> None:
+        self.node.kubelet.restart()
+        self.node.kubelet.wait_for(registered_with(len(self.gpus())), TIMEOUT)
+
+    def reload(self) -> None:
+        self.fatal_13 = not self.fatal_13
+        fatal = "[13]" if self.fatal_13 else "[]"
+        self.node.config.write_text(
+            "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.05\n    reprobeMaxSeconds: 0.2\n"
+            f"    fatalXids: {fatal}\n"
+        )
+        assert self.node.daemon is not None
+        self.node.daemon.send_signal(signal.SIGHUP)
+
+    def hot_add(self) -> bool:
+        if len(self.added) >= 4 or self.udev is None:
+            return False
+        self.serial += 1
+        bus = f"0002:{self.serial % 256:02x}:00.0"
+        uuid = f"GPU-50a00000-0000-4000-8000-{self.serial:012d}"
+        self.node.control.add(f"uuid={uuid} minor={100 + self.serial % 100} bus={bus} numa=1")
+        self.udev.send(pci_event("add", bus, driver=None))
+        self.added.append(uuid)
+        before = len(self.gpus())
+        deadline = time.monotonic() + TIMEOUT
+        while uuid not in self.gpus():
+            assert time.monotonic() < deadline, f"hot-added {uuid} never appeared (had {before})"
+            time.sleep(0.01)
+        return True
+
+    def hot_remove(self) -> bool:
+        if not self.added or self.udev is None:
+            return False
+        uuid = self.added.pop(self.rng.randrange(len(self.added)))
+        bus = next((g["bus_id"] for g in daemon_status(self.node)["gpus"] if g["uuid"] == uuid), None)
+        if bus is None:
+            return False  # already gone: another udev sender on this host removed its bus
+        self.node.control.remove(uuid)
+        self.udev.send(pci_event("remove", bus, driver=None))
+        deadline = time.monotonic() + TIMEOUT
+        while uuid in self.gpus():
+            assert time.monotonic() < deadline, f"removed {uuid} is still listed"
+            time.sleep(0.01)
+        return True
+
+    def check(self) -> None:
+        """The three invariants, against the daemon's own view."""
+        status = daemon_status(self.node)
+        want = {g["uuid"]: g["health"] == "Healthy" for g in status["gpus"]}
+
+        def agrees(k: FakeKubelet) -> bool:
+            plugin = k.plugin(GPU_RESOURCE)
+            if plugin is None or not plugin.stream_open or not plugin.updates:
+                return False
+            last = plugin.updates[-1].devices
+            ids = [d.id for d in last]
+            return len(ids) == len(set(ids)) and {d.id: d.healthy for d in last} == want
+
+        try:
+            self.node.kubelet.wait_for(agrees, CONVERGE)
+        except TimeoutError:
+            # The daemon may have moved on meanwhile: compare with its newest state once more.
+            status = daemon_status(self.node)
+            want = {g["uuid"]: g["health"] == "Healthy" for g in status["gpus"]}
+            self.node.kubelet.wait_for(agrees, CONVERGE)
+        self.checks += 3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 32)
+    root = Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
+    try:
+        with SimulatedNode(root) as node:
+            node.config.write_text(
+                "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.05\n    reprobeMaxSeconds: 0.2\n"
+            )
+            node.kubelet.start()
+            daemon = node.start_daemon(log_level="warning")
+            node.kubelet.wait_for(registered_with(8), TIMEOUT)
+            soak = Soak(node, random.Random(seed))
+            for _ in range(20):  # warm up caches and lazy imports before the baseline
+                soak.step()
+            fds0, rss0 = fds_and_rss(daemon.pid)
+            deadline = time.monotonic() + args.seconds
+            steps = 0
+            while time.monotonic() < deadline:
+                soak.step()
+                steps += 1
+            # Settle, then the end state: every fault undone, resources flat.
+            for gpu in soak.gpus():
+                node.control.restore(gpu)
+            soak.check()
+            fds1, rss1 = fds_and_rss(daemon.pid)
+            print(f"soak: seed {seed}, {args.seconds:g} s, {steps} steps")
+            print("faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())))
+            print(f"invariant checks passed: {soak.checks}")
+            print(f"file descriptors: {fds0} -> {fds1}; RSS: {rss0:.1f} -> {rss1:.1f} MiB")
+            if fds1 > fds0 + 2 or rss1 > rss0 + 20:
+                print("resources are not flat", file=sys.stderr)
+                return 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
