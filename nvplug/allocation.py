@@ -81,13 +81,13 @@ def resolve(resource: Resource, device_ids: Sequence[str]) -> list[Device]:
     for device_id in device_ids:
         device = resource.get(device_id)
         if device is None:
-            raise AllocationError(f"{resource.name}: unknown device ID {device_id!r}")
+            raise AllocationError(f"{resource.name}: unknown device ID {_show(device_id)}")
         if not device.health.healthy:
             raise AllocationError(
-                f"{resource.name}: device {device_id!r} is {device.health.health.value}: {device.health.reason}"
+                f"{resource.name}: device {_show(device_id)} is {device.health.health.value}: {device.health.reason}"
             )
         if device_id in seen:
-            raise AllocationError(f"{resource.name}: device ID {device_id!r} is requested twice")
+            raise AllocationError(f"{resource.name}: device ID {_show(device_id)} is requested twice")
         seen.add(device_id)
         devices.append(device)
     return devices
@@ -167,27 +167,37 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
     """Must-include first, then the best-connected rest; among equals, the lowest GPU index."""
     if size <= 0:
         raise AllocationError(f"{resource.name}: allocation size {size} is not positive")
-    offered = set(available)
+    # Only devices we know can be allocated: an ID we do not know (a GPU gone a moment ago,
+    # or a bogus request) is no candidate, and must not cost time or memory.
+    offered = {i for i in available if resource.get(i) is not None}
     if len(offered) < size:
-        raise AllocationError(f"{resource.name}: allocation size {size} exceeds the {len(offered)} available")
+        raise AllocationError(f"{resource.name}: allocation size {size} exceeds the {len(offered)} available we know")
     missing = [i for i in must_include if i not in offered]
     if missing:
-        raise AllocationError(f"{resource.name}: must-include IDs {missing} are not among the available")
+        raise AllocationError(f"{resource.name}: must-include IDs {_show_all(missing)} are not among the available")
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
         raise AllocationError(f"{resource.name}: {len(chosen)} must-include IDs exceed allocation size {size}")
 
     def order(device_id: str) -> tuple[int, int, str]:
         device = resource.get(device_id)
-        # IDs we don't know go last rather than failing the whole answer.
-        if device is None:
-            return (1 << 30, 0, device_id)
+        assert device is not None  # offered holds known IDs only
         return (device.gpu.index, device.replica or 0, device_id)
 
     candidates = sorted(offered, key=order)
     if resource.shared:
         return _spread(resource, candidates, chosen, size)
     return best_set(resource.topology.score, candidates, chosen, size)
+
+
+def _show(device_id: str) -> str:
+    """An ID as an error quotes it: cut short, since gRPC error details must stay small."""
+    return repr(device_id if len(device_id) <= 80 else device_id[:80] + "...")
+
+
+def _show_all(device_ids: Sequence[str]) -> str:
+    shown = ", ".join(_show(i) for i in device_ids[:3])
+    return f"[{shown}{f' and {len(device_ids) - 3} more' if len(device_ids) > 3 else ''}]"
 
 
 def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: int) -> list[str]:
@@ -199,7 +209,8 @@ def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: 
 
     free = Counter(gpu_of(i) for i in candidates)
     taken = Counter(gpu_of(i) for i in chosen)
-    rest = [i for i in candidates if i not in set(chosen)]
+    taken_ids = set(chosen)
+    rest = [i for i in candidates if i not in taken_ids]
     while len(chosen) < size:
         # min() keeps the first of equals, and `rest` is in GPU-index order.
         pick = min(rest, key=lambda i: (taken[gpu_of(i)], -free[gpu_of(i)]))

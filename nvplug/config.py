@@ -312,7 +312,8 @@ def _listen(ctx: _Context, node: yaml.Node, path: str) -> str:
     if value == "off" or (value.startswith("unix:/") and "\0" not in value):
         return value
     host, _, port = value.rpartition(":")
-    if host and port.isdigit() and 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() also takes ² and Arabic-Indic digits.
+    if host and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536:
         return value
     raise ctx.error(node, path, f"{value!r} is not off, unix:/absolute/path or host:port")
 
@@ -523,7 +524,10 @@ def _path(ctx: _Context, node: yaml.Node, path: str) -> str:
 
 def _bool(ctx: _Context, node: yaml.Node, path: str) -> bool:
     if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
-        return yaml.constructor.SafeConstructor.bool_values[str(node.value).lower()]
+        # An explicit !!bool tag can sit on any word: only YAML's booleans count.
+        value = yaml.constructor.SafeConstructor.bool_values.get(str(node.value).lower())
+        if value is not None:
+            return value
     raise ctx.error(node, path, f"must be true or false, not {_describe(node)}")
 
 
@@ -662,10 +666,10 @@ def _device_ref(ctx: _Context, node: yaml.Node, path: str) -> str:
         return str(index)
     # A plain 0:1 is base 60 in YAML 1.1 but a string to NVIDIA's Go YAML: read its text.
     text = str(node.value) if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG else _text(ctx, node, path)
-    if _GPU_INDEX.fullmatch(text):
+    if _GPU_INDEX.fullmatch(text) and len(text) <= 4 and int(text) < MAX_DEVICES:
         return str(int(text))
     mig = _MIG_INDEX.fullmatch(text)
-    if mig:
+    if mig and len(mig[1]) <= 4 and len(mig[2]) <= 4 and int(mig[1]) < MAX_DEVICES:
         return f"{int(mig[1])}:{int(mig[2])}"
     if _GPU_UUID.fullmatch(text) or _MIG_UUID.fullmatch(text):
         return text

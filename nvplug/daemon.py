@@ -341,13 +341,20 @@ class Daemon:
 
     async def _reload(self) -> None:
         self.notifier.reloading()
+        try:
+            await self._load_and_apply()
+        finally:
+            # Whatever happened, systemd must not wait on a reload forever.
+            self.notifier.ready(self._status_line())
+
+    async def _load_and_apply(self) -> None:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
             specs = self._planned(new)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             allocation = allocation_policy(new)
-        except (config.ConfigError, ValueError) as err:
+        except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)
         else:
             self.state.set_xid_policy(policy)
@@ -361,7 +368,6 @@ class Daemon:
             else:
                 log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new
-        self.notifier.ready(self._status_line())
 
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""

@@ -90,7 +90,8 @@ def best_set(
     has the highest sum of pairwise scores. Exact (branch and bound); among equally good
     sets the one earliest in `candidates` order wins. The caller checks the request is possible."""
     chosen = list(dict.fromkeys(must_include))
-    pool = [c for c in dict.fromkeys(candidates) if c not in set(chosen)]
+    taken = set(chosen)
+    pool = [c for c in dict.fromkeys(candidates) if c not in taken]
     need = size - len(chosen)
     if need <= 0:
         return chosen[:size]
