@@ -64,6 +64,8 @@ class _Plugin:
     registrar: Registrar
     registering: asyncio.Task[None] | None = None
     rebinding: asyncio.Task[None] | None = None
+    # Our socket vanished again while a rebind was under way: bind once more.
+    rebind_again: bool = False
 
 
 class Daemon:
@@ -372,7 +374,10 @@ class Daemon:
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
         if plugin.rebinding is not None and not plugin.rebinding.done():
-            return  # the rebind under way registers when it is done
+            # The rebind under way registers when it is done, and binds again if the
+            # socket it made was wiped meanwhile (a kubelet restarting twice in a row).
+            plugin.rebind_again = plugin.rebind_again or not registered_again
+            return
         if plugin.server.socket_path.exists():
             # Our own rebind removes the old socket too; only a new kubelet needs a new Register.
             if registered_again:
@@ -382,7 +387,12 @@ class Daemon:
         plugin.rebinding = asyncio.create_task(self._rebind(plugin))
 
     async def _rebind(self, plugin: _Plugin) -> None:
-        await plugin.server.rebind()
+        while True:
+            plugin.rebind_again = False
+            await plugin.server.rebind()
+            if not plugin.rebind_again and plugin.server.socket_path.exists():
+                break
+            log.warning("%s was removed again while rebinding: rebinding", plugin.server.socket_path)
         plugin.registrar.wake()
 
 

@@ -32,6 +32,8 @@ class InventoryFound:
     probes: tuple[ProbeResult, ...] = ()
     topology: Topology = field(default_factory=Topology)
     cap_minors: CapMinors = field(default_factory=CapMinors)
+    # GPUs still counted by NVML but lost: ones we knew stay, Unhealthy, rather than vanish.
+    lost: int = 0
 
 
 @dataclass(frozen=True)

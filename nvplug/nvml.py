@@ -47,6 +47,8 @@ class Discovery:
     driver_version: str | None = None
     topology: Topology = field(default_factory=Topology)
     cap_minors: CapMinors = field(default_factory=CapMinors)
+    # GPUs NVML counts but whose identity is unreadable because they are lost.
+    lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,16 +220,18 @@ class Nvml:
         notes = _Notes()
         driver = notes.optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
         found: list[tuple[Gpu, Any]] = []
+        lost = 0
         for index in range(count):
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 found.append((self._read_gpu(index, handle, notes), handle))
             except pynvml.NVMLError as err:
+                lost += err.value == pynvml.NVML_ERROR_GPU_IS_LOST
                 notes.problems.append(f"gpu {index}: skipped, its identity cannot be read: {err}")
         topology = _read_topology(found, notes)
         gpus = tuple(gpu for gpu, _ in found)
         minors = read_mig_minors(self._proc_root) if any(g.mig for g in gpus) else CapMinors()
-        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology, minors)
+        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology, minors, lost)
 
     def _read_gpu(self, index: int, handle: Any, notes: _Notes) -> Gpu:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))

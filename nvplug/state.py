@@ -140,6 +140,12 @@ class NodeState:
     def _inventory(self, draft: _Draft, event: InventoryFound) -> None:
         before = {g.uuid: g for g in draft.gpus}
         after = {g.uuid: g for g in event.gpus}
+        # A GPU NVML still counts but cannot name (it fell off the bus) is not gone: keep
+        # as many of the vanished as NVML counts lost, Unhealthy, until udev says removed.
+        vanished = [g for g in draft.gpus if g.uuid not in after]
+        vanished.sort(key=lambda g: draft.health[g.uuid].healthy)  # already Unhealthy ones first
+        kept = vanished[: event.lost]
+        after.update({g.uuid: g for g in kept})
         for uuid, gpu in after.items():
             if uuid not in before:
                 draft.health[uuid] = HealthState(Health.HEALTHY, "discovered", draft.now)
@@ -157,7 +163,9 @@ class NodeState:
             del draft.health[uuid]
         for uuid in migs - draft.health.keys():
             draft.health[uuid] = HealthState(Health.HEALTHY, "discovered", draft.now)
-        draft.gpus = tuple(sorted(event.gpus, key=lambda g: g.index))
+        draft.gpus = tuple(sorted(after.values(), key=lambda g: g.index))
+        for gpu in kept:
+            draft.set_health(gpu.uuid, Health.UNHEALTHY, "GPU is lost: NVML counts it but cannot read it")
         draft.topology = event.topology
         draft.cap_minors = event.cap_minors
         if draft.nvml_error is not None:

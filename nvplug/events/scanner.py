@@ -111,7 +111,7 @@ class Scanner:
             watch = NvmlEventWatch(found.gpus, self._publish_threadsafe, self._wait_ms)
             watch.start()
             self._watch = watch
-        return InventoryFound(found.gpus, scan.probes, found.topology, found.cap_minors)
+        return InventoryFound(found.gpus, scan.probes, found.topology, found.cap_minors, found.lost)
 
 
 def _log_retry(state: RetryCallState) -> None:
