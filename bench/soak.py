@@ -74,7 +74,8 @@ class Soak:
         self.rng = rng
         self.faults: dict[str, int] = {}
         self.checks = 0
-        self.added: list[str] = []  # bus ids of hot-added GPUs still present
+        self.added: list[str] = []  # UUIDs of hot-added GPUs still present
+        self.slots: dict[str, int] = {}  # their slot: minor 100+slot, bus 0002:<slot>:00.0
         self.serial = 0
         self.fatal_13 = False
         self.udev = UdevSender() if os.geteuid() == 0 else None
@@ -103,7 +104,13 @@ class Soak:
 
     def kubelet_restart(self) -> None:
         self.node.kubelet.restart()
-        self.node.kubelet.wait_for(registered_with(len(self.gpus())), TIMEOUT)
+
+        def streaming(k: FakeKubelet) -> bool:
+            plugin = k.plugin(GPU_RESOURCE)
+            return plugin is not None and plugin.stream_open and bool(plugin.updates)
+
+        # Registered again and listing; whether the list is right is check()'s job.
+        self.node.kubelet.wait_for(streaming, TIMEOUT)
 
     def reload(self) -> None:
         self.fatal_13 = not self.fatal_13
@@ -119,9 +126,11 @@ class Soak:
         if len(self.added) >= 4 or self.udev is None:
             return False
         self.serial += 1
-        bus = f"0002:{self.serial % 256:02x}:00.0"
+        slot = min(set(range(8)) - set(self.slots.values()))
+        bus = f"0002:{slot:02x}:00.0"
         uuid = f"GPU-50a00000-0000-4000-8000-{self.serial:012d}"
-        self.node.control.add(f"uuid={uuid} minor={100 + self.serial % 100} bus={bus} numa=1")
+        self.node.control.add(f"uuid={uuid} minor={100 + slot} bus={bus} numa=1")
+        self.slots[uuid] = slot
         self.udev.send(pci_event("add", bus, driver=None))
         self.added.append(uuid)
         before = len(self.gpus())
@@ -135,6 +144,7 @@ class Soak:
         if not self.added or self.udev is None:
             return False
         uuid = self.added.pop(self.rng.randrange(len(self.added)))
+        self.slots.pop(uuid, None)
         bus = next((g["bus_id"] for g in daemon_status(self.node)["gpus"] if g["uuid"] == uuid), None)
         if bus is None:
             return False  # already gone: another udev sender on this host removed its bus
