@@ -33,6 +33,7 @@ from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from nvplug.testing.fakenvml import ControlError
 from nvplug.testing.kubelet import FakeKubelet
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev import UdevSender, pci_event
@@ -129,7 +130,11 @@ class Soak:
         slot = min(set(range(8)) - set(self.slots.values()))
         bus = f"0002:{slot:02x}:00.0"
         uuid = f"GPU-50a00000-0000-4000-8000-{self.serial:012d}"
-        self.node.control.add(f"uuid={uuid} minor={100 + slot} bus={bus} numa=1")
+        try:
+            self.node.control.add(f"uuid={uuid} minor={100 + slot} bus={bus} numa=1")
+        except ControlError:
+            # The slot's last GPU came back: a restore of it raced its removal. Try another step.
+            return False
         self.slots[uuid] = slot
         self.udev.send(pci_event("add", bus, driver=None))
         self.added.append(uuid)
@@ -144,10 +149,8 @@ class Soak:
         if not self.added or self.udev is None:
             return False
         uuid = self.added.pop(self.rng.randrange(len(self.added)))
-        self.slots.pop(uuid, None)
-        bus = next((g["bus_id"] for g in daemon_status(self.node)["gpus"] if g["uuid"] == uuid), None)
-        if bus is None:
-            return False  # already gone: another udev sender on this host removed its bus
+        slot = self.slots.pop(uuid)
+        bus = f"0002:{slot:02x}:00.0"
         self.node.control.remove(uuid)
         self.udev.send(pci_event("remove", bus, driver=None))
         deadline = time.monotonic() + TIMEOUT
