@@ -96,8 +96,9 @@ class DevicePluginService:
                     resource.healthy_count,
                     revision,
                 )
-                yield message
+                # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
                 self._on_send(self.resource_name, revision)
+                yield message
         finally:
             log.info("%s: ListAndWatch stream closed", self.resource_name)
 
