@@ -18,21 +18,19 @@ Prints the faults injected and the checks passed; exits 1 on a broken invariant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
-from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from nvplug import statusclient
 from nvplug.testing.fakenvml import ControlError
 from nvplug.testing.kubelet import FakeKubelet
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
@@ -42,23 +40,8 @@ CONVERGE = 0.1  # seconds the stand-in may lag the daemon
 TIMEOUT = 15.0
 
 
-class _UnixHTTP(HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=5)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(self._path))
-
-
 def daemon_status(node: SimulatedNode) -> dict[str, Any]:
-    conn = _UnixHTTP(node.status_socket)
-    conn.request("GET", "/status")
-    body = conn.getresponse().read()
-    conn.close()
-    doc: dict[str, Any] = json.loads(body)
-    return doc
+    return statusclient.status(f"unix:{node.status_socket}", timeout=5)
 
 
 def fds_and_rss(pid: int) -> tuple[int, float]:

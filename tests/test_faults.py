@@ -8,10 +8,8 @@ so tasks are not checked here (fds and threads are what a leaked task would hold
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from nvplug import statusclient
 from nvplug.testing.kubelet import FakeKubelet, KubeletThread
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev import UdevSender, pci_event, send_uevent
@@ -110,25 +109,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=5)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(5)
-        self.sock.connect(self._path)
-
-
 def http_get(node: SimulatedNode, path: str) -> tuple[int, str]:
-    conn = _UnixHTTP(str(node.status_socket))
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
+    return statusclient.fetch(f"unix:{node.status_socket}", path, timeout=5)
 
 
 def updates(node: SimulatedNode) -> int:

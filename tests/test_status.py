@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nvplug import statusclient
 from nvplug.status import reason_class
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=5)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(5)
-        self.sock.connect(self._path)
 
 
 def get(node: SimulatedNode, path: str) -> tuple[int, str]:
@@ -31,12 +19,7 @@ def get(node: SimulatedNode, path: str) -> tuple[int, str]:
     while not node.status_socket.exists():
         assert time.monotonic() < deadline, node.log_text()
         time.sleep(0.02)
-    conn = UnixHTTPConnection(str(node.status_socket))
-    conn.request("GET", path)
-    response = conn.getresponse()
-    body = response.read().decode()
-    conn.close()
-    return response.status, body
+    return statusclient.fetch(f"unix:{node.status_socket}", path, timeout=5)
 
 
 def metrics(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], float]]]:
