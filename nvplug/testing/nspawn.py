@@ -12,7 +12,8 @@ cache's file system cannot be an overlay's upper layer it falls back to a copy.
 
 Everything here needs root, ``systemd-nspawn`` (Debian's ``systemd-container``),
 ``nsenter``, ``unshare`` and ``setpriv`` (``util-linux``) and, to build the image,
-``debootstrap`` with network access to a Debian mirror.
+``debootstrap`` with network access to a Debian mirror: ``$NVPLUG_DEBIAN_MIRROR``,
+else the host's own, found in its apt sources (:func:`debian_mirror`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -28,28 +30,38 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
 __all__ = [
+    "APT_ROOT",
     "DEFAULT_CACHE",
     "IMAGE_PACKAGES",
+    "MIRROR_ENV",
     "SUITE",
+    "AptSource",
     "Bind",
     "Container",
     "ContainerError",
+    "Mirror",
+    "MirrorError",
+    "apt_sources",
     "cache_dir",
+    "debian_mirror",
     "ensure_image",
     "missing_requirements",
+    "pick_debian_mirror",
     "wait_until",
 ]
 
 DEFAULT_CACHE = Path("/var/cache/nvplug-test")
 SUITE = "bookworm"
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
+# Where debootstrap downloads from when set; else the mirror in the host's apt sources.
+MIRROR_ENV = "NVPLUG_DEBIAN_MIRROR"
+APT_ROOT = Path("/etc/apt")
 # What the image holds besides minbase: an init, a bus, and what the deb depends on,
 # so that installing it needs no download.
 IMAGE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3.11-venv", "libudev1")
@@ -82,6 +94,10 @@ class ContainerError(RuntimeError):
     """The container could not be built, booted, or a command inside it failed."""
 
 
+class MirrorError(ContainerError):
+    """No Debian mirror to build the image from, or apt sources that cannot be read."""
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -106,6 +122,212 @@ def missing_requirements(cache: Path | None = None) -> str | None:
         packages = sorted({HOST_TOOLS[t] for t in need})
         return f"missing {', '.join(need)} (apt-get install {' '.join(packages)})"
     return None
+
+
+# ---------------------------------------------------------------------------
+# The Debian mirror: the host's own, from its apt sources
+# ---------------------------------------------------------------------------
+
+# Suites whose archive also carries SUITE: the release aliases and the releases after it.
+# Older releases move to an archive server that no longer has SUITE.
+_ARCHIVE_SUITES = frozenset({SUITE, "oldstable", "stable", "testing", "unstable", "sid", "trixie", "forky", "duke"})
+# Pockets kept in the same archive as their release (dists/bookworm-updates beside
+# dists/bookworm). -security is not one: it is a separate archive, without SUITE itself.
+_SAME_ARCHIVE_POCKETS = frozenset({"updates", "backports", "proposed-updates"})
+# What debootstrap can download from; cdrom:, file:, mirror+file: and the like are skipped.
+_NETWORK_SCHEMES = ("http://", "https://")
+# apt ignores files in sources.list.d whose names have other characters (editor backups, ...).
+_PART_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# "deb [opt=value ...] uri suite [component ...]"; the option block is optional.
+_ONE_LINE = re.compile(r"(?P<type>[^\s\[]+)\s*(?:\[(?P<options>[^\]]*)\]\s*)?(?P<rest>.*)")
+_FALSE = frozenset({"no", "false", "off", "0"})
+
+
+@dataclass(frozen=True)
+class AptSource:
+    """One enabled ``deb`` entry of the host's apt sources: an archive URI and one suite of it."""
+
+    uri: str
+    suite: str
+    components: tuple[str, ...]
+    where: str  # file:line, for messages
+
+    def __str__(self) -> str:
+        return " ".join((self.uri, self.suite, *self.components)) + f" ({self.where})"
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """The archive debootstrap downloads from, and where that choice came from."""
+
+    uri: str
+    origin: str  # $NVPLUG_DEBIAN_MIRROR, or the file:line of the apt entry
+
+
+def apt_sources(apt_root: Path = APT_ROOT) -> list[AptSource]:
+    """The enabled ``deb`` entries of apt's sources under `apt_root`, in apt's order:
+    ``sources.list`` (one-line format), then ``sources.list.d/*.list`` (one-line) and
+    ``*.sources`` (deb822) by name.
+
+    deb-src entries, stanzas with ``Enabled: no`` and missing files are left out; an
+    entry that apt itself would refuse raises MirrorError naming its file and line.
+    """
+    parts = apt_root / "sources.list.d"
+    names = sorted(
+        p.name for pattern in ("*.list", "*.sources") for p in parts.glob(pattern) if _PART_NAME.fullmatch(p.name)
+    )
+    found: list[AptSource] = []
+    for path in [apt_root / "sources.list", *(parts / name for name in names)]:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue  # apt does without them too
+        except OSError as err:
+            raise MirrorError(f"{path}: cannot read it: {err.strerror or err}") from err
+        found += _parse_deb822(path, text) if path.suffix == ".sources" else _parse_one_line(path, text)
+    return found
+
+
+def _parse_one_line(path: Path, text: str) -> list[AptSource]:
+    found: list[AptSource] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()  # apt ends a line at its first '#'
+        if not line:
+            continue
+        where = f"{path}:{number}"
+        match = _ONE_LINE.fullmatch(line)
+        if match is None:  # it starts with '[': no type
+            raise MirrorError(f"{where}: no type (deb or deb-src) before the options: {raw.strip()!r}")
+        kind, rest = match["type"], match["rest"]
+        if rest.startswith("["):
+            raise MirrorError(f"{where}: the option block '[' is not closed: {raw.strip()!r}")
+        if kind not in ("deb", "deb-src"):
+            raise MirrorError(f"{where}: unknown type {kind!r} (deb or deb-src): {raw.strip()!r}")
+        fields = rest.split()
+        if len(fields) < 2:
+            raise MirrorError(f"{where}: needs a URI and a suite after {kind!r}: {raw.strip()!r}")
+        if kind == "deb":
+            found.append(AptSource(fields[0], fields[1], tuple(fields[2:]), where))
+    return found
+
+
+def _parse_deb822(path: Path, text: str) -> list[AptSource]:
+    found: list[AptSource] = []
+    for start, fields in _stanzas(path, text):
+        where = f"{path}:{start}"
+        if fields.get("enabled", "yes").strip().lower() in _FALSE:
+            continue
+        types, uris, suites = (fields.get(name, "").split() for name in ("types", "uris", "suites"))
+        missing = [name for name, value in (("Types", types), ("URIs", uris), ("Suites", suites)) if not value]
+        if missing:
+            raise MirrorError(f"{where}: the stanza has no {', '.join(missing)}")
+        unknown = sorted(set(types) - {"deb", "deb-src"})
+        if unknown:
+            raise MirrorError(f"{where}: unknown type {', '.join(unknown)} (deb or deb-src)")
+        if "deb" in types:
+            components = tuple(fields.get("components", "").split())
+            found += [AptSource(uri, suite, components, where) for uri in uris for suite in suites]
+    return found
+
+
+def _stanzas(path: Path, text: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """(first line, fields by lower-case name) for each stanza; continuation lines
+    (an embedded Signed-By key, say) are joined to their field."""
+    fields: dict[str, str] = {}
+    start = 0
+    last: str | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):
+            continue
+        if not line.strip():
+            if fields:
+                yield start, fields
+            fields, last = {}, None
+        elif line[0] in " \t":
+            if last is None:
+                raise MirrorError(f"{path}:{number}: a continuation line outside any field: {line!r}")
+            fields[last] += "\n" + line.strip()
+        else:
+            name, colon, value = line.partition(":")
+            if not colon or not name.strip():
+                raise MirrorError(f"{path}:{number}: not a 'Field: value' line: {line!r}")
+            if not fields:
+                start = number
+            last = name.strip().lower()
+            fields[last] = value.strip()
+    if fields:
+        yield start, fields
+
+
+def pick_debian_mirror(sources: Iterable[AptSource], suite: str = SUITE) -> AptSource | None:
+    """The entry to debootstrap `suite` from, or None: among the http(s) entries with
+    ``main``, the first of `suite` itself, else of an alias or a later release (same
+    archive), else of such a release's -updates or -backports pocket (same archive).
+    Within each of these, an entry whose URI path ends in ``/debian`` comes first.
+
+    Never a -security suite: that archive holds only security updates.
+    """
+
+    def tier(source: AptSource) -> int | None:
+        if not source.uri.lower().startswith(_NETWORK_SCHEMES) or "main" not in source.components:
+            return None  # not downloadable, or not the Debian archive (third-party repositories lack main)
+        if source.suite == suite:
+            return 0
+        if source.suite in _ARCHIVE_SUITES:
+            return 1
+        release, dash, pocket = source.suite.partition("-")
+        if dash and pocket in _SAME_ARCHIVE_POCKETS and (release == suite or release in _ARCHIVE_SUITES):
+            return 2
+        return None
+
+    def off_path(source: AptSource) -> bool:
+        # Mirrors serve the Debian archive at .../debian; a third-party repository that also
+        # names the suite and main rarely sits there.
+        return not source.uri.rstrip("/").lower().endswith("/debian")
+
+    ranked = [(t, off_path(s), i, s) for i, s in enumerate(sources) if (t := tier(s)) is not None]
+    return min(ranked, key=lambda r: r[:3])[3] if ranked else None
+
+
+def debian_mirror(apt_root: Path = APT_ROOT, *, environ: Mapping[str, str] | None = None, suite: str = SUITE) -> Mirror:
+    """The mirror to debootstrap `suite` from: ``$NVPLUG_DEBIAN_MIRROR`` when set, else the
+    host's own, from the apt sources under `apt_root` (:func:`pick_debian_mirror`).
+
+    MirrorError when neither gives one: it says what the sources hold and to set the variable.
+    """
+    override = (os.environ if environ is None else environ).get(MIRROR_ENV, "").strip()
+    if override:
+        return Mirror(override, f"${MIRROR_ENV}")
+    sources = apt_sources(apt_root)
+    chosen = pick_debian_mirror(sources, suite)
+    if chosen is not None:
+        return Mirror(chosen.uri, chosen.where)
+    if sources:
+        seen = "; ".join(str(s) for s in sources[:6]) + (f"; and {len(sources) - 6} more" if len(sources) > 6 else "")
+        why = f"no deb entry is Debian's main archive of {suite} or a later release over http(s) (seen: {seen})"
+    else:
+        why = f"there are no enabled deb entries in {apt_root / 'sources.list'} or {apt_root / 'sources.list.d'}"
+    # Ubuntu's archive has none of Debian's suites; os-release sits beside apt's directory.
+    if "ubuntu" in _os_release_ids(apt_root.parent / "os-release"):
+        why += f"; this host is Ubuntu-based, and Ubuntu's archive cannot debootstrap Debian {suite}"
+    raise MirrorError(
+        f"no Debian mirror to debootstrap {suite} from in the apt sources under {apt_root}: {why}. "
+        f"Set {MIRROR_ENV} to the URI of a Debian archive mirror that serves {suite}."
+    )
+
+
+def _os_release_ids(path: Path) -> set[str]:
+    """ID and ID_LIKE of an os-release file, lower case; empty when it cannot be read."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return set()
+    ids: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() in ("ID", "ID_LIKE"):
+            ids.update(value.strip().strip("\"'").lower().split())
+    return ids
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +356,9 @@ def ensure_image(cache: Path | None = None, *, mirror: str | None = None, log: L
 
     It is built in ``<cache>/bookworm.tmp`` and renamed into place only when
     complete; a complete ``bookworm.tmp`` left by an earlier run is adopted.
-    Snapshots left by runs that were killed are removed here too.
+    Snapshots left by runs that were killed are removed here too. debootstrap
+    downloads from `mirror` if given, else from :func:`debian_mirror`'s
+    (``$NVPLUG_DEBIAN_MIRROR``, else the host's apt sources).
     """
     cache = cache or cache_dir()
     image = cache / SUITE
@@ -146,18 +370,21 @@ def ensure_image(cache: Path | None = None, *, mirror: str | None = None, log: L
         if not _image_complete(tmp):
             if shutil.which("debootstrap") is None:
                 raise ContainerError("no cached image and no debootstrap (apt-get install debootstrap)")
+            source = Mirror(mirror, "the mirror argument") if mirror else debian_mirror()
             shutil.rmtree(tmp, ignore_errors=True)
-            mirror = mirror or os.environ.get("NVPLUG_DEBIAN_MIRROR") or DEFAULT_MIRROR
             argv = [
                 "debootstrap", "--variant=minbase", "--include=" + ",".join(IMAGE_PACKAGES),
-                SUITE, str(tmp), mirror,
+                SUITE, str(tmp), source.uri,
             ]  # fmt: skip
-            log(f"nspawn: building the {SUITE} image: {shlex.join(argv)}")
+            log(f"nspawn: building the {SUITE} image from {source.uri} ({source.origin}): {shlex.join(argv)}")
             started = time.monotonic()
             proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
             if proc.returncode != 0 or not _image_complete(tmp):
                 tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-                raise ContainerError(f"debootstrap failed (exit {proc.returncode}):\n{tail}")
+                raise ContainerError(
+                    f"debootstrap failed (exit {proc.returncode}) with the mirror {source.uri} ({source.origin}); "
+                    f"{MIRROR_ENV} chooses another:\n{tail}"
+                )
             log(f"nspawn: debootstrap took {time.monotonic() - started:.0f} s")
         else:
             log(f"nspawn: adopting the complete image in {tmp}")
