@@ -1326,3 +1326,393 @@ def test_write_mig_minors(tmp_path: Path) -> None:
         fakenvml.write_mig_minors(path, {0: [(15, 0)]})
     with pytest.raises(ValueError):
         fakenvml.mig_minor(0, 1, 8)
+
+
+# ---- running processes ------------------------------------------------------------------
+
+# Child helper: a process list as pynvml's wrappers return it, and the nine entry points.
+PROCS_HELPERS = """
+def plist(fn, h):
+    return [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in fn(h)]
+def lists(h):
+    return [plist(f, h) for f in (N.nvmlDeviceGetComputeRunningProcesses,
+                                  N.nvmlDeviceGetGraphicsRunningProcesses,
+                                  N.nvmlDeviceGetMPSComputeRunningProcesses)]
+PROC_FUNCS = [f"nvmlDevice{k}RunningProcesses{v}" for k in ("GetCompute", "GetGraphics", "GetMPSCompute")
+              for v in ("", "_v2", "_v3")]
+"""
+
+NA = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process not on a MIG device
+GIB = 1 << 30
+
+
+def test_running_processes_none_then_set_over_control(rig: Rig) -> None:
+    out = rig.run(
+        PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        from nvplug.testing.fakenvml import GpuProcess as P
+        N.nvmlInit()
+        h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        out["empty"] = lists(h0)
+        out["empty_v2"] = [f(h0) for f in (N.nvmlDeviceGetComputeRunningProcesses_v2,
+                                           N.nvmlDeviceGetGraphicsRunningProcesses_v2,
+                                           N.nvmlDeviceGetMPSComputeRunningProcesses_v2)]
+        out["set"] = CTL.procs(0, [4242, P(100, 1024), P(200, 0, ("graphics",)), P(300, 512, ("compute", "graphics")),
+                                   P(400, 2048, ("mps",))])
+        out["lists"] = lists(h0)
+        out["lists_v2"] = [plist(f, h0) for f in (N.nvmlDeviceGetComputeRunningProcesses_v2,
+                                                  N.nvmlDeviceGetGraphicsRunningProcesses_v2,
+                                                  N.nvmlDeviceGetMPSComputeRunningProcesses_v2)]
+        out["other_gpu"] = lists(h1)
+        out["state"] = CTL.state().split(" | ")[1:3]
+        out["by_uuid"] = CTL.procs(N.nvmlDeviceGetUUID(h1), [7])
+        out["gpu1"] = lists(h1)
+        out["cleared"] = [CTL.procs(0, []), lists(h0)]
+        CTL.reset_calls()
+        N.nvmlDeviceGetComputeRunningProcesses(h1)  # size query, then the fetch
+        N.nvmlDeviceGetGraphicsRunningProcesses(h1)  # nothing running: the size query only
+        out["calls"] = CTL.calls()
+        """
+        )
+    )
+    assert out["empty"] == [[], [], []]
+    assert out["empty_v2"] == [[], [], []]
+    assert out["set"] == "ok"
+    compute, graphics, mps = out["lists"]
+    assert compute == [[4242, None, NA, NA], [100, GIB, NA, NA], [300, GIB // 2, NA, NA]]
+    assert graphics == [[200, 0, NA, NA], [300, GIB // 2, NA, NA]]
+    assert mps == [[400, 2 * GIB, NA, NA]]
+    assert out["lists_v2"] == out["lists"]
+    assert out["other_gpu"] == [[], [], []]
+    assert out["state"] == [
+        f"0 {GPUS[0]['uuid']} ok ra=0 procs=4242,100:1024,200:0:graphics,300:512:compute+graphics,400:2048:mps",
+        f"1 {GPUS[1]['uuid']} ok ra=0",
+    ]
+    assert out["by_uuid"] == "ok"
+    assert out["gpu1"] == [[[7, None, NA, NA]], [], []]
+    assert out["cleared"] == ["ok", [[], [], []]]
+    assert out["calls"] == {
+        "nvmlDeviceGetComputeRunningProcesses_v3": 2,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": 1,
+    }
+
+
+def test_running_processes_size_query_and_layouts_by_raw_calls(rig: Rig) -> None:
+    out = rig.run(
+        PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        lib = N.nvmlLib
+        h = N.nvmlDeviceGetHandleByIndex(3)
+        fn = lib.nvmlDeviceGetComputeRunningProcesses_v3
+        def call(f, count, infos):
+            c = ctypes.c_uint(count)
+            rc = f(h, ctypes.byref(c), infos)
+            return [rc, c.value]
+        Info = N.c_nvmlProcessInfo_v3_t
+        out["sizes"] = [ctypes.sizeof(N.c_nvmlProcessInfo_v2_t), ctypes.sizeof(Info)]
+        out["none"] = [call(fn, 0, None), call(fn, 4, (Info * 4)())]
+        CTL.procs(3, [11, 22, 33])
+        arr = (Info * 3)()
+        arr[0].pid = 99
+        out["query"] = call(fn, 0, None)          # the size query pynvml starts with
+        out["small"] = call(fn, 2, arr)
+        out["untouched"] = arr[0].pid
+        out["null_infos"] = call(fn, 3, None)
+        out["null_count"] = fn(h, None, arr)
+        out["exact"] = call(fn, 3, arr)
+        out["got"] = [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in arr]
+        big = (Info * 5)()
+        out["roomy"] = call(fn, 5, big) + [big[3].pid]
+
+        # The unversioned entry points take the two-field nvmlProcessInfo_v1_t: 16 bytes apart.
+        class V1(ctypes.Structure):
+            _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+        from nvplug.testing.fakenvml import GpuProcess as P
+        CTL.procs(3, [P(11, 1), P(22, 2, ("compute", "graphics", "mps"))])
+        out["v1_size"] = ctypes.sizeof(V1)
+        out["v1"] = {}
+        for name in PROC_FUNCS:
+            if name.endswith(("_v2", "_v3")):
+                continue
+            v1 = (V1 * 3)()
+            rc = call(getattr(lib, name), 3, v1)
+            out["v1"][name] = rc + [[p.pid, p.usedGpuMemory] for p in v1]
+        out["v2"] = {}
+        for name in PROC_FUNCS:
+            if not name.endswith("_v2"):
+                continue
+            arr = (N.c_nvmlProcessInfo_v2_t * 3)()
+            rc = call(getattr(lib, name), 3, arr)
+            out["v2"][name] = rc + [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in arr]
+        out["bad_handle"] = [getattr(lib, name)(ctypes.c_void_p(0x1000), ctypes.byref(ctypes.c_uint(0)), None)
+                             for name in PROC_FUNCS]
+        N.nvmlShutdown()
+        out["uninit"] = [getattr(lib, name)(h, ctypes.byref(ctypes.c_uint(0)), None) for name in PROC_FUNCS]
+        """
+        )
+    )
+    assert out["sizes"] == [24, 24]
+    assert out["none"] == [[0, 0], [0, 0]]
+    assert out["query"] == [7, 3]  # INSUFFICIENT_SIZE with the count needed
+    assert out["small"] == [7, 3]
+    assert out["untouched"] == 99
+    assert out["null_infos"] == [2, 3]  # NULL infos only with *infoCount 0
+    assert out["null_count"] == 2
+    assert out["exact"] == [0, 3]
+    assert out["got"] == [[11, 2**64 - 1, NA, NA], [22, 2**64 - 1, NA, NA], [33, 2**64 - 1, NA, NA]]
+    assert out["roomy"] == [0, 3, 0]  # count set to what was returned; the rest of the array left alone
+    assert out["v1_size"] == 16
+    mib = 1 << 20
+    assert out["v1"] == {
+        "nvmlDeviceGetComputeRunningProcesses": [0, 2, [11, mib], [22, 2 * mib], [0, 0]],
+        "nvmlDeviceGetGraphicsRunningProcesses": [0, 1, [22, 2 * mib], [0, 0], [0, 0]],
+        "nvmlDeviceGetMPSComputeRunningProcesses": [0, 1, [22, 2 * mib], [0, 0], [0, 0]],
+    }
+    assert out["v2"] == {
+        "nvmlDeviceGetComputeRunningProcesses_v2": [0, 2, [11, mib, NA, NA], [22, 2 * mib, NA, NA], [0, 0, 0, 0]],
+        "nvmlDeviceGetGraphicsRunningProcesses_v2": [0, 1, [22, 2 * mib, NA, NA], [0, 0, 0, 0], [0, 0, 0, 0]],
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2": [0, 1, [22, 2 * mib, NA, NA], [0, 0, 0, 0], [0, 0, 0, 0]],
+    }
+    assert out["bad_handle"] == [2] * 9
+    assert out["uninit"] == [1] * 9
+
+
+PROCS_MIG_SCENARIO = """
+    gpu uuid=GPU-mig0 bus=0000:01:00.0 minor=0 mig=1 procs=500:100@2/0,501@5/0,502:300@2/0,503:7
+    gpu uuid=GPU-full bus=0000:02:00.0 minor=1 procs=600:1:graphics,601:2:compute+mps
+    mig 0 3g.40gb gi=2 ci=0
+    mig 0 2g.20gb gi=5 ci=0
+    mig 0 1g.10gb gi=9 ci=0
+    """
+
+
+def test_running_processes_on_mig_devices(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        from nvplug.testing.fakenvml import GpuProcess as P
+        N.nvmlInit()
+        h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        m = migs(h0)
+        out["parent"] = lists(h0)
+        out["migs"] = [plist(N.nvmlDeviceGetComputeRunningProcesses, x) for x in m]
+        out["mig_graphics"] = [plist(N.nvmlDeviceGetGraphicsRunningProcesses, x) for x in m]
+        out["full"] = lists(h1)
+        out["state"] = CTL.state().split(" | ")[1:3]
+        # The raw size query on a MIG handle counts its own processes only.
+        c = ctypes.c_uint(0)
+        out["mig_query"] = [N.nvmlLib.nvmlDeviceGetComputeRunningProcesses_v3(m[0], ctypes.byref(c), None), c.value]
+        out["set"] = CTL.procs("GPU-mig0", [P(700, 10, mig=(9, 0)), P(701, mig=(5, 0)), 702])
+        out["after_set"] = [plist(N.nvmlDeviceGetComputeRunningProcesses, x) for x in [h0, *m]]
+        out["no_such_mig"] = ctl_error(CTL.procs, 0, [P(1, mig=(3, 0))])
+        out["no_such_ci"] = ctl_error(CTL.procs, 0, [P(1, mig=(2, 1))])
+        out["not_mig"] = ctl_error(CTL.procs, 1, [P(1, mig=(0, 0))])
+        out["kept"] = len(N.nvmlDeviceGetComputeRunningProcesses(h0))
+        # A new layout ends the processes on the old MIG devices; the rest run on.
+        CTL.mig_layout(0, ["7g.80gb"])
+        out["relayout"] = plist(N.nvmlDeviceGetComputeRunningProcesses, h0)
+        out["stale_mig"] = code(N.nvmlDeviceGetComputeRunningProcesses, m[0])
+        CTL.procs(0, [P(800, mig=(1, 0)), 801])
+        CTL.mig_mode(0, False)
+        out["mig_off"] = plist(N.nvmlDeviceGetComputeRunningProcesses, h0)
+        """
+        ),
+        rig.scenario(PROCS_MIG_SCENARIO),
+    )
+    mib = 1 << 20
+    compute, graphics, mps = out["parent"]
+    assert compute == [
+        [500, 100 * mib, 2, 0],
+        [501, None, 5, 0],
+        [502, 300 * mib, 2, 0],
+        [503, 7 * mib, NA, NA],
+    ]
+    assert graphics == mps == []
+    assert out["migs"] == [
+        [[500, 100 * mib, 2, 0], [502, 300 * mib, 2, 0]],
+        [[501, None, 5, 0]],
+        [],
+    ]
+    assert out["mig_graphics"] == [[], [], []]
+    assert out["full"] == [[[601, 2 * mib, NA, NA]], [[600, mib, NA, NA]], [[601, 2 * mib, NA, NA]]]
+    assert out["state"][0].endswith(" procs=500:100@2/0,501@5/0,502:300@2/0,503:7")
+    assert out["state"][1] == "1 GPU-full ok ra=0 procs=600:1:graphics,601:2:compute+mps"
+    assert out["mig_query"] == [7, 2]
+    assert out["set"] == "ok"
+    assert out["after_set"] == [
+        [[700, 10 * mib, 9, 0], [701, None, 5, 0], [702, None, NA, NA]],
+        [],
+        [[701, None, 5, 0]],
+        [[700, 10 * mib, 9, 0]],
+    ]
+    assert out["no_such_mig"] == "error: procs: process 1: no MIG device with gi 3 ci 0 on GPU-mig0"
+    assert out["no_such_ci"] == "error: procs: process 1: no MIG device with gi 2 ci 1 on GPU-mig0"
+    assert out["not_mig"] == "error: procs: process 1: no MIG device with gi 0 ci 0 on GPU-full"
+    assert out["kept"] == 3  # failed commands change nothing
+    assert out["relayout"] == [[702, None, NA, NA]]
+    assert out["stale_mig"] == 2
+    assert out["mig_off"] == [[801, None, NA, NA]]
+
+
+def test_running_processes_of_a_lost_gpu_and_restore(rig: Rig) -> None:
+    out = rig.run(
+        MIG_DESCRIBE
+        + PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        m = migs(h0)[0]
+        CTL.lose(0)
+        CTL.lose(1)
+        c = ctypes.c_uint(0)
+        out["raw"] = [getattr(N.nvmlLib, name)(h, ctypes.byref(c), None) for name in PROC_FUNCS for h in (h1, m)]
+        out["pynvml"] = [code(f, h1) for f in (N.nvmlDeviceGetComputeRunningProcesses,
+                                               N.nvmlDeviceGetGraphicsRunningProcesses,
+                                               N.nvmlDeviceGetMPSComputeRunningProcesses)]
+        out["ctl_while_lost"] = CTL.procs(1, [5])
+        out["restore"] = [CTL.restore(0), CTL.restore(1)]
+        out["after"] = [lists(h0), lists(m), lists(h1)]
+        CTL.remove(1)
+        out["removed"] = code(N.nvmlDeviceGetComputeRunningProcesses, h1)
+        """
+        ),
+        rig.scenario(PROCS_MIG_SCENARIO),
+    )
+    mib = 1 << 20
+    assert out["raw"] == [15] * 18
+    assert out["pynvml"] == [15] * 3
+    assert out["ctl_while_lost"] == "ok"
+    h0, m, h1 = out["after"]
+    assert [len(x) for x in h0] == [4, 0, 0]  # restore keeps the processes
+    assert m == [[[500, 100 * mib, 2, 0], [502, 300 * mib, 2, 0]], [], []]
+    assert h1 == [[[5, None, NA, NA]], [], []]
+    assert out["removed"] == 15
+
+
+def test_running_processes_unsupported(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0 unsupported=processes procs=10
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 unsupported=numa
+        """
+    )
+    out = rig.run(
+        PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        a, b = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        c = ctypes.c_uint(0)
+        out["raw"] = [getattr(N.nvmlLib, name)(a, ctypes.byref(c), None) for name in PROC_FUNCS]
+        out["count"] = c.value
+        out["pynvml"] = [code(f, a) for f in (N.nvmlDeviceGetComputeRunningProcesses,
+                                              N.nvmlDeviceGetGraphicsRunningProcesses,
+                                              N.nvmlDeviceGetMPSComputeRunningProcesses)]
+        out["b"] = lists(b)
+        """
+        ),
+        scenario,
+    )
+    assert out["raw"] == [3] * 9
+    assert out["count"] == 0  # untouched
+    assert out["pynvml"] == [3] * 3
+    assert out["b"] == [[], [], []]
+
+
+def test_running_processes_from_add_and_bad_commands(rig: Rig) -> None:
+    out = rig.run(
+        PROCS_HELPERS
+        + textwrap.dedent(
+            """
+        N.nvmlInit()
+        out["add"] = CTL.add("uuid=GPU-new bus=0000:E1:00.0 minor=20 procs=77:5,78:graphics")
+        out["add_mig"] = ctl_error(CTL.add, "uuid=GPU-new2 bus=0000:E2:00.0 minor=21 mig=1 procs=1@1/0")
+        N.nvmlShutdown(); N.nvmlInit()
+        out["added"] = lists(N.nvmlDeviceGetHandleByUUID("GPU-new"))
+        bad = ["procs", "procs 0", "procs 0 1 2", "procs 0 0", "procs 0 x", "procs 0 1:x", "procs 0 1:5:gpu",
+               "procs 0 1:5:compute:6", "procs 0 1:-5", "procs 0 1,,2", "procs 0 1,", "procs 0 1,1",
+               "procs 0 4294967296", "procs 0 1@1", "procs 0 1@15/0", "procs 0 1@1/8", "procs 0 1:compute+",
+               "procs 0 " + ",".join(str(p) for p in range(1, 66)), "procs 9 1", "procs 0 1:1073741825"]
+        out["errors"] = {c: ctl_error(CTL.send, c) for c in bad}
+        out["max"] = CTL.send("procs 0 " + ",".join(str(p) for p in range(1, 65)))
+        out["n"] = len(N.nvmlDeviceGetComputeRunningProcesses(N.nvmlDeviceGetHandleByIndex(0)))
+        out["dash"] = [CTL.send("procs 0 -"), lists(N.nvmlDeviceGetHandleByIndex(0))]
+        """
+        )
+    )
+    mib = 1 << 20
+    assert out["add"] == "ok pending GPU-new"
+    assert out["add_mig"] == "error: add: process 1: no MIG device with gi 1 ci 0 on GPU-new2"
+    assert out["added"] == [[[77, 5 * mib, NA, NA]], [[78, None, NA, NA]], []]
+    errors = out["errors"]
+    assert all(e is not None and e.startswith("error: ") for e in errors.values()), errors
+    assert errors["procs"] == "error: procs: missing gpu (index or UUID)"
+    assert errors["procs 0"].startswith("error: usage: procs <gpu> ")
+    assert errors["procs 0 1:x"] == ("error: procs: bad process '1:x' (want PID[:MIB][:compute|graphics|mps][@GI/CI])")
+    assert errors["procs 0 1,1"] == "error: procs: duplicate pid 1"
+    assert errors["procs 0 " + ",".join(str(p) for p in range(1, 66))] == "error: procs: more than 64 processes"
+    assert errors["procs 9 1"] == "error: procs: unknown gpu '9'"
+    assert out["max"] == "ok" and out["n"] == 64
+    assert out["dash"] == ["ok", [[], [], []]]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 procs=", "bad process ''"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 procs=12:big", "bad process '12:big'"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 procs=3,4,3", "duplicate pid 3"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 unsupported=procs", "unknown unsupported= item 'procs'"),
+    ],
+)
+def test_bad_procs_scenario_lines(rig: Rig, line: str, message: str) -> None:
+    scenario = rig.scenario(f"gpu uuid=GPU-a minor=0 bus=0000:01:00.0\n{line}\n")
+    out = rig.run('out["init"] = code(N.nvmlInit)', scenario)
+    assert out["init"] == 999
+    assert f"{scenario}:2: {message}" in out["_stderr"]
+
+
+def test_procs_on_a_mig_device_the_scenario_never_makes(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a minor=0 bus=0000:01:00.0 mig=1 procs=9@1/0,10@2/0
+        mig 0 1g.10gb gi=1
+        """
+    )
+    out = rig.run('out["init"] = code(N.nvmlInit)', scenario)
+    assert out["init"] == 999
+    assert f"fakenvml: {scenario}: gpu 0: process 10: no MIG device with gi 2 ci 0 on GPU-a" in out["_stderr"]
+
+
+def test_gpu_process_spec_and_checks() -> None:
+    P = fakenvml.GpuProcess
+    assert P(1).spec() == "1"
+    assert P(2, 0).spec() == "2:0"
+    assert P(3, 512, ("graphics", "compute")).spec() == "3:512:compute+graphics"
+    assert P(4, None, ("mps",), (5, 1)).spec() == "4:mps@5/1"
+    bad: list[dict[str, Any]] = [
+        {"pid": 0},
+        {"pid": 1 << 32},
+        {"pid": 1, "used_mib": -1},
+        {"pid": 1, "used_mib": (1 << 30) + 1},
+        {"pid": 1, "kinds": ()},
+        {"pid": 1, "kinds": ("compute", "compute")},
+        {"pid": 1, "kinds": ("gpu",)},
+        {"pid": 1, "kinds": "compute"},
+        {"pid": 1, "mig": (15, 0)},
+        {"pid": 1, "mig": (0, 8)},
+    ]
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            P(**kwargs)
+    control = fakenvml.Control(Path("/nonexistent"))
+    with pytest.raises(TypeError):
+        control.procs(0, "123")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        control.procs(0, list(range(1, 66)))

@@ -37,10 +37,27 @@
  *                                       1, 2, ... in order, ci 0 each; "-" clears.  Both take
  *                                       effect at once (no nvmlInit needed) and queue event 0x100
  *                                       (MigConfigChange, data 0); replaced devices' handles go stale
+ *                                       and the processes on them are dropped
+ *   procs <gpu> <proc>[,<proc>...] | -  replace the GPU's running processes (syntax below); "-"
+ *                                       clears.  At once, no event; restore keeps them
  *
  * A gpu line (scenario or add) may describe a GPU already broken when first
  * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1
  * recovery_action=N (all 0 by default; like the commands above, without events).
+ *
+ * Running processes: gpu key procs=<proc>[,<proc>...] (or "-": none, the
+ * default), the same list as the procs command; <proc> is
+ *   PID[:MIB][:KIND][@GI/CI]
+ * PID 1-4294967295, unique per GPU; MIB the GPU memory it uses (omitted:
+ * usedGpuMemory is NVML_VALUE_NOT_AVAILABLE); KIND compute (default), graphics
+ * or mps, or several joined by '+' (compute+graphics: nvidia-smi's "C+G"),
+ * choosing which of nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses
+ * list it; @GI/CI puts it on the GPU's MIG device with those ids (it must exist:
+ * on a scenario gpu line, made by a later mig line; never on an add line).
+ * A GPU handle lists all its processes (gpuInstanceId/computeInstanceId
+ * 0xFFFFFFFF for those not on a MIG device), a MIG handle the ones on it, as
+ * NVML does for a privileged caller; unsupported=processes makes all nine
+ * queries NOT_SUPPORTED.  The state reply shows " procs=<list>".
  *
  * MIG: gpu key mig=0|1 (current mode), and scenario lines
  *   mig <gpu-index> <profile> [gi=N] [ci=N] [uuid=MIG-...]
@@ -117,6 +134,7 @@ enum {
 #define EV_DEFAULT \
     (EV_XID | EV_DBE | EV_SBE | EV_MIG_CONFIG | EV_GPU_UNAVAILABLE | EV_FATAL_POISON | EV_RECOVERY_ACTION)
 #define ID_ANY 0xFFFFFFFFu   /* NVML_GPU_INSTANCE_ID_ANY / NVML_COMPUTE_INSTANCE_ID_ANY */
+#define NVML_VALUE_NOT_AVAILABLE_ULL (~0ULL)   /* NVML_VALUE_NOT_AVAILABLE (-1) in a 64-bit field */
 
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
@@ -136,6 +154,7 @@ enum {
 #define MIG_SLOTS (MAX_GPUS * MIG_PER_GPU)
 #define MIG_MAX_GI 14     /* GPU instance ids 0..14 (15 per GPU, as in nvidia-caps) */
 #define MIG_MAX_CI 7      /* compute instance ids 0..7 */
+#define PROCS_MAX 64      /* running processes per GPU */
 
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct fake_evset *nvmlEventSet_t;
@@ -183,6 +202,26 @@ typedef struct {
     unsigned int computeInstanceId;
 } nvmlEventData_t;
 
+/*
+ * Running-process records (nvml.h).  nvmlProcessInfo_v1_t is what the
+ * unversioned nvmlDevice*RunningProcesses take; _v2 and _v3 both take the
+ * four-field struct (nvml.h names it nvmlProcessInfo_v2_t and
+ * nvmlProcessInfo_t; pynvml's c_nvmlProcessInfo_v2_t/_v3_t).  The R535.54
+ * drivers briefly gave _v3 a fifth field (usedGpuCcProtectedMemory); later
+ * drivers went back to four and moved it to nvmlProcessDetail_v1_t.
+ */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;   /* NVML_VALUE_NOT_AVAILABLE when unknown */
+    unsigned int gpuInstanceId;         /* 0xFFFFFFFF: not on a MIG device */
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
 typedef union {
     double dVal;
     unsigned int uiVal;
@@ -210,13 +249,27 @@ enum {
     U_NUMA = 1 << 0, U_CC = 1 << 1, U_MEMORY = 1 << 2, U_MINOR = 1 << 3,
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
-    U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13
+    U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
     {"serial", U_SERIAL}, {"name", U_NAME}, {"events", U_EVENTS}, {"topology", U_TOPOLOGY},
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
+    {"processes", U_PROCESSES},
+};
+
+/* Which running-process queries list a process (procs= KIND). */
+enum { K_COMPUTE = 1, K_GRAPHICS = 2, K_MPS = 4 };
+static const struct { const char *name; unsigned bit; } proc_kinds[] = {
+    {"compute", K_COMPUTE}, {"graphics", K_GRAPHICS}, {"mps", K_MPS},
+};
+
+struct fake_proc {
+    unsigned pid;
+    unsigned kinds;             /* K_* bits */
+    unsigned gi, ci;            /* its MIG device's ids, or ID_ANY */
+    unsigned long long mem;     /* bytes, or NVML_VALUE_NOT_AVAILABLE_ULL */
 };
 
 struct fake_dev {
@@ -244,6 +297,9 @@ struct fake_dev {
     int mig_mode;
     int nmig;
     int mig[MIG_PER_GPU];   /* g_migs indices, in MIG device index order */
+    /* running processes ("procs") */
+    int nprocs;
+    struct fake_proc procs[PROCS_MAX];
 };
 
 /* H100 80GB MIG profiles; a MIG device is one GPU instance with one compute instance. */
@@ -329,7 +385,12 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetNvLinkRemotePciInfo) X(nvmlDeviceGetNvLinkRemotePciInfo_v2)                     \
     X(nvmlDeviceGetRetiredPagesPendingStatus) X(nvmlDeviceGetRemappedRows)                         \
     X(nvmlDeviceGetFieldValues) X(nvmlDeviceGetSupportedEventTypes) X(nvmlEventSetCreate)          \
-    X(nvmlDeviceRegisterEvents) X(nvmlEventSetFree) X(nvmlEventSetWait) X(nvmlEventSetWait_v2)
+    X(nvmlDeviceRegisterEvents) X(nvmlEventSetFree) X(nvmlEventSetWait) X(nvmlEventSetWait_v2)     \
+    X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)             \
+    X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)            \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v2) X(nvmlDeviceGetGraphicsRunningProcesses_v3)        \
+    X(nvmlDeviceGetMPSComputeRunningProcesses) X(nvmlDeviceGetMPSComputeRunningProcesses_v2)       \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3)
 
 #define FN_ENUM(f) FN_##f,
 #define FN_NAME(f) #f,
@@ -485,6 +546,97 @@ static int copy_field(char *dst, size_t cap, const char *src)
     return 0;
 }
 
+/* One process, PID[:MIB][:KIND][@GI/CI] (see the header comment); returns 0 or -1. */
+static int parse_proc(const char *item, struct fake_proc *out)
+{
+    char buf[96], *f[3], *c, *at;
+    unsigned long long u;
+    size_t len = strlen(item);
+    int nf = 0, i = 1;
+    if (len == 0 || len >= sizeof buf)
+        return -1;
+    memcpy(buf, item, len + 1);
+    memset(out, 0, sizeof *out);
+    out->gi = out->ci = ID_ANY;
+    out->mem = NVML_VALUE_NOT_AVAILABLE_ULL;
+    out->kinds = K_COMPUTE;
+    if ((at = strchr(buf, '@')) != NULL) {
+        char *slash = strchr(at + 1, '/');
+        if (!slash)
+            return -1;
+        *at = *slash = 0;
+        if (parse_ull(at + 1, 10, MIG_MAX_GI, &u))
+            return -1;
+        out->gi = (unsigned)u;
+        if (parse_ull(slash + 1, 10, MIG_MAX_CI, &u))
+            return -1;
+        out->ci = (unsigned)u;
+    }
+    for (c = buf, f[nf++] = c; (c = strchr(c, ':')) != NULL; f[nf++] = c) {
+        if (nf == 3)
+            return -1;
+        *c++ = 0;
+    }
+    if (parse_ull(f[0], 10, 0xFFFFFFFFULL, &u) || u == 0)
+        return -1;
+    out->pid = (unsigned)u;
+    if (i < nf && f[i][0] >= '0' && f[i][0] <= '9') {
+        if (parse_ull(f[i++], 10, 1ULL << 30, &u))
+            return -1;
+        out->mem = u << 20;
+    }
+    if (i < nf) {   /* KIND[+KIND...] */
+        char *k = f[i++], *plus;
+        out->kinds = 0;
+        for (;;) {
+            size_t x, nk = sizeof proc_kinds / sizeof proc_kinds[0];
+            if ((plus = strchr(k, '+')) != NULL)
+                *plus = 0;
+            for (x = 0; x < nk && strcmp(k, proc_kinds[x].name); x++)
+                ;
+            if (x == nk)
+                return -1;
+            out->kinds |= proc_kinds[x].bit;
+            if (!plus)
+                break;
+            k = plus + 1;
+        }
+    }
+    return i < nf ? -1 : 0;
+}
+
+/*
+ * A process list, "-" or <proc>[,<proc>...], into p[PROCS_MAX] (v is cut up).
+ * Returns the count, or -1 with a message in err.
+ */
+static int parse_procs(char *v, struct fake_proc *p, char *err, size_t errlen)
+{
+    char *item, *comma;
+    int n = 0, j;
+    if (!strcmp(v, "-"))
+        return 0;
+    for (item = v;; item = comma + 1) {
+        if ((comma = strchr(item, ',')) != NULL)
+            *comma = 0;
+        if (n == PROCS_MAX) {
+            snprintf(err, errlen, "more than %d processes", PROCS_MAX);
+            return -1;
+        }
+        if (parse_proc(item, &p[n])) {
+            snprintf(err, errlen, "bad process '%s' (want PID[:MIB][:compute|graphics|mps][@GI/CI])", item);
+            return -1;
+        }
+        for (j = 0; j < n; j++)
+            if (p[j].pid == p[n].pid) {
+                snprintf(err, errlen, "duplicate pid %u", p[n].pid);
+                return -1;
+            }
+        n++;
+        if (!comma)
+            return n;
+    }
+}
+
 /*
  * Parses gpu key=value tokens into *d, filling defaults derived from the
  * slot number, and checks uniqueness against the GPUs not removed.
@@ -568,6 +720,11 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
         } else if (!strcmp(k, "mig")) {
             bad = parse_ull(v, 10, 1, &u);
             d->mig_mode = (int)u;
+        } else if (!strcmp(k, "procs")) {
+            int np = parse_procs(v, d->procs, err, errlen);
+            if (np < 0)
+                return -1;
+            d->nprocs = np;
         } else if (!strcmp(k, "unsupported")) {
             char *save = NULL, *item;
             for (item = strtok_r(v, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
@@ -654,13 +811,36 @@ static unsigned used_slices(const struct fake_dev *d)
     return n;
 }
 
-/* Drops every MIG device of a GPU; their handles go stale. */
+/* Drops every MIG device of a GPU; their handles go stale and the processes on them end. */
 static void mig_clear(struct fake_dev *d)
 {
-    int i;
+    int i, n = 0;
     for (i = 0; i < d->nmig; i++)
         g_migs[d->mig[i]].used = 0;
     d->nmig = 0;
+    for (i = 0; i < d->nprocs; i++)
+        if (d->procs[i].gi == ID_ANY)
+            d->procs[n++] = d->procs[i];
+    d->nprocs = n;
+}
+
+/* Processes placed @GI/CI need that MIG device on d now; returns 0 or -1 with err set. */
+static int procs_check_mig(const struct fake_dev *d, const struct fake_proc *p, int n, char *err, size_t errlen)
+{
+    int i, k;
+    for (i = 0; i < n; i++) {
+        if (p[i].gi == ID_ANY)
+            continue;
+        for (k = 0; k < d->nmig; k++)
+            if (g_migs[d->mig[k]].gi == p[i].gi && g_migs[d->mig[k]].ci == p[i].ci)
+                break;
+        if (k == d->nmig) {
+            snprintf(err, errlen, "process %u: no MIG device with gi %u ci %u on %s", p[i].pid, p[i].gi, p[i].ci,
+                     d->uuid);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 static int gi_taken(const struct fake_dev *d, unsigned gi)
@@ -782,8 +962,10 @@ static int parse_mig_line(char **tok, int n, char *err, size_t errlen)
 /* Adds a GPU; it becomes visible at the next 0->1 init. It takes the slot of
  * a GPU that is gone for good (removed, and not enumerated since), so endless
  * add/remove cycles fit in MAX_GPUS; a stale handle to the old one then names
- * the new GPU. Returns the slot, or -1. */
-static int add_gpu(char **tok, int n, char *err, size_t errlen)
+ * the new GPU. final: no mig lines can follow (the add command), so processes
+ * placed on MIG devices are an error now, not at the end of the scenario.
+ * Returns the slot, or -1. */
+static int add_gpu(char **tok, int n, int final, char *err, size_t errlen)
 {
     struct fake_dev d;
     int slot, j;
@@ -795,6 +977,8 @@ static int add_gpu(char **tok, int n, char *err, size_t errlen)
         return -1;
     }
     if (parse_gpu(tok, n, slot, &d, err, errlen))
+        return -1;
+    if (final && procs_check_mig(&d, d.procs, d.nprocs, err, errlen))
         return -1;
     for (j = 0; j < MAX_GPUS; j++) {   /* no links survive from the slot's last GPU */
         g_nvlink[slot][j] = g_nvlink[j][slot] = 0;
@@ -851,7 +1035,7 @@ static int scenario_line(char *line, char *err, size_t errlen)
     if (n == 0)
         return 0;
     if (!strcmp(tok[0], "gpu"))
-        return add_gpu(tok + 1, n - 1, err, errlen) < 0 ? -1 : 0;
+        return add_gpu(tok + 1, n - 1, 0, err, errlen) < 0 ? -1 : 0;
     if (!strcmp(tok[0], "link")) {
         long a, b;
         if (n < 3 || parse_int(tok[1], 0, g_nslots - 1, &a) || parse_int(tok[2], 0, g_nslots - 1, &b)) {
@@ -907,7 +1091,7 @@ static int load_scenario(void)
 {
     const char *path = getenv("FAKE_NVML_SCENARIO");
     char err[256];
-    int lineno = 0, rc = 0;
+    int lineno = 0, rc = 0, slot;
     reset_state();
     if (!path || !*path) {
         size_t i;
@@ -942,6 +1126,11 @@ static int load_scenario(void)
     }
     free(line);
     fclose(f);
+    for (slot = 0; rc == 0 && slot < g_nslots; slot++)   /* procs=...@GI/CI needed the mig lines */
+        if (procs_check_mig(&g_devs[slot], g_devs[slot].procs, g_devs[slot].nprocs, err, sizeof err)) {
+            fprintf(stderr, "fakenvml: %s: gpu %d: %s\n", path, slot, err);
+            rc = -1;
+        }
     if (rc)
         reset_state();
     return rc;
@@ -1024,6 +1213,23 @@ static int index_of(int slot)
     return -1;
 }
 
+/* One process as PID[:MIB][:KIND][@GI/CI]; returns what snprintf does. */
+static size_t proc_format(const struct fake_proc *p, const char *sep, char *out, size_t cap)
+{
+    char mem[32] = "", kinds[64] = "", mig[32] = "";
+    size_t x, used = 0;
+    if (p->mem != NVML_VALUE_NOT_AVAILABLE_ULL)
+        snprintf(mem, sizeof mem, ":%llu", p->mem >> 20);
+    if (p->kinds != K_COMPUTE)
+        for (x = 0; x < sizeof proc_kinds / sizeof proc_kinds[0]; x++)
+            if (p->kinds & proc_kinds[x].bit)
+                used += (size_t)snprintf(kinds + used, sizeof kinds - used, "%s%s", used ? "+" : ":",
+                                         proc_kinds[x].name);
+    if (p->gi != ID_ANY)
+        snprintf(mig, sizeof mig, "@%u/%u", p->gi, p->ci);
+    return (size_t)snprintf(out, cap, "%s%u%s%s%s", sep, p->pid, mem, kinds, mig);
+}
+
 static void ctl_state(char *out, size_t cap)
 {
     size_t used;
@@ -1063,6 +1269,12 @@ static void ctl_state(char *out, size_t cap)
                 used += (size_t)snprintf(out + used, cap - used, "%s%s/%u/%u/%s", k ? "," : "",
                                          mig_profiles[m->profile].name, m->gi, m->ci, m->uuid);
             }
+        }
+        if (d->nprocs && used < cap) {   /* procs=<list> in the syntax procs= takes */
+            int k;
+            used += (size_t)snprintf(out + used, cap - used, " procs=");
+            for (k = 0; k < d->nprocs && used < cap; k++)
+                used += proc_format(&d->procs[k], k ? "," : "", out + used, cap - used);
         }
     }
 }
@@ -1165,7 +1377,7 @@ static void ctl_command(char *line, char *out, size_t cap)
         return;
     }
     if (!strcmp(cmd, "add")) {
-        int slot = add_gpu(tok + 1, n - 1, err, sizeof err);
+        int slot = add_gpu(tok + 1, n - 1, 1, err, sizeof err);
         if (slot < 0)
             snprintf(out, cap, "error: add: %s", err);
         else
@@ -1187,7 +1399,7 @@ static void ctl_command(char *line, char *out, size_t cap)
 
     /* The remaining commands all take a GPU as the first argument. */
     static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove",
-                                     "pending_pages", "remap", "recovery_action", "mig"};
+                                     "pending_pages", "remap", "recovery_action", "mig", "procs"};
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -1293,6 +1505,19 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->remap_failure = (unsigned)l2;
         d->corr_rows = (unsigned)corr;
         d->unc_rows = (unsigned)unc;
+        snprintf(out, cap, "ok");
+    } else if (!strcmp(cmd, "procs")) {
+        struct fake_proc procs[PROCS_MAX];
+        int np;
+        if (need_args(n, 3, "procs <gpu> <pid>[:<mib>][:<kind>][@<gi>/<ci>][,...] | -", out, cap))
+            return;
+        np = parse_procs(tok[2], procs, err, sizeof err);
+        if (np < 0 || procs_check_mig(d, procs, np, err, sizeof err)) {
+            snprintf(out, cap, "error: procs: %s", err);
+            return;
+        }
+        memcpy(d->procs, procs, (size_t)np * sizeof procs[0]);
+        d->nprocs = np;
         snprintf(out, cap, "ok");
     } else if (!strcmp(cmd, "mig")) {
         if (n == 4 && !strcmp(tok[2], "mode")) {
@@ -2347,6 +2572,120 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         }
     }
     return done(NVML_SUCCESS);
+}
+
+/* ---- exported: running processes ----------------------------------------------- */
+
+/*
+ * nvml.h: *infoCount in: room in infos, out: the processes returned, or on
+ * INSUFFICIENT_SIZE the room needed.  infos may be NULL only with
+ * *infoCount 0, the size query (SUCCESS when nothing runs).  A GPU handle
+ * gets all its processes (what NVML gives a privileged caller in MIG mode),
+ * a MIG device handle those on that GPU/compute instance.
+ */
+static int proc_listed(const struct fake_proc *p, unsigned kind, const struct fake_mig *mig)
+{
+    return (p->kinds & kind) && (!mig || (p->gi == mig->gi && p->ci == mig->ci));
+}
+
+static nvmlReturn_t running_procs(nvmlDevice_t device, unsigned int *infoCount, void *infos, unsigned kind,
+                                  int legacy)
+{
+    unsigned need = 0, k = 0;
+    int i;
+    ANY_BEGIN(device);
+    REQUIRE(infoCount);
+    SUPPORTED(U_PROCESSES);
+    REQUIRE(infos || *infoCount == 0);
+    for (i = 0; i < d->nprocs; i++)
+        need += (unsigned)proc_listed(&d->procs[i], kind, mig);
+    if (*infoCount < need) {
+        *infoCount = need;
+        return done(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (i = 0; i < d->nprocs; i++) {
+        const struct fake_proc *p = &d->procs[i];
+        if (!proc_listed(p, kind, mig))
+            continue;
+        if (legacy) {
+            nvmlProcessInfo_v1_t *o = (nvmlProcessInfo_v1_t *)infos + k++;
+            memset(o, 0, sizeof *o);
+            o->pid = p->pid;
+            o->usedGpuMemory = p->mem;
+        } else {
+            nvmlProcessInfo_t *o = (nvmlProcessInfo_t *)infos + k++;
+            memset(o, 0, sizeof *o);
+            o->pid = p->pid;
+            o->usedGpuMemory = p->mem;
+            o->gpuInstanceId = p->gi;
+            o->computeInstanceId = p->ci;
+        }
+    }
+    *infoCount = need;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetComputeRunningProcesses_v3);
+    return running_procs(device, infoCount, infos, K_COMPUTE, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetComputeRunningProcesses_v2);
+    return running_procs(device, infoCount, infos, K_COMPUTE, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                  nvmlProcessInfo_v1_t *infos)
+{
+    COUNT(nvmlDeviceGetComputeRunningProcesses);
+    return running_procs(device, infoCount, infos, K_COMPUTE, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetGraphicsRunningProcesses_v3);
+    return running_procs(device, infoCount, infos, K_GRAPHICS, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetGraphicsRunningProcesses_v2);
+    return running_procs(device, infoCount, infos, K_GRAPHICS, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                   nvmlProcessInfo_v1_t *infos)
+{
+    COUNT(nvmlDeviceGetGraphicsRunningProcesses);
+    return running_procs(device, infoCount, infos, K_GRAPHICS, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetMPSComputeRunningProcesses_v3);
+    return running_procs(device, infoCount, infos, K_MPS, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos)
+{
+    COUNT(nvmlDeviceGetMPSComputeRunningProcesses_v2);
+    return running_procs(device, infoCount, infos, K_MPS, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v1_t *infos)
+{
+    COUNT(nvmlDeviceGetMPSComputeRunningProcesses);
+    return running_procs(device, infoCount, infos, K_MPS, 1);
 }
 
 /* ---- exported: events ----------------------------------------------------------- */

@@ -9,6 +9,7 @@ control socket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import socket
@@ -27,7 +28,9 @@ __all__ = [
     "Control",
     "ControlError",
     "FakeNvmlBuildError",
+    "GpuProcess",
     "MigProfile",
+    "ProcessKind",
     "build",
     "environ",
     "mig_minor",
@@ -47,6 +50,51 @@ GpuRef: TypeAlias = "int | str"
 MigProfile: TypeAlias = Literal["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
 # The H100 80GB MIG profiles the fake knows, in its table order.
 MIG_PROFILES: tuple[MigProfile, ...] = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
+
+# Which running-process query lists a process: nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses.
+ProcessKind: TypeAlias = Literal["compute", "graphics", "mps"]
+_PROCESS_KINDS: tuple[ProcessKind, ...] = ("compute", "graphics", "mps")
+_PROCS_MAX = 64  # PROCS_MAX in the C: processes per GPU
+_MIG_MAX_GI = 14
+_MIG_MAX_CI = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProcess:
+    """A process the fake reports as running on a GPU (``procs=`` / the ``procs`` command).
+
+    ``used_mib`` None makes NVML report ``usedGpuMemory`` as NVML_VALUE_NOT_AVAILABLE
+    (pynvml: None).  ``kinds`` picks the queries that list it (``("compute", "graphics")``
+    is nvidia-smi's "C+G").  ``mig`` (gi, ci) puts it on the GPU's MIG device with
+    those ids, which must exist when the command runs.
+    """
+
+    pid: int
+    used_mib: int | None = None
+    kinds: tuple[ProcessKind, ...] = ("compute",)
+    mig: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.pid <= 0xFFFFFFFF:
+            raise ValueError(f"pid out of range: {self.pid}")
+        if self.used_mib is not None and not 0 <= self.used_mib <= 1 << 30:
+            raise ValueError(f"used_mib out of range: {self.used_mib}")
+        if not self.kinds or len(set(self.kinds)) != len(self.kinds) or set(self.kinds) - set(_PROCESS_KINDS):
+            raise ValueError(f"bad process kinds: {self.kinds!r}")
+        if self.mig is not None and not (0 <= self.mig[0] <= _MIG_MAX_GI and 0 <= self.mig[1] <= _MIG_MAX_CI):
+            raise ValueError(f"no such MIG device ids (gi 0-{_MIG_MAX_GI}, ci 0-{_MIG_MAX_CI}): {self.mig}")
+
+    def spec(self) -> str:
+        """The ``PID[:MIB][:KIND][@GI/CI]`` text the C side parses (and its ``state`` reply shows)."""
+        text = str(self.pid)
+        if self.used_mib is not None:
+            text += f":{self.used_mib}"
+        if self.kinds != ("compute",):
+            text += ":" + "+".join(k for k in _PROCESS_KINDS if k in self.kinds)
+        if self.mig is not None:
+            text += f"@{self.mig[0]}/{self.mig[1]}"
+        return text
+
 
 _FNV_PRIME = 0x100000001B3
 _MASK64 = (1 << 64) - 1
@@ -275,6 +323,20 @@ class Control:
         if any(not p or "," in p or p.split() != [p] for p in profiles):
             raise ValueError(f"bad MIG profile names: {list(profiles)!r}")
         return self.send(f"mig {gpu} layout {','.join(profiles) or '-'}")
+
+    def procs(self, gpu: GpuRef, procs: Sequence[GpuProcess | int]) -> str:
+        """Replace the processes running on the GPU (an int is a compute process of unknown memory use).
+
+        Takes effect at once, without an event; an empty sequence clears them.
+        ``restore`` keeps them; a MIG layout change or MIG mode off ends those
+        on MIG devices.
+        """
+        if isinstance(procs, (str, bytes)):
+            raise TypeError("procs must be a sequence of GpuProcess or pids, not one string")
+        if len(procs) > _PROCS_MAX:
+            raise ValueError(f"at most {_PROCS_MAX} processes per GPU")
+        items = [p if isinstance(p, GpuProcess) else GpuProcess(p) for p in procs]
+        return self.send(f"procs {gpu} {','.join(p.spec() for p in items) or '-'}")
 
     def init_error(self, code: int) -> str:
         """Make later nvmlInit calls fail with ``code`` (0 clears it)."""
