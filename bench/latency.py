@@ -86,7 +86,7 @@ def bench_udev(node: SimulatedNode, samples: int) -> tuple[list[float], list[flo
             uuid = f"GPU-bench{i:03d}-0000-4000-8000-000000000000"
             # Domain 0001: clear of the scenario's GPUs.
             bus = f"0001:{i % 256:02x}:{i // 256:02x}.0"
-            node.control.add(f"uuid={uuid} minor={100 + i % 100} bus={bus} numa=1")
+            node.add_gpu(f"uuid={uuid} minor={100 + i % 100} bus={bus} numa=1")
             t0 = time.monotonic()
             udev.send(pci_event("add", bus, driver=None))
             adds.append(first_update(node, t0, count(9)) - t0)

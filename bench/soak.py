@@ -114,7 +114,7 @@ class Soak:
         bus = f"0002:{slot:02x}:00.0"
         uuid = f"GPU-50a00000-0000-4000-8000-{self.serial:012d}"
         try:
-            self.node.control.add(f"uuid={uuid} minor={100 + slot} bus={bus} numa=1")
+            self.node.add_gpu(f"uuid={uuid} minor={100 + slot} bus={bus} numa=1")
         except ControlError:
             # The slot's last GPU came back: a restore of it raced its removal. Try another step.
             return False

@@ -17,6 +17,8 @@ from .devices import add_arguments as add_devices
 from .devices import run as run_devices
 from .doctor import add_arguments as add_doctor
 from .doctor import run as run_doctor
+from .healcli import add_arguments as add_heal
+from .healcli import run as run_heal
 from .resources import resource_specs, unserved_sharing
 
 log = logging.getLogger("nvplug")
@@ -52,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--status-listen", default=None,
                      help="serve /healthz, /status and /metrics here: off, unix:/path or host:port "
                           "(default: the config's nvplug.status.listen, unix:/run/nvplug/status.sock)")  # fmt: skip
+    run.add_argument("--state-dir", type=Path, default=None,
+                     help="where the health state file is kept across restarts (default: $STATE_DIRECTORY "
+                          "as systemd sets it, else /var/lib/nvplug)")  # fmt: skip
 
     reload = sub.add_parser("reload", help="ask the running daemon to re-read its config (SIGHUP)")
     reload.add_argument(
@@ -60,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
 
     add_doctor(sub.add_parser("doctor", help="check the chain from the kernel driver to the kubelet, step by step"))
     add_devices(sub.add_parser("devices", help="list every GPU: health, what it is advertised as, NVLink peers"))
+    add_heal(
+        sub.add_parser(
+            "heal",
+            help="tell the daemon a GPU was repaired (it probes it), or reset it with --reset",
+            description="A GPU whose fault needs a reset stays Unhealthy until evidence of one. `nvplug heal GPU` "
+            "gives the operator's word as that evidence; `--reset` first checks that no process uses the GPU, "
+            "then resets it with `nvidia-smi -r`. Either way a probe must pass. Exit 0 when the GPU is Healthy "
+            "afterwards, 1 when it is not or the request was refused, 2 when the daemon cannot be asked.",
+        )
+    )
 
     demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
     demo.add_argument(
@@ -139,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_doctor(args)
     if args.command == "devices":
         return run_devices(args)
+    if args.command == "heal":
+        return run_heal(args)
     if args.command == "config":
         return _config_command(args)
     logs.setup(args.log_level)
@@ -155,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config_path=args.config,
         proc_root=args.proc_root,
         status_listen=args.status_listen,
+        state_dir=args.state_dir,
     )
     try:
         asyncio.run(serve(options))

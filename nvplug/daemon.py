@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ from .events.bus import EventBus
 from .events.kubelet_dir import KubeletDirWatch
 from .events.scanner import Scanner
 from .events.udev import UdevSource
+from .heal import Healer
 from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
 from .resources import Spec, mig_plan
-from .state import Change, NodeState
+from .state import Change, NodeState, Snapshot
+from .statefile import StateFile, read_boot_id, state_dir
 from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_route, reason_class, status_document
 from .systemd import Notifier
 from .xid import XidPolicy
@@ -55,6 +58,8 @@ class Options:
     proc_root: Path = Path("/proc")
     # Overrides the config's nvplug.status.listen.
     status_listen: str | None = None
+    # --state-dir: where the health state file lives, unless systemd says ($STATE_DIRECTORY).
+    state_dir: Path | None = None
 
 
 @dataclass
@@ -73,10 +78,14 @@ class Daemon:
         self.options = options
         self.config = options.config
         health = options.config.health
-        self.state = NodeState(XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids))
+        self.state_file = StateFile(state_dir(options.state_dir, os.environ), read_boot_id(options.proc_root))
+        self.state = NodeState(
+            XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids), restored=self.state_file.load()
+        )
         self.notifier = notifier or Notifier()
         self._plugins: list[_Plugin] = []
         self._reprober: Reprober | None = None
+        self._scanner: Scanner | None = None
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
@@ -107,7 +116,10 @@ class Daemon:
         # GPUs found (MIG profiles), so they are made after the first scan.
         policy = allocation_policy(opts.config)
 
-        scanner = Scanner(Nvml(opts.sysfs_root, opts.proc_root), bus.publish, bus.publish_threadsafe)
+        scanner = Scanner(
+            Nvml(opts.sysfs_root, opts.proc_root), bus.publish, bus.publish_threadsafe, dev_root=opts.dev_root
+        )
+        self._scanner = scanner
         health = opts.config.health
         reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
         self._reprober = reprober
@@ -126,6 +138,8 @@ class Daemon:
             # Applied before serving, so the kubelet's first list is the real one.
             first = await scanner.scan()
             self._apply(first, reprober)
+            # Also when nothing changed: a file from an earlier boot is replaced by this boot's.
+            self.state_file.save(self.state.current.records())
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
             await self._apply_resources(self._planned(self.config), policy)
@@ -138,6 +152,7 @@ class Daemon:
                     ),
                     "/metrics": lambda: (200, PROMETHEUS_TEXT, self.metrics.render()),
                 },
+                {"/heal": Healer(self.state, scanner, self._handle).route},
             )
             try:
                 await status.start()
@@ -145,7 +160,7 @@ class Daemon:
                 log.error("status endpoint %s unavailable: %s", status.listen, err)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready(self._status_line())
-            tasks.append(asyncio.create_task(self._dispatch(bus, scanner, reprober), name="dispatch"))
+            tasks.append(asyncio.create_task(self._dispatch(bus), name="dispatch"))
             if self.notifier.watchdog_interval is not None:
                 tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             tasks.append(asyncio.create_task(scanner.run(), name="scanner"))
@@ -194,10 +209,14 @@ class Daemon:
         plugin.registering = asyncio.create_task(plugin.registrar.run(), name=f"register {plugin.spec.name}")
         plugin.registering.add_done_callback(self._registrar_ended)
 
-    async def _close(self, plugin: _Plugin) -> None:
+    async def _close(self, plugin: _Plugin, retire: bool = False) -> None:
+        """`retire`: the resource stops being served, so the kubelet gets an empty list first;
+        otherwise it would keep the stale capacity for its endpoint grace period. Never at SIGTERM."""
         if plugin.registering is not None:
             plugin.registering.cancel()
             await asyncio.gather(plugin.registering, return_exceptions=True)
+        if retire:
+            await plugin.server.service.retire()
         await plugin.server.stop()
 
     def _registrar_ended(self, task: asyncio.Task[None]) -> None:
@@ -215,8 +234,10 @@ class Daemon:
                 keep.append(plugin)
                 del wanted[plugin.spec.name]
             else:
-                log.info("%s: advertised differently now: stopping its server", plugin.spec.name)
-                await self._close(plugin)
+                gone = plugin.spec.name not in wanted
+                how = "no longer served: sending an empty list" if gone else "advertised differently now"
+                log.info("%s: %s, stopping its server", plugin.spec.name, how)
+                await self._close(plugin, retire=gone)
         fresh = [self._make_plugin(spec, policy) for spec in wanted.values()]
         self._plugins = keep + fresh
         if self._kubelet_dir is not None:
@@ -224,32 +245,37 @@ class Daemon:
         for plugin in fresh:
             await self._open(plugin)
 
-    async def _dispatch(self, bus: EventBus, scanner: Scanner, reprober: Reprober) -> None:
+    async def _dispatch(self, bus: EventBus) -> None:
         while True:
-            event = await bus.next()
-            if isinstance(event, (KubeletSocketCreated, MigConfigChanged, PluginSocketRemoved)):
-                self._count(event)  # the others are counted as they are applied
-            if isinstance(event, KubeletSocketCreated):
-                log.info("kubelet.sock appeared: registering")
-                for plugin in self._plugins:
-                    self._reconnect(plugin, registered_again=True)
-            elif isinstance(event, MigConfigChanged):
-                scanner.request(f"MIG layout of {event.uuid} changed")
-            elif isinstance(event, PluginSocketRemoved):
-                for plugin in self._plugins:
-                    if str(plugin.server.socket_path) == event.path:
-                        self._reconnect(plugin, registered_again=False)
-            else:
-                if isinstance(event, PciChanged):
-                    log.info("udev: %s %s %s", event.action, event.bus_id, event.driver or "")
-                    if event.action in RESCAN_ACTIONS:
-                        scanner.request(f"udev {event.action} of {event.bus_id}")
-                self._apply(event, reprober)
-                if isinstance(event, InventoryFound):
-                    # A MIG layout change can add or remove whole resources.
-                    specs = self._planned(self.config)
-                    if specs != [p.spec for p in self._plugins]:
-                        await self._apply_resources(specs, allocation_policy(self.config))
+            await self._handle(await bus.next())
+
+    async def _handle(self, event: Event) -> None:
+        """One event, from a source through the bus or from an operator's heal."""
+        scanner, reprober = self._scanner, self._reprober
+        assert scanner is not None and reprober is not None  # set before any event is handled
+        if isinstance(event, (KubeletSocketCreated, MigConfigChanged, PluginSocketRemoved)):
+            self._count(event)  # the others are counted as they are applied
+        if isinstance(event, KubeletSocketCreated):
+            log.info("kubelet.sock appeared: registering")
+            for plugin in self._plugins:
+                self._reconnect(plugin, registered_again=True)
+        elif isinstance(event, MigConfigChanged):
+            scanner.request(f"MIG layout of {event.uuid} changed")
+        elif isinstance(event, PluginSocketRemoved):
+            for plugin in self._plugins:
+                if str(plugin.server.socket_path) == event.path:
+                    self._reconnect(plugin, registered_again=False)
+        else:
+            if isinstance(event, PciChanged):
+                log.info("udev: %s %s %s", event.action, event.bus_id, event.driver or "")
+                if event.action in RESCAN_ACTIONS:
+                    scanner.request(f"udev {event.action} of {event.bus_id}")
+            self._apply(event, reprober)
+            if isinstance(event, InventoryFound):
+                # A MIG layout change can add or remove whole resources.
+                specs = self._planned(self.config)
+                if specs != [p.spec for p in self._plugins]:
+                    await self._apply_resources(specs, allocation_policy(self.config))
 
     def _apply(self, event: Event, reprober: Reprober) -> None:
         arrived = time.monotonic()
@@ -260,14 +286,19 @@ class Daemon:
             self._event_times[self.state.current.revision] = arrived
             if len(self._event_times) > 1024:
                 del self._event_times[min(self._event_times)]
+        snap = self.state.current
+        if changes:
+            # Evidence starts re-probes of a GPU, and a probe at once.
+            reprober.follow(snap)
         for change in changes:
-            _log_change(change)
+            _log_change(change, snap)
             if change.what == "recovery evidence" and change.gpu is not None:
                 reprober.now(change.gpu.uuid)
             if change.what in ("healthy", "unhealthy"):
                 self.metrics.transitions.labels(change.what, reason_class(change.reason)).inc()
+        if snap.revision != before:
+            self.state_file.save(snap.records())
         if changes:
-            reprober.follow(self.state.current)
             self._update_status()
 
     def _count(self, event: Event) -> None:
@@ -306,7 +337,9 @@ class Daemon:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
         ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
         if ready and not self._plan_error:
-            return 200, "text/plain", b"ok\n"
+            # Serving; but say which devices are out because Allocate could not hand them out.
+            unready = [p for p in self._status_line().split("; ") if "cannot be allocated" in p]
+            return 200, "text/plain", "; ".join(["ok", *unready]).encode() + b"\n"
         return 503, "text/plain", (self._status_line() or "nothing to advertise").encode() + b"\n"
 
     async def _watchdog(self, interval: float) -> None:
@@ -333,6 +366,9 @@ class Daemon:
             parts.append(f"health events unavailable: {snap.health_watch_error}")
         if self._plan_error:
             parts.append(f"advertising nothing: {self._plan_error}")
+        if snap.unready:
+            uuid, problem = next(iter(snap.unready.items()))
+            parts.append(f"{len(snap.unready)} devices cannot be allocated: {uuid}: {problem}")
         return "; ".join(parts)
 
     def _update_status(self) -> None:
@@ -419,6 +455,7 @@ _SOURCES = {
     "NvmlFailed": "nvml",
     "ProbeResult": "nvml",
     "HealthReported": "nvml",
+    "EvidenceFound": "operator",
     "XidOccurred": "nvml",
     "RecoveryActionChanged": "nvml",
     "HealthWatchChanged": "nvml",
@@ -434,17 +471,23 @@ _NODE_CHANGES = {
     "health watch failed": (logging.ERROR, "NVML health events cannot be received: {}; GPU faults go unseen"),
     "health watch running": (logging.INFO, "NVML health events are being received{}"),
 }
-_GPU_WARNINGS = {"unhealthy", "removed", "xid without catalog action"}
+_GPU_WARNINGS = {"unhealthy", "fault while unhealthy", "restored unhealthy", "removed", "xid without catalog action"}
 
 
-def _log_change(change: Change) -> None:
-    if change.gpu is None:
+def _log_change(change: Change, snap: Snapshot) -> None:
+    gpu = change.gpu
+    if gpu is None:
         level, text = _NODE_CHANGES.get(change.what, (logging.INFO, change.what + ": {}"))
         log.log(level, text.format(change.reason))
         return
     reason = f": {change.reason}" if change.reason else ""
     level = logging.WARNING if change.what in _GPU_WARNINGS else logging.INFO
-    log.log(level, "%s %s%s", change.gpu.label, change.what, reason)
+    waiting = ""
+    if change.what in ("unhealthy", "fault while unhealthy", "restored unhealthy", "recovery evidence"):
+        # The operator reads here what the GPU needs before it is offered again.
+        needs = [s.waiting_for(gpu.bus_id, gpu.index) for _, s in snap.devices_of(gpu) if not s.healthy]
+        waiting = f"; waiting for {needs[0]}" if needs and needs[0] else ""
+    log.log(level, "%s %s%s%s", gpu.label, change.what, reason, waiting)
 
 
 async def serve(options: Options) -> None:

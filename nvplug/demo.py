@@ -91,7 +91,7 @@ def _demo(root: Path, log_level: str) -> int:
         new_uuid = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
         if os.geteuid() == 0:
             say("5. Hot-adding a ninth GPU: udev add and bind of 0000:cc:00.0")
-            node.control.add(f'uuid={new_uuid} name="NVIDIA H100 80GB HBM3" minor=8 bus=0000:CC:00.0 numa=1')
+            node.add_gpu(f'uuid={new_uuid} name="NVIDIA H100 80GB HBM3" minor=8 bus=0000:CC:00.0 numa=1')
             added = time.monotonic()
             with UdevSender() as udev:
                 udev.send(pci_event("add", "0000:cc:00.0", driver=None))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .gpu import Gpu
-from .health import Health
+from .health import Clears
 from .mig import CapMinors
 from .topology import Topology
 
@@ -18,6 +19,10 @@ class ProbeResult:
     failure: str | None  # None: the probe passed
     # What prompted the probe, told to the operator when the GPU recovers.
     evidence: str = "probe"
+    # What would clear the failure: a pending repair (retired pages, remapped rows) needs a reset.
+    clears: Clears = Clears.PROBE
+    # NVML's recovery action (field 230) as the probe read it; 0 when none or not reported.
+    recovery_action: int = 0
 
     @property
     def passed(self) -> bool:
@@ -34,6 +39,10 @@ class InventoryFound:
     cap_minors: CapMinors = field(default_factory=CapMinors)
     # GPUs still counted by NVML but lost: ones we knew stay, Unhealthy, rather than vanish.
     lost: int = 0
+    # Which load of the kernel driver this is; a new one means every GPU was reset. None: unknown.
+    driver_instance: str | None = None
+    # Devices (GPU or MIG UUIDs) that Allocate could not hand out, and why.
+    unready: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,20 @@ class NvmlFailed:
 
 @dataclass(frozen=True)
 class HealthReported:
-    """Direct evidence about one GPU's health (lost, ECC, poison), with the reason."""
+    """Direct evidence of a fault of one GPU (lost, ECC, poison), with the reason."""
 
     uuid: str
-    health: Health
     reason: str
+    # ECC and poison need a reset; a GPU that only went unreachable clears on a passing probe.
+    clears: Clears = Clears.RESET
+
+
+@dataclass(frozen=True)
+class EvidenceFound:
+    """Evidence that a GPU was repaired, from outside NVML: an operator's heal, a reset nvplug ran."""
+
+    uuid: str
+    evidence: str
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,7 @@ Event = (
     | ProbeResult
     | NvmlFailed
     | HealthReported
+    | EvidenceFound
     | XidOccurred
     | RecoveryActionChanged
     | MigConfigChanged

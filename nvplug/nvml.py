@@ -19,6 +19,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from .event import ProbeResult
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice, normalize_bus_id
+from .health import Clears
 from .mig import CapMinors, profile_name, read_mig_minors
 from .topology import Link, PcieLevel, Topology
 
@@ -49,6 +50,8 @@ class Discovery:
     cap_minors: CapMinors = field(default_factory=CapMinors)
     # GPUs NVML counts but whose identity is unreadable because they are lost.
     lost: int = 0
+    # Which load of the kernel driver this is; None where sysfs cannot tell.
+    driver_instance: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,28 +84,31 @@ def probe_gpu(uuid: str, evidence: str) -> ProbeResult:
         if read_back != uuid:
             return ProbeResult(uuid, f"UUID reads back as {read_back}", evidence)
         pynvml.nvmlDeviceGetPciInfo(handle)
-        failure = _pending_repair(handle)
+        return _pending_repair(uuid, handle, evidence)
     except pynvml.NVMLError as err:
-        failure = str(err)
-    return ProbeResult(uuid, failure, evidence)
+        # Unreachable: answering again is the evidence it needs.
+        return ProbeResult(uuid, str(err), evidence)
 
 
-def _pending_repair(handle: Any) -> str | None:
-    """What the driver still wants fixed; checks the driver lacks count as passed."""
+def _pending_repair(uuid: str, handle: Any, evidence: str) -> ProbeResult:
+    """What the driver still wants fixed, which takes a reset; checks the driver lacks count as passed."""
     notes = _Notes()
+    action = notes.optional(lambda: recovery_action(handle), "", "recovery action") or 0
+    failure = None
     if notes.optional(lambda: int(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)), "", "page retirement status"):
-        return "page retirement pending"
+        failure = "page retirement pending"
     rows = notes.optional(lambda: pynvml.nvmlDeviceGetRemappedRows(handle), "", "remapped rows")
-    if rows is not None and rows[3]:
-        return "row remapping failed"
-    if rows is not None and rows[2]:
-        return "row remap pending"
-    action = notes.optional(lambda: recovery_action(handle), "", "recovery action")
-    if action:
-        return f"NVML recovery action pending ({action})"
+    if failure is None and rows is not None and rows[3]:
+        failure = "row remapping failed"
+    if failure is None and rows is not None and rows[2]:
+        failure = "row remap pending"
+    if failure is None and action:
+        failure = f"NVML recovery action pending ({action})"
+    if failure is not None:
+        return ProbeResult(uuid, failure, evidence, Clears.RESET, action)
     if notes.problems:
-        return "; ".join(notes.problems)
-    return None
+        return ProbeResult(uuid, "; ".join(notes.problems), evidence, Clears.PROBE, action)
+    return ProbeResult(uuid, None, evidence)
 
 
 def recovery_action(handle: Any) -> int | None:
@@ -212,6 +218,19 @@ class Nvml:
         with session():
             return probe_gpu(uuid, evidence)
 
+    def processes(self, uuid: str) -> tuple[int, ...]:
+        """The pids of compute and graphics processes on the GPU (its MIG devices' too). Raises NvmlUnavailable."""
+        with session():
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                found = [
+                    *pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
+                    *pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
+                ]
+            except pynvml.NVMLError as err:
+                raise NvmlUnavailable(f"cannot list the processes on {uuid}: {err}") from err
+        return tuple(sorted({int(p.pid) for p in found}))
+
     def _read_all(self) -> Discovery:
         try:
             count = int(pynvml.nvmlDeviceGetCount())
@@ -231,7 +250,24 @@ class Nvml:
         topology = _read_topology(found, notes)
         gpus = tuple(gpu for gpu, _ in found)
         minors = read_mig_minors(self._proc_root) if any(g.mig for g in gpus) else CapMinors()
-        return Discovery(gpus, notes.summarize_absent(), tuple(notes.problems), driver, topology, minors, lost)
+        return Discovery(
+            gpus,
+            notes.summarize_absent(),
+            tuple(notes.problems),
+            driver,
+            topology,
+            minors,
+            lost,
+            self.driver_instance(),
+        )
+
+    def driver_instance(self) -> str | None:
+        """The inode of /sys/module/nvidia: sysfs numbers each new node afresh, so a reloaded
+        driver (which resets every GPU) shows a new one."""
+        try:
+            return str((self._sysfs_root / "module/nvidia").stat().st_ino)
+        except OSError:
+            return None
 
     def _read_gpu(self, index: int, handle: Any, notes: _Notes) -> Gpu:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))

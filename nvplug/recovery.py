@@ -1,6 +1,8 @@
-"""Re-probes of Unhealthy GPUs, and only of those, with exponential backoff.
+"""Re-probes of Unhealthy GPUs that a passing probe could heal, with exponential backoff.
 
-Healthy GPUs are never polled: their faults arrive as NVML events.
+Healthy GPUs are never polled: their faults arrive as NVML events. Nor is a GPU
+whose fault needs a reset and has no evidence of one yet: a probe proves
+nothing for it. Its evidence (udev, NVML, an operator) starts the probes.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class Reprober:
         self._wake: dict[str, asyncio.Event] = {}
 
     def follow(self, snapshot: Snapshot) -> None:
-        """Start re-probing GPUs that turned Unhealthy; stop for those healthy again or gone."""
-        unhealthy = {g.uuid for g in snapshot.unhealthy()}
+        """Start re-probing GPUs a probe could heal now; stop for those healthy again, gone or waiting."""
+        unhealthy = {g.uuid for g in snapshot.reprobe_due()}
         for uuid in list(self._tasks):
             if uuid not in unhealthy:
                 self._tasks.pop(uuid).cancel()

@@ -1,8 +1,10 @@
 """What operators see: /healthz, /status (JSON) and /metrics (Prometheus), on a local socket.
 
-A small HTTP/1.1 server on the event loop itself (GET only, one request per
-connection): the answers are read from the state, never from NVML, so a
-scrape cannot disturb the kubelet's requests.
+A small HTTP/1.1 server on the event loop itself (one request per
+connection): the GET answers are read from the state, never from NVML, so a
+scrape cannot disturb the kubelet's requests. POST routes act (`nvplug heal`);
+they are served on the root-only unix socket alone, never on TCP, and know
+who asked (SO_PEERCRED).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +86,7 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
                     "compute_instance": mig.compute_instance,
                     "health": own.health.value if own else None,
                     "reason": own.reason if own else None,
+                    "waiting_for": own.waiting_for(gpu.bus_id, gpu.index) if own else None,
                 }
             )
         gpus.append(
@@ -96,6 +101,9 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
                 "health": health.health.value,
                 "reason": health.reason,
                 "since": health.since,
+                "clears": health.clears.value if health.clears else None,
+                "evidence": health.evidence,
+                "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
                 "advertised": advertised.get(gpu.uuid, {}),
                 "nvlink_peers": peers,
                 "mig": migs,
@@ -178,15 +186,32 @@ class _ResourceCollector(Collector):
         yield from (devices, registered, ok, failed)
 
 
-Route = Callable[[], tuple[int, str, bytes]]
+Answer = tuple[int, str, bytes]
+Route = Callable[[], Answer]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of the unix socket, as the kernel says."""
+
+    pid: int
+    uid: int
+
+    def __str__(self) -> str:
+        return f"uid {self.uid} (pid {self.pid})"
+
+
+# A POST handler gets the request body and the peer.
+PostRoute = Callable[[bytes, Peer], Awaitable[Answer]]
 
 
 class StatusServer:
     """`unix:/path` (mode 0600) or `host:port`; `off` serves nothing."""
 
-    def __init__(self, listen: str, routes: Mapping[str, Route]) -> None:
+    def __init__(self, listen: str, routes: Mapping[str, Route], posts: Mapping[str, PostRoute] | None = None) -> None:
         self.listen = listen
         self._routes = routes
+        self._posts = posts or {}
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -215,14 +240,17 @@ class StatusServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
-            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            route = self._routes.get(target.split("?", 1)[0])
-            if method != "GET":
-                status, ctype, body = 405, "text/plain", b"GET only\n"
-            elif route is None:
+            request_line, _, headers = head.decode("latin-1").partition("\r\n")
+            method, target, _ = request_line.split(" ", 2)
+            path = target.split("?", 1)[0]
+            if method == "POST" and path in self._posts:
+                status, ctype, body = await self._post(path, headers, reader, writer)
+            elif method != "GET":
+                status, ctype, body = 405, "text/plain", b"GET only, or POST to /heal\n"
+            elif path not in self._routes:
                 status, ctype, body = 404, "text/plain", b"try /healthz, /status or /metrics\n"
             else:
-                status, ctype, body = route()
+                status, ctype, body = self._routes[path]()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
         writer.write(
@@ -234,8 +262,45 @@ class StatusServer:
             await writer.drain()
         writer.close()
 
+    async def _post(
+        self, path: str, headers: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> Answer:
+        peer = _peer(writer)
+        if peer is None:
+            # Acting on a GPU is for root on the node, never for whoever reaches a TCP port.
+            return 403, "text/plain", b"POST is served on the unix socket only\n"
+        length = 0
+        for line in headers.split("\r\n"):
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value.strip())
+        if not 0 <= length <= MAX_REQUEST:
+            return 413, "text/plain", b"request body too large\n"
+        body = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
+        return await self._posts[path](body, peer)
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+def _peer(writer: asyncio.StreamWriter) -> Peer | None:
+    """The peer of a unix socket connection; None on TCP."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return Peer(pid, uid)
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Content Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 def _prepare_socket_path(path: Path) -> Path:

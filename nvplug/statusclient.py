@@ -44,13 +44,20 @@ def _connection(listen: str, timeout: float) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
 
 
-def fetch(listen: str, path: str, timeout: float = 2.0) -> tuple[int, str]:
-    """GET `path` from the status endpoint at `listen`: (HTTP status, body). Raises StatusUnavailable."""
+def fetch(listen: str, path: str, timeout: float = 2.0, body: bytes | None = None) -> tuple[int, str]:
+    """GET `path` (POST `body`, when given) at the status endpoint `listen`: (HTTP status, body).
+
+    Raises StatusUnavailable.
+    """
     if listen == "off":
         raise StatusUnavailable("the status endpoint is turned off (nvplug.status.listen: off)")
     conn = _connection(listen, timeout)
     try:
-        conn.request("GET", path, headers={"Connection": "close"})
+        headers = {"Connection": "close"}
+        if body is None:
+            conn.request("GET", path, headers=headers)
+        else:
+            conn.request("POST", path, body=body, headers={**headers, "Content-Type": "application/json"})
         response = conn.getresponse()
         return response.status, response.read().decode(errors="replace")
     except FileNotFoundError as err:

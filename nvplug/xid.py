@@ -30,6 +30,9 @@ _FATAL = {
 # Application-level whatever bucket a catalog revision files them under (45 when alone).
 _APP_LEVEL_CODES = {43, 45}
 RECOVERY_ACTION_XID = 154
+# XIDs after which the driver's recovery action (NVML field 230) is read at once: 154 announces a
+# new one; 94, a contained error the GPU survives, may leave a reset "when convenient" behind it.
+READS_RECOVERY_ACTION = frozenset({RECOVERY_ACTION_XID, 94})
 
 
 class Verdict(enum.Enum):

@@ -14,7 +14,6 @@ from nvplug.allocation import (
 )
 from nvplug.event import HealthReported, InventoryFound
 from nvplug.gpu import Gpu
-from nvplug.health import Health
 from nvplug.resources import Resource, ResourceSpec
 from nvplug.state import NodeState
 
@@ -24,7 +23,7 @@ def resource() -> Resource:
     state = NodeState()
     gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0", minor=i) for i in range(4))
     state.apply(InventoryFound(gpus))
-    state.apply(HealthReported("GPU-3", Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
+    state.apply(HealthReported("GPU-3", "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
     return ResourceSpec().project(state.current)
 
 

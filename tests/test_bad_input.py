@@ -46,7 +46,6 @@ from nvplug.allocation import (
 )
 from nvplug.event import HealthReported, InventoryFound
 from nvplug.gpu import Gpu
-from nvplug.health import Health
 from nvplug.kubelet.api import deviceplugin_pb2 as pb
 from nvplug.kubelet.api import deviceplugin_pb2_grpc as pb_grpc
 from nvplug.resources import REPLICA_SEPARATOR, Resource, ResourceSpec
@@ -415,7 +414,7 @@ def resources(draw: st.DrawFn) -> Resource:
     state = NodeState()
     state.apply(InventoryFound(gpus, topology=Topology.of(links)))
     for i in draw(st.sets(st.integers(0, n - 1))):
-        state.apply(HealthReported(f"GPU-{i}", Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
+        state.apply(HealthReported(f"GPU-{i}", "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
     replicas = draw(st.sampled_from([1, 1, 2, 3, 4]))
     shared = draw(st.sets(st.integers(0, n - 1)))
     spec = ResourceSpec(

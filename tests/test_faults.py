@@ -227,7 +227,7 @@ def test_gpu_lost_right_before_allocate(node: SimulatedNode) -> None:
 def test_gpu_lost_during_a_rescan(node: SimulatedNode) -> None:
     gpus = start(node)
     lost = gpus[5]["uuid"]
-    node.control.add(NEW_GPU)
+    node.add_gpu(NEW_GPU)
     # At the same moment: the hotplug that rescans, and another GPU falling off the bus.
     send_uevent(pci_event("add", "0000:cc:00.0"))
     node.control.lose(5)

@@ -35,7 +35,7 @@ def udev(action: str, bus_id: str) -> None:
 
 def test_hot_added_gpu_appears_on_udev_add_and_bind(node: SimulatedNode) -> None:
     start(node)
-    node.control.add(NEW_GPU)
+    node.add_gpu(NEW_GPU)
     udev("add", "0000:cc:00.0")
     udev("bind", "0000:cc:00.0")
     node.kubelet.wait_for(registered_with(9), TIMEOUT)
@@ -87,7 +87,7 @@ def test_a_scan_alone_does_not_heal_an_xid(node: SimulatedNode) -> None:
     node.control.xid(1, 79)
     node.kubelet.wait_for(device_health(gpus[1]["uuid"], healthy=False), TIMEOUT)
     # Another GPU's hotplug rescans everything; GPU 1 has shown no evidence of a reset.
-    node.control.add(NEW_GPU)
+    node.add_gpu(NEW_GPU)
     udev("add", "0000:cc:00.0")
     node.kubelet.wait_for(registered_with(9), TIMEOUT)
     plugin = node.kubelet.plugin(GPU_RESOURCE)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nvplug import config
-from nvplug.event import InventoryFound, ProbeResult, XidOccurred
+from nvplug.event import EvidenceFound, InventoryFound, PciChanged, ProbeResult, XidOccurred
 from nvplug.gpu import Gpu, MigDevice
 from nvplug.health import Health
 from nvplug.mig import parse_mig_minors, profile_name, read_mig_minors
@@ -112,10 +112,13 @@ def test_instance_scoped_xid_marks_only_its_mig_device() -> None:
         ("MIG-0-2", Health.HEALTHY),
     ]
     assert state.current.health["GPU-0"].healthy
-    # A whole-GPU XID takes every MIG device of the GPU with it; its recovery brings them all back.
+    # A whole-GPU XID takes every MIG device of the GPU with it; its reset brings them all back.
     state.apply(XidOccurred("GPU-0", 48))
     assert all(not d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
     state.apply(ProbeResult("GPU-0", None, "re-probe 1"))
+    assert all(not d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+    state.apply(PciChanged("unbind", "0000:00:00.0"))
+    state.apply(ProbeResult("GPU-0", None, "scan"))
     assert all(d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
 
 
@@ -149,10 +152,16 @@ def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
         allocate(bare, ["MIG-0-0"], AllocationPolicy(), str, lambda p: False)
 
 
-def test_a_re_probe_of_the_gpu_heals_its_mig_device() -> None:
+def test_a_probe_of_the_gpu_heals_its_mig_device_once_the_evidence_is_in() -> None:
     state = node(mig_gpu(0, ["1g.10gb"] * 2))
     state.apply(XidOccurred("GPU-0", 46, gpu_instance=1, compute_instance=0))
-    assert [g.uuid for g in state.current.unhealthy()] == ["GPU-0"]  # so the GPU is re-probed
+    assert [g.uuid for g in state.current.unhealthy()] == ["GPU-0"]
+    # XID 46 needs a reset: no re-probes, and a probe alone proves nothing.
+    assert state.current.reprobe_due() == ()
+    state.apply(ProbeResult("GPU-0", None, "scan"))
+    assert not state.current.health["MIG-0-0"].healthy
+    state.apply(EvidenceFound("GPU-0", "the operator's word"))
+    assert [g.uuid for g in state.current.reprobe_due()] == ["GPU-0"]  # so the GPU is probed
     state.apply(ProbeResult("GPU-0", None, "re-probe 1 of the Unhealthy GPU"))
     assert state.current.health["MIG-0-0"].healthy and state.current.unhealthy() == ()
-    assert state.current.health["MIG-0-0"].reason == "recovered with its GPU: re-probe 1 of the Unhealthy GPU"
+    assert state.current.health["MIG-0-0"].reason == "recovered with its GPU: the operator's word"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from nvplug import statusclient
 from nvplug.testing import fakenvml
 from nvplug.testing.kubelet import FakeKubelet, KubeletThread
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
@@ -13,8 +14,10 @@ TIMEOUT = 15.0
 MIXED_LAYOUT = ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
 
 
-def mig_node(node: SimulatedNode, strategy: str, layouts: dict[int, list[str]]) -> list[dict[str, str]]:
-    """GPUs in `layouts` get MIG mode and those MIG devices; the minors table lists them all."""
+def mig_node(
+    node: SimulatedNode, strategy: str, layouts: dict[int, list[str]], minors: bool = True
+) -> list[dict[str, str]]:
+    """GPUs in `layouts` get MIG mode and those MIG devices; the minors table, if any, lists them all."""
     gpus = node.scenario_gpus()
     lines = node.scenario.read_text().splitlines()
     for index, profiles in layouts.items():
@@ -24,7 +27,8 @@ def mig_node(node: SimulatedNode, strategy: str, layouts: dict[int, list[str]]) 
     node.scenario.write_text("\n".join(lines) + "\n")
     # The driver's table lists every possible instance; list gi 1-7 on every GPU.
     table = {int(g["minor"]): [(gi, 0) for gi in range(1, 8)] for g in gpus}
-    fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
+    if minors:
+        fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
     node.config.write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
     node.kubelet.start()
     node.start_daemon()
@@ -108,3 +112,32 @@ def test_layout_change_adds_and_removes_resources(node: SimulatedNode) -> None:
     node.kubelet.wait_for(registered_with(1, "nvidia.com/mig-7g.80gb"), TIMEOUT)
     node.kubelet.wait_for(lambda k: "nvidia.com/mig-3g.40gb" not in streaming(k), TIMEOUT)
     assert counts(node) == {GPU_RESOURCE: 7, "nvidia.com/mig-7g.80gb": 1}
+    # A resource that stops being served says so with an empty list, or the kubelet would keep
+    # its capacity for the endpoint's grace period; then its stream ends cleanly.
+    gone = node.kubelet.plugin("nvidia.com/mig-3g.40gb")
+    # (Here the layout change already emptied it; the empty list is not sent twice.)
+    assert gone is not None and [len(u.devices) for u in gone.updates] == [1, 0]
+    assert gone.stream_end == "EOF" and gone.capacity == 0
+
+
+def test_mig_devices_without_capability_minors_are_advertised_unhealthy(node: SimulatedNode) -> None:
+    # A driver without /proc/driver/nvidia-caps/mig-minors: Allocate could not hand the devices out.
+    gpus = mig_node(node, "mixed", {1: ["3g.40gb", "3g.40gb"]}, minors=False)
+    node.kubelet.wait_for(registered_with(2, "nvidia.com/mig-3g.40gb"), TIMEOUT)
+    plugin = node.kubelet.plugin("nvidia.com/mig-3g.40gb")
+    assert plugin is not None
+    # Unhealthy from the first list on, never offered.
+    assert all(not d.healthy for u in plugin.updates for d in u.devices)
+    log = node.wait_log("cannot be allocated: no capability device minors listed for gpu 1 gi 1 ci 0")
+    assert gpus[1]["uuid"] in log
+    status = statusclient.status(f"unix:{node.status_socket}")
+    mig = status["gpus"][1]["mig"][0]
+    assert mig["health"] == "Unhealthy" and "no capability device minors listed" in mig["reason"]
+    assert "what Allocate needs" in mig["waiting_for"]
+    _, body = statusclient.fetch(f"unix:{node.status_socket}", "/healthz")
+    assert "2 devices cannot be allocated: " in body and "no capability device minors listed" in body
+    # The table appears (a driver that has it): the next scan finds it, and they are offered.
+    fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", {1: [(1, 0), (2, 0)]})
+    node.control.mig_layout(1, ["3g.40gb", "3g.40gb"])
+    node.kubelet.wait_for(lambda k: k.allocatable("nvidia.com/mig-3g.40gb") == 2, TIMEOUT)
+    node.wait_log("healthy: MIG 3g.40gb gi 1 ci 0")

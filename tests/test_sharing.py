@@ -118,5 +118,7 @@ def test_reload_that_changes_resources_registers_them_without_a_restart(node: Si
     node.kubelet.wait_for(registered_with(8, GPU_RESOURCE), TIMEOUT)
     small = node.kubelet.plugin("nvidia.com/gpu-small")
     assert small is not None and not small.stream_open
+    # Its last message was an empty list, so the kubelet dropped its capacity at once.
+    assert [len(u.devices) for u in small.updates] == [4, 0] and small.stream_end == "EOF"
     assert node.daemon.pid == pid and node.daemon.poll() is None
     assert not (node.plugin_dir / "nvplug-nvidia.com-gpu-small.sock").exists()

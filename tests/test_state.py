@@ -15,7 +15,7 @@ from nvplug.event import (
     XidOccurred,
 )
 from nvplug.gpu import Gpu, normalize_bus_id
-from nvplug.health import Health
+from nvplug.health import Clears, Health
 from nvplug.resources import ResourceSpec
 from nvplug.state import NodeState
 from nvplug.xid import XidPolicy
@@ -55,18 +55,18 @@ def test_health_transition_keeps_reason_and_time() -> None:
     state = NodeState(clock=lambda: now[0])
     state.apply(InventoryFound((gpu(0),)))
     now[0] = 20.0
-    changes = state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
+    changes = state.apply(HealthReported("GPU-00000000", "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS"))
     h = state.current.health["GPU-00000000"]
     assert (h.health, h.reason, h.since) == (Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS", 20.0)
     assert [c.what for c in changes] == ["unhealthy"]
     # The same verdict again is no news.
-    assert state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "again")) == []
+    assert state.apply(HealthReported("GPU-00000000", "again")) == []
     assert state.current.revision == 2
 
 
 def test_health_for_unknown_gpu_is_ignored() -> None:
     state = NodeState()
-    assert state.apply(HealthReported("GPU-nope", Health.UNHEALTHY, "x")) == []
+    assert state.apply(HealthReported("GPU-nope", "x")) == []
     assert state.current.revision == 0
 
 
@@ -98,8 +98,8 @@ def test_waiters_see_one_wakeup_for_a_burst() -> None:
         task = asyncio.create_task(watcher())
         await asyncio.sleep(0)
         state.apply(InventoryFound((gpu(0),)))
-        state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "x"))
-        state.apply(HealthReported("GPU-00000000", Health.HEALTHY, "y"))
+        state.apply(HealthReported("GPU-00000000", "x", Clears.PROBE))
+        state.apply(ProbeResult("GPU-00000000", None, "re-probe 1"))
         await task
         return woke[0], state.current.revision
 
@@ -112,7 +112,7 @@ def test_snapshot_is_immutable_for_readers() -> None:
     state = NodeState()
     state.apply(InventoryFound((gpu(0),)))
     snap = state.current
-    state.apply(HealthReported("GPU-00000000", Health.UNHEALTHY, "x"))
+    state.apply(HealthReported("GPU-00000000", "x"))
     assert snap.health["GPU-00000000"].health is Health.HEALTHY
 
 
@@ -217,6 +217,6 @@ def test_nvml_lost_after_working_makes_gpus_unhealthy_until_a_scan_probes_them()
     assert health_of(state, 0) == (Health.UNHEALTHY, "NVML unavailable: Driver Not Loaded")
     passed = tuple(ProbeResult(g.uuid, None, "scan") for g in state.current.gpus)
     state.apply(InventoryFound(state.current.gpus, passed))
-    assert health_of(state, 0) == (Health.HEALTHY, "recovered: NVML available again, probe passed")
+    assert health_of(state, 0) == (Health.HEALTHY, "recovered: scan, probe passed")
     # The GPU that was already Unhealthy for its own reason still needs its own evidence.
     assert health_of(state, 7)[0] is Health.UNHEALTHY

@@ -27,9 +27,9 @@ from ..event import (
     XidOccurred,
 )
 from ..gpu import Gpu
-from ..health import Health
+from ..health import Clears
 from ..nvml import recovery_action
-from ..xid import RECOVERY_ACTION_XID
+from ..xid import READS_RECOVERY_ACTION
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class NvmlEventWatch:
                     pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
             except pynvml.NVMLError as err:
                 if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                    self._emit(HealthReported(gpu.uuid, Health.UNHEALTHY, f"GPU is lost: {err}"))
+                    self._emit(HealthReported(gpu.uuid, f"GPU is lost: {err}", Clears.PROBE))
                 else:
                     log.error("%s: cannot subscribe to health events: %s", gpu.label, err)
                 continue
@@ -225,14 +225,14 @@ class NvmlEventWatch:
         if kind & XID:
             gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
             self._emit(XidOccurred(uuid, payload, None if gi == NO_INSTANCE else gi, None if ci == NO_INSTANCE else ci))
-            if payload == RECOVERY_ACTION_XID:
+            if payload in READS_RECOVERY_ACTION:
                 self._emit_recovery_action(data.device, uuid, None)
         elif kind & DOUBLE_BIT_ECC:
-            self._emit(HealthReported(uuid, Health.UNHEALTHY, "double-bit ECC error"))
+            self._emit(HealthReported(uuid, "double-bit ECC error"))
         elif kind & FATAL_POISON:
-            self._emit(HealthReported(uuid, Health.UNHEALTHY, "fatal poison error"))
+            self._emit(HealthReported(uuid, "fatal poison error"))
         elif kind & GPU_UNAVAILABLE:
-            self._emit(HealthReported(uuid, Health.UNHEALTHY, "GPU unavailable (NVML event)"))
+            self._emit(HealthReported(uuid, "GPU unavailable (NVML event)", Clears.PROBE))
         elif kind & RECOVERY_ACTION:
             self._emit_recovery_action(data.device, uuid, payload)
         elif kind & MIG_CONFIG_CHANGE:

@@ -11,13 +11,16 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from ..event import Event, InventoryFound, NvmlFailed, ProbeResult
 from ..nvml import Nvml, NvmlUnavailable
+from ..readiness import unready
 from ..retry import sleep_unless
 from .nvml import DEFAULT_WAIT_MS, NvmlEventWatch
 
@@ -36,8 +39,10 @@ class Scanner:
         publish: Callable[[Event], None],
         publish_threadsafe: Callable[[Event], None],
         wait_ms: int = DEFAULT_WAIT_MS,
+        dev_root: Path = Path("/"),
     ) -> None:
         self._nvml = nvml
+        self._dev_root = dev_root
         self._publish = publish
         self._publish_threadsafe = publish_threadsafe
         self._wait_ms = wait_ms
@@ -60,6 +65,23 @@ class Scanner:
             return await self._call(self._nvml.probe, uuid, evidence)
         except NvmlUnavailable as err:
             return ProbeResult(uuid, str(err), evidence)
+
+    async def processes(self, uuid: str) -> tuple[int, ...]:
+        """Pids on the GPU. Raises NvmlUnavailable."""
+        return await self._call(self._nvml.processes, uuid)
+
+    async def reset(self, command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """Run a GPU reset with our NVML reference dropped: a client holding the GPU blocks its reset.
+
+        The event watch is gone afterwards; the caller's next scan subscribes again.
+        """
+        return await self._call(self._reset_blocking, tuple(command), timeout)
+
+    def _reset_blocking(self, command: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
+        self._release_watch()
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
 
     async def run(self) -> None:
         """Serve rescan requests, retrying with backoff while NVML is unusable."""
@@ -111,7 +133,19 @@ class Scanner:
             watch = NvmlEventWatch(found.gpus, self._publish_threadsafe, self._wait_ms)
             watch.start()
             self._watch = watch
-        return InventoryFound(found.gpus, scan.probes, found.topology, found.cap_minors, found.lost)
+        problems = unready(found.gpus, found.cap_minors, self._node_exists)
+        return InventoryFound(
+            found.gpus,
+            scan.probes,
+            found.topology,
+            found.cap_minors,
+            found.lost,
+            found.driver_instance,
+            problems,
+        )
+
+    def _node_exists(self, path: str) -> bool:
+        return (self._dev_root / path.lstrip("/")).exists()
 
 
 def _log_retry(state: RetryCallState) -> None:

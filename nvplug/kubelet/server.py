@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -55,6 +56,11 @@ class DevicePluginService:
         # Told (resource, revision) as each ListAndWatch message goes out, for the latency metric.
         self._on_send = on_send
         self._closing = asyncio.Event()
+        self._retired = False
+        # Open ListAndWatch streams; `idle` is set while there are none.
+        self._streams = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def open(self) -> None:
         self._closing = asyncio.Event()
@@ -62,6 +68,17 @@ class DevicePluginService:
     def close(self) -> None:
         """End every ListAndWatch stream cleanly, without a last message."""
         self._closing.set()
+
+    async def retire(self, timeout: float = 1.0) -> None:
+        """The resource stops being served: each stream sends an empty list, then ends.
+
+        Waits (bounded) until every stream has handed its last message to gRPC, so that
+        stopping the server next cannot cut it off.
+        """
+        self._retired = True
+        self._closing.set()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
 
     def resource(self) -> Resource:
         return self._project(self._state.current)
@@ -77,10 +94,17 @@ class DevicePluginService:
         revision = -1
         last: pb.ListAndWatchResponse | None = None
         log.info("%s: kubelet opened ListAndWatch", self.resource_name)
+        self._streams += 1
+        self._idle.clear()
         try:
             while True:
                 snapshot = await self._next_snapshot(revision)
                 if snapshot is None:
+                    if self._retired and (last is None or last.devices):
+                        log.info(
+                            "%s: ListAndWatch sends an empty list: the resource is no longer served", self.resource_name
+                        )
+                        yield pb.ListAndWatchResponse()
                     return
                 revision = snapshot.revision
                 resource = self._project(snapshot)
@@ -100,6 +124,9 @@ class DevicePluginService:
                 self._on_send(self.resource_name, revision)
                 yield message
         finally:
+            self._streams -= 1
+            if not self._streams:
+                self._idle.set()
             log.info("%s: ListAndWatch stream closed", self.resource_name)
 
     async def _next_snapshot(self, revision: int) -> Snapshot | None:

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
-from . import fakenvml
+from . import fakenvml, nvidia_smi
 from .kubelet import FakeKubelet, KubeletThread
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -62,6 +63,14 @@ class SimulatedNode:
         self.log_path = root / "nvplug.log"
         self.scenario = root / "node.scenario"
         self.lib_dir = lib_dir or root / "lib"
+        # The health state file's directory, and this simulated boot's id (proc/sys/kernel/random/boot_id).
+        self.state_dir = root / "state"
+        self.boot_id_file = self.proc_root / "sys/kernel/random/boot_id"
+        # /sys/module/nvidia: its inode tells one load of the driver from the next.
+        self.driver_module = self.sysfs_root / "module/nvidia"
+        # A stand-in nvidia-smi on the daemon's PATH, recording its calls here.
+        self.bin_dir = root / "bin"
+        self.nvidia_smi_log = root / "nvidia-smi.log"
         self.kubelet = KubeletThread(self.plugin_dir)
         self.daemon: subprocess.Popen[bytes] | None = None
         self._log_pump: threading.Thread | None = None
@@ -73,6 +82,37 @@ class SimulatedNode:
             (self.dev_root / "dev" / name).touch()
         self.config.write_text("version: v1\n")
         shutil.copyfile(scenario, self.scenario)
+        self.new_boot()
+        self.driver_module.mkdir(parents=True, exist_ok=True)
+        for gpu in self.scenario_gpus():
+            self.add_device_node(gpu.get("minor"))
+        nvidia_smi.install(self.bin_dir, self.nvidia_smi_log)
+
+    def new_boot(self) -> str:
+        """A fresh boot id, as after a reboot."""
+        self.boot_id_file.parent.mkdir(parents=True, exist_ok=True)
+        boot = str(uuid.uuid4())
+        self.boot_id_file.write_text(boot + "\n")
+        return boot
+
+    def reload_driver(self) -> None:
+        """What a reloaded kernel module looks like in sysfs: /sys/module/nvidia made anew."""
+        fresh = self.driver_module.with_name("nvidia.new")
+        fresh.mkdir()
+        # Both exist at once, so the new one cannot reuse the old inode number.
+        shutil.rmtree(self.driver_module)
+        fresh.rename(self.driver_module)
+
+    def add_device_node(self, minor: str | int | None) -> None:
+        """/dev/nvidia<minor> under the dev root, as the driver creates it for each GPU."""
+        if minor is not None:
+            (self.dev_root / "dev" / f"nvidia{minor}").touch()
+
+    def add_gpu(self, spec: str) -> str:
+        """Hot-add a GPU to the fake library (`gpu` line syntax) with its device node."""
+        words = dict(w.split("=", 1) for w in shlex.split(spec) if "=" in w)
+        self.add_device_node(words.get("minor"))
+        return self.control.add(spec)
 
     def build_library(self) -> Path:
         return fakenvml.build(self.lib_dir)
@@ -91,6 +131,7 @@ class SimulatedNode:
             env.pop("LD_LIBRARY_PATH", None)
         if nvml == "fake":
             env = fakenvml.environ(self.lib_dir, self.scenario, self.control_path, env)
+            env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -113,6 +154,7 @@ class SimulatedNode:
             "--proc-root", str(self.proc_root),
             "--status-listen", f"unix:{self.status_socket}",
             "--config", str(self.config),
+            "--state-dir", str(self.state_dir),
             "--log-level", log_level,
             *extra,
         ]  # fmt: skip
