@@ -31,7 +31,9 @@ class Registrar:
 
     It never polls for kubelet.sock: `wake()` is called when the socket
     appears (or our own socket was re-created), and a backoff only paces
-    retries against a socket that exists but does not answer yet.
+    retries against a socket that exists but does not answer yet. A wake
+    also cancels a Register in flight: it went to a kubelet that is gone
+    or hung, and would hold the node without capacity for REGISTER_TIMEOUT.
     """
 
     def __init__(
@@ -57,7 +59,8 @@ class Registrar:
         self._on_change = on_change
 
     def wake(self) -> None:
-        """Register (again) now: the kubelet restarted or our socket was rebound."""
+        """Register (again) now: the kubelet restarted or our socket was rebound.
+        A Register in flight or a backoff sleep is cut short, and a fresh attempt starts."""
         self.registered.clear()
         self._wanted.set()
         self._on_change()
@@ -84,9 +87,33 @@ class Registrar:
                 if not self.kubelet_socket.exists():
                     return  # the kubelet went away again; its next socket wakes us
                 self._wanted.clear()
-                await self._register_once()
+                if not await self._register_unless_woken():
+                    return  # run() starts over at once, against the new kubelet.sock
         self.registered.set()
         self._on_change()
+
+    async def _register_unless_woken(self) -> bool:
+        """One Register, raced against wake(). False when a wake came first: the call
+        is cancelled and `registered` stays clear, since it was not this kubelet's."""
+        call = asyncio.create_task(self._register_once(), name=f"Register {self.resource_name}")
+        woken = asyncio.create_task(self._wanted.wait())
+        try:
+            await asyncio.wait((call, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            call.cancel()
+            woken.cancel()
+            # Let the cancelled call close its channel before anything else runs.
+            await asyncio.wait((call, woken))
+        if call.cancelled():
+            log.info(
+                "%s: Register to the old kubelet cancelled: a new kubelet.sock appeared (%s)",
+                self.resource_name,
+                self.kubelet_socket,
+            )
+            return False
+        call.result()  # RegistrationFailed goes to the retry loop
+        # Accepted just as a wake came: maybe by the old kubelet, so register again.
+        return not self._wanted.is_set()
 
     async def _register_once(self) -> None:
         request = pb.RegisterRequest(
@@ -96,7 +123,11 @@ class Registrar:
             options=self._options,
         )
         try:
-            async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            # A connection of our own each time: one from gRPC's shared pool may still
+            # lead to the old kubelet, which holds on to it while its socket file is gone.
+            async with grpc.aio.insecure_channel(
+                f"unix://{self.kubelet_socket}", options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
                 await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
         except grpc.aio.AioRpcError as err:
             self.failures += 1

@@ -4,7 +4,8 @@ It does what the real kubelet does with a device plugin (see the kubelet contrac
 serves ``v1beta1.Registration/Register`` on ``<dir>/kubelet.sock``, validates the
 request, dials back to the plugin's socket inside Register, reads the options,
 opens ListAndWatch, records every update, marks everything unhealthy when the
-stream ends, and on (re)start deletes every unix socket in the directory.
+stream ends, and on (re)start deletes every unix socket in the directory. Started
+with ``hang=True`` it is a wedged kubelet: it takes Register and never answers.
 
 State is published as immutable snapshots (frozen dataclasses, tuples, read-only
 mappings) that are replaced, never mutated, so other threads may read them at any
@@ -47,6 +48,8 @@ DIAL_TIMEOUT_S = 10.0
 PRE_START_TIMEOUT_S = 30.0
 # sun_path is 108 bytes including the NUL; gRPC's bind error for longer paths is cryptic.
 _MAX_UNIX_PATH = 107
+# The error recorded for a Register that a hung kubelet took and never answered.
+HUNG = "never answered: the kubelet is hung"
 
 _SERVICE_REGISTRATION = "v1beta1.Registration"
 _DP = "/v1beta1.DevicePlugin/"
@@ -111,7 +114,8 @@ class Update:
 
 @dataclass(frozen=True)
 class RegistrationRecord:
-    at: float  # time.monotonic()
+    at: float  # time.monotonic(), once decided (after the dial-back)
+    received_at: float  # time.monotonic(), as the call arrived
     resource: str
     endpoint: str
     version: str
@@ -276,6 +280,11 @@ class FakeKubelet:
         self._clean_on_start = clean_on_start
         self._on_event = on_event
         self._server: grpc.aio.Server | None = None
+        self._hung = False
+        self._socket_created_at: float | None = None
+        # Hung kubelets replaced by a restart: like a wedged process not yet reaped, they
+        # keep the connections they took (and the Registers on them) until stop().
+        self._wedged: list[grpc.aio.Server] = []
         self._conns: dict[str, _Connection] = {}
         self._serial = 0
         # Bumped on every stop, so a Register that straddles a stop does not install itself.
@@ -301,6 +310,16 @@ class FakeKubelet:
     @property
     def serving(self) -> bool:
         return self._server is not None
+
+    @property
+    def hung(self) -> bool:
+        """The kubelet serving now takes Register and never answers it."""
+        return self._server is not None and self._hung
+
+    @property
+    def socket_created_at(self) -> float | None:
+        """time.monotonic() just before the current (or last) kubelet.sock was bound."""
+        return self._socket_created_at
 
     @property
     def restarts(self) -> int:
@@ -335,7 +354,8 @@ class FakeKubelet:
         return sum(1 for r in self._registrations if r.accepted and resource in (None, r.resource))
 
     def describe(self) -> str:
-        lines = [f"FakeKubelet dir={self._dir} serving={self.serving} restarts={self._restarts}"]
+        hung = " HUNG" if self.hung else ""
+        lines = [f"FakeKubelet dir={self._dir} serving={self.serving}{hung} restarts={self._restarts}"]
         plugins = self._plugins
         if not plugins:
             lines.append("  no plugins registered")
@@ -349,7 +369,9 @@ class FakeKubelet:
 
     # -- lifecycle --------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, hang: bool = False) -> None:
+        """`hang`: a wedged kubelet, which accepts connections on kubelet.sock and takes
+        Register calls but never answers them (until it is stopped)."""
         if self._server is not None:
             raise KubeletError(f"kubelet stand-in on {self.socket_path} is already serving")
         sock = self.socket_path
@@ -361,7 +383,8 @@ class FakeKubelet:
         else:
             sock.unlink(missing_ok=True)
         handler = grpc.unary_unary_rpc_method_handler(
-            self._register,
+            # Fixed per server: a wedged one stays wedged whatever its successor does.
+            self._hang_register if hang else self._register,
             request_deserializer=pb.RegisterRequest.FromString,
             response_serializer=pb.Empty.SerializeToString,
         )
@@ -369,30 +392,42 @@ class FakeKubelet:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE_REGISTRATION, {"Register": handler}),)
         )
+        # Taken before the bind creates the file: delays measured from it are not understated.
+        created_at = time.monotonic()
         try:
             server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as e:
             raise KubeletError(f"cannot bind kubelet socket {sock}: {e}") from e
         await server.start()
-        self._server = server
+        self._server, self._hung, self._socket_created_at = server, hang, created_at
         self._changed_now()
 
     async def stop(self) -> None:
-        """Stop serving and drop all plugin connections; views stay readable, marked ended."""
+        """Stop serving and drop all plugin connections; views stay readable, marked ended.
+        Hung kubelets left behind by restarts go too, aborting the Registers they held."""
+        wedged, self._wedged = self._wedged, []
+        await asyncio.gather(*(server.stop(None) for server in wedged))
         await self._shutdown("kubelet stopped", forget=False)
         self.socket_path.unlink(missing_ok=True)
         self._changed_now()
 
-    async def restart(self) -> None:
+    async def restart(self, *, hang: bool = False) -> None:
         """What a kubelet restart does: forget every plugin, delete every unix socket in
-        the directory (not directories, not the checkpoint), serve a new kubelet.sock."""
+        the directory (not directories, not the checkpoint), serve a new kubelet.sock.
+        A hung kubelet is not stopped but left wedged: the Registers it holds get no
+        answer and no error, so only the new kubelet.sock can tell the plugin to move on.
+        `hang`: the new kubelet is hung too (see start)."""
+        if self._hung and self._server is not None:
+            self._wedged.append(self._server)
+            self._server = None
+            self._emit(f"restart: the hung kubelet on {self.socket_path} is left wedged, connections open")
         await self._shutdown("kubelet restarted", forget=True)
         self._delete_sockets()
         self._restarts += 1
         self._emit(f"restart #{self._restarts}: sockets in {self._dir} deleted")
         clean, self._clean_on_start = self._clean_on_start, False
         try:
-            await self.start()
+            await self.start(hang=hang)
         finally:
             self._clean_on_start = clean
 
@@ -426,26 +461,37 @@ class FakeKubelet:
     async def _register(
         self, req: pb.RegisterRequest, context: grpc.aio.ServicerContext[pb.RegisterRequest, pb.Empty]
     ) -> pb.Empty:
+        received_at = time.monotonic()
         opts = PluginOptions.from_pb(req.options) if req.HasField("options") else None
         invalid = registration_error(req)
         if invalid is not None:
-            self._record(req, opts, invalid)
+            self._record(req, opts, invalid, received_at)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         epoch = self._epoch
         try:
             conn, options = await self._dial(req)
         except KubeletError as e:
-            self._record(req, opts, str(e))
+            self._record(req, opts, str(e), received_at)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if epoch != self._epoch:
             # A stop/restart happened while we were dialing: a real kubelet would have died with it.
             await conn.channel.close(None)
             msg = f"kubelet stopped while registering {req.resource_name!r}"
-            self._record(req, opts, msg)
+            self._record(req, opts, msg, received_at)
             await context.abort(grpc.StatusCode.UNAVAILABLE, msg)
         self._install(req, conn, options)
-        self._record(req, opts, None)
+        self._record(req, opts, None, received_at)
         return pb.Empty()
+
+    async def _hang_register(
+        self, req: pb.RegisterRequest, context: grpc.aio.ServicerContext[pb.RegisterRequest, pb.Empty]
+    ) -> pb.Empty:
+        """A wedged kubelet's Register: recorded, never answered. Only stopping this
+        server ends the call (the plugin's deadline or cancellation ends it on its side)."""
+        opts = PluginOptions.from_pb(req.options) if req.HasField("options") else None
+        self._record(req, opts, HUNG, time.monotonic())
+        never: asyncio.Future[pb.Empty] = asyncio.get_running_loop().create_future()
+        return await never
 
     async def _dial(self, req: pb.RegisterRequest) -> tuple[_Connection, PluginOptions]:
         path = _go_join(self._dir, req.endpoint)
@@ -650,9 +696,12 @@ class FakeKubelet:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
-    def _record(self, req: pb.RegisterRequest, opts: PluginOptions | None, error: str | None) -> None:
+    def _record(
+        self, req: pb.RegisterRequest, opts: PluginOptions | None, error: str | None, received_at: float
+    ) -> None:
         rec = RegistrationRecord(
             at=time.monotonic(),
+            received_at=received_at,
             resource=req.resource_name,
             endpoint=req.endpoint,
             version=req.version,
@@ -714,7 +763,7 @@ class KubeletThread:
             raise KubeletError(f"kubelet stand-in for {self._kubelet.plugin_dir} is not running")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
-    def start(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 10.0, *, hang: bool = False) -> None:
         if self._thread is not None:
             raise KubeletError(f"kubelet stand-in for {self._kubelet.plugin_dir} already started")
         loop = asyncio.new_event_loop()
@@ -724,7 +773,7 @@ class KubeletThread:
         thread.start()
         self._loop, self._thread = loop, thread
         try:
-            self._submit(self._kubelet.start(), timeout)
+            self._submit(self._kubelet.start(hang=hang), timeout)
         except BaseException:
             self._halt_loop()
             raise
@@ -745,8 +794,8 @@ class KubeletThread:
         if thread is not None:
             thread.join(10.0)
 
-    def restart(self, timeout: float = 10.0) -> None:
-        self._submit(self._kubelet.restart(), timeout)
+    def restart(self, timeout: float = 10.0, *, hang: bool = False) -> None:
+        self._submit(self._kubelet.restart(hang=hang), timeout)
 
     def allocate(
         self, resource: str, device_ids: Sequence[str], *, timeout: float | None = None
@@ -795,6 +844,14 @@ class KubeletThread:
     @property
     def serving(self) -> bool:
         return self._kubelet.serving
+
+    @property
+    def hung(self) -> bool:
+        return self._kubelet.hung
+
+    @property
+    def socket_created_at(self) -> float | None:
+        return self._kubelet.socket_created_at
 
     @property
     def restarts(self) -> int:

@@ -1,0 +1,235 @@
+"""Registration never waits on a dead kubelet: a new kubelet.sock cancels a Register
+that is stuck on the old one, and the new kubelet gets one at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nvplug import statusclient
+from nvplug.kubelet.api import KUBELET_SOCKET
+from nvplug.kubelet.api import deviceplugin_pb2 as pb
+from nvplug.kubelet.registrar import REGISTER_TIMEOUT, Registrar
+from nvplug.testing.kubelet import HUNG, FakeKubelet
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+
+TIMEOUT = 15.0
+# From the new kubelet.sock's creation to the new kubelet receiving Register.
+MAX_DELAY = 0.1
+ROUNDS = 40
+
+
+def hung_registers(count: int) -> Callable[[FakeKubelet], bool]:
+    """A wait_for predicate: hung kubelets have taken `count` Registers in all."""
+
+    def check(k: FakeKubelet) -> bool:
+        return sum(r.error == HUNG for r in k.registrations) >= count
+
+    return check
+
+
+def registration_counters(node: SimulatedNode) -> tuple[float, float]:
+    """(registrations, failures) as the daemon counts them, from /metrics."""
+    status, text = statusclient.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
+    assert status == 200, text
+    found = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("resource") == GPU_RESOURCE
+    }
+    return found["nvplug_registrations_total"], found["nvplug_registration_failures_total"]
+
+
+@pytest.mark.parametrize("hung_kubelets", [1, 3])
+def test_a_new_kubelet_sock_cancels_a_register_stuck_on_a_hung_kubelet(node: SimulatedNode, hung_kubelets: int) -> None:
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+
+    # A restart storm: kubelets that come up wedged, take our Register and never answer.
+    # Each one that follows is a new kubelet.sock, which must cut the stuck Register short.
+    for n in range(1, hung_kubelets + 1):
+        node.kubelet.restart(hang=True)
+        node.kubelet.wait_for(hung_registers(n), TIMEOUT)
+    assert node.kubelet.hung
+    time.sleep(0.5)
+    # Stuck: nothing answered, nothing failed.
+    assert node.kubelet.accepted_registrations() == 1
+    assert registration_counters(node) == (1, 0)
+
+    mark = len(node.log_text())
+    node.kubelet.restart()
+    # Well under REGISTER_TIMEOUT, which is what the stuck Register would otherwise take.
+    node.kubelet.wait_for(registered_with(8), 2.0)
+    created = node.kubelet.socket_created_at
+    assert created is not None
+    fresh = [r for r in node.kubelet.registrations if r.received_at >= created]
+    assert fresh and all(r.accepted for r in fresh), node.kubelet.describe()
+    delay = fresh[0].received_at - created
+    # Once this line is in, so is every line before it.
+    log = node.wait_log("registered with the kubelet", after=mark)
+    cancelled = log.count("Register to the old kubelet cancelled: a new kubelet.sock appeared")
+    print(
+        f"new kubelet.sock -> Register received: {delay * 1000:.1f} ms "
+        f"(after {hung_kubelets} hung kubelets; {cancelled} Registers cancelled)"
+    )
+    assert delay < MAX_DELAY, f"{delay * 1000:.1f} ms\n{node.kubelet.describe()}"
+
+    # At least one per hung kubelet; a second wake for the same kubelet.sock (our rebind,
+    # then its inotify event) cancels and repeats a Register too.
+    assert cancelled >= hung_kubelets
+    assert "DEADLINE_EXCEEDED" not in log
+    # A cancelled Register is no failure.
+    registrations, failures = registration_counters(node)
+    assert registrations >= 2 and failures == 0
+
+
+# ---------------------------------------------------------------------------
+# The Registrar alone, against scripted Registration servers
+
+
+class Registration:
+    """A Registration service on <dir>/kubelet.sock that answers Register at once, or never."""
+
+    def __init__(self, directory: Path, *, hang: bool) -> None:
+        self.path = directory / KUBELET_SOCKET
+        self.hang = hang
+        self.received: list[float] = []
+        self.created_at = 0.0
+        self._server = grpc.aio.server()
+
+    async def start(self) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._register,
+            request_deserializer=pb.RegisterRequest.FromString,
+            response_serializer=pb.Empty.SerializeToString,
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("v1beta1.Registration", {"Register": handler}),)
+        )
+        self.created_at = time.monotonic()
+        self._server.add_insecure_port(f"unix:{self.path}")
+        await self._server.start()
+
+    async def stop(self) -> None:
+        await self._server.stop(None)
+
+    async def _register(self, req: pb.RegisterRequest, context: object) -> pb.Empty:
+        self.received.append(time.monotonic())
+        if self.hang:
+            never: asyncio.Future[pb.Empty] = asyncio.get_running_loop().create_future()
+            return await never
+        return pb.Empty()
+
+
+async def _until(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{predicate} not met within {timeout}s"
+        await asyncio.sleep(0.005)
+
+
+def test_registrar_wake_cancels_the_register_in_flight(short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nvplug.kubelet.registrar")
+
+    async def once(directory: Path) -> float:
+        registrar = Registrar(directory, "example.com/gpu", "plug.sock", pb.DevicePluginOptions())
+        old = Registration(directory, hang=True)
+        await old.start()
+        run = asyncio.create_task(registrar.run())
+        new = Registration(directory, hang=False)
+        try:
+            await _until(lambda: len(old.received) == 1, 5.0)
+            # The old kubelet's socket goes, a new one comes; the old one still holds the call.
+            old.path.unlink()
+            await new.start()
+            registrar.wake()
+            await asyncio.wait_for(registrar.registered.wait(), REGISTER_TIMEOUT / 10)
+            assert (registrar.registrations, registrar.failures) == (1, 0)
+            assert len(old.received) == 1 and len(new.received) == 1
+            return new.received[0] - new.created_at
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await asyncio.gather(new.stop(), old.stop())
+
+    async def main() -> list[float]:
+        # Rounds, because a new Register that reused a pooled connection to the old
+        # kubelet (and hung on it) did so only now and then.
+        delays = []
+        for n in range(ROUNDS):
+            directory = short_tmp / str(n)
+            directory.mkdir()
+            delays.append(await once(directory))
+        return delays
+
+    delays = asyncio.run(main())
+    print(f"wake -> Register received by the new server: max {max(delays) * 1000:.1f} ms in {ROUNDS} rounds")
+    assert max(delays) < MAX_DELAY
+    cancelled = [r for r in caplog.records if "Register to the old kubelet cancelled" in r.getMessage()]
+    assert len(cancelled) == ROUNDS and cancelled[0].levelno == logging.INFO
+    assert "a new kubelet.sock appeared" in cancelled[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_registrar_cancelled_mid_register_leaves_no_call_behind(short_tmp: Path) -> None:
+    async def main() -> None:
+        registrar = Registrar(short_tmp, "example.com/gpu", "plug.sock", pb.DevicePluginOptions())
+        hung = Registration(short_tmp, hang=True)
+        await hung.start()
+        run = asyncio.create_task(registrar.run())
+        try:
+            await _until(lambda: len(hung.received) == 1, 5.0)
+            run.cancel()
+            await asyncio.wait_for(asyncio.gather(run, return_exceptions=True), 1.0)
+            assert run.cancelled()
+            assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("Register ")]
+            assert (registrar.registrations, registrar.failures) == (0, 0)
+            assert not registrar.registered.is_set()
+        finally:
+            await hung.stop()
+
+    asyncio.run(main())
+
+
+def test_standin_hangs_and_a_restart_leaves_the_hung_kubelet_wedged(short_tmp: Path) -> None:
+    async def register(timeout: float) -> None:
+        async with grpc.aio.insecure_channel(f"unix:{short_tmp / KUBELET_SOCKET}") as channel:
+            rpc = channel.unary_unary(
+                "/v1beta1.Registration/Register",
+                request_serializer=pb.RegisterRequest.SerializeToString,
+                response_deserializer=pb.Empty.FromString,
+            )
+            req = pb.RegisterRequest(version="v1beta1", endpoint="plug.sock", resource_name="example.com/gpu")
+            await rpc(req, timeout=timeout)
+
+    async def main() -> None:
+        kubelet = FakeKubelet(short_tmp)
+        await kubelet.start(hang=True)
+        assert (kubelet.hung, "HUNG" in kubelet.describe()) == (True, True)
+        stuck = asyncio.create_task(register(30.0))
+        await kubelet.wait_for(hung_registers(1), 5.0)
+        [rec] = kubelet.registrations
+        assert not rec.accepted and rec.error == HUNG and rec.received_at <= rec.at
+        created = kubelet.socket_created_at
+
+        await kubelet.restart()
+        assert kubelet.serving and not kubelet.hung
+        assert kubelet.socket_created_at is not None and created is not None
+        assert kubelet.socket_created_at > created
+        await asyncio.sleep(0.2)
+        assert not stuck.done()  # wedged: neither an answer nor an error
+        await kubelet.stop()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(stuck, 5.0)
+
+    asyncio.run(main())
