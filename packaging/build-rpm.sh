@@ -27,6 +27,8 @@ install -m 0755 packaging/setup-venv "$stage/opt/nvplug/setup-venv"
 install -D -m 0644 systemd/nvplug.service "$stage/unit/nvplug.service"
 install -D -m 0644 packaging/config.yaml "$stage/etc/nvplug/config.yaml"
 install -D -m 0644 README.md "$stage/usr/share/doc/nvplug/README.md"
+# Node Problem Detector's custom-plugin config: operators point NPD at it (README.md).
+install -D -m 0644 packaging/npd/nvplug-gpu-health.json "$stage/usr/share/nvplug/npd/nvplug-gpu-health.json"
 mkdir -p "$stage/usr/bin"
 ln -s /opt/nvplug/venv/bin/nvplug "$stage/usr/bin/nvplug"
 

@@ -221,6 +221,7 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
 def test_driver_not_loaded(node: SimulatedNode) -> None:
     prepare(node)
     shutil.rmtree(node.proc_root / "driver")
+    shutil.rmtree(node.driver_module)  # the simulated node has the driver loaded: unload it
     d = doctor(node)
     assert d.rc == 1
     assert d.verdict(1) == "FAIL", d
@@ -230,7 +231,7 @@ def test_driver_not_loaded(node: SimulatedNode) -> None:
 def test_driver_seen_through_sysfs_module(node: SimulatedNode) -> None:
     prepare(node)
     shutil.rmtree(node.proc_root / "driver")
-    (node.sysfs_root / "module/nvidia").mkdir(parents=True)
+    (node.sysfs_root / "module/nvidia").mkdir(parents=True, exist_ok=True)  # the simulated node has it
     (node.sysfs_root / "module/nvidia/version").write_text("550.54.15\n")
     d = doctor(node)
     assert d.verdict(1) == "PASS", d
@@ -372,6 +373,10 @@ def test_daemon_with_an_unhealthy_gpu(node: SimulatedNode, status_server: FakeSt
     assert "8 devices advertised, 7 healthy" in d.text(7)
     uuid = node.scenario_gpus()[3]["uuid"]
     assert f"unhealthy: gpu 3 {uuid} (0000:5d:00.0): XID 79 (GPU has fallen off the bus)" in d.text(7)
+    # A GPU that needs a reset stays Unhealthy until one: the fix names the ways out, no self-healing.
+    assert "`nvplug devices` says what each Unhealthy GPU waits for" in d.text(7)
+    assert "`nvidia-smi -r -i <bus id>`" in d.text(7) and "`nvplug heal GPU --reset`" in d.text(7)
+    assert "Healthy by itself" not in d.text(7)
     assert "1 warnings" in d.out
 
 

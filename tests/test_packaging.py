@@ -9,6 +9,7 @@ CPython 3.11 with the venv module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from nvplug import __version__, config
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGING = ROOT / "packaging"
 SHIPPED_CONFIG = PACKAGING / "config.yaml"
+NPD_CONFIG = PACKAGING / "npd" / "nvplug-gpu-health.json"
+NPD_INSTALLED = "/usr/share/nvplug/npd/nvplug-gpu-health.json"
 UNCOMMENT_MARK = "# From here on, removing the first `#` of every line gives a valid file."
 
 WHEELS = "/opt/nvplug/wheels"
@@ -37,6 +40,7 @@ COMMON_FILES = {
     "/etc/nvplug/config.yaml",
     "/usr/bin/nvplug",
     "/usr/share/doc/nvplug/README.md",
+    "/usr/share/nvplug/npd/nvplug-gpu-health.json",
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"
 RPM_UNIT = "/usr/lib/systemd/system/nvplug.service"
@@ -192,7 +196,7 @@ def test_rpm_holds_the_layout(built: Built) -> None:
         line.split(" ", 1)
         for line in _run("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]", built.rpm).splitlines()
     )
-    dirs = {"/opt/nvplug", WHEELS, "/etc/nvplug", "/usr/share/doc/nvplug"}
+    dirs = {"/opt/nvplug", WHEELS, "/etc/nvplug", "/usr/share/doc/nvplug", "/usr/share/nvplug", "/usr/share/nvplug/npd"}
     files = set(listed) - dirs
     _expected_wheels(files)
     assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {RPM_UNIT}
@@ -200,6 +204,7 @@ def test_rpm_holds_the_layout(built: Built) -> None:
     assert _run("rpm", "-qcp", built.rpm).split() == ["/etc/nvplug/config.yaml"]
     assert flags["/etc/nvplug/config.yaml"] == "cn"  # config, noreplace
     assert flags["/usr/share/doc/nvplug/README.md"] == "d"
+    assert flags[NPD_INSTALLED] == ""  # not a conffile: NPD reads it where it is, or a copy
 
 
 def test_rpm_requires_and_scriptlets(built: Built) -> None:
@@ -294,6 +299,13 @@ def test_packages_ship_the_config_from_the_tree(built: Built, tmp_path: Path) ->
     assert (tmp_path / "etc/nvplug/config.yaml").read_bytes() == SHIPPED_CONFIG.read_bytes()
     unit = (ROOT / "systemd" / "nvplug.service").read_bytes()
     assert (tmp_path / "lib" / "systemd" / "system" / "nvplug.service").read_bytes() == unit
+    assert (tmp_path / NPD_INSTALLED.lstrip("/")).read_bytes() == NPD_CONFIG.read_bytes()
+    # The RPM takes it from the tree, not from the stage: the same bytes, by digest.
+    digests = dict(
+        line.split(" ", 1)
+        for line in _run("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEDIGESTS}\n]", built.rpm).splitlines()
+    )
+    assert digests[NPD_INSTALLED] == hashlib.sha256(NPD_CONFIG.read_bytes()).hexdigest()
 
 
 def test_pins_satisfy_pyproject() -> None:
