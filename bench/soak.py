@@ -8,6 +8,9 @@ the fake NVML library with the kubelet stand-in. After each step:
 - every GPU the daemon knows is advertised exactly once (whole GPUs),
 - no device the daemon holds Unhealthy is offered as Healthy,
 - the kubelet stand-in's view converges to the daemon's state within 100 ms,
+- no GPU is Healthy while its last reset-class fault (XID 48 or 79) has no
+  evidence of a repair after it (udev unbind and bind, NVML's recovery action
+  back to none, `nvplug heal`),
 and at the end memory and file descriptors must be flat.
 
     python bench/soak.py [--seconds 600] [--seed N]
@@ -38,6 +41,10 @@ from nvplug.testing.udev import UdevSender, pci_event
 
 CONVERGE = 0.1  # seconds the stand-in may lag the daemon
 TIMEOUT = 15.0
+# XIDs whose catalog action needs a reset, whatever the config says (13 is fatal only by config).
+RESET_XIDS = (48, 79)
+# How long an XID may take from the fake library to the daemon's state.
+XID_ARRIVES = 2.0
 
 
 def daemon_status(node: SimulatedNode) -> dict[str, Any]:
@@ -63,9 +70,11 @@ class Soak:
         self.serial = 0
         self.fatal_13 = False
         self.udev = UdevSender() if os.geteuid() == 0 else None
+        # GPUs whose last reset-class fault has had no repair since: they must stay Unhealthy.
+        self.broken: set[str] = set()
 
     def step(self) -> None:
-        actions = [self.xid, self.xid, self.lose_and_restore, self.kubelet_restart, self.reload]
+        actions = [self.xid, self.xid, self.repair, self.lose_and_restore, self.kubelet_restart, self.reload]
         if self.udev is not None:
             actions += [self.hot_add, self.hot_remove]
         action = self.rng.choice(actions)
@@ -77,8 +86,39 @@ class Soak:
         return [g["uuid"] for g in daemon_status(self.node)["gpus"]]
 
     def xid(self) -> None:
-        gpus = self.gpus()
-        self.node.control.xid(self.rng.choice(gpus), self.rng.choice([13, 31, 43, 48, 79, 94]))
+        gpu = self.rng.choice(self.gpus())
+        code = self.rng.choice([13, 31, 43, 48, 79, 94])
+        self.node.control.xid(gpu, code)
+        if code in RESET_XIDS:
+            self.broken.add(gpu)
+
+    def repair(self) -> bool:
+        """Evidence of a repair for a broken GPU, of a random kind; done once the daemon has it."""
+        if not self.broken:
+            return False
+        gpu = self.rng.choice(sorted(self.broken))
+        kinds = ["recovery_action", "heal"] + (["udev"] if self.udev is not None else [])
+        kind = self.rng.choice(kinds)
+        bus = next(g["bus_id"] for g in daemon_status(self.node)["gpus"] if g["uuid"] == gpu)
+        if kind == "udev" and self.udev is not None:
+            self.udev.send(pci_event("unbind", bus, driver=None))
+            self.udev.send(pci_event("bind", bus))
+        elif kind == "recovery_action":
+            self.node.control.recovery_action(gpu, 1)
+            self.node.control.recovery_action(gpu, 0)
+        else:
+            body = f'{{"gpu": "{gpu}", "operator": "soak"}}'.encode()
+            statusclient.fetch(f"unix:{self.node.status_socket}", "/heal", TIMEOUT, body)
+        # Only a repair the daemon has acted on may count: a fault injected next must come after it.
+        deadline = time.monotonic() + TIMEOUT
+        while not self.healthy(gpu):
+            assert time.monotonic() < deadline, f"{gpu} stayed Unhealthy after a repair ({kind})"
+            time.sleep(0.01)
+        self.broken.discard(gpu)
+        return True
+
+    def healthy(self, gpu: str) -> bool:
+        return any(g["uuid"] == gpu and g["health"] == "Healthy" for g in daemon_status(self.node)["gpus"])
 
     def lose_and_restore(self) -> None:
         gpu = self.rng.choice(self.gpus())
@@ -132,6 +172,7 @@ class Soak:
         if not self.added or self.udev is None:
             return False
         uuid = self.added.pop(self.rng.randrange(len(self.added)))
+        self.broken.discard(uuid)  # gone from the bus: nothing left to offer
         slot = self.slots.pop(uuid)
         bus = f"0002:{slot:02x}:00.0"
         self.node.control.remove(uuid)
@@ -143,7 +184,13 @@ class Soak:
         return True
 
     def check(self) -> None:
-        """The three invariants, against the daemon's own view."""
+        """The four invariants, against the daemon's own view."""
+        for gpu in sorted(self.broken):
+            # The XID may still be on its way; a GPU healed without evidence never turns back by itself.
+            deadline = time.monotonic() + XID_ARRIVES
+            while self.healthy(gpu):
+                assert time.monotonic() < deadline, f"{gpu} is Healthy with no repair after its reset-class XID"
+                time.sleep(0.01)
         status = daemon_status(self.node)
         want = {g["uuid"]: g["health"] == "Healthy" for g in status["gpus"]}
 
@@ -162,7 +209,7 @@ class Soak:
             status = daemon_status(self.node)
             want = {g["uuid"]: g["health"] == "Healthy" for g in status["gpus"]}
             self.node.kubelet.wait_for(agrees, CONVERGE)
-        self.checks += 3
+        self.checks += 4
 
 
 def main() -> int:
@@ -192,6 +239,8 @@ def main() -> int:
             # Settle, then the end state: every fault undone, resources flat.
             for gpu in soak.gpus():
                 node.control.restore(gpu)
+            while soak.broken:
+                soak.repair()
             soak.check()
             fds1, rss1 = fds_and_rss(daemon.pid)
             print(f"soak: seed {seed}, {args.seconds:g} s, {steps} steps")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from .testing import nvidia_smi
 from .testing.fakenvml import FakeNvmlBuildError
 from .testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from .testing.udev import UdevSender, pci_event
@@ -38,7 +40,7 @@ def _demo(root: Path, log_level: str) -> int:
     with SimulatedNode(root) as node:
         say(f"Simulated node in {root}: fake NVML library, kubelet stand-in, nvplug as a child process.")
         node.build_library()
-        # Short re-probe backoff, so recovery fits in a demo.
+        # Short re-probe backoff, so a lost GPU's re-probes show in a demo.
         node.config.write_text(DEMO_CONFIG)
         node.kubelet.start()
         # The daemon logs at info (the demo quotes its reasons); the user sees what they asked for.
@@ -72,20 +74,40 @@ def _demo(root: Path, log_level: str) -> int:
 
         victim = ids[-1]
         say()
-        say(f"4. XID 79 (GPU has fallen off the bus) on {victim}; NVML now answers GPU_IS_LOST for it")
+        say(f"4. XID 79 (GPU has fallen off the bus) on {victim}; NVML answers GPU_IS_LOST for it")
         node.control.xid(victim, 79)
         node.control.lose(victim)
         node.kubelet.wait_for(device_health(victim, healthy=False), STEP_TIMEOUT)
         say(f"   {victim} is Unhealthy: {_allocatable(node)} of 8 allocatable")
-        say(f"   {_reason(node.wait_log('unhealthy: XID 79'), victim)}")
-        node.wait_log("re-probe 1 failed")
-        say("   re-probes of that GPU alone fail while it is lost; healthy GPUs are never polled")
+        say(f"   {_reason(node.wait_log('unhealthy: XID 79'), victim, 'unhealthy: XID 79')}")
         node.control.restore(victim)
+        time.sleep(1.0)
+        still = "Unhealthy" if victim not in (node.kubelet.plugin(GPU_RESOURCE) or plugin).healthy_ids else "Healthy?!"
+        say(f"   NVML answers for it again, yet it stays {still}: XID 79 needs a reset, and a")
+        say("   passing probe is no proof of one. Healthy GPUs are never polled.")
+        say(f"   {_waiting(node.log_text(), victim)}")
+        index = next(str(n) for n, g in enumerate(node.scenario_gpus()) if g["uuid"] == victim)
+        argv = [
+            sys.executable,
+            "-m",
+            "nvplug",
+            "heal",
+            index,
+            "--reset",
+            "--status-listen",
+            f"unix:{node.status_socket}",
+        ]
+        say(f"   $ nvplug heal {index} --reset")
         reset = time.monotonic()
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)
+        for line in (done.stdout + done.stderr).splitlines():
+            say(f"   {line}")
         node.kubelet.wait_for(device_health(victim, healthy=True), STEP_TIMEOUT)
         took = time.monotonic() - reset
-        say(f"   the GPU was reset: Healthy again {took:.1f}s later, {_allocatable(node)} allocatable")
-        say(f"   {_reason(node.wait_log('healthy: recovered'), victim)}")
+        ran = " ".join(nvidia_smi.calls(node.nvidia_smi_log)[-1])
+        say(f"   no process held it, so nvplug ran `nvidia-smi {ran}` (a stand-in here), rescanned,")
+        say(f"   and the GPU is Healthy again {took:.1f}s later, {_allocatable(node)} allocatable")
+        say(f"   {_reason(node.wait_log('healthy: recovered'), victim, 'healthy: recovered')}")
 
         say()
         new_uuid = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
@@ -128,7 +150,13 @@ def _allocatable(node: SimulatedNode) -> int:
     return plugin.allocatable if plugin is not None else 0
 
 
-def _reason(log: str, uuid: str) -> str:
-    """The daemon's own words: its last log line about this GPU."""
-    line = [ln for ln in log.splitlines() if uuid in ln][-1]
+def _waiting(log: str, uuid: str) -> str:
+    """What the daemon says the GPU waits for."""
+    line = [ln for ln in log.splitlines() if uuid in ln and "; waiting for " in ln][-1]
+    return "log: ... waiting for " + line.split("; waiting for ", 1)[1]
+
+
+def _reason(log: str, uuid: str, what: str) -> str:
+    """The daemon's own words: its last log line about this GPU that says `what`."""
+    line = [ln for ln in log.splitlines() if uuid in ln and what in ln][-1]
     return "log: " + line.split(": ", 1)[1]

@@ -22,8 +22,12 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     assert "4. XID 79 (GPU has fallen off the bus)" in out
     assert "is Unhealthy: 7 of 8 allocatable" in out
     assert "unhealthy: XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)" in out
+    assert "yet it stays Unhealthy: XID 79 needs a reset" in out
+    assert "waiting for a GPU reset (nvidia-smi -r -i 0000:db:00.0) or a reboot, or `nvplug heal 7`" in out
+    assert "$ nvplug heal 7 --reset" in out and "is Healthy: recovered: GPU reset by nvidia-smi" in out
+    assert "nvplug ran `nvidia-smi -r -i 0000:db:00.0`" in out
     assert "Healthy again" in out and "8 allocatable" in out
-    assert "healthy: recovered: re-probe" in out
+    assert "healthy: recovered: GPU reset by nvidia-smi at the request of uid" in out
     if os.geteuid() == 0:
         assert "5. Hot-adding a ninth GPU" in out and "9 devices" in out
         assert "its last list still held 9 devices" in out

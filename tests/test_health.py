@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
+from nvplug import statusclient
+from nvplug.testing import nvidia_smi
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev import pci_event, send_uevent
 
 TIMEOUT = 15.0
 
@@ -81,20 +90,6 @@ def test_lost_gpu_recovers_only_when_a_re_probe_passes(node: SimulatedNode) -> N
     assert allocatable(node) == 8
 
 
-def test_only_unhealthy_gpus_are_re_probed(node: SimulatedNode) -> None:
-    uuids = start(node, "    reprobeInitialSeconds: 0.1\n    reprobeMaxSeconds: 0.2\n")
-    node.control.pending_pages(6, True)
-    node.control.xid(6, 48)
-    node.kubelet.wait_for(device_health(uuids[6], healthy=False), TIMEOUT)
-    node.wait_log("re-probe 3 failed: page retirement pending")
-    log = node.log_text()
-    # Nobody else was probed: every re-probe line names GPU 6.
-    reprobes = [line for line in log.splitlines() if "re-probe" in line]
-    assert reprobes and all(uuids[6] in line for line in reprobes)
-    node.control.pending_pages(6, False)
-    node.kubelet.wait_for(device_health(uuids[6], healthy=True), TIMEOUT)
-
-
 def test_recovery_action_marks_and_its_return_to_none_heals_at_once(node: SimulatedNode) -> None:
     # Re-probes are far away: only the recovery-action evidence can heal the GPU in time.
     uuids = start(node, "    reprobeInitialSeconds: 600\n    reprobeMaxSeconds: 600\n")
@@ -152,3 +147,160 @@ def test_event_wait_failures_are_reported_and_retried_with_backoff(node: Simulat
     node.wait_log("NVML health events are being received")
     node.control.xid(0, 79)
     node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
+
+
+def heal(node: SimulatedNode, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "nvplug", "heal", *args, "--status-listen", f"unix:{node.status_socket}"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_only_gpus_a_probe_could_heal_are_re_probed(node: SimulatedNode) -> None:
+    uuids = start(node, "    reprobeInitialSeconds: 0.1\n    reprobeMaxSeconds: 0.2\n")
+    node.control.lose(6)  # unreachable: answering again is the evidence
+    node.control.xid(5, 46)  # needs a reset: a probe proves nothing
+    node.kubelet.wait_for(device_health(uuids[6], healthy=False), TIMEOUT)
+    node.kubelet.wait_for(device_health(uuids[5], healthy=False), TIMEOUT)
+    node.wait_log("re-probe 3 failed")
+    reprobes = [line for line in node.log_text().splitlines() if "re-probe" in line]
+    assert reprobes and all(uuids[6] in line for line in reprobes)
+    node.control.restore(6)
+    node.kubelet.wait_for(device_health(uuids[6], healthy=True), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and not plugin.devices[uuids[5]].healthy
+
+
+def test_pending_retirement_needs_a_reset_even_once_it_reads_clear(node: SimulatedNode) -> None:
+    uuids = start(node, "    reprobeInitialSeconds: 0.1\n    reprobeMaxSeconds: 0.2\n")
+    node.control.pending_pages(6, True)
+    node.control.xid(6, 48)
+    node.kubelet.wait_for(device_health(uuids[6], healthy=False), TIMEOUT)
+    node.control.pending_pages(6, False)
+    time.sleep(1.0)  # five re-probe periods: none runs, and none would be evidence
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and not plugin.devices[uuids[6]].healthy
+    assert "re-probe" not in node.log_text()
+    result = heal(node, uuids[6])
+    assert result.returncode == 0, result.stdout + result.stderr
+    node.kubelet.wait_for(device_health(uuids[6], healthy=True), TIMEOUT)
+    node.wait_log("healthy: recovered: the operator's word (nvplug heal by uid 0")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
+def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evidence(node: SimulatedNode) -> None:
+    uuids = start(node, "    reprobeInitialSeconds: 0.2\n    reprobeMaxSeconds: 0.4\n")
+    gpus = node.scenario_gpus()
+    for index, xid in ((0, 46), (1, 79), (2, 119), (3, 46)):
+        node.control.xid(index, xid)
+        node.kubelet.wait_for(device_health(uuids[index], healthy=False), TIMEOUT)
+    # Probes would pass (the fake's GPUs answer), and no amount of waiting makes them evidence.
+    time.sleep(2.0)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.allocatable == 4
+    log = node.log_text()
+    assert "recovered" not in log and "re-probe" not in log
+    assert "waiting for a GPU reset (nvidia-smi -r -i 0000:18:00.0) or a reboot, or `nvplug heal 0`" in log
+    devices = {g["uuid"]: g for g in statusclient.status(f"unix:{node.status_socket}")["gpus"]}
+    assert (
+        devices[uuids[1]]["waiting_for"]
+        == "a GPU reset (nvidia-smi -r -i 0000:2a:00.0) or a reboot, or `nvplug heal 1`"
+    )
+    assert devices[uuids[1]]["clears"] == "reset"
+
+    def only(healthy: set[int]) -> None:
+        for index in range(4):
+            node.kubelet.wait_for(device_health(uuids[index], healthy=index in healthy), TIMEOUT)
+
+    # GPU 0: the driver unbound and re-bound (a reset through sysfs, or nvidia-smi -r).
+    send_uevent(pci_event("unbind", gpus[0]["bus"].lower()))
+    send_uevent(pci_event("bind", gpus[0]["bus"].lower(), driver="nvidia"))
+    only({0})
+    node.wait_log("healthy: recovered: driver unbound and re-bound, probe passed")
+    # GPU 1: NVML's recovery action asks for a reset, then reads NONE.
+    node.control.recovery_action(1, 1)
+    node.control.recovery_action(1, 0)
+    only({0, 1})
+    node.wait_log("healthy: recovered: NVML recovery action back to none, probe passed")
+    # GPU 3: the operator's word.
+    result = heal(node, "3")
+    assert result.returncode == 0 and "is Healthy: recovered: the operator's word" in result.stdout, result.stderr
+    only({0, 1, 3})
+    # GPU 2: the driver was reloaded (a new /sys/module/nvidia), and re-bound the GPUs.
+    node.reload_driver()
+    send_uevent(pci_event("bind", gpus[2]["bus"].lower(), driver="nvidia"))
+    only({0, 1, 2, 3})
+    node.wait_log("healthy: recovered: the NVIDIA driver was reloaded, probe passed")
+
+
+def test_a_restart_keeps_an_unhealthy_gpu_and_a_new_boot_clears_it(node: SimulatedNode) -> None:
+    uuids = start(node)
+    node.control.xid(0, 46)
+    node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
+    saved = json.loads((node.state_dir / "health.json").read_text())
+    assert [d["uuid"] for d in saved["devices"]] == [uuids[0]] and saved["devices"][0]["clears"] == "reset"
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        assert node.stop_daemon(sig) in (0, -signal.SIGKILL)
+        mark = len(node.log_text())
+        node.start_daemon()
+        node.kubelet.wait_for(registered_with(8), TIMEOUT)
+        plugin = node.kubelet.plugin(GPU_RESOURCE)
+        assert plugin is not None
+        # Unhealthy in every list the new daemon sent, the first one included.
+        assert all(not next(d for d in u.devices if d.id == uuids[0]).healthy for u in plugin.updates)
+        node.wait_log(f"{uuids[0]} (0000:18:00.0) was Unhealthy before this start: XID 46", after=mark)
+        node.wait_log("restored unhealthy: XID 46 ROBUST_CHANNEL_GPU_TIMEOUT_ERROR (RESET_GPU) (recorded", after=mark)
+    node.stop_daemon()
+    node.new_boot()
+    mark = len(node.log_text())
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.allocatable == 8
+    node.wait_log("is from another boot: ignored (a reboot resets every GPU)", after=mark)
+    node.kubelet.wait_for(lambda k: not json.loads((node.state_dir / "health.json").read_text())["devices"], TIMEOUT)
+
+
+def test_a_corrupt_state_file_is_logged_and_ignored(node: SimulatedNode) -> None:
+    node.state_dir.mkdir()
+    (node.state_dir / "health.json").write_text('{"format": 1, "devices": [')
+    start(node)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.allocatable == 8
+    node.wait_log("WARNING nvplug.statefile: health state file")
+    assert "ignored: not JSON" in node.log_text()
+    assert node.daemon is not None and node.daemon.poll() is None
+
+
+def test_heal_with_a_reset_checks_processes_runs_nvidia_smi_and_heals(node: SimulatedNode) -> None:
+    uuids = start(node)
+    assert heal(node, "0").stdout.strip().endswith("is Healthy; nothing to heal")
+    node.control.xid(0, 46)
+    node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
+    reset = ["-r", "-i", "0000:18:00.0"]
+    # A process on the GPU: no reset.
+    node.control.procs(0, [4242])
+    busy = heal(node, "0000:18:00.0", "--reset")
+    assert busy.returncode == 1 and "not reset: processes use it (pids 4242)" in busy.stdout
+    assert nvidia_smi.calls(node.nvidia_smi_log) == []
+    node.control.procs(0, [])
+    # nvidia-smi refuses: the GPU stays out, and the error says why.
+    Path(f"{node.nvidia_smi_log}.fail").touch()
+    failed = heal(node, "0", "--reset")
+    assert failed.returncode == 1 and "exited 255: GPU 0000:18:00.0 is currently in use" in failed.stdout
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and not plugin.devices[uuids[0]].healthy
+    Path(f"{node.nvidia_smi_log}.fail").unlink()
+    done = heal(node, uuids[0], "--reset")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "is Healthy: recovered: GPU reset by nvidia-smi at the request of uid 0" in done.stdout
+    assert nvidia_smi.calls(node.nvidia_smi_log) == [reset, reset]
+    node.kubelet.wait_for(device_health(uuids[0], healthy=True), TIMEOUT)
+    log = node.wait_log("heal asked by uid 0")
+    assert "heal with a reset asked by uid 0" in log and "not reset: processes use it (pids 4242)" in log
+    # Events flow again after the reset's rescan.
+    node.control.xid(2, 79)
+    node.kubelet.wait_for(device_health(uuids[2], healthy=False), TIMEOUT)
+    # Nonsense is refused with a reason; no daemon is exit 2.
+    unknown = heal(node, "9")
+    assert unknown.returncode == 1 and "no GPU '9' on this node (indices: 0, 1, 2, 3, 4, 5, 6, 7)" in unknown.stdout
+    node.stop_daemon()
+    assert heal(node, "0").returncode == 2

@@ -36,6 +36,7 @@ PLUGIN_SOCKET = "nvplug-nvidia.com-gpu.sock"
 NVML_DIR = "/opt/fakenvml"  # the library and its scenario, read-only
 CONTROL_DIR = "/var/lib/fakenvml"  # the fake's control socket: the unit must be able to bind it
 CONFIG = "/etc/nvplug/config.yaml"
+STATE_FILE = "/var/lib/nvplug/health.json"
 UNIT = "nvplug"
 WATCHDOG_SEC = 3
 TIMEOUT = 20.0
@@ -312,6 +313,45 @@ def test_reload_keeps_the_stream_and_applies_the_config(node: Node) -> None:
     props = node.show("ActiveState", "SubState", "NRestarts")
     assert (props["ActiveState"], props["SubState"], props["NRestarts"]) == ("active", "running", "0"), props
     _timed("check 4: reload", started)
+
+
+def test_an_unhealthy_gpu_stays_unhealthy_across_a_restart_and_heals_by_reset(node: Node) -> None:
+    """The state file under StateDirectory= survives `systemctl restart`; `nvplug heal --reset` runs
+    nvidia-smi from the hardened unit, through the root-only status socket."""
+    started = time.monotonic()
+    gpu0 = node.uuids[0]
+    # Check 4 left GPU 0 Unhealthy: XID 13, fatal by config, needs a reset.
+    saved = node.ctr.run("cat", STATE_FILE, check=False)
+    assert saved.returncode == 0 and gpu0 in saved.stdout, f"no state file: {saved.stderr}\n{node.diagnose()}"
+    registrations = node.registrations()
+    node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+
+    def reregistered(k: FakeKubelet) -> bool:
+        return node.registrations() > registrations and registered_with(8)(k)
+
+    try:
+        node.kubelet.wait_for(reregistered, TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"the restarted daemon did not register again\n{node.diagnose()}") from err
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    assert all(not next(d for d in u.devices if d.id == gpu0).healthy for u in plugin.updates), plugin.describe()
+    node.ctr.wait_journal(UNIT, "was Unhealthy before this start", "-o", "cat", timeout=TIMEOUT)
+    # A stand-in nvidia-smi where the unit's PATH finds it; it records its arguments.
+    node.ctr.write_file(
+        "/usr/local/bin/nvidia-smi", f'#!/bin/sh\necho "$@" >> {CONTROL_DIR}/nvidia-smi.calls\necho reset done\n'
+    )
+    node.ctr.run("chmod", "755", "/usr/local/bin/nvidia-smi")
+    healed = node.ctr.run("nvplug", "heal", "0", "--reset", check=False, timeout=60)
+    assert healed.returncode == 0, f"{healed.stdout}{healed.stderr}\n{node.diagnose()}"
+    assert "is Healthy: recovered: GPU reset by nvidia-smi" in healed.stdout, healed.stdout
+    assert node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.split() == ["-r", "-i", "0000:18:00.0"]
+    node.kubelet.wait_for(device_health(gpu0, healthy=True), TIMEOUT)
+    node.ctr.wait_journal(UNIT, "heal with a reset asked by uid 0", "-o", "cat", timeout=TIMEOUT)
+    assert gpu0 not in node.ctr.run("cat", STATE_FILE).stdout
+    errors = node.ctr.journal(UNIT, "-p", "err", "-o", "cat")
+    assert "reload refused" in errors and "health state" not in errors, errors
+    _timed("check 5: health across a restart, heal --reset", started)
 
 
 def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> None:

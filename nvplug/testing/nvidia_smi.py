@@ -2,7 +2,7 @@
 
 Each call appends its argv as one JSON line to $FAKE_NVIDIA_SMI_LOG. A reset
 (`-r -i BUS_ID`) answers as the real tool does; $FAKE_NVIDIA_SMI_FAIL set makes
-it fail the way the real one does when the GPU is busy.
+it fail the way the real one does when the GPU is busy, and so does a file `<log>.fail`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv: Sequence[str]) -> int:
             out.write(json.dumps(list(argv)) + "\n")
     if len(argv) == 3 and argv[0] == "-r" and argv[1] == "-i":
         bus = argv[2]
-        if os.environ.get(FAIL_ENV):
+        if os.environ.get(FAIL_ENV) or (log and Path(f"{log}.fail").exists()):
             print(f"GPU {bus} is currently in use by another process.\n\n1 device is currently being used by one "
                   "or more other processes (e.g., Fabric Manager, CUDA application, graphics application such as "
                   "an X server, or a monitoring application such as another instance of nvidia-smi).")  # fmt: skip
