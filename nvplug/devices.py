@@ -243,6 +243,8 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
     out = [line(headers)]
     for g, row in zip(gpus, rows, strict=True):
         out.append(line(row))
+        if g.get("waiting_for"):
+            out.append(f"     waiting for {g['waiting_for']}")
         uuid = str(g.get("uuid", ""))
         out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, uuid)}")
         out.append(f"     nvlink peers: {_nvlink_text(g.get('nvlink_peers') or {}, index_of)}")
@@ -250,5 +252,6 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
             out.append(
                 f"     mig {m.get('profile')} gi {m.get('gpu_instance')} ci {m.get('compute_instance')} "
                 f"{m.get('uuid')}: {m.get('health')} ({m.get('reason')})"
+                + (f"; waiting for {m['waiting_for']}" if m.get("waiting_for") else "")
             )
     return "\n".join(out)

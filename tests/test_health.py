@@ -276,6 +276,17 @@ def test_heal_with_a_reset_checks_processes_runs_nvidia_smi_and_heals(node: Simu
     node.control.xid(0, 46)
     node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
     reset = ["-r", "-i", "0000:18:00.0"]
+    devices = subprocess.run(
+        [sys.executable, "-m", "nvplug", "devices", "--status-listen", f"unix:{node.status_socket}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    lines = devices.splitlines()
+    row, waiting = next((ln, lines[n + 1]) for n, ln in enumerate(lines) if uuids[0] in ln)
+    assert "Unhealthy" in row and "XID 46 ROBUST_CHANNEL_GPU_TIMEOUT_ERROR (RESET_GPU)" in row
+    assert waiting.strip() == "waiting for a GPU reset (nvidia-smi -r -i 0000:18:00.0) or a reboot, or `nvplug heal 0`"
     # A process on the GPU: no reset.
     node.control.procs(0, [4242])
     busy = heal(node, "0000:18:00.0", "--reset")
