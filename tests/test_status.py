@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import os
+import socket
 import time
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from nvplug import statusclient
-from nvplug.status import reason_class
+from nvplug.status import Peer, StatusServer, reason_class
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
@@ -99,3 +104,37 @@ def test_reason_classes_are_bounded() -> None:
     assert reason_class("probe failed: GPU is lost") == "probe failed"
     assert reason_class("MIG 1g.10gb gi 3 ci 0 (MIG-abc): XID 79 X (RESTART_BM)") == "XID 79"
     assert reason_class("recovered: re-probe 2 of the Unhealthy GPU, probe passed") == "recovered"
+
+
+def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: Path) -> None:
+    seen: list[tuple[bytes, Peer]] = []
+
+    async def record(body: bytes, peer: Peer) -> tuple[int, str, bytes]:
+        seen.append((body, peer))
+        return 200, "text/plain", b"done\n"
+
+    async def scenario() -> list[tuple[int, str]]:
+        with socket.socket() as probe:  # a free port on the loopback
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        servers = [
+            StatusServer(f"unix:{short_tmp / 's.sock'}", {}, {"/heal": record}),
+            StatusServer(f"127.0.0.1:{port}", {}, {"/heal": record}),
+        ]
+        for server in servers:
+            await server.start()
+        try:
+            ask = functools.partial(asyncio.to_thread, statusclient.fetch)
+            return [
+                await ask(f"unix:{short_tmp / 's.sock'}", "/heal", 5, b'{"gpu": "0"}'),
+                await ask(f"127.0.0.1:{port}", "/heal", 5, b'{"gpu": "0"}'),
+                await ask(f"unix:{short_tmp / 's.sock'}", "/status", 5, b"{}"),
+            ]
+        finally:
+            for server in servers:
+                await server.stop()
+
+    unix, tcp, other = asyncio.run(scenario())
+    assert unix == (200, "done\n") and seen == [(b'{"gpu": "0"}', Peer(os.getpid(), os.getuid()))]
+    assert tcp == (403, "POST is served on the unix socket only\n")
+    assert other[0] == 405
