@@ -168,6 +168,10 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         TIMINGS.add("snapshot + boot to running", ctr.timings["snapshot"] + ctr.timings["boot"])
 
         started = time.monotonic()
+        # The driver's nodes, as on a GPU node (Allocate hands them out, so nvplug checks they exist).
+        ctr.sh(
+            "for i in 0 1 2 3 4 5 6 7; do mknod -m 0666 /dev/nvidia$i c 195 $i 2>/dev/null || touch /dev/nvidia$i; done"
+        )
         # Before the package: its postinst starts the unit, which must load the fake from the start.
         ctr.write_file(
             f"/etc/systemd/system/{UNIT}.service.d/test.conf",
