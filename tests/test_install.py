@@ -392,7 +392,7 @@ def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> Non
         raise AssertionError(f"the restarted daemon did not register again\n{node.diagnose()}") from err
     TIMINGS.add("  (SIGSTOP to active again)", stopped_to_running)
     TIMINGS.add("  (SIGSTOP to registered again)", time.monotonic() - started)
-    _timed("check 5: watchdog restart", started)
+    _timed("check 6: watchdog restart", started)
 
 
 def test_stop_is_clean(node: Node) -> None:
@@ -409,7 +409,7 @@ def test_stop_is_clean(node: Node) -> None:
     assert "nvplug stopped" in log, f"no 'nvplug stopped' in the journal\n{log[-3000:]}"
     plugin = node.kubelet.plugin(GPU_RESOURCE)
     assert plugin is not None and not plugin.stream_open, "the stand-in's stream is still open"
-    _timed("check 6: stop", started)
+    _timed("check 7: stop", started)
 
 
 def test_remove_and_purge(node: Node) -> None:
@@ -431,4 +431,4 @@ def test_remove_and_purge(node: Node) -> None:
         '[ -e "$p" ] || [ -L "$p" ] && echo "$p"; done; true'
     ).stdout.split()
     assert not left, f"left behind after purge: {shlex.join(left)}"
-    _timed("check 7: remove and purge", started)
+    _timed("check 8: remove and purge", started)
