@@ -25,14 +25,7 @@ DIRECT_LABEL = "(direct NVML read; the daemon is not running)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: the GPUs as /status has them, and the source")
-    parser.add_argument(
-        "--status-listen",
-        default=None,
-        metavar="ADDR",
-        help="the daemon's status endpoint, unix:/path or HOST:PORT "
-        f"(default: the config's nvplug.status.listen, else {statusclient.DEFAULT_LISTEN})",
-    )
-    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
+    statusclient.add_arguments(parser)
     parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     parser.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
 

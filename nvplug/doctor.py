@@ -48,13 +48,7 @@ class _Context:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--status-listen",
-        default=None,
-        metavar="ADDR",
-        help="the daemon's status endpoint, unix:/path or HOST:PORT "
-        f"(default: the config's nvplug.status.listen, else {statusclient.DEFAULT_LISTEN})",
-    )
+    statusclient.add_arguments(parser)
     parser.add_argument(
         "--device-plugin-dir",
         type=Path,
@@ -64,7 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dev-root", type=Path, default=Path("/"), help="root under which /dev/nvidia* live (default: %(default)s)"
     )
-    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
     parser.add_argument(
         "--proc-root", type=Path, default=Path("/proc"), help="where the driver's proc files live (default: /proc)"
     )

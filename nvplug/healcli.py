@@ -7,9 +7,8 @@ import getpass
 import json
 import os
 import sys
-from pathlib import Path
 
-from . import config, statusclient
+from . import statusclient
 
 # A reset behind NVSwitches takes a while, and the daemon rescans after it.
 RESET_WAIT = 180.0
@@ -21,14 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reset", action="store_true", help="reset it with `nvidia-smi -r -i BUS_ID` (refused while processes use it)"
     )
-    parser.add_argument(
-        "--status-listen",
-        default=None,
-        metavar="ADDR",
-        help="the daemon's status socket, unix:/path "
-        f"(default: the config's nvplug.status.listen, else {statusclient.DEFAULT_LISTEN})",
-    )
-    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
+    statusclient.add_arguments(parser)
 
 
 def _operator() -> str:

@@ -93,6 +93,17 @@ class Node:
     def registrations(self) -> int:
         return self.kubelet.accepted_registrations(GPU_RESOURCE)
 
+    def wait_registered_again(self, registrations: int) -> None:
+        """A new registration since `registrations` was counted, streaming 8 devices."""
+
+        def again(k: FakeKubelet) -> bool:
+            return self.registrations() > registrations and registered_with(8)(k)
+
+        try:
+            self.kubelet.wait_for(again, TIMEOUT)
+        except TimeoutError as err:
+            raise AssertionError(f"the restarted daemon did not register again\n{self.diagnose()}") from err
+
 
 def _reload(node: Node) -> None:
     proc = node.ctr.run("systemctl", "reload", UNIT, check=False)
@@ -329,14 +340,7 @@ def test_an_unhealthy_gpu_stays_unhealthy_across_a_restart_and_heals_by_reset(no
     assert saved.returncode == 0 and gpu0 in saved.stdout, f"no state file: {saved.stderr}\n{node.diagnose()}"
     registrations = node.registrations()
     node.ctr.run("systemctl", "restart", UNIT, timeout=60)
-
-    def reregistered(k: FakeKubelet) -> bool:
-        return node.registrations() > registrations and registered_with(8)(k)
-
-    try:
-        node.kubelet.wait_for(reregistered, TIMEOUT)
-    except TimeoutError as err:
-        raise AssertionError(f"the restarted daemon did not register again\n{node.diagnose()}") from err
+    node.wait_registered_again(registrations)
     plugin = node.kubelet.plugin(GPU_RESOURCE)
     assert plugin is not None
     assert all(not next(d for d in u.devices if d.id == gpu0).healthy for u in plugin.updates), plugin.describe()
@@ -382,14 +386,7 @@ def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> Non
     stopped_to_running = time.monotonic() - started
     log = node.ctr.journal(UNIT, "-o", "cat")
     assert "Watchdog timeout" in log, f"the restart was not the watchdog's\n{node.diagnose()}"
-
-    def reregistered(k: FakeKubelet) -> bool:
-        return node.registrations() > registrations and registered_with(8)(k)
-
-    try:
-        node.kubelet.wait_for(reregistered, TIMEOUT)
-    except TimeoutError as err:
-        raise AssertionError(f"the restarted daemon did not register again\n{node.diagnose()}") from err
+    node.wait_registered_again(registrations)
     TIMINGS.add("  (SIGSTOP to active again)", stopped_to_running)
     TIMINGS.add("  (SIGSTOP to registered again)", time.monotonic() - started)
     _timed("check 6: watchdog restart", started)
