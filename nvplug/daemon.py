@@ -86,6 +86,7 @@ class Daemon:
         self._plugins: list[_Plugin] = []
         self._reprober: Reprober | None = None
         self._scanner: Scanner | None = None
+        self._resources_lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
@@ -170,16 +171,34 @@ class Daemon:
                 if task is not stop and task.exception() is not None:
                     raise RuntimeError(f"{task.get_name()} failed") from task.exception()
         finally:
+            # A reload under way would open servers after the closes below.
+            tasks += [self._reloading] if self._reloading is not None else []
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # The sources first, now that nothing reads the bus; then what they fed. The rebinds and
+            # closes below remove and make our sockets in the watched directory: nobody needs those events.
             reprober.close()
+            udev.stop()
+            kubelet_dir.stop()
+            # The registrars before the rebinds that would wake them.
+            registering = [p.registering for p in self._plugins if p.registering is not None]
+            for task in registering:
+                task.cancel()
+            await asyncio.gather(*registering, return_exceptions=True)
+            # A rebind is a task of its own: left running, it serves again after the closes below, and
+            # its server dies with the loop. Let finish (bounded: the kubelet may keep wiping the socket),
+            # since one cancelled inside gRPC's start() makes a server that no close can reach.
+            rebinds = [p.rebinding for p in self._plugins if p.rebinding is not None]
+            if rebinds:
+                _, late = await asyncio.wait(rebinds, timeout=2.0)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*rebinds, return_exceptions=True)
             if status is not None:
                 await status.stop()
             for plugin in self._plugins:
                 await self._close(plugin)
-            udev.stop()
-            kubelet_dir.stop()
             await scanner.close()
             log.info("nvplug stopped")
 
@@ -227,23 +246,25 @@ class Daemon:
     async def _apply_resources(self, specs: list[Spec], policy: AllocationPolicy) -> None:
         """A reload that changes what is advertised: new servers register, gone ones stop, changed ones
         register again so that the kubelet reads their new device lists. Unchanged ones are left alone."""
-        wanted = {spec.name: spec for spec in specs}
-        keep: list[_Plugin] = []
-        for plugin in self._plugins:
-            if wanted.get(plugin.spec.name) == plugin.spec:
-                keep.append(plugin)
-                del wanted[plugin.spec.name]
-            else:
-                gone = plugin.spec.name not in wanted
-                how = "no longer served: sending an empty list" if gone else "advertised differently now"
-                log.info("%s: %s, stopping its server", plugin.spec.name, how)
-                await self._close(plugin, retire=gone)
-        fresh = [self._make_plugin(spec, policy) for spec in wanted.values()]
-        self._plugins = keep + fresh
-        if self._kubelet_dir is not None:
-            self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
-        for plugin in fresh:
-            await self._open(plugin)
+        # One at a time: a rescan (a heal's, say) and a reload may both change what is served.
+        async with self._resources_lock:
+            wanted = {spec.name: spec for spec in specs}
+            keep: list[_Plugin] = []
+            for plugin in self._plugins:
+                if wanted.get(plugin.spec.name) == plugin.spec:
+                    keep.append(plugin)
+                    del wanted[plugin.spec.name]
+                else:
+                    gone = plugin.spec.name not in wanted
+                    how = "no longer served: sending an empty list" if gone else "advertised differently now"
+                    log.info("%s: %s, stopping its server", plugin.spec.name, how)
+                    await self._close(plugin, retire=gone)
+            fresh = [self._make_plugin(spec, policy) for spec in wanted.values()]
+            self._plugins = keep + fresh
+            if self._kubelet_dir is not None:
+                self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
+            for plugin in fresh:
+                await self._open(plugin)
 
     async def _dispatch(self, bus: EventBus) -> None:
         while True:

@@ -18,7 +18,13 @@ class EventBus:
 
     def publish_threadsafe(self, event: Event) -> None:
         """From a source's own thread (NVML wait, watchdog observer)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            # The loop closed under a thread still delivering (an XID in hand at shutdown): nobody
+            # is left to act on it, and the next start reads the GPU afresh.
+            if not self._loop.is_closed():
+                raise
 
     async def next(self) -> Event:
         return await self._queue.get()
