@@ -103,6 +103,8 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
                 "since": health.since,
                 "clears": health.clears.value if health.clears else None,
                 "evidence": health.evidence,
+                # NVML's recovery action last read during the fault (0: none, or never asked for).
+                "recovery_action": health.recovery_action,
                 "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
                 "advertised": advertised.get(gpu.uuid, {}),
                 "nvlink_peers": peers,
