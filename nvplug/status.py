@@ -244,15 +244,13 @@ class StatusServer:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
             request_line, _, headers = head.decode("latin-1").partition("\r\n")
             method, target, _ = request_line.split(" ", 2)
-            path = target.split("?", 1)[0]
-            if method == "POST" and path in self._posts:
-                status, ctype, body = await self._post(path, headers, reader, writer)
-            elif method != "GET":
-                status, ctype, body = 405, "text/plain", b"GET only, or POST to /heal\n"
-            elif path not in self._routes:
-                status, ctype, body = 404, "text/plain", b"try /healthz, /status or /metrics\n"
+            length = _content_length(headers)
+            if not 0 <= length <= MAX_REQUEST:
+                status, ctype, body = 413, "text/plain", b"request body too large\n"
             else:
-                status, ctype, body = self._routes[path]()
+                # Read whatever was sent before answering: a client still writing would get EPIPE.
+                data = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
+                status, ctype, body = await self._answer(method, target.split("?", 1)[0], data, writer)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
         writer.write(
@@ -264,22 +262,26 @@ class StatusServer:
             await writer.drain()
         writer.close()
 
-    async def _post(
-        self, path: str, headers: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> Answer:
-        peer = _peer(writer)
-        if peer is None:
-            # Acting on a GPU is for root on the node, never for whoever reaches a TCP port.
-            return 403, "text/plain", b"POST is served on the unix socket only\n"
-        length = 0
-        for line in headers.split("\r\n"):
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value.strip())
-        if not 0 <= length <= MAX_REQUEST:
-            return 413, "text/plain", b"request body too large\n"
-        body = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
-        return await self._posts[path](body, peer)
+    async def _answer(self, method: str, path: str, data: bytes, writer: asyncio.StreamWriter) -> Answer:
+        if method == "POST" and path in self._posts:
+            peer = _peer(writer)
+            if peer is None:
+                # Acting on a GPU is for root on the node, never for whoever reaches a TCP port.
+                return 403, "text/plain", b"POST is served on the unix socket only\n"
+            return await self._posts[path](data, peer)
+        if method != "GET":
+            return 405, "text/plain", b"GET only, or POST to /heal\n"
+        if path not in self._routes:
+            return 404, "text/plain", b"try /healthz, /status or /metrics\n"
+        return self._routes[path]()
+
+
+def _content_length(headers: str) -> int:
+    for line in headers.split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            return int(value.strip())
+    return 0
 
 
 def _peer(writer: asyncio.StreamWriter) -> Peer | None:

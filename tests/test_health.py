@@ -113,6 +113,32 @@ def test_xid_154_reads_the_recovery_action(node: SimulatedNode) -> None:
     node.wait_log("unhealthy: NVML recovery action: node reboot")
 
 
+def test_xid_94_keeps_the_gpu_but_reads_the_recovery_action(node: SimulatedNode) -> None:
+    # A contained error: the GPU stays, unless the driver asks for a reset behind it.
+    gpus = node.scenario_gpus()
+    text = node.scenario.read_text()
+    for g in gpus[1:3]:
+        text = text.replace(f"uuid={g['uuid']}", f"uuid={g['uuid']} events=0x600B")  # no recovery-action event
+    node.scenario.write_text(text)
+    uuids = start(node)
+    node.control.xid(1, 94)
+    node.wait_log(f"{uuids[1]} (0000:2a:00.0) xid, stays healthy: XID 94 ROBUST_CHANNEL_CONTAINED_ERROR (RESTART_APP)")
+    node.control.recovery_action(2, 4)
+    node.control.xid(2, 94)
+    node.kubelet.wait_for(device_health(uuids[2], healthy=False), TIMEOUT)
+    node.wait_log("unhealthy: NVML recovery action: drain and reset")
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.devices[uuids[1]].healthy and plugin.allocatable == 7
+
+
+def test_xid_109_needs_a_reset(node: SimulatedNode) -> None:
+    # The catalog says RESET_GPU; NVIDIA's plugin ignores it. nvplug follows the catalog (README).
+    uuids = start(node)
+    node.control.xid(4, 109)
+    node.kubelet.wait_for(device_health(uuids[4], healthy=False), TIMEOUT)
+    node.wait_log("unhealthy: XID 109 ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR (RESET_GPU); waiting for a GPU reset")
+
+
 def test_a_gpu_broken_at_start_is_never_advertised_healthy(node: SimulatedNode) -> None:
     uuid = node.scenario_gpus()[4]["uuid"]
     node.scenario.write_text(node.scenario.read_text().replace(f"uuid={uuid}", f"uuid={uuid} pending_pages=1"))
@@ -147,6 +173,11 @@ def test_event_wait_failures_are_reported_and_retried_with_backoff(node: Simulat
     node.wait_log("NVML health events are being received")
     node.control.xid(0, 79)
     node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
+
+
+def status_of(node: SimulatedNode, uuid: str) -> dict[str, object]:
+    gpus: list[dict[str, object]] = statusclient.status(f"unix:{node.status_socket}")["gpus"]
+    return next(g for g in gpus if g["uuid"] == uuid)
 
 
 def heal(node: SimulatedNode, *args: str) -> subprocess.CompletedProcess[str]:
@@ -217,6 +248,8 @@ def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evi
     node.wait_log("healthy: recovered: driver unbound and re-bound, probe passed")
     # GPU 1: NVML's recovery action asks for a reset, then reads NONE.
     node.control.recovery_action(1, 1)
+    # Read once the event comes; only then may it go back to none (each event has the field read).
+    node.kubelet.wait_for(lambda _: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT)
     node.control.recovery_action(1, 0)
     only({0, 1})
     node.wait_log("healthy: recovered: NVML recovery action back to none, probe passed")

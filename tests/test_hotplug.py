@@ -132,3 +132,22 @@ def test_kubelet_restarts_repeatedly_and_we_re_register_each_time(node: Simulate
     assert node.kubelet.accepted_registrations(GPU_RESOURCE) == 21
     assert node.plugin_socket.exists()
     assert node.daemon is not None and node.daemon.poll() is None
+
+
+def test_a_gpu_lost_during_a_rescan_is_subscribed_again_once_it_answers(node: SimulatedNode) -> None:
+    node.config.write_text(
+        "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.2\n    reprobeMaxSeconds: 0.4\n"
+    )
+    gpus = start(node)
+    uuid = gpus[3]["uuid"]
+    node.control.lose(3)
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)
+    # A rescan while it is lost: NVML cannot read it, so the new event watch has no subscription for it.
+    udev("change", gpus[0]["bus"].lower())
+    node.wait_log("scan 2: 7 GPUs")
+    node.control.restore(3)
+    node.kubelet.wait_for(device_health(uuid, healthy=True), TIMEOUT)
+    node.wait_log("scan 3: 8 GPUs")
+    # Its faults are seen again.
+    node.control.xid(3, 79)
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)

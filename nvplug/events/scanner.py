@@ -62,9 +62,14 @@ class Scanner:
 
     async def probe(self, uuid: str, evidence: str) -> ProbeResult:
         try:
-            return await self._call(self._nvml.probe, uuid, evidence)
+            result = await self._call(self._nvml.probe, uuid, evidence)
         except NvmlUnavailable as err:
             return ProbeResult(uuid, str(err), evidence)
+        watch = self._watch
+        if result.passed and watch is not None and uuid not in watch.subscriptions:
+            # It was lost when the watch subscribed: without a rescan its faults would go unseen.
+            self.request(f"{uuid} answers again; subscribing to its events")
+        return result
 
     async def processes(self, uuid: str) -> tuple[int, ...]:
         """Pids on the GPU. Raises NvmlUnavailable."""
