@@ -145,9 +145,10 @@ def test_a_gpu_lost_during_a_rescan_is_subscribed_again_once_it_answers(node: Si
     # A rescan while it is lost: NVML cannot read it, so the new event watch has no subscription for it.
     udev("change", gpus[0]["bus"].lower())
     node.wait_log("scan 2: 7 GPUs")
+    node.wait_log("no NVML events from 1 that NVML cannot read: rescanning in 1 s to subscribe them")
     node.control.restore(3)
     node.kubelet.wait_for(device_health(uuid, healthy=True), TIMEOUT)
-    node.wait_log("scan 3: 8 GPUs")
+    node.wait_log("every GPU is subscribed to NVML events again")
     # Its faults are seen again.
     node.control.xid(3, 79)
     node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)

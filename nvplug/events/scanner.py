@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 # NVML may come up long after us (a driver loading at boot); don't hammer it.
 BACKOFF_MAX = 300.0
+# The first rescan for GPUs left without event subscriptions; doubling up to BACKOFF_MAX.
+RESUBSCRIBE_FIRST = 1.0
 
 
 class Scanner:
@@ -50,6 +52,9 @@ class Scanner:
         self._watch: NvmlEventWatch | None = None
         self._wanted = asyncio.Event()
         self.scans = 0
+        # A scan that left GPUs without event subscriptions is retried, with backoff, until none is left.
+        self._resubscribe: asyncio.TimerHandle | None = None
+        self._resubscribe_delay = RESUBSCRIBE_FIRST
 
     def request(self, why: str) -> None:
         """Rescan soon; requests that arrive during a scan fold into one more."""
@@ -58,18 +63,39 @@ class Scanner:
 
     async def scan(self) -> InventoryFound | NvmlFailed:
         """Hand the watch over, scan at init count zero, subscribe the new set of GPUs."""
-        return await self._call(self._scan_blocking)
+        result = await self._call(self._scan_blocking)
+        if isinstance(result, InventoryFound):
+            self._check_subscriptions(result)
+        return result
+
+    def _check_subscriptions(self, found: InventoryFound) -> None:
+        """Never stop watching a GPU quietly: one lost (or failing) when the watch subscribed, or
+        one NVML counts but cannot read, has no events until a later scan subscribes it."""
+        if self._resubscribe is not None:
+            self._resubscribe.cancel()
+            self._resubscribe = None
+        subscribed = self._watch.subscriptions if self._watch is not None else {}
+        unwatched = [g.label for g in found.gpus if g.uuid not in subscribed]
+        if not unwatched and not found.lost:
+            if self._resubscribe_delay > RESUBSCRIBE_FIRST:
+                log.info("every GPU is subscribed to NVML events again")
+            self._resubscribe_delay = RESUBSCRIBE_FIRST
+            return
+        delay = self._resubscribe_delay
+        self._resubscribe_delay = min(delay * 2, BACKOFF_MAX)
+        lost = [f"{found.lost} that NVML cannot read"] if found.lost else []
+        log.warning(
+            "no NVML events from %s: rescanning in %.0f s to subscribe them", ", ".join(unwatched + lost), delay
+        )
+        self._resubscribe = asyncio.get_running_loop().call_later(
+            delay, self.request, "GPUs without event subscriptions"
+        )
 
     async def probe(self, uuid: str, evidence: str) -> ProbeResult:
         try:
-            result = await self._call(self._nvml.probe, uuid, evidence)
+            return await self._call(self._nvml.probe, uuid, evidence)
         except NvmlUnavailable as err:
             return ProbeResult(uuid, str(err), evidence)
-        watch = self._watch
-        if result.passed and watch is not None and uuid not in watch.subscriptions:
-            # It was lost when the watch subscribed: without a rescan its faults would go unseen.
-            self.request(f"{uuid} answers again; subscribing to its events")
-        return result
 
     async def processes(self, uuid: str) -> tuple[int, ...]:
         """Pids on the GPU. Raises NvmlUnavailable."""
@@ -108,6 +134,8 @@ class Scanner:
                         raise NvmlUnavailable(result.reason)
 
     async def close(self) -> None:
+        if self._resubscribe is not None:
+            self._resubscribe.cancel()
         await self._call(self._release_watch)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
