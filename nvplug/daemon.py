@@ -504,7 +504,7 @@ def _log_change(change: Change, snap: Snapshot) -> None:
     reason = f": {change.reason}" if change.reason else ""
     level = logging.WARNING if change.what in _GPU_WARNINGS else logging.INFO
     waiting = ""
-    if change.what in ("unhealthy", "fault while unhealthy", "restored unhealthy", "recovery evidence"):
+    if change.what in ("unhealthy", "fault while unhealthy", "restored unhealthy"):
         # The operator reads here what the GPU needs before it is offered again.
         needs = [s.waiting_for(gpu.bus_id, gpu.index) for _, s in snap.devices_of(gpu) if not s.healthy]
         waiting = f"; waiting for {needs[0]}" if needs and needs[0] else ""
