@@ -359,7 +359,7 @@ class Daemon:
         ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
         if ready and not self._plan_error:
             # Serving; but say which devices are out because Allocate could not hand them out.
-            unready = [p for p in self._status_line().split("; ") if "cannot be allocated" in p]
+            unready = _unready_note(self.state.current)
             return 200, "text/plain", "; ".join(["ok", *unready]).encode() + b"\n"
         return 503, "text/plain", (self._status_line() or "nothing to advertise").encode() + b"\n"
 
@@ -387,9 +387,7 @@ class Daemon:
             parts.append(f"health events unavailable: {snap.health_watch_error}")
         if self._plan_error:
             parts.append(f"advertising nothing: {self._plan_error}")
-        if snap.unready:
-            uuid, problem = next(iter(snap.unready.items()))
-            parts.append(f"{len(snap.unready)} devices cannot be allocated: {uuid}: {problem}")
+        parts += _unready_note(snap)
         return "; ".join(parts)
 
     def _update_status(self) -> None:
@@ -462,6 +460,14 @@ def allocation_policy(cfg: Config) -> AllocationPolicy:
         pass_device_specs=plugin.pass_device_specs,
         cdi_annotation_prefix=plugin.cdi_annotation_prefix,
     )
+
+
+def _unready_note(snap: Snapshot) -> list[str]:
+    """What the status line and /healthz say of devices Allocate could not hand out (nothing if none)."""
+    if not snap.unready:
+        return []
+    uuid, problem = next(iter(snap.unready.items()))
+    return [f"{len(snap.unready)} devices cannot be allocated: {uuid}: {problem}"]
 
 
 def _socket_name(resource_name: str) -> str:

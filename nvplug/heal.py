@@ -24,7 +24,7 @@ from .events.scanner import Scanner
 from .gpu import Gpu, normalize_bus_id
 from .health import Clears
 from .nvml import NvmlUnavailable
-from .state import NodeState
+from .state import NodeState, find_gpu
 from .status import Answer, Peer
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,13 @@ class HealRequest:
 
 def find(gpus: tuple[Gpu, ...], selector: str) -> Gpu | None:
     """The GPU named by index, UUID or PCI bus id (in any of NVML's and sysfs's spellings)."""
-    for gpu in gpus:
-        if selector == gpu.uuid or (selector.isdecimal() and int(selector) == gpu.index):
-            return gpu
+    if selector.isdecimal():
+        return next((g for g in gpus if g.index == int(selector)), None)
     try:
         bus_id = normalize_bus_id(selector if selector.count(":") == 2 else f"0000:{selector}")
     except ValueError:
-        return None
-    return next((g for g in gpus if g.bus_id == bus_id), None)
+        bus_id = None
+    return find_gpu(gpus, uuid=selector, bus_id=bus_id)
 
 
 class Healer:

@@ -47,6 +47,14 @@ def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None 
     return next((g for g in gpus if g.uuid == uuid or g.bus_id == bus_id), None)
 
 
+def devices_of(health: Mapping[str, HealthState], gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
+    """The GPU's own health, then each of its MIG devices'."""
+    for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)):
+        state = health.get(uuid)
+        if state is not None:
+            yield uuid, state
+
+
 def _frozen(mapping: Mapping[str, HealthState] | None = None) -> Mapping[str, HealthState]:
     return MappingProxyType(dict(mapping or {}))
 
@@ -78,11 +86,7 @@ class Snapshot:
         return find_gpu(self.gpus, bus_id=bus_id)
 
     def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        """The GPU's own health, then each of its MIG devices'."""
-        for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)):
-            state = self.health.get(uuid)
-            if state is not None:
-                yield uuid, state
+        return devices_of(self.health, gpu)
 
     def unhealthy(self) -> tuple[Gpu, ...]:
         """GPUs that are Unhealthy or hold an Unhealthy MIG device."""
@@ -337,10 +341,7 @@ class _Draft:
         return find_gpu(self.gpus, bus_id=bus_id)
 
     def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)):
-            state = self.health.get(uuid)
-            if state is not None:
-                yield uuid, state
+        return devices_of(self.health, gpu)
 
     def note(self, change: Change) -> None:
         self.changes.append(change)
