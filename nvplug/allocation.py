@@ -10,6 +10,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .gpu import Gpu
 from .resources import Device, Resource
@@ -40,6 +41,11 @@ class AllocationPolicy:
         unknown = set(self.list_strategies) - set(LIST_STRATEGIES)
         if unknown or self.id_strategy not in ID_STRATEGIES:
             raise ValueError(f"unknown strategy {sorted(unknown) or self.id_strategy!r}")
+
+
+def host_path(dev_root: Path, path: str) -> str:
+    """Where a container's /dev/... node lives on the host: under the driver's dev root."""
+    return str(dev_root / path.lstrip("/"))
 
 
 class AllocationError(ValueError):

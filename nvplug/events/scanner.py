@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
+from ..allocation import host_path
 from ..event import Event, InventoryFound, NvmlFailed, ProbeResult
 from ..nvml import Nvml, NvmlUnavailable
 from ..readiness import unready
@@ -178,7 +179,7 @@ class Scanner:
         )
 
     def _node_exists(self, path: str) -> bool:
-        return (self._dev_root / path.lstrip("/")).exists()
+        return Path(host_path(self._dev_root, path)).exists()
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from ..allocation import AllocationError, AllocationPolicy, allocate, preferred
+from ..allocation import AllocationError, AllocationPolicy, allocate, host_path, preferred
 from ..resources import Resource
 from ..state import NodeState, Snapshot
 from .api import deviceplugin_pb2 as pb
@@ -201,7 +201,7 @@ class DevicePluginService:
         return pb.PreStartContainerResponse()
 
     def _host_path(self, path: str) -> str:
-        return str(self._dev_root / path.lstrip("/"))
+        return host_path(self._dev_root, path)
 
 
 class PluginServer:
