@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cdi.spec import GPU_KIND, device_name, qualified
 from .gpu import Gpu
 from .resources import Device, Resource
 from .topology import best_set
@@ -35,7 +36,14 @@ class AllocationPolicy:
     id_strategy: str = "uuid"
     pass_device_specs: bool = True
     cdi_annotation_prefix: str = "cdi.k8s.io/"
-    cdi_kind: str = "nvidia.com/gpu"
+    # Whole GPUs and MIG devices alike, as NVIDIA's plugin names them.
+    cdi_kind: str = GPU_KIND
+    # CDI names every container gets besides its devices' (IMEX channels, GDS, MOFED, GDRCopy).
+    cdi_extra: tuple[str, ...] = ()
+
+    @property
+    def uses_cdi(self) -> bool:
+        return any(s.startswith("cdi") for s in self.list_strategies)
 
     def __post_init__(self) -> None:
         unknown = set(self.list_strategies) - set(LIST_STRATEGIES)
@@ -117,7 +125,7 @@ def allocate(
     # What the container sees: whole GPUs (replicas folded), or the MIG devices themselves.
     units: list[Device] = [d for d in devices if d.mig is not None]
     units += [Device(g.uuid, g, devices[0].health) for g in gpus if not any(d.gpu == g for d in units)]
-    ids = [_visible_id(d, policy.id_strategy) for d in units]
+    ids = [device_name(d.gpu, d.mig, policy.id_strategy) for d in units]
     strategies = set(policy.list_strategies)
     envs = {VISIBLE_DEVICES_ENV: NO_DEVICES}
     mounts: tuple[Mount, ...] = ()
@@ -128,13 +136,13 @@ def allocate(
     if "volume-mounts" in strategies:
         envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNTS_ROOT
         mounts = tuple(Mount(f"{VOLUME_MOUNTS_ROOT}/{i}", "/dev/null") for i in ids)
-    qualified = [f"{policy.cdi_kind}={i}" for i in ids]
+    names = [qualified(policy.cdi_kind, i) for i in ids] + list(policy.cdi_extra)
     if "cdi-annotations" in strategies:
         # One key per container: the same devices always give the same key.
-        unique = hashlib.sha256(",".join(qualified).encode()).hexdigest()[:16]
-        annotations[f"{policy.cdi_annotation_prefix}nvplug_{unique}"] = ",".join(qualified)
+        unique = hashlib.sha256(",".join(names).encode()).hexdigest()[:16]
+        annotations[f"{policy.cdi_annotation_prefix}nvplug_{unique}"] = ",".join(names)
     if "cdi-cri" in strategies:
-        cdi_devices = tuple(qualified)
+        cdi_devices = tuple(names)
     nodes: list[DeviceNode] = []
     if policy.pass_device_specs:
         nodes = [DeviceNode(g.device_node, host_path(g.device_node)) for g in gpus if g.device_node is not None]
@@ -143,16 +151,6 @@ def allocate(
             nodes += [DeviceNode(p, host_path(p)) for p in caps]
         nodes += [DeviceNode(p, host_path(p)) for p in CONTROL_NODES if node_exists(host_path(p))]
     return ContainerAllocation(tuple(devices), gpus, envs, tuple(nodes), mounts, annotations, cdi_devices)
-
-
-def _visible_id(device: Device, id_strategy: str) -> str:
-    """NVIDIA's naming: UUIDs (GPU-... or MIG-...), or indices (`2`, or `2:1` for a GPU's second MIG device)."""
-    mig = device.mig
-    if id_strategy == "uuid":
-        return mig.uuid if mig is not None else device.gpu.uuid
-    if mig is None:
-        return str(device.gpu.index)
-    return f"{device.gpu.index}:{device.gpu.mig.index(mig)}"
 
 
 def _cap_nodes(resource: Resource, device: Device) -> tuple[str, ...]:

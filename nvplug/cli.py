@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__, config, logs
+from .cdicli import add_arguments as add_cdi
+from .cdicli import run as run_cdi
 from .daemon import Options, serve
 from .devices import add_arguments as add_devices
 from .devices import run as run_devices
@@ -39,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dev-root",
         type=Path,
-        default=Path("/"),
-        help="root under which the driver's /dev nodes live (default: %(default)s)",
+        default=None,
+        help="root under which the driver's /dev nodes live (default: the config's flags.nvidiaDevRoot, /)",
     )
     run.add_argument(
         "--config",
@@ -57,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", type=Path, default=None,
                      help="where the health state file is kept across restarts (default: $STATE_DIRECTORY "
                           "as systemd sets it, else /var/lib/nvplug)")  # fmt: skip
+    run.add_argument("--cdi-spec-dir", type=Path, default=None,
+                     help="write the CDI spec here (default: the config's nvplug.cdi.specDir)")  # fmt: skip
 
     reload = sub.add_parser("reload", help="ask the running daemon to re-read its config (SIGHUP)")
     reload.add_argument(
@@ -75,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
             "afterwards, 1 when it is not or the request was refused, 2 when the daemon cannot be asked.",
         )
     )
+
+    add_cdi(sub.add_parser("cdi", help="the CDI spec for this node's devices"))
 
     demo = sub.add_parser("demo", help="run the daemon against a simulated 8-GPU node and show what it does")
     demo.add_argument(
@@ -156,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_devices(args)
     if args.command == "heal":
         return run_heal(args)
+    if args.command == "cdi":
+        return run_cdi(args)
     if args.command == "config":
         return _config_command(args)
     logs.setup(args.log_level)
@@ -166,13 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     options = Options(
         plugin_dir=args.device_plugin_dir,
-        dev_root=args.dev_root,
+        dev_root=args.dev_root or Path(cfg.flags.nvidia_dev_root),
         sysfs_root=args.sysfs_root,
         config=cfg,
         config_path=args.config,
         proc_root=args.proc_root,
         status_listen=args.status_listen,
         state_dir=args.state_dir,
+        cdi_spec_dir=args.cdi_spec_dir,
     )
     try:
         asyncio.run(serve(options))

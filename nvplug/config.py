@@ -23,6 +23,12 @@ import yaml
 DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
 # Root-only by default: a unix socket in the unit's RuntimeDirectory.
 DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
+# Where runtimes read generated CDI specs; cleared at boot, as a generated spec should be.
+DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+# CDI limits the name part of an annotation key (after the prefix's "/") to this.
+MAX_ANNOTATION_NAME = 63
+# What nvplug appends to the prefix: "nvplug_" and 16 hex digits.
+ANNOTATION_KEY_LENGTH = 23
 # NVIDIA's v1 sections, plus our own under `nvplug:`.
 SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
 MAX_BYTES = 1 << 20
@@ -168,6 +174,8 @@ class Config:
     flags: Flags = field(default_factory=Flags)
     # nvplug.status.listen: where /healthz, /status and /metrics are served.
     status_listen: str = DEFAULT_STATUS_LISTEN
+    # nvplug.cdi.specDir: where the CDI spec is written; "off": not at all.
+    cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -205,16 +213,20 @@ def parse(text: str, source: str) -> Config:
     version = found.get("version")
     if version is not None and not _is_null(version) and _scalar(version) != "v1":
         raise ctx.error(version, "version", f"{_scalar(version)!r} is not supported; use v1")
-    health, listen = _nvplug(ctx, found["nvplug"]) if "nvplug" in found else (HealthConfig(), DEFAULT_STATUS_LISTEN)
+    own = _nvplug(ctx, found["nvplug"]) if "nvplug" in found else {}
     cfg = Config(
         source=source,
-        health=health,
-        status_listen=listen,
+        **own,
         flags=_flags(ctx, found["flags"], "flags") if "flags" in found else Flags(),
         resources=_resources(ctx, found["resources"], "resources") if "resources" in found else Resources(),
         sharing=_sharing(ctx, found["sharing"], "sharing") if "sharing" in found else Sharing(),
         imex=_imex(ctx, found["imex"], "imex") if "imex" in found else Imex(),
     )
+    cdi = [s for s in cfg.flags.plugin.device_list_strategy if s.startswith("cdi")]
+    if cdi and cfg.cdi_spec_dir == "off":
+        node = _Map(ctx, found["nvplug"], "nvplug").items(NVPLUG_KEYS)["cdi"]
+        raise ctx.error(node, "nvplug.cdi.specDir", f"is off, but flags.plugin.deviceListStrategy {cdi} hands out "
+                        "CDI names that nothing would define")  # fmt: skip
     if cfg.sharing.mps.resources and cfg.flags.mig_strategy == "mixed":
         node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["mps"]
         raise ctx.error(node, "sharing.mps", "MPS sharing does not work with flags.migStrategy: mixed")
@@ -266,6 +278,7 @@ def as_dict(cfg: Config) -> dict[str, Any]:
         "imex": {"channelIDs": list(cfg.imex.channel_ids), "required": cfg.imex.required},
         "nvplug": {
             "status": {"listen": cfg.status_listen},
+            "cdi": {"specDir": cfg.cdi_spec_dir},
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
@@ -295,15 +308,27 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-def _nvplug(ctx: _Context, node: yaml.Node) -> tuple[HealthConfig, str]:
-    found = _Map(ctx, node, "nvplug").items(("health", "status"))
-    health = _health(ctx, found["health"], "nvplug.health") if "health" in found else HealthConfig()
-    listen = DEFAULT_STATUS_LISTEN
+NVPLUG_KEYS = ("health", "status", "cdi")
+
+
+def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
+    """Config fields from `nvplug:`, only those it sets."""
+    found = _Map(ctx, node, "nvplug").items(NVPLUG_KEYS)
+    own: dict[str, Any] = {}
+    if "health" in found:
+        own["health"] = _health(ctx, found["health"], "nvplug.health")
     if "status" in found:
         status = _Map(ctx, found["status"], "nvplug.status").items(("listen",))
         if "listen" in status:
-            listen = _listen(ctx, status["listen"], "nvplug.status.listen")
-    return health, listen
+            own["status_listen"] = _listen(ctx, status["listen"], "nvplug.status.listen")
+    if "cdi" in found:
+        cdi = _Map(ctx, found["cdi"], "nvplug.cdi").items(("specDir",))
+        if "specDir" in cdi:
+            value = _str(ctx, cdi["specDir"], "nvplug.cdi.specDir")
+            if value != "off" and not _path(ctx, cdi["specDir"], "nvplug.cdi.specDir").startswith("/"):
+                raise ctx.error(cdi["specDir"], "nvplug.cdi.specDir", f"{value!r} is neither off nor an absolute path")
+            own["cdi_spec_dir"] = value
+    return own
 
 
 def _listen(ctx: _Context, node: yaml.Node, path: str) -> str:
@@ -366,7 +391,7 @@ def _plugin_flags(ctx: _Context, node: yaml.Node, path: str) -> PluginFlags:
             "passDeviceSpecs": ("pass_device_specs", _bool),
             "deviceListStrategy": ("device_list_strategy", _device_list_strategy),
             "deviceIDStrategy": ("device_id_strategy", _choice(DeviceIDStrategy)),
-            "cdiAnnotationPrefix": ("cdi_annotation_prefix", _str),
+            "cdiAnnotationPrefix": ("cdi_annotation_prefix", _annotation_prefix),
             "nvidiaCTKPath": ("nvidia_ctk_path", _path),
             "containerDriverRoot": ("container_driver_root", _path),
             "kubeletSocket": ("kubelet_socket", _path),
@@ -374,6 +399,18 @@ def _plugin_flags(ctx: _Context, node: yaml.Node, path: str) -> PluginFlags:
         }
     )
     return PluginFlags(**values)
+
+
+def _annotation_prefix(ctx: _Context, node: yaml.Node, path: str) -> str:
+    """`domain/` or `domain/start`: what comes after the "/" and our key's own part must fit CDI's 63."""
+    value = _str(ctx, node, path)
+    domain, slash, start = value.partition("/")
+    if not slash or not _DNS_SUBDOMAIN.fullmatch(domain):
+        raise ctx.error(node, path, f"{value!r} is not a DNS domain followed by '/', like cdi.k8s.io/")
+    if len(start) + ANNOTATION_KEY_LENGTH > MAX_ANNOTATION_NAME:
+        raise ctx.error(node, path, f"{value!r} leaves annotation keys longer than {MAX_ANNOTATION_NAME} "
+                        f"characters after the '/'")  # fmt: skip
+    return value
 
 
 def _gfd(ctx: _Context, node: yaml.Node, path: str) -> None:

@@ -8,13 +8,15 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config
 from .allocation import AllocationPolicy
+from .cdi.publisher import CdiSettings, SpecPublisher
 from .config import Config
 from .event import (
+    CdiChecked,
     Event,
     HealthWatchChanged,
     InventoryFound,
@@ -34,7 +36,7 @@ from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nvml import Nvml
 from .recovery import Reprober
-from .resources import Spec, mig_plan
+from .resources import Resource, Spec, mig_plan
 from .state import Change, NodeState, Snapshot
 from .statefile import StateFile, read_boot_id, state_dir
 from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_route, reason_class, status_document
@@ -43,6 +45,9 @@ from .xid import XidPolicy
 
 log = logging.getLogger("nvplug")
 
+# Retrying a CDI spec that could not be written: the first delay, doubling up to the last.
+CDI_RETRY_FIRST = 1.0
+CDI_RETRY_MAX = 300.0
 # udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
 RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
 
@@ -60,6 +65,8 @@ class Options:
     status_listen: str | None = None
     # --state-dir: where the health state file lives, unless systemd says ($STATE_DIRECTORY).
     state_dir: Path | None = None
+    # --cdi-spec-dir: overrides the config's nvplug.cdi.specDir.
+    cdi_spec_dir: Path | None = None
 
 
 @dataclass
@@ -95,6 +102,9 @@ class Daemon:
         self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
         self._status = ""
+        self.cdi = SpecPublisher(self._cdi_settings(options.config))
+        self._cdi_retry: asyncio.TimerHandle | None = None
+        self._cdi_retry_delay = CDI_RETRY_FIRST
 
     def request_stop(self, why: str) -> None:
         log.info("stopping: %s", why)
@@ -115,8 +125,6 @@ class Daemon:
 
         # One server, socket and registration per resource name; which ones depends on the
         # GPUs found (MIG profiles), so they are made after the first scan.
-        policy = allocation_policy(opts.config)
-
         scanner = Scanner(
             Nvml(opts.sysfs_root, opts.proc_root), bus.publish, bus.publish_threadsafe, dev_root=opts.dev_root
         )
@@ -143,7 +151,7 @@ class Daemon:
             self.state_file.save(self.state.current.records())
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
-            await self._apply_resources(self._planned(self.config), policy)
+            await self._apply_resources(self._planned(self.config), self._policy(self.config))
             status = StatusServer(
                 opts.status_listen or self.config.status_listen,
                 {
@@ -215,7 +223,9 @@ class Daemon:
 
     def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
-        service = DevicePluginService(spec.name, self.state, spec.project, opts.dev_root, policy, self._sent)
+        service = DevicePluginService(
+            spec.name, self.state, spec.project, opts.dev_root, policy, self._sent, self._delivered
+        )
         server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
         registrar = Registrar(
             opts.plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=self._update_status
@@ -237,6 +247,8 @@ class Daemon:
         if retire:
             await plugin.server.service.retire()
         await plugin.server.stop()
+        # What it last delivered no longer holds CDI entries in place.
+        self.cdi.forget(plugin.spec.name)
 
     def _registrar_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -263,6 +275,7 @@ class Daemon:
             self._plugins = keep + fresh
             if self._kubelet_dir is not None:
                 self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
+
             for plugin in fresh:
                 await self._open(plugin)
 
@@ -296,7 +309,7 @@ class Daemon:
                 # A MIG layout change can add or remove whole resources.
                 specs = self._planned(self.config)
                 if specs != [p.spec for p in self._plugins]:
-                    await self._apply_resources(specs, allocation_policy(self.config))
+                    await self._apply_resources(specs, self._policy(self.config))
 
     def _apply(self, event: Event, reprober: Reprober) -> None:
         arrived = time.monotonic()
@@ -319,6 +332,8 @@ class Daemon:
                 self.metrics.transitions.labels(change.what, reason_class(change.reason)).inc()
         if snap.revision != before:
             self.state_file.save(snap.records())
+            # Before any ListAndWatch stream runs again: no device is advertised before its CDI entry.
+            self._publish_spec()
         if changes:
             self._update_status()
 
@@ -336,6 +351,38 @@ class Daemon:
         )
         if failed:
             self.metrics.nvml_errors.labels(failed).inc()
+
+    def _publish_spec(self) -> None:
+        """Write the CDI spec for the current state; devices whose names would not resolve are not offered."""
+        unresolved = self.cdi.update(self.state.current)
+        if unresolved != self.state.current.unresolved and self._reprober is not None:
+            self._apply(CdiChecked(unresolved), self._reprober)
+        extra = self.cdi.extra_names
+        for plugin in self._plugins:
+            if plugin.server.service.policy.cdi_extra != extra:
+                plugin.server.service.policy = replace(plugin.server.service.policy, cdi_extra=extra)
+        if self.cdi.error is None:
+            self._cdi_retry_delay = CDI_RETRY_FIRST
+        elif self._cdi_retry is None:
+            # Nothing else may change for hours: try again on a timer, backing off.
+            self._cdi_retry = asyncio.get_running_loop().call_later(self._cdi_retry_delay, self._retry_spec)
+            self._cdi_retry_delay = min(self._cdi_retry_delay * 2, CDI_RETRY_MAX)
+
+    def _retry_spec(self) -> None:
+        self._cdi_retry = None
+        self._publish_spec()
+        self._update_status()
+
+    def _delivered(self, resource: str, devices: Resource) -> None:
+        """A list went out: entries of devices it no longer holds may leave the spec now."""
+        self.cdi.delivered(resource, [(d.gpu, d.mig) for d in devices.devices])
+        self._publish_spec()
+
+    def _cdi_settings(self, cfg: Config) -> CdiSettings:
+        return CdiSettings.from_config(cfg, self.options.dev_root, self.options.cdi_spec_dir)
+
+    def _policy(self, cfg: Config) -> AllocationPolicy:
+        return replace(allocation_policy(cfg), cdi_extra=self.cdi.extra_names)
 
     def _sent(self, resource: str, revision: int) -> None:
         arrived = self._event_times.get(revision)
@@ -357,10 +404,10 @@ class Daemon:
     def _healthz(self) -> tuple[int, str, bytes]:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
         ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
-        if ready and not self._plan_error:
+        if ready and not self._plan_error and not (self.cdi.error and self.cdi.settings.enforce):
             # Serving; but say which devices are out because Allocate could not hand them out.
-            unready = _unready_note(self.state.current)
-            return 200, "text/plain", "; ".join(["ok", *unready]).encode() + b"\n"
+            notes = [*_unready_note(self.state.current), *self._cdi_note()]
+            return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"
         return 503, "text/plain", (self._status_line() or "nothing to advertise").encode() + b"\n"
 
     async def _watchdog(self, interval: float) -> None:
@@ -388,7 +435,11 @@ class Daemon:
         if self._plan_error:
             parts.append(f"advertising nothing: {self._plan_error}")
         parts += _unready_note(snap)
+        parts += self._cdi_note()
         return "; ".join(parts)
+
+    def _cdi_note(self) -> list[str]:
+        return [f"CDI spec not written: {self.cdi.error}"] if self.cdi.error else []
 
     def _update_status(self) -> None:
         line = self._status_line()
@@ -410,13 +461,17 @@ class Daemon:
             new = config.load(self.options.config_path)
             specs = self._planned(new)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
-            allocation = allocation_policy(new)
+            cdi = self._cdi_settings(new)
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)
         else:
             self.state.set_xid_policy(policy)
             if self._reprober is not None:
                 self._reprober.set_backoff(new.health.reprobe_initial_seconds, new.health.reprobe_max_seconds)
+            # The spec for the new names first, then the Allocate that hands them out.
+            if self.cdi.configure(cdi):
+                self._publish_spec()
+            allocation = self._policy(new)
             for plugin in self._plugins:
                 plugin.server.service.policy = allocation
             if specs != [p.spec for p in self._plugins]:
@@ -464,10 +519,11 @@ def allocation_policy(cfg: Config) -> AllocationPolicy:
 
 def _unready_note(snap: Snapshot) -> list[str]:
     """What the status line and /healthz say of devices Allocate could not hand out (nothing if none)."""
-    if not snap.unready:
+    out = {**snap.unresolved, **snap.unready}
+    if not out:
         return []
-    uuid, problem = next(iter(snap.unready.items()))
-    return [f"{len(snap.unready)} devices cannot be allocated: {uuid}: {problem}"]
+    uuid, problem = next(iter(out.items()))
+    return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
 
 
 def _socket_name(resource_name: str) -> str:

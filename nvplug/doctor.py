@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sys-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     parser.add_argument(
+        "--cdi-spec-dir", type=Path, default=None, help="where nvplug writes its CDI spec (default: the config's)"
+    )
+    parser.add_argument(
         "--brief",
         action="store_true",
         help="ask only the running daemon and print one line; exit 0 healthy, 1 a problem, 2 unknown "
@@ -578,6 +581,53 @@ def check_config(ctx: _Context) -> Check:
     return Check("PASS", "the config is valid", evidence)
 
 
+# --- 9. CDI spec -------------------------------------------------------------------------------
+
+
+def check_cdi(ctx: _Context) -> Check:
+    """Every name nvplug would hand out resolves in the runtimes' spec directories, defined once."""
+    from .cdi.writer import SPEC_DIRS, conflicts, read_specs
+    from .cdicli import node_specs
+
+    try:
+        cfg = config.load(ctx.args.config)
+    except config.ConfigError as err:
+        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+    uses_cdi = [s for s in cfg.flags.plugin.device_list_strategy if s.startswith("cdi")]
+    if cfg.cdi_spec_dir == "off" and ctx.args.cdi_spec_dir is None:
+        return Check("PASS", "nvplug writes no CDI spec (nvplug.cdi.specDir: off) and hands out no CDI names")
+    if not ctx.nvml_ok:
+        return Check("WARN", "not checked: NVML does not work (step 3), so the node's devices are unknown")
+    spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
+    wanted, _ = node_specs(cfg, ctx.args.dev_root, ctx.args.sys_root, ctx.args.proc_root)
+    files = read_specs([*SPEC_DIRS, spec_dir])
+    defined = {name for f in files if f.error is None for name in f.qualified()}
+    names = [n for spec in wanted for n in spec.names() if not n.endswith("=all")]
+    missing = [n for n in names if n not in defined]
+    ours = [spec_dir / spec.file_name for spec in wanted]
+    clashes = conflicts(files, ours, [spec.kind for spec in wanted])
+    evidence = [f"{f.path}: {f.kind or '?'}, {len(f.names)} devices" + (f" (unreadable: {f.error})" if f.error else "")
+                for f in files if f.kind in {s.kind for s in wanted} or f.error]  # fmt: skip
+    how = f"deviceListStrategy {uses_cdi} hands them out" if uses_cdi else "no cdi strategy hands them out yet"
+    if missing or clashes:
+        shown = [f"does not resolve: {n}" for n in missing[:5]] + (
+            [f"and {len(missing) - 5} more"] if missing[5:] else []
+        )
+        fixes = []
+        if missing:
+            fixes.append(
+                f"the daemon writes {ours[0]} at start and on every change: `journalctl -u nvplug | grep CDI` "
+                f"says why it could not (a unit must allow the directory: ReadWritePaths=-{spec_dir})"
+            )
+        if clashes:
+            fixes.append(
+                "remove the other spec of that kind (or its generator's unit), so that one spec defines each name"
+            )
+        verdict: Verdict = "FAIL" if uses_cdi or clashes else "WARN"
+        return Check(verdict, f"CDI names do not resolve cleanly ({how})", shown + clashes + evidence, "; ".join(fixes))
+    return Check("PASS", f"all {len(names)} CDI names resolve, each defined once ({how})", evidence)
+
+
 STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (
     ("kernel driver", check_driver),
     (LIB_NAME, check_library),
@@ -587,6 +637,7 @@ STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (
     ("kubelet.sock", check_kubelet),
     ("nvplug daemon", check_daemon),
     ("config", check_config),
+    ("CDI spec", check_cdi),
 )
 
 

@@ -43,6 +43,8 @@ class InventoryFound:
     driver_instance: str | None = None
     # Devices (GPU or MIG UUIDs) that Allocate could not hand out, and why.
     unready: Mapping[str, str] = field(default_factory=dict)
+    # The driver's version as NVML reports it (550.54.15); None where it cannot.
+    driver_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,13 @@ class PciChanged:
     pci_id: str = ""  # VENDOR:DEVICE, e.g. 10DE:2330
 
 
+@dataclass(frozen=True)
+class CdiChecked:
+    """The CDI spec was written (or not): devices whose CDI names would not resolve, and why."""
+
+    unresolved: Mapping[str, str] = field(default_factory=dict)
+
+
 Event = (
     InventoryFound
     | ProbeResult
@@ -137,4 +146,5 @@ Event = (
     | KubeletSocketCreated
     | PluginSocketRemoved
     | PciChanged
+    | CdiChecked
 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from .event import (
+    CdiChecked,
     Event,
     EvidenceFound,
     HealthReported,
@@ -76,6 +77,10 @@ class Snapshot:
     driver_instance: str | None = None
     # Devices the last scan found Allocate could not hand out, and why.
     unready: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Devices whose CDI names would not resolve (the spec could not be written), and why.
+    unresolved: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The driver's version as the last scan read it; None: unknown.
+    driver_version: str | None = None
     # Faults from the state file for devices not seen yet in this run, by UUID.
     restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -159,6 +164,9 @@ class NodeState:
             self._pci(draft, event)
         elif isinstance(event, NvmlFailed):
             self._nvml_failed(draft, event)
+        elif isinstance(event, CdiChecked):
+            draft.unresolved = MappingProxyType(dict(event.unresolved))
+            draft.recheck()
         elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
             draft.health_watch_error = event.error
             what = "health watch failed" if event.error else "health watch running"
@@ -216,13 +224,10 @@ class NodeState:
             draft.driver_instance = event.driver_instance
             for gpu in draft.gpus:
                 draft.evidence(gpu, DRIVER_RELOADED, reloaded_from=event.driver_instance)
+        if event.driver_version is not None:
+            draft.driver_version = event.driver_version
         draft.unready = MappingProxyType(dict(event.unready))
-        for uuid, state in list(draft.health.items()):
-            problem = event.unready.get(uuid)
-            if problem is not None:
-                draft.fault(uuid, f"cannot be allocated: {problem}", Clears.CHECK)
-            elif state.clears is Clears.CHECK:
-                draft.heal(uuid, "recovered: what Allocate needs is present now")
+        draft.recheck()
         for probe in event.probes:
             self._probe(draft, probe)
 
@@ -331,6 +336,8 @@ class _Draft:
         self.cap_minors = base.cap_minors
         self.driver_instance = base.driver_instance
         self.unready = base.unready
+        self.unresolved = base.unresolved
+        self.driver_version = base.driver_version
         self.restored = dict(base.restored)
         self.changes: list[Change] = []
 
@@ -373,12 +380,25 @@ class _Draft:
         )
         self.note(Change("unhealthy" if current.healthy else "fault while unhealthy", gpu, subject + reason))
 
+    def unallocatable(self, uuid: str) -> str | None:
+        """Why Allocate could not hand the device out (a node missing, its CDI name unresolved), if so."""
+        return self.unready.get(uuid) or self.unresolved.get(uuid)
+
+    def recheck(self) -> None:
+        """Fault the devices Allocate could not hand out; heal those it could again."""
+        for uuid, state in list(self.health.items()):
+            problem = self.unallocatable(uuid)
+            if problem is not None:
+                self.fault(uuid, f"cannot be allocated: {problem}", Clears.CHECK)
+            elif state.clears is Clears.CHECK:
+                self.heal(uuid, "recovered: what Allocate needs is present now")
+
     def heal(self, uuid: str, reason: str) -> None:
         found = self._subject(uuid)
         current = self.health.get(uuid)
         if found is None or current is None or current.healthy:
             return
-        problem = self.unready.get(uuid)
+        problem = self.unallocatable(uuid)
         if problem is not None:
             # Never Healthy while Allocate would refuse it.
             self.health[uuid] = HealthState(Health.UNHEALTHY, f"cannot be allocated: {problem}", self.now, Clears.CHECK)
@@ -429,6 +449,8 @@ class _Draft:
             and self.cap_minors == base.cap_minors
             and self.driver_instance == base.driver_instance
             and self.unready == base.unready
+            and self.unresolved == base.unresolved
+            and self.driver_version == base.driver_version
             and self.restored == base.restored
         )
         if unchanged:
@@ -444,5 +466,7 @@ class _Draft:
             cap_minors=self.cap_minors,
             driver_instance=self.driver_instance,
             unready=self.unready,
+            unresolved=self.unresolved,
+            driver_version=self.driver_version,
             restored=MappingProxyType(self.restored),
         )

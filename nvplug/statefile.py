@@ -9,15 +9,13 @@ corrupt or from a newer nvplug is logged and ignored, never fatal.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .files import write_atomically
 from .health import Clears, Health, HealthState, Recorded
 
 log = logging.getLogger(__name__)
@@ -170,16 +168,4 @@ class StateFile:
         self._written = data
 
     def _write(self, data: bytes) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{FILE_NAME}.", dir=self.path.parent)
-        tmp = Path(name)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            tmp.replace(self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        write_atomically(self.path, data)

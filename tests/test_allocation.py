@@ -12,6 +12,7 @@ from nvplug.allocation import (
     allocate,
     preferred,
 )
+from nvplug.cdi.spec import GPU_KIND
 from nvplug.event import HealthReported, InventoryFound
 from nvplug.gpu import Gpu
 from nvplug.resources import Resource, ResourceSpec
@@ -104,12 +105,12 @@ def test_each_list_strategy_and_both_id_strategies(resource: Resource) -> None:
     out = run(AllocationPolicy(list_strategies=("cdi-annotations",), cdi_annotation_prefix="cdi.k8s.io/"))
     assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "void"}
     ((key, value),) = out.annotations.items()
-    assert key.startswith("cdi.k8s.io/nvplug_") and value == "nvidia.com/gpu=GPU-2,nvidia.com/gpu=GPU-1"
+    assert key.startswith("cdi.k8s.io/nvplug_") and value == f"{GPU_KIND}=GPU-2,{GPU_KIND}=GPU-1"
     out = run(AllocationPolicy(list_strategies=("cdi-cri",), id_strategy="index"))
-    assert out.cdi_devices == ("nvidia.com/gpu=2", "nvidia.com/gpu=1")
+    assert out.cdi_devices == (f"{GPU_KIND}=2", f"{GPU_KIND}=1")
     out = run(AllocationPolicy(list_strategies=("envvar", "cdi-cri"), pass_device_specs=False))
     assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-2,GPU-1"} and out.device_nodes == ()
-    assert out.cdi_devices == ("nvidia.com/gpu=GPU-2", "nvidia.com/gpu=GPU-1")
+    assert out.cdi_devices == (f"{GPU_KIND}=GPU-2", f"{GPU_KIND}=GPU-1")
     with pytest.raises(ValueError, match="unknown strategy"):
         AllocationPolicy(list_strategies=("carrier-pigeon",))
 

@@ -478,7 +478,7 @@ def test_allocate_answers_validly_or_refuses(data: st.DataObject, resource: Reso
     if "volume-mounts" in policy.list_strategies:
         assert [m.container_path.rsplit("/", 1)[1] for m in out.mounts] == visible
     if "cdi-cri" in policy.list_strategies:
-        assert out.cdi_devices == tuple(f"nvidia.com/gpu={v}" for v in visible)
+        assert out.cdi_devices == tuple(f"k8s.device-plugin.nvidia.com/gpu={v}" for v in visible)
     nodes = [n.container_path for n in out.device_nodes]
     if policy.pass_device_specs:
         assert nodes == [g.device_node for g in out.gpus if g.device_node] + ["/dev/nvidiactl"]

@@ -161,6 +161,7 @@ def doctor_args(node: SimulatedNode, listen: str | None = None) -> list[str]:
         "--proc-root", str(node.proc_root),
         "--sys-root", str(node.sysfs_root),
         "--config", str(node.config),
+        "--cdi-spec-dir", str(node.cdi_dir),
     ]  # fmt: skip
 
 
@@ -203,19 +204,53 @@ class Doctor:
         return f"rc={self.rc}\n{self.out}\n{self.err}"
 
 
+def write_spec(node: SimulatedNode) -> Path:
+    """The CDI spec as the daemon would write it, through `nvplug cdi generate --output`."""
+    path = node.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
+    generate = ["cdi", "generate", "--config", str(node.config), "--dev-root", str(node.dev_root), "--sysfs-root",
+                str(node.sysfs_root), "--proc-root", str(node.proc_root), "--output", str(path)]  # fmt: skip
+    done = nvplug(node, *generate, env=doctor_env(node))
+    assert done.returncode == 0 and path.is_file(), done
+    return path
+
+
 def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStatusServer) -> None:
     prepare(node)
     node.kubelet.start()
+    write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d
-    assert [d.verdict(i) for i in range(1, 9)] == ["PASS"] * 8, d
+    assert [d.verdict(i) for i in range(1, 10)] == ["PASS"] * 9, d
     assert "550.54.15" in d.text(1)
     assert f"loaded from {node.lib_dir}/libnvidia-ml.so.1" in d.text(2)
     assert "8 GPUs" in d.text(3) and "driver 550.54.15" in d.text(3)
     assert "nvidia7" in d.text(4) and "nvidiactl" in d.text(4)
     assert "gRPC channel ready" in d.text(6)
     assert "8 devices advertised, all healthy" in d.text(7)
-    assert "0 failed, 0 warnings, 8 passed" in d.out
+    assert "9. CDI spec: all 8 CDI names resolve, each defined once" in d.out
+    assert "0 failed, 0 warnings, 9 passed" in d.out
+
+
+def test_cdi_names_that_do_not_resolve_and_a_conflicting_spec(
+    node: SimulatedNode, status_server: FakeStatusServer
+) -> None:
+    prepare(node)
+    node.kubelet.start()
+    node.config.write_text("version: v1\nflags:\n  plugin:\n    deviceListStrategy: cdi-cri\n")
+    d = doctor(node, status_server.listen)
+    assert d.verdict(9) == "FAIL", d
+    uuid = node.scenario_gpus()[0]["uuid"]
+    assert f"does not resolve: k8s.device-plugin.nvidia.com/gpu={uuid}" in d.text(9)
+    assert "and 3 more" in d.text(9) and "ReadWritePaths=-" in d.out
+    write_spec(node)
+    foreign = node.cdi_dir / "old-plugin.yaml"
+    foreign.write_text(f"cdiVersion: 0.5.0\nkind: k8s.device-plugin.nvidia.com/gpu\ndevices:\n- name: {uuid}\n")
+    d = doctor(node, status_server.listen)
+    assert d.verdict(9) == "FAIL", d
+    assert f"{foreign} also defines CDI kind k8s.device-plugin.nvidia.com/gpu" in d.text(9)
+    assert "so that one spec defines each name" in d.out
+    foreign.unlink()
+    assert doctor(node, status_server.listen).verdict(9) == "PASS"
 
 
 def test_driver_not_loaded(node: SimulatedNode) -> None:
@@ -367,6 +402,7 @@ def test_daemon_with_an_unhealthy_gpu(node: SimulatedNode, status_server: FakeSt
     prepare(node)
     node.kubelet.start()
     status_server.doc = status_doc(node, {3: "XID 79 (GPU has fallen off the bus)"})
+    write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d  # a WARN alone does not fail
     assert d.verdict(7) == "WARN", d

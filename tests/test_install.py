@@ -13,6 +13,7 @@ Set NVPLUG_TEST_DEB to test a deb built elsewhere instead of running the script.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -37,6 +38,7 @@ NVML_DIR = "/opt/fakenvml"  # the library and its scenario, read-only
 CONTROL_DIR = "/var/lib/fakenvml"  # the fake's control socket: the unit must be able to bind it
 CONFIG = "/etc/nvplug/config.yaml"
 STATE_FILE = "/var/lib/nvplug/health.json"
+CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
 UNIT = "nvplug"
 WATCHDOG_SEC = 3
 TIMEOUT = 20.0
@@ -270,6 +272,21 @@ def test_stand_in_sees_registration_and_eight_devices(node: Node) -> None:
     assert plugin.allocatable == 8, plugin.describe()
     assert (node.plugin_dir / PLUGIN_SOCKET).is_socket()
     _timed("check 2: registration at the stand-in", started)
+
+
+def test_the_service_writes_the_cdi_spec_under_the_hardened_unit(node: Node) -> None:
+    """ProtectSystem=strict makes /run read-only; the unit allows /run/cdi, which tmpfiles.d made."""
+    started = time.monotonic()
+    path = f"/run/cdi/{CDI_SPEC}"
+    nspawn.wait_until(lambda: node.ctr.exists(path), TIMEOUT, path, lambda: node.ctr.journal(UNIT, "-o", "cat"))
+    out = node.ctr.sh(f"stat -c '%a %U' /run/cdi {path} && cat {path}").stdout
+    modes, _, text = out.partition("{")
+    assert modes.split() == ["755", "root", "644", "root"], out
+    spec = json.loads("{" + text)
+    assert spec["kind"] == "k8s.device-plugin.nvidia.com/gpu" and spec["cdiVersion"] == "0.5.0", spec
+    assert sorted(d["name"] for d in spec["devices"]) == sorted([*node.uuids, "all"]), spec
+    assert "cannot write the CDI spec" not in node.ctr.journal(UNIT, "-o", "cat")
+    _timed("check 2b: the CDI spec in /run/cdi", started)
 
 
 def test_journal_has_no_errors_and_a_forced_error_shows_at_err(node: Node) -> None:

@@ -41,6 +41,7 @@ COMMON_FILES = {
     "/usr/bin/nvplug",
     "/usr/share/doc/nvplug/README.md",
     "/usr/share/nvplug/npd/nvplug-gpu-health.json",
+    "/usr/lib/tmpfiles.d/nvplug.conf",
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"
 RPM_UNIT = "/usr/lib/systemd/system/nvplug.service"
@@ -286,6 +287,7 @@ def test_shipped_config_examples_are_valid_and_show_the_defaults() -> None:
     assert data["flags"]["plugin"].keys() >= {"passDeviceSpecs", "deviceListStrategy", "deviceIDStrategy"}
     assert data["flags"].keys() >= {"migStrategy", "failOnInitError"}
     assert "timeSlicing" in data["sharing"]
+    assert data["nvplug"]["cdi"] == {"specDir": config.DEFAULT_CDI_SPEC_DIR}
     assert data["nvplug"]["health"].keys() == {
         "ignoreXids",
         "fatalXids",

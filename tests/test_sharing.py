@@ -9,6 +9,7 @@ import sys
 import grpc
 import pytest
 
+from nvplug.cdi.spec import GPU_KIND
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
@@ -80,9 +81,9 @@ flags:
         ("/var/run/nvidia-container-devices/5", "/dev/null"),
         ("/var/run/nvidia-container-devices/2", "/dev/null"),
     ]
-    assert [c.name for c in out.cdi_devices] == ["nvidia.com/gpu=5", "nvidia.com/gpu=2"]
+    assert [c.name for c in out.cdi_devices] == [f"{GPU_KIND}=5", f"{GPU_KIND}=2"]
     ((key, value),) = out.annotations.items()
-    assert key.startswith("cdi.example.com/nvplug_") and value == "nvidia.com/gpu=5,nvidia.com/gpu=2"
+    assert key.startswith("cdi.example.com/nvplug_") and value == f"{GPU_KIND}=5,{GPU_KIND}=2"
     assert list(out.devices) == []
 
 

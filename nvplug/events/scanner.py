@@ -176,6 +176,7 @@ class Scanner:
             found.lost,
             found.driver_instance,
             problems,
+            found.driver_version,
         )
 
     def _node_exists(self, path: str) -> bool:

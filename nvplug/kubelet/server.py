@@ -47,6 +47,7 @@ class DevicePluginService:
         dev_root: Path,
         policy: AllocationPolicy | None = None,
         on_send: Callable[[str, int], None] = lambda resource, revision: None,
+        on_delivered: Callable[[str, Resource], None] = lambda name, resource: None,
     ) -> None:
         self.resource_name = resource_name
         self._state = state
@@ -55,6 +56,8 @@ class DevicePluginService:
         self.policy = policy or AllocationPolicy()
         # Told (resource, revision) as each ListAndWatch message goes out, for the latency metric.
         self._on_send = on_send
+        # Told each list once gRPC has taken it: what the kubelet may now allocate from.
+        self._on_delivered = on_delivered
         self._closing = asyncio.Event()
         self._retired = False
         # Open ListAndWatch streams; `idle` is set while there are none.
@@ -105,6 +108,7 @@ class DevicePluginService:
                             "%s: ListAndWatch sends an empty list: the resource is no longer served", self.resource_name
                         )
                         yield pb.ListAndWatchResponse()
+                        self._on_delivered(self.resource_name, Resource(self.resource_name))
                     return
                 revision = snapshot.revision
                 resource = self._project(snapshot)
@@ -123,6 +127,7 @@ class DevicePluginService:
                 # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
                 self._on_send(self.resource_name, revision)
                 yield message
+                self._on_delivered(self.resource_name, resource)
         finally:
             self._streams -= 1
             if not self._streams:

@@ -65,6 +65,8 @@ class SimulatedNode:
         self.lib_dir = lib_dir or root / "lib"
         # The health state file's directory, and this simulated boot's id (proc/sys/kernel/random/boot_id).
         self.state_dir = root / "state"
+        # Where the daemon writes its CDI spec (never the machine's /var/run/cdi).
+        self.cdi_dir = root / "cdi"
         self.boot_id_file = self.proc_root / "sys/kernel/random/boot_id"
         # /sys/module/nvidia: its inode tells one load of the driver from the next.
         self.driver_module = self.sysfs_root / "module/nvidia"
@@ -155,6 +157,7 @@ class SimulatedNode:
             "--status-listen", f"unix:{self.status_socket}",
             "--config", str(self.config),
             "--state-dir", str(self.state_dir),
+            "--cdi-spec-dir", str(self.cdi_dir),
             "--log-level", log_level,
             *extra,
         ]  # fmt: skip

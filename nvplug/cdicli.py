@@ -1,0 +1,86 @@
+"""`nvplug cdi generate`: the spec for this node, from one NVML scan, as the daemon would write it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import config
+from .cdi.publisher import CdiSettings, SpecPublisher
+from .cdi.spec import Spec
+from .cdi.writer import DIR_MODE, SPEC_MODE
+from .event import InventoryFound
+from .files import write_atomically
+from .state import NodeState, Snapshot
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cdi_command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="print the CDI spec for this node (or write it with --output), as the daemon writes it",
+        description="One NVML scan of this node, then the spec nvplug writes for it: kind "
+        "k8s.device-plugin.nvidia.com/gpu, names by flags.plugin.deviceIDStrategy. The optional classes "
+        "(IMEX channels, GDS, MOFED, GDRCopy) are specs of their own, which the daemon writes beside it.",
+    )
+    gen.add_argument("--output", type=Path, default=None, help="write the GPU spec here (atomically, mode 0644)")
+    gen.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
+    gen.add_argument("--dev-root", type=Path, default=None, help="default: the config's flags.nvidiaDevRoot")
+    gen.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    gen.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
+
+
+def scan_snapshot(sysfs_root: Path, proc_root: Path) -> Snapshot:
+    """The node as one scan sees it, through the same state code the daemon uses."""
+    from .nvml import Nvml  # loads pynvml
+
+    found = Nvml(sysfs_root, proc_root).scan().discovery
+    state = NodeState()
+    state.apply(
+        InventoryFound(
+            found.gpus,
+            topology=found.topology,
+            cap_minors=found.cap_minors,
+            driver_instance=found.driver_instance,
+            driver_version=found.driver_version,
+        )
+    )
+    return state.current
+
+
+def node_specs(
+    cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc_root: Path
+) -> tuple[list[Spec], dict[str, str]]:
+    """The specs the daemon would write for this node now, and the devices left out, with why."""
+    return SpecPublisher(CdiSettings.from_config(cfg, dev_root)).specs(scan_snapshot(sysfs_root, proc_root))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .nvml import NvmlUnavailable
+
+    try:
+        cfg = config.load(args.config)
+        specs, skipped = node_specs(cfg, args.dev_root, args.sysfs_root, args.proc_root)
+    except config.ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except NvmlUnavailable as err:
+        print(f"nvplug cdi generate: NVML unavailable: {err}", file=sys.stderr)
+        return 1
+    for uuid, why in skipped.items():
+        print(f"nvplug cdi generate: {uuid} left out: {why}", file=sys.stderr)
+    gpu, *optional = specs
+    for spec in optional:
+        print(f"nvplug cdi generate: the daemon also writes {spec.file_name} ({len(spec.devices)} devices)",
+              file=sys.stderr)  # fmt: skip
+    if args.output is None:
+        sys.stdout.buffer.write(gpu.render())
+        return 0
+    try:
+        write_atomically(args.output, gpu.render(), SPEC_MODE, DIR_MODE)
+    except OSError as err:
+        print(f"nvplug cdi generate: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}: {len(gpu.devices)} devices of kind {gpu.kind}", file=sys.stderr)
+    return 0

@@ -1,0 +1,182 @@
+"""The CDI spec written by the running daemon: before the list that needs it, kept current by
+events, and a spec directory that cannot be written refusing names rather than handing out
+ones that would not resolve."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from nvplug import statusclient
+from nvplug.cdi.spec import GPU_KIND
+from nvplug.testing import driverroot
+from nvplug.testing.kubelet import KubeletThread
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev import pci_event, send_uevent
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
+
+TIMEOUT = 15.0
+SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
+NEW_GPU = (
+    'uuid=GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08 name="NVIDIA H100 80GB HBM3" minor=8 '
+    "bus=0000:CC:00.0 numa=1 memory_mib=81559 cc=9.0"
+)
+CDI_CONFIG = "version: v1\nflags:\n  plugin:\n    deviceListStrategy: cdi-cri\n"
+
+
+def spec_names(directory: Path) -> set[str]:
+    try:
+        return {d["name"] for d in json.loads((directory / SPEC).read_text())["devices"]}
+    except (OSError, ValueError):
+        return set()
+
+
+class ListRecorder:
+    """At each list the kubelet stand-in receives: which of its devices the spec on disk lacks, then."""
+
+    def __init__(self, spec_dir: Path) -> None:
+        self.spec_dir = spec_dir
+        self.lists: list[tuple[set[str], set[str]]] = []  # (device IDs, IDs without a spec entry)
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        if not line.startswith(f"update {GPU_RESOURCE}:"):
+            return
+        ids = set(re.findall(r"(\S+?)=(?:Healthy|Unhealthy)", line.split("[", 1)[1]))
+        missing = ids - spec_names(self.spec_dir)
+        with self._lock:
+            self.lists.append((ids, missing))
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def recording_node(node: SimulatedNode) -> ListRecorder:
+    recorder = ListRecorder(node.cdi_dir)
+    node.kubelet = KubeletThread(node.plugin_dir, on_event=recorder)
+    node.config.write_text(CDI_CONFIG)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    return recorder
+
+
+def udev(action: str, bus_id: str) -> None:
+    send_uevent(pci_event(action, bus_id, driver="nvidia" if action == "bind" else None))
+
+
+def test_a_hot_added_gpu_is_in_the_spec_before_it_is_in_the_list(node: SimulatedNode) -> None:
+    recorder = recording_node(node)
+    new = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
+    assert new not in spec_names(node.cdi_dir)
+    node.add_gpu(NEW_GPU)
+    udev("add", "0000:cc:00.0")
+    udev("bind", "0000:cc:00.0")
+    node.kubelet.wait_for(registered_with(9), TIMEOUT)
+    assert any(new in ids for ids, _ in recorder.lists)
+    # Every list, the first included, found each of its devices already in the spec.
+    assert all(not missing for _, missing in recorder.lists), recorder.lists
+    # Allocate hands out exactly the name the spec defines.
+    response = node.kubelet.allocate(GPU_RESOURCE, [new]).container_responses[0]
+    assert [d.name for d in response.cdi_devices] == [f"{GPU_KIND}={new}"]
+
+
+def test_a_removed_gpu_leaves_the_spec_after_it_leaves_the_list(node: SimulatedNode) -> None:
+    recorder = recording_node(node)
+    gpus = node.scenario_gpus()
+    gone = gpus[7]["uuid"]
+    node.control.remove(7)
+    udev("remove", gpus[7]["bus"])
+    node.kubelet.wait_for(registered_with(7), TIMEOUT)
+    wait_until(lambda: gone not in spec_names(node.cdi_dir), "the removed GPU to leave the spec")
+    # Each list that still held it found its entry in the spec.
+    held = [missing for ids, missing in recorder.lists if gone in ids]
+    assert held and all(gone not in missing for missing in held)
+    assert spec_names(node.cdi_dir) == {g["uuid"] for g in gpus[:7]} | {"all"}
+
+
+def test_a_spec_directory_that_cannot_be_written(node: SimulatedNode) -> None:
+    """Logged, /healthz says so, the devices are not offered and Allocate refuses; fixed, all come back."""
+    blocked = node.root / "blocked"
+    blocked.write_text("a file where the spec directory should be\n")
+    node.config.write_text(CDI_CONFIG)
+    node.kubelet.start()
+    node.start_daemon("--cdi-spec-dir", str(blocked / "cdi"))
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    uuid = node.scenario_gpus()[0]["uuid"]
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)
+    node.wait_log(f"cannot write the CDI spec {blocked}/cdi/{SPEC}")
+    code, text = statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=5)
+    assert code == 503 and "CDI spec not written" in text, text
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        node.kubelet.allocate(GPU_RESOURCE, [uuid])
+    assert "no CDI device k8s.device-plugin.nvidia.com/gpu=" in (info.value.details() or "")
+    # The operator fixes it; the retry (backing off from a second) writes the spec, and the GPUs are offered again.
+    blocked.unlink()
+    blocked.mkdir()
+    node.kubelet.wait_for(device_health(uuid, healthy=True), 20.0)
+    assert uuid in spec_names(blocked / "cdi")
+    node.wait_log("the CDI spec is written again")
+    assert statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=5)[0] == 200
+    names = [d.name for d in node.kubelet.allocate(GPU_RESOURCE, [uuid]).container_responses[0].cdi_devices]
+    assert names == [f"{GPU_KIND}={uuid}"]
+
+
+def test_a_foreign_spec_of_our_kind_is_reported(node: SimulatedNode) -> None:
+    node.cdi_dir.mkdir()
+    foreign = node.cdi_dir / "old-plugin.yaml"
+    uuid = node.scenario_gpus()[0]["uuid"]
+    foreign.write_text(f"cdiVersion: 0.5.0\nkind: {GPU_KIND}\ndevices:\n- name: {uuid}\n  containerEdits: {{}}\n")
+    node.config.write_text(CDI_CONFIG)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    line = node.wait_log("CDI conflict:")
+    assert f"{foreign} also defines CDI kind {GPU_KIND}" in line and uuid in line
+
+
+def test_reload_renames_in_the_spec_before_allocate_hands_out_the_new_names(node: SimulatedNode) -> None:
+    node.config.write_text(CDI_CONFIG)
+    node.kubelet.start()
+    daemon = node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    gpus = node.scenario_gpus()
+    assert gpus[2]["uuid"] in spec_names(node.cdi_dir)
+    node.config.write_text(CDI_CONFIG + "    deviceIDStrategy: index\n")
+    daemon.send_signal(1)  # SIGHUP
+    node.wait_log("reloaded the config")
+    assert spec_names(node.cdi_dir) == {str(i) for i in range(8)} | {"all"}
+    response = node.kubelet.allocate(GPU_RESOURCE, [gpus[2]["uuid"]]).container_responses[0]
+    assert [d.name for d in response.cdi_devices] == [f"{GPU_KIND}=2"]
+
+
+def test_cdi_generate_prints_the_spec_the_daemon_writes(node: SimulatedNode, short_tmp: Path) -> None:
+    drv = driverroot.build(short_tmp / "drv")
+    node.config.write_text(CDI_CONFIG.replace("flags:\n", f"flags:\n  nvidiaDriverRoot: {drv.root}\n"))
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    argv = [sys.executable, "-m", "nvplug", "cdi", "generate", "--config", str(node.config), "--dev-root",
+            str(node.dev_root), "--sysfs-root", str(node.sysfs_root), "--proc-root", str(node.proc_root)]  # fmt: skip
+    out = subprocess.run(argv, env=node.daemon_env(), capture_output=True, check=True, timeout=60)
+    assert json.loads(out.stdout) == json.loads((node.cdi_dir / SPEC).read_text())
+    mounts = {m["containerPath"] for m in json.loads(out.stdout)["containerEdits"]["mounts"]}
+    assert f"/{driverroot.LIB_DIR}/libcuda.so.1" in mounts and "/usr/bin/nvidia-smi" in mounts
+    written = short_tmp / "out/spec.json"
+    subprocess.run([*argv, "--output", str(written)], env=node.daemon_env(), check=True, timeout=60)
+    assert written.read_bytes() == out.stdout and written.stat().st_mode & 0o777 == 0o644
