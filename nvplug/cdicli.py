@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config
@@ -49,11 +50,21 @@ def scan_snapshot(sysfs_root: Path, proc_root: Path) -> Snapshot:
     return state.current
 
 
-def node_specs(
-    cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc_root: Path
-) -> tuple[list[Spec], dict[str, str]]:
-    """The specs the daemon would write for this node now, and the devices left out, with why."""
-    return SpecPublisher(CdiSettings.from_config(cfg, dev_root)).specs(scan_snapshot(sysfs_root, proc_root))
+@dataclass(frozen=True)
+class NodeSpecs:
+    """The specs the daemon would write for this node now; the devices left out and the driver files
+    not found, each with why."""
+
+    specs: list[Spec]
+    skipped: dict[str, str]
+    problems: tuple[str, ...]
+
+
+def node_specs(cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc_root: Path) -> NodeSpecs:
+    # Without a spec directory: nothing written, nothing logged; the caller says what it found.
+    publisher = SpecPublisher(replace(CdiSettings.from_config(cfg, dev_root), spec_dir=None))
+    specs, skipped = publisher.specs(scan_snapshot(sysfs_root, proc_root))
+    return NodeSpecs(specs, skipped, publisher.driver_problems())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,16 +72,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config.load(args.config)
-        specs, skipped = node_specs(cfg, args.dev_root, args.sysfs_root, args.proc_root)
+        found = node_specs(cfg, args.dev_root, args.sysfs_root, args.proc_root)
     except config.ConfigError as err:
         print(err, file=sys.stderr)
         return 2
     except NvmlUnavailable as err:
         print(f"nvplug cdi generate: NVML unavailable: {err}", file=sys.stderr)
         return 1
-    for uuid, why in skipped.items():
+    for uuid, why in found.skipped.items():
         print(f"nvplug cdi generate: {uuid} left out: {why}", file=sys.stderr)
-    gpu, *optional = specs
+    for problem in found.problems:
+        print(f"nvplug cdi generate: {problem}", file=sys.stderr)
+    gpu, *optional = found.specs
     for spec in optional:
         print(f"nvplug cdi generate: the daemon also writes {spec.file_name} ({len(spec.devices)} devices)",
               file=sys.stderr)  # fmt: skip

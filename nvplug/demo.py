@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -11,13 +12,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from .testing import nvidia_smi
+from .testing import driverroot, nvidia_smi
 from .testing.fakenvml import FakeNvmlBuildError
 from .testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from .testing.udev import UdevSender, pci_event
 
 STEP_TIMEOUT = 15.0
-DEMO_CONFIG = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.5\n    reprobeMaxSeconds: 1\n"
+DEMO_CONFIG = """version: v1
+flags:
+  nvidiaDriverRoot: {driver_root}
+  plugin:
+    deviceListStrategy: [envvar, cdi-cri]
+nvplug:
+  health:
+    reprobeInitialSeconds: 0.5
+    reprobeMaxSeconds: 1
+"""
+CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
 
 
 def say(text: str = "") -> None:
@@ -40,8 +51,10 @@ def _demo(root: Path, log_level: str) -> int:
     with SimulatedNode(root) as node:
         say(f"Simulated node in {root}: fake NVML library, kubelet stand-in, nvplug as a child process.")
         node.build_library()
+        # A driver root of real (tiny) libraries: the CDI spec mounts them into containers.
+        drv = driverroot.build(root / "driver")
         # Short re-probe backoff, so a lost GPU's re-probes show in a demo.
-        node.config.write_text(DEMO_CONFIG)
+        node.config.write_text(DEMO_CONFIG.format(driver_root=drv.root))
         node.kubelet.start()
         # The daemon logs at info (the demo quotes its reasons); the user sees what they asked for.
         node.start_daemon(log_level="info", echo=functools.partial(_echo, logging.getLevelName(log_level.upper())))
@@ -71,6 +84,15 @@ def _demo(root: Path, log_level: str) -> int:
             say(f"   env    {key}={value}")
         for spec in container.devices:
             say(f"   device {spec.container_path} <- {spec.host_path} ({spec.permissions})")
+        for name in container.cdi_devices:
+            say(f"   cdi    {name.name}")
+        doc = json.loads((node.cdi_dir / CDI_SPEC).read_text())
+        shared = doc["containerEdits"]
+        libcuda = [m["containerPath"] for m in shared["mounts"] if "/libcuda.so." in m["containerPath"]]
+        nodes, mounts = len(shared["deviceNodes"]), len(shared["mounts"])
+        say(f"   defined in {node.cdi_dir / CDI_SPEC} ({len(doc['devices'])} devices); every container")
+        also = f"{nodes} control nodes and {mounts} mounts of driver files"
+        say(f"   also gets {also}, {' and '.join(libcuda)} among them")
 
         victim = ids[-1]
         say()
@@ -124,6 +146,9 @@ def _demo(root: Path, log_level: str) -> int:
             numa = ",".join(map(str, plugin.devices[new_uuid].numa_nodes))
             took = (time.monotonic() - added) * 1000
             say(f"   {new_uuid}  Healthy    NUMA {numa}: in the list {took:.0f} ms later, 9 devices")
+            spec = json.loads((node.cdi_dir / CDI_SPEC).read_text())
+            defined = "defined" if any(d["name"] == new_uuid for d in spec["devices"]) else "NOT defined"
+            say(f"   and {defined} in the CDI spec, which is written before the list that advertises it")
         else:
             say("5. Hot-add skipped: sending udev netlink messages needs root")
 

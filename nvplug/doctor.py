@@ -599,7 +599,8 @@ def check_cdi(ctx: _Context) -> Check:
     if not ctx.nvml_ok:
         return Check("WARN", "not checked: NVML does not work (step 3), so the node's devices are unknown")
     spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
-    wanted, _ = node_specs(cfg, ctx.args.dev_root, ctx.args.sys_root, ctx.args.proc_root)
+    found = node_specs(cfg, ctx.args.dev_root, ctx.args.sys_root, ctx.args.proc_root)
+    wanted = found.specs
     files = read_specs([*SPEC_DIRS, spec_dir])
     defined = {name for f in files if f.error is None for name in f.qualified()}
     names = [n for spec in wanted for n in spec.names() if not n.endswith("=all")]
@@ -624,8 +625,18 @@ def check_cdi(ctx: _Context) -> Check:
                 "remove the other spec of that kind (or its generator's unit), so that one spec defines each name"
             )
         verdict: Verdict = "FAIL" if uses_cdi or clashes else "WARN"
-        return Check(verdict, f"CDI names do not resolve cleanly ({how})", shown + clashes + evidence, "; ".join(fixes))
-    return Check("PASS", f"all {len(names)} CDI names resolve, each defined once ({how})", evidence)
+        problems = shown + clashes + evidence + list(found.problems)
+        return Check(verdict, f"CDI names do not resolve cleanly ({how})", problems, "; ".join(fixes))
+    summary = f"all {len(names)} CDI names resolve, each defined once ({how})"
+    if found.problems:
+        return Check(
+            "WARN",
+            summary + ", but the spec lacks driver files",
+            [*evidence, *found.problems],
+            "set flags.nvidiaDriverRoot to where the driver is installed (its etc/ld.so.cache must list the "
+            "driver's libraries: run `ldconfig` there); without them containers get no libcuda.so.1",
+        )
+    return Check("PASS", summary, evidence)
 
 
 STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (

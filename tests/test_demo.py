@@ -19,6 +19,8 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     assert listing.count("Healthy    NUMA 0") == 4 and listing.count("Healthy    NUMA 1") == 4
     assert "3. Allocate 2 GPUs" in out and "NVIDIA_VISIBLE_DEVICES=GPU-" in out
     assert "device /dev/nvidia0 <- " in out and "device /dev/nvidiactl <- " in out
+    assert "cdi    k8s.device-plugin.nvidia.com/gpu=GPU-" in out
+    assert "k8s.device-plugin.nvidia.com-gpu.json (9 devices)" in out and "/libcuda.so.1 among them" in out
     assert "4. XID 79 (GPU has fallen off the bus)" in out
     assert "is Unhealthy: 7 of 8 allocatable" in out
     assert "unhealthy: XID 79 ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)" in out
@@ -30,6 +32,7 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     assert "healthy: recovered: GPU reset by nvidia-smi at the request of uid" in out
     if os.geteuid() == 0:
         assert "5. Hot-adding a ninth GPU" in out and "9 devices" in out
+        assert "and defined in the CDI spec, which is written before the list" in out
         assert "its last list still held 9 devices" in out
     else:
         assert "5. Hot-add skipped" in out

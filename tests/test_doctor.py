@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from nvplug.testing import driverroot
 from nvplug.testing.node import SimulatedNode, device_health, registered_with
 
 DRIVER_LINE = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024"
@@ -205,7 +207,12 @@ class Doctor:
 
 
 def write_spec(node: SimulatedNode) -> Path:
-    """The CDI spec as the daemon would write it, through `nvplug cdi generate --output`."""
+    """A driver root with the driver's files, and the CDI spec as the daemon would write for it,
+    through `nvplug cdi generate --output`."""
+    drv = driverroot.build(node.root / "drv")
+    cfg = yaml.safe_load(node.config.read_text()) or {}
+    cfg.setdefault("flags", {})["nvidiaDriverRoot"] = str(drv.root)
+    node.config.write_text(yaml.safe_dump(cfg))
     path = node.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
     generate = ["cdi", "generate", "--config", str(node.config), "--dev-root", str(node.dev_root), "--sysfs-root",
                 str(node.sysfs_root), "--proc-root", str(node.proc_root), "--output", str(path)]  # fmt: skip
@@ -239,6 +246,8 @@ def test_cdi_names_that_do_not_resolve_and_a_conflicting_spec(
     node.config.write_text("version: v1\nflags:\n  plugin:\n    deviceListStrategy: cdi-cri\n")
     d = doctor(node, status_server.listen)
     assert d.verdict(9) == "FAIL", d
+    # Nor does the machine's own ld cache hold the fake driver's libraries.
+    assert "lists no library of driver 550.54.15" in d.text(9)
     uuid = node.scenario_gpus()[0]["uuid"]
     assert f"does not resolve: k8s.device-plugin.nvidia.com/gpu={uuid}" in d.text(9)
     assert "and 3 more" in d.text(9) and "ReadWritePaths=-" in d.out
@@ -251,6 +260,10 @@ def test_cdi_names_that_do_not_resolve_and_a_conflicting_spec(
     assert "so that one spec defines each name" in d.out
     foreign.unlink()
     assert doctor(node, status_server.listen).verdict(9) == "PASS"
+    # A spec without the driver's files resolves, but a container would get no libcuda.so.1.
+    node.config.write_text("version: v1\n")
+    d = doctor(node, status_server.listen)
+    assert d.verdict(9) == "WARN" and "lacks driver files" in d.out and "nvidiaDriverRoot" in d.out, d
 
 
 def test_driver_not_loaded(node: SimulatedNode) -> None:

@@ -42,7 +42,7 @@ def discover(root: Path, version: str | None) -> DriverFiles:
         for d in FIRMWARE_DIRS:
             firmware += sorted(_rel(root, p) for p in (_at(root, d) / version).glob("gsp*.bin"))
         if not firmware:
-            problems.append(f"no GSP firmware under {root}{FIRMWARE_DIRS[0]}/{version}")
+            problems.append(f"no GSP firmware under {_at(root, FIRMWARE_DIRS[0]) / version}")
     binaries = []
     for name in BINARIES:
         found = next((f"{d}/{name}" for d in BINARY_DIRS if _at(root, f"{d}/{name}").is_file()), None)

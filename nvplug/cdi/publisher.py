@@ -134,7 +134,7 @@ class SpecPublisher:
             return {}
         specs, skipped = self.specs(snap)
         try:
-            self._writer.write(specs)
+            changed = self._writer.write(specs)
         except OSError as err:
             self._failed(str(err.strerror or err))
         else:
@@ -143,7 +143,9 @@ class SpecPublisher:
             if self.error is not None:
                 log.info("the CDI spec is written again in %s", self._writer.directory)
                 self.error = None
-            self._check_conflicts(specs)
+            if changed:
+                # Only then: this runs on every new revision, and a health change must stay cheap.
+                self._check_conflicts(specs)
         if not self.settings.enforce:
             return {}
         unresolved: dict[str, str] = {}
@@ -175,14 +177,19 @@ class SpecPublisher:
                 log.warning("CDI conflict: %s", problem)
         self.conflicts = found
 
+    def driver_problems(self) -> tuple[str, ...]:
+        """What the last look at the driver's files could not find."""
+        return self._files.problems if self._files is not None else ()
+
     def _driver_files(self, snap: Snapshot) -> DriverFiles:
         """Found again only for a new driver version or load: libraries do not change under a loaded driver."""
         key = (snap.driver_version, snap.driver_instance)
         if self._files is None or key != self._files_for:
             self._files = driverfiles.discover(self.settings.read_root, snap.driver_version)
             self._files_for = key
-            for problem in self._files.problems:
-                log.warning("CDI spec: %s", problem)
+            if self._writer is not None:
+                for problem in self._files.problems:
+                    log.warning("CDI spec: %s", problem)
         return self._files
 
     @staticmethod

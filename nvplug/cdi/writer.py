@@ -31,26 +31,31 @@ class SpecWriter:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._written: dict[str, bytes] = {}
+        # What each file holds now, as written: an equal spec is neither rendered nor written again.
+        self._written: dict[str, Spec] = {}
 
     def paths(self) -> list[Path]:
         return [self.directory / name for name in self._written]
 
-    def write(self, specs: Sequence[Spec]) -> None:
-        """Raises OSError naming the file; what was written before the failure stays recorded."""
-        wanted = {s.file_name: s.render() for s in specs}
-        for name, data in wanted.items():
-            if self._written.get(name) != data:
+    def write(self, specs: Sequence[Spec]) -> bool:
+        """True if a file changed. Raises OSError naming the file; what was written before stays recorded."""
+        wanted = {s.file_name: s for s in specs}
+        changed = False
+        for name, spec in wanted.items():
+            if self._written.get(name) != spec:
                 path = self.directory / name
                 try:
-                    write_atomically(path, data, SPEC_MODE, DIR_MODE)
+                    write_atomically(path, spec.render(), SPEC_MODE, DIR_MODE)
                 except OSError as err:
                     raise OSError(err.errno, f"cannot write the CDI spec {path}: {err.strerror or err}") from err
-                self._written[name] = data
+                self._written[name] = spec
+                changed = True
         for name in [n for n in self._written if n not in wanted]:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / name).unlink()
             del self._written[name]
+            changed = True
+        return changed
 
 
 @dataclass(frozen=True)
