@@ -157,7 +157,10 @@ class Daemon:
                 {
                     "/healthz": self._healthz,
                     "/status": json_route(
-                        lambda: status_document(self.state.current, self._resource_views(), self._plan_error)
+                        lambda: {
+                            **status_document(self.state.current, self._resource_views(), self._plan_error),
+                            "cdi": self.cdi.status(),
+                        }
                     ),
                     "/metrics": lambda: (200, PROMETHEUS_TEXT, self.metrics.render()),
                 },

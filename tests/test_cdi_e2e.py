@@ -123,6 +123,8 @@ def test_a_spec_directory_that_cannot_be_written(node: SimulatedNode) -> None:
     node.wait_log(f"cannot write the CDI spec {blocked}/cdi/{SPEC}")
     code, text = statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=5)
     assert code == 503 and "CDI spec not written" in text, text
+    cdi = statusclient.status(f"unix:{node.status_socket}")["cdi"]
+    assert cdi["spec_dir"] == str(blocked / "cdi") and "Not a directory" in cdi["error"] and cdi["devices"] == 0
     with pytest.raises(grpc.aio.AioRpcError) as info:
         node.kubelet.allocate(GPU_RESOURCE, [uuid])
     assert "no CDI device k8s.device-plugin.nvidia.com/gpu=" in (info.value.details() or "")
@@ -133,6 +135,8 @@ def test_a_spec_directory_that_cannot_be_written(node: SimulatedNode) -> None:
     assert uuid in spec_names(blocked / "cdi")
     node.wait_log("the CDI spec is written again")
     assert statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=5)[0] == 200
+    cdi = statusclient.status(f"unix:{node.status_socket}")["cdi"]
+    assert cdi["error"] is None and cdi["devices"] == 9  # 8 GPUs and `all`
     names = [d.name for d in node.kubelet.allocate(GPU_RESOURCE, [uuid]).container_responses[0].cdi_devices]
     assert names == [f"{GPU_KIND}={uuid}"]
 

@@ -157,6 +157,17 @@ class SpecPublisher:
                 unresolved[uuid] = f"no CDI device {GPU_KIND}={name}: {why}"
         return unresolved
 
+    def status(self) -> dict[str, object]:
+        """What /status says of the spec."""
+        directory = self.settings.spec_dir
+        return {
+            "spec_dir": str(directory) if directory is not None else None,
+            "devices": len(self._resolvable),
+            "error": self.error,
+            "conflicts": list(self.conflicts),
+            "driver_problems": list(self.driver_problems()),
+        }
+
     def delivered(self, resource: str, units: Iterable[Unit]) -> None:
         self._delivered[resource] = {(m.uuid if m is not None else g.uuid): (g, m) for g, m in units}
 
