@@ -190,6 +190,8 @@ class Daemon:
             # The sources first, now that nothing reads the bus; then what they fed. The rebinds and
             # closes below remove and make our sockets in the watched directory: nobody needs those events.
             reprober.close()
+            if self._cdi_retry is not None:
+                self._cdi_retry.cancel()
             udev.stop()
             kubelet_dir.stop()
             # The registrars before the rebinds that would wake them.
@@ -278,7 +280,6 @@ class Daemon:
             self._plugins = keep + fresh
             if self._kubelet_dir is not None:
                 self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
-
             for plugin in fresh:
                 await self._open(plugin)
 
