@@ -30,6 +30,7 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/allocation.py
+	$(BIN)/python bench/labels.py
 
 proto: setup
 	$(BIN)/python scripts/gen_proto.py

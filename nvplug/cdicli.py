@@ -11,9 +11,8 @@ from . import config
 from .cdi.publisher import CdiSettings, SpecPublisher
 from .cdi.spec import Spec
 from .cdi.writer import DIR_MODE, SPEC_MODE
-from .event import InventoryFound
 from .files import write_atomically
-from .state import NodeState, Snapshot
+from .oneshot import scan_snapshot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,24 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--dev-root", type=Path, default=None, help="default: the config's flags.nvidiaDevRoot")
     gen.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     gen.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
-
-
-def scan_snapshot(sysfs_root: Path, proc_root: Path) -> Snapshot:
-    """The node as one scan sees it, through the same state code the daemon uses."""
-    from .nvml import Nvml  # loads pynvml
-
-    found = Nvml(sysfs_root, proc_root).scan().discovery
-    state = NodeState()
-    state.apply(
-        InventoryFound(
-            found.gpus,
-            topology=found.topology,
-            cap_minors=found.cap_minors,
-            driver_instance=found.driver_instance,
-            driver_version=found.driver_version,
-        )
-    )
-    return state.current
 
 
 @dataclass(frozen=True)

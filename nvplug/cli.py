@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", type=Path, default=None,
                      help="where the health state file is kept across restarts (default: $STATE_DIRECTORY "
                           "as systemd sets it, else /var/lib/nvplug)")  # fmt: skip
+    run.add_argument("--nfd-feature-file", type=Path, default=None,
+                     help="write the node labels here (default: the config's nvplug.labels.featureFile)")  # fmt: skip
     run.add_argument("--cdi-spec-dir", type=Path, default=None,
                      help="write the CDI spec here (default: the config's nvplug.cdi.specDir)")  # fmt: skip
 
@@ -182,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status_listen=args.status_listen,
         state_dir=args.state_dir,
         cdi_spec_dir=args.cdi_spec_dir,
+        feature_file=args.nfd_feature_file,
     )
     try:
         asyncio.run(serve(options))

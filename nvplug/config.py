@@ -25,6 +25,8 @@ DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
 DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
 # Where runtimes read generated CDI specs; cleared at boot, as a generated spec should be.
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+# Node Feature Discovery's worker reads every file here; GFD's is `gfd`, ours `nvplug`.
+DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
 # CDI limits the name part of an annotation key (after the prefix's "/") to this.
 MAX_ANNOTATION_NAME = 63
 # What nvplug appends to the prefix: "nvplug_" and 16 hex digits.
@@ -176,6 +178,9 @@ class Config:
     status_listen: str = DEFAULT_STATUS_LISTEN
     # nvplug.cdi.specDir: where the CDI spec is written; "off": not at all.
     cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR
+    # nvplug.labels: the NFD feature file ("off": none), and the optional health label.
+    feature_file: str = DEFAULT_FEATURE_FILE
+    unhealthy_count_label: bool = False
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -279,6 +284,7 @@ def as_dict(cfg: Config) -> dict[str, Any]:
         "nvplug": {
             "status": {"listen": cfg.status_listen},
             "cdi": {"specDir": cfg.cdi_spec_dir},
+            "labels": {"featureFile": cfg.feature_file, "unhealthyCount": cfg.unhealthy_count_label},
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
@@ -308,7 +314,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-NVPLUG_KEYS = ("health", "status", "cdi")
+NVPLUG_KEYS = ("health", "status", "cdi", "labels")
 
 
 def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
@@ -322,13 +328,21 @@ def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
         if "listen" in status:
             own["status_listen"] = _listen(ctx, status["listen"], "nvplug.status.listen")
     if "cdi" in found:
-        cdi = _Map(ctx, found["cdi"], "nvplug.cdi").items(("specDir",))
-        if "specDir" in cdi:
-            value = _str(ctx, cdi["specDir"], "nvplug.cdi.specDir")
-            if value != "off" and not _path(ctx, cdi["specDir"], "nvplug.cdi.specDir").startswith("/"):
-                raise ctx.error(cdi["specDir"], "nvplug.cdi.specDir", f"{value!r} is neither off nor an absolute path")
-            own["cdi_spec_dir"] = value
+        own.update(_Map(ctx, found["cdi"], "nvplug.cdi").read({"specDir": ("cdi_spec_dir", _off_or_absolute)}))
+    if "labels" in found:
+        own.update(
+            _Map(ctx, found["labels"], "nvplug.labels").read(
+                {"featureFile": ("feature_file", _off_or_absolute), "unhealthyCount": ("unhealthy_count_label", _bool)}
+            )
+        )
     return own
+
+
+def _off_or_absolute(ctx: _Context, node: yaml.Node, path: str) -> str:
+    value = _path(ctx, node, path)
+    if value != "off" and not value.startswith("/"):
+        raise ctx.error(node, path, f"{value!r} is neither off nor an absolute path")
+    return value
 
 
 def _listen(ctx: _Context, node: yaml.Node, path: str) -> str:

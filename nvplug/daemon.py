@@ -34,6 +34,7 @@ from .events.udev import UdevSource
 from .heal import Healer
 from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
+from .nfd import FeatureFile
 from .nvml import Nvml
 from .recovery import Reprober
 from .resources import Resource, Spec, mig_plan
@@ -67,6 +68,8 @@ class Options:
     state_dir: Path | None = None
     # --cdi-spec-dir: overrides the config's nvplug.cdi.specDir.
     cdi_spec_dir: Path | None = None
+    # --nfd-feature-file: overrides the config's nvplug.labels.featureFile.
+    feature_file: Path | None = None
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Daemon:
         self._plan_error: str | None = None
         self._status = ""
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
+        self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
         self._cdi_retry: asyncio.TimerHandle | None = None
         self._cdi_retry_delay = CDI_RETRY_FIRST
 
@@ -160,6 +164,11 @@ class Daemon:
                         lambda: {
                             **status_document(self.state.current, self._resource_views(), self._plan_error),
                             "cdi": self.cdi.status(),
+                            "labels": {
+                                "file": _text(self.nfd.path),
+                                "error": self.nfd.error,
+                                "labels": self.nfd.labels,
+                            },
                         }
                     ),
                     "/metrics": lambda: (200, PROMETHEUS_TEXT, self.metrics.render()),
@@ -338,6 +347,7 @@ class Daemon:
             self.state_file.save(snap.records())
             # Before any ListAndWatch stream runs again: no device is advertised before its CDI entry.
             self._publish_spec()
+            self.nfd.update(self.state.current, self.config, self.config.unhealthy_count_label)
         if changes:
             self._update_status()
 
@@ -384,6 +394,11 @@ class Daemon:
 
     def _cdi_settings(self, cfg: Config) -> CdiSettings:
         return CdiSettings.from_config(cfg, self.options.dev_root, self.options.cdi_spec_dir)
+
+    def _feature_file(self, cfg: Config) -> Path | None:
+        if self.options.feature_file is not None:
+            return self.options.feature_file
+        return None if cfg.feature_file == "off" else Path(cfg.feature_file)
 
     def _policy(self, cfg: Config) -> AllocationPolicy:
         return replace(allocation_policy(cfg), cdi_extra=self.cdi.extra_names)
@@ -484,6 +499,9 @@ class Daemon:
             else:
                 log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new
+            # Strategy and sharing are in the labels.
+            self.nfd.configure(self._feature_file(new))
+            self.nfd.update(self.state.current, new, new.unhealthy_count_label)
 
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
@@ -528,6 +546,10 @@ def _unready_note(snap: Snapshot) -> list[str]:
         return []
     uuid, problem = next(iter(out.items()))
     return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _socket_name(resource_name: str) -> str:

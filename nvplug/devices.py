@@ -17,6 +17,10 @@ from typing import Any
 
 from . import config, statusclient
 from .health import Health, HealthState
+from .labels import node_labels
+from .labels import render as render_labels
+from .nfd import read_machine
+from .oneshot import scan_snapshot
 from .resources import mig_plan
 from .state import Snapshot
 
@@ -25,6 +29,11 @@ DIRECT_LABEL = "(direct NVML read; the daemon is not running)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON: the GPUs as /status has them, and the source")
+    parser.add_argument(
+        "--labels",
+        action="store_true",
+        help="print the node labels nvplug writes for Node Feature Discovery (the feature file's content)",
+    )
     statusclient.add_arguments(parser)
     parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     parser.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
@@ -37,7 +46,18 @@ def run(args: argparse.Namespace) -> int:
     except (statusclient.StatusUnavailable, ValueError) as err:
         daemon_error = str(err)
     else:
+        if args.labels:
+            return _print_labels((doc.get("labels") or {}).get("labels") or {}, "daemon", args.json)
         return _print(doc.get("gpus") or [], "daemon", args.json, header=_daemon_header(doc))
+    if args.labels:
+        try:
+            labels = direct_labels(_config_or_default(args.config), args.sysfs_root, args.proc_root)
+        except Exception as err:  # as below: NVML cannot be read at all
+            print(f"the daemon does not answer: {daemon_error}", file=sys.stderr)
+            print(f"and NVML cannot be read directly: {err}", file=sys.stderr)
+            return 1
+        print(DIRECT_LABEL, file=sys.stderr)
+        return _print_labels(labels, "nvml", args.json)
     try:
         gpus = direct_read(_config_or_default(args.config), args.sysfs_root, args.proc_root)
     except Exception as err:  # NvmlUnavailable, or pynvml failing to load the library at all
@@ -66,6 +86,20 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
         if doc.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {doc[key]}")
     return lines
+
+
+def direct_labels(cfg: config.Config, sysfs_root: Path, proc_root: Path) -> dict[str, str]:
+    """The labels for this node from one NVML scan, as the daemon would write them (health: the scan's)."""
+    snap = scan_snapshot(sysfs_root, proc_root)
+    return node_labels(snap, cfg, read_machine(sysfs_root, [g.bus_id for g in snap.gpus]), cfg.unhealthy_count_label)
+
+
+def _print_labels(labels: Mapping[str, str], source: str, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"source": source, "labels": dict(sorted(labels.items()))}, indent=2))
+    else:
+        sys.stdout.buffer.write(render_labels(labels))
+    return 0
 
 
 def direct_read(cfg: config.Config, sysfs_root: Path, proc_root: Path) -> list[dict[str, Any]]:

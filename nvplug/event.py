@@ -45,6 +45,8 @@ class InventoryFound:
     unready: Mapping[str, str] = field(default_factory=dict)
     # The driver's version as NVML reports it (550.54.15); None where it cannot.
     driver_version: str | None = None
+    # The CUDA version the driver supports, as NVML encodes it (12040 is 12.4).
+    cuda_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,20 @@ NO_NUMA_NODE = -1
 
 
 @dataclass(frozen=True)
+class MigAttributes:
+    """What NVML's device attributes say of a MIG device: its slices, SMs and engines."""
+
+    gi_slices: int
+    ci_slices: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+
+
+@dataclass(frozen=True)
 class MigDevice:
     """One MIG device: a GPU instance with one compute instance, on its parent GPU."""
 
@@ -16,6 +30,7 @@ class MigDevice:
     compute_instance: int
     profile: str  # e.g. 1g.10gb, 1g.10gb.me, 3g.40gb
     memory_mib: int | None = None
+    attributes: MigAttributes | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,8 @@ class Gpu:
     # MIG mode as the driver reports it now, and the MIG devices it holds.
     mig_enabled: bool = False
     mig: tuple[MigDevice, ...] = ()
+    # Whether the GPU can do MIG at all (NVML reports a MIG mode for it).
+    mig_capable: bool = False
 
     @property
     def label(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pynvml  # type: ignore[import-untyped]
 
 from .event import ProbeResult
-from .gpu import NO_NUMA_NODE, Gpu, MigDevice, normalize_bus_id
+from .gpu import NO_NUMA_NODE, Gpu, MigAttributes, MigDevice, normalize_bus_id
 from .health import Clears
 from .mig import CapMinors, profile_name, read_mig_minors
 from .topology import Link, PcieLevel, Topology
@@ -52,6 +52,8 @@ class Discovery:
     lost: int = 0
     # Which load of the kernel driver this is; None where sysfs cannot tell.
     driver_instance: str | None = None
+    # The CUDA version the driver supports, as NVML encodes it (12040 is 12.4).
+    cuda_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,18 @@ def _read_mig(handle: Any, label: str, total_mib: int | None, notes: _Notes) -> 
         try:
             attrs = pynvml.nvmlDeviceGetAttributes(mig)
             memory = int(attrs.memorySizeMB)
+            attributes = MigAttributes(
+                gi_slices=int(attrs.gpuInstanceSliceCount),
+                ci_slices=int(attrs.computeInstanceSliceCount),
+                multiprocessors=int(attrs.multiprocessorCount),
+                copy_engines=int(attrs.sharedCopyEngineCount),
+                decoders=int(attrs.sharedDecoderCount),
+                encoders=int(attrs.sharedEncoderCount),
+                jpeg_engines=int(attrs.sharedJpegCount),
+                ofa_engines=int(attrs.sharedOfaCount),
+            )
             profile = profile_name(
-                int(attrs.gpuInstanceSliceCount),
-                int(attrs.computeInstanceSliceCount),
-                memory,
-                total_mib or memory,
-                int(attrs.sharedOfaCount),
+                attributes.gi_slices, attributes.ci_slices, memory, total_mib or memory, attributes.ofa_engines
             )
             devices.append(
                 MigDevice(
@@ -170,6 +178,7 @@ def _read_mig(handle: Any, label: str, total_mib: int | None, notes: _Notes) -> 
                     compute_instance=int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
                     profile=profile,
                     memory_mib=memory,
+                    attributes=attributes,
                 )
             )
         except pynvml.NVMLError as err:
@@ -238,6 +247,7 @@ class Nvml:
             raise NvmlUnavailable(f"NVML cannot count devices: {err}") from err
         notes = _Notes()
         driver = notes.optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
+        cuda = notes.optional(lambda: int(pynvml.nvmlSystemGetCudaDriverVersion_v2()), "NVML", "CUDA driver version")
         found: list[tuple[Gpu, Any]] = []
         lost = 0
         for index in range(count):
@@ -259,6 +269,7 @@ class Nvml:
             minors,
             lost,
             self.driver_instance(),
+            cuda,
         )
 
     def driver_instance(self) -> str | None:
@@ -296,6 +307,7 @@ class Nvml:
             compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
             mig_enabled=mig is not None,
             mig=mig or (),
+            mig_capable=mode is not None,
         )
 
     def _sysfs_numa(self, bus_id: str) -> int | None:

@@ -79,8 +79,9 @@ class Snapshot:
     unready: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # Devices whose CDI names would not resolve (the spec could not be written), and why.
     unresolved: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The driver's version as the last scan read it; None: unknown.
+    # The driver's version and its CUDA version (12040: 12.4) as the last scan read them; None: unknown.
     driver_version: str | None = None
+    cuda_version: int | None = None
     # Faults from the state file for devices not seen yet in this run, by UUID.
     restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -226,6 +227,8 @@ class NodeState:
                 draft.evidence(gpu, DRIVER_RELOADED, reloaded_from=event.driver_instance)
         if event.driver_version is not None:
             draft.driver_version = event.driver_version
+        if event.cuda_version is not None:
+            draft.cuda_version = event.cuda_version
         draft.unready = MappingProxyType(dict(event.unready))
         draft.recheck()
         for probe in event.probes:
@@ -338,6 +341,7 @@ class _Draft:
         self.unready = base.unready
         self.unresolved = base.unresolved
         self.driver_version = base.driver_version
+        self.cuda_version = base.cuda_version
         self.restored = dict(base.restored)
         self.changes: list[Change] = []
 
@@ -451,6 +455,7 @@ class _Draft:
             and self.unready == base.unready
             and self.unresolved == base.unresolved
             and self.driver_version == base.driver_version
+            and self.cuda_version == base.cuda_version
             and self.restored == base.restored
         )
         if unchanged:
@@ -468,5 +473,6 @@ class _Draft:
             unready=self.unready,
             unresolved=self.unresolved,
             driver_version=self.driver_version,
+            cuda_version=self.cuda_version,
             restored=MappingProxyType(self.restored),
         )

@@ -164,6 +164,7 @@ def doctor_args(node: SimulatedNode, listen: str | None = None) -> list[str]:
         "--sys-root", str(node.sysfs_root),
         "--config", str(node.config),
         "--cdi-spec-dir", str(node.cdi_dir),
+        "--nfd-feature-file", str(node.feature_file),
     ]  # fmt: skip
 
 
@@ -188,7 +189,7 @@ class Doctor:
         self.steps: dict[int, tuple[str, str]] = {}
         current = None
         for line in proc.stdout.splitlines():
-            m = re.match(r"(PASS|WARN|FAIL)  (\d)\. ", line)
+            m = re.match(r"(PASS|WARN|FAIL)  (\d+)\. ", line)
             if m:
                 current = int(m.group(2))
                 self.steps[current] = (m.group(1), line)
@@ -218,7 +219,18 @@ def write_spec(node: SimulatedNode) -> Path:
                 str(node.sysfs_root), "--proc-root", str(node.proc_root), "--output", str(path)]  # fmt: skip
     done = nvplug(node, *generate, env=doctor_env(node))
     assert done.returncode == 0 and path.is_file(), done
+    write_labels(node)
     return path
+
+
+def write_labels(node: SimulatedNode) -> None:
+    """The node label file as the daemon would write it, through `nvplug devices --labels` (a direct read)."""
+    node.features_dir.mkdir(exist_ok=True)
+    direct = ["devices", "--labels", "--status-listen", f"unix:{node.root}/none.sock", "--config", str(node.config),
+              "--sysfs-root", str(node.sysfs_root), "--proc-root", str(node.proc_root)]  # fmt: skip
+    done = nvplug(node, *direct, env=doctor_env(node))
+    assert done.returncode == 0 and "nvidia.com/gpu.count=8" in done.stdout, done
+    node.feature_file.write_text(done.stdout)
 
 
 def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStatusServer) -> None:
@@ -227,7 +239,7 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d
-    assert [d.verdict(i) for i in range(1, 10)] == ["PASS"] * 9, d
+    assert [d.verdict(i) for i in range(1, 11)] == ["PASS"] * 10, d
     assert "550.54.15" in d.text(1)
     assert f"loaded from {node.lib_dir}/libnvidia-ml.so.1" in d.text(2)
     assert "8 GPUs" in d.text(3) and "driver 550.54.15" in d.text(3)
@@ -235,7 +247,30 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     assert "gRPC channel ready" in d.text(6)
     assert "8 devices advertised, all healthy" in d.text(7)
     assert "9. CDI spec: all 8 CDI names resolve, each defined once" in d.out
-    assert "0 failed, 0 warnings, 9 passed" in d.out
+    assert "10. node labels: the 24 node labels match this node" in d.out
+    assert "0 failed, 0 warnings, 10 passed" in d.out
+
+
+def test_node_labels_missing_stale_or_doubled_by_gfd(node: SimulatedNode, status_server: FakeStatusServer) -> None:
+    prepare(node)
+    node.kubelet.start()
+    d = doctor(node, status_server.listen)
+    assert d.verdict(10) == "WARN" and "features.d does not exist" in d.out, d
+    node.features_dir.mkdir()
+    d = doctor(node, status_server.listen)
+    assert d.verdict(10) == "FAIL" and "missing or unreadable" in d.out, d
+    write_labels(node)
+    node.feature_file.write_text(
+        node.feature_file.read_text().replace("gpu.count=8", "gpu.count=7") + "nvidia.com/x=1\n"
+    )
+    d = doctor(node, status_server.listen)
+    assert d.verdict(10) == "FAIL", d
+    assert "nvidia.com/gpu.count: the file says '7', the node '8'" in d.text(10)
+    assert "nvidia.com/x: in the file ('1'), not true of the node" in d.text(10)
+    write_labels(node)
+    (node.features_dir / "gfd").write_text("nvidia.com/gpu.count=8\n")
+    d = doctor(node, status_server.listen)
+    assert d.verdict(10) == "WARN" and "GPU Feature Discovery writes the same keys too" in d.out, d
 
 
 def test_cdi_names_that_do_not_resolve_and_a_conflicting_spec(

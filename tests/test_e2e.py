@@ -161,7 +161,7 @@ def test_numa_node_comes_from_sysfs_first(node: SimulatedNode) -> None:
     gpus = node.scenario_gpus()
     bus = gpus[0]["bus"].lower()
     sysfs = node.sysfs_root / "bus/pci/devices" / bus
-    sysfs.mkdir(parents=True)
+    sysfs.mkdir(parents=True, exist_ok=True)  # the node made it, with the PCI class
     (sysfs / "numa_node").write_text("1\n")
     node.kubelet.start()
     node.start_daemon()

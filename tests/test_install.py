@@ -39,6 +39,7 @@ CONTROL_DIR = "/var/lib/fakenvml"  # the fake's control socket: the unit must be
 CONFIG = "/etc/nvplug/config.yaml"
 STATE_FILE = "/var/lib/nvplug/health.json"
 CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
+FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
 UNIT = "nvplug"
 WATCHDOG_SEC = 3
 TIMEOUT = 20.0
@@ -289,6 +290,28 @@ def test_the_service_writes_the_cdi_spec_under_the_hardened_unit(node: Node) -> 
     _timed("check 2b: the CDI spec in /run/cdi", started)
 
 
+def test_node_labels_once_nfd_is_there(node: Node) -> None:
+    """The unit started without NFD's features.d (its ReadWritePaths= entry is optional); once NFD made
+    it, a restart lets the hardened unit write the labels there."""
+    started = time.monotonic()
+    journal = node.ctr.journal(UNIT, "-o", "cat")
+    assert f"cannot write the NFD feature file {FEATURE_FILE}" in journal, journal
+    node.ctr.sh(f"mkdir -p {shlex.quote(str(Path(FEATURE_FILE).parent))}")
+    registrations = node.registrations()
+    node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+    node.wait_registered_again(registrations)
+    nspawn.wait_until(lambda: node.ctr.exists(FEATURE_FILE), TIMEOUT, FEATURE_FILE, node.diagnose)
+    text = node.ctr.sh(f"stat -c %a {FEATURE_FILE} && cat {FEATURE_FILE}").stdout
+    mode, _, body = text.partition("\n")
+    labels = dict(line.split("=", 1) for line in body.splitlines() if "=" in line and not line.startswith("#"))
+    assert mode == "644", text
+    assert labels["nvidia.com/gpu.count"] == "8" and labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3", text
+    assert labels["nvidia.com/cuda.driver-version.full"] == "550.54.15", text
+    props = node.show("ActiveState", "SubState")
+    assert (props["ActiveState"], props["SubState"]) == ("active", "running"), props
+    _timed("check 2c: node labels in features.d", started)
+
+
 def test_journal_has_no_errors_and_a_forced_error_shows_at_err(node: Node) -> None:
     started = time.monotonic()
     errors = node.ctr.journal(UNIT, "-p", "err", "-o", "cat")
@@ -430,7 +453,7 @@ def test_remove_and_purge(node: Node) -> None:
     started = time.monotonic()
     apt = ("apt-get", "-y", "-q", "-o", "Dpkg::Use-Pty=0")
     node.ctr.run(*apt, "remove", "nvplug", timeout=120)
-    for path in ("/lib/systemd/system/nvplug.service", "/usr/bin/nvplug"):
+    for path in ("/lib/systemd/system/nvplug.service", "/usr/bin/nvplug", f"/run/cdi/{CDI_SPEC}", FEATURE_FILE):
         assert not node.ctr.exists(path), f"{path} is still there after apt-get remove"
     assert node.ctr.exists(CONFIG), "apt-get remove must keep the conffile (only purge removes it)"
     load = node.show("LoadState")["LoadState"]

@@ -177,6 +177,7 @@ class Scanner:
             found.driver_instance,
             problems,
             found.driver_version,
+            found.cuda_version,
         )
 
     def _node_exists(self, path: str) -> bool:

@@ -17,10 +17,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
+from ..gpu import normalize_bus_id
 from . import fakenvml, nvidia_smi
 from .kubelet import FakeKubelet, KubeletThread
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# The simulated machine's DMI product name (/sys/class/dmi/id/product_name).
+MACHINE = "NVIDIA DGX H100"
 # The fake library; whatever the host's loader finds (a real driver); or no library at all.
 NvmlSource = Literal["fake", "host", "none"]
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
@@ -67,6 +70,9 @@ class SimulatedNode:
         self.state_dir = root / "state"
         # Where the daemon writes its CDI spec (never the machine's /var/run/cdi).
         self.cdi_dir = root / "cdi"
+        # NFD's features.d and the daemon's label file in it (made by a test that wants labels).
+        self.features_dir = root / "features.d"
+        self.feature_file = self.features_dir / "nvplug"
         self.boot_id_file = self.proc_root / "sys/kernel/random/boot_id"
         # /sys/module/nvidia: its inode tells one load of the driver from the next.
         self.driver_module = self.sysfs_root / "module/nvidia"
@@ -86,8 +92,13 @@ class SimulatedNode:
         shutil.copyfile(scenario, self.scenario)
         self.new_boot()
         self.driver_module.mkdir(parents=True, exist_ok=True)
+        # What the node labels read beside NVML: the machine's DMI product name, each GPU's PCI class.
+        dmi = self.sysfs_root / "class/dmi/id/product_name"
+        dmi.parent.mkdir(parents=True, exist_ok=True)
+        dmi.write_text(f"{MACHINE}\n")
         for gpu in self.scenario_gpus():
             self.add_device_node(gpu.get("minor"))
+            self.add_pci_device(gpu.get("bus"))
         nvidia_smi.install(self.bin_dir, self.nvidia_smi_log)
 
     def new_boot(self) -> str:
@@ -110,10 +121,18 @@ class SimulatedNode:
         if minor is not None:
             (self.dev_root / "dev" / f"nvidia{minor}").touch()
 
+    def add_pci_device(self, bus_id: str | None) -> None:
+        """The GPU's sysfs directory with its PCI class: a 3D controller, as datacenter GPUs are."""
+        if bus_id is not None:
+            device = self.sysfs_root / "bus/pci/devices" / normalize_bus_id(bus_id)
+            device.mkdir(parents=True, exist_ok=True)
+            (device / "class").write_text("0x030200\n")
+
     def add_gpu(self, spec: str) -> str:
-        """Hot-add a GPU to the fake library (`gpu` line syntax) with its device node."""
+        """Hot-add a GPU to the fake library (`gpu` line syntax) with its device node and sysfs entry."""
         words = dict(w.split("=", 1) for w in shlex.split(spec) if "=" in w)
         self.add_device_node(words.get("minor"))
+        self.add_pci_device(words.get("bus"))
         return self.control.add(spec)
 
     def build_library(self) -> Path:
@@ -158,6 +177,7 @@ class SimulatedNode:
             "--config", str(self.config),
             "--state-dir", str(self.state_dir),
             "--cdi-spec-dir", str(self.cdi_dir),
+            "--nfd-feature-file", str(self.feature_file),
             "--log-level", log_level,
             *extra,
         ]  # fmt: skip
