@@ -22,17 +22,14 @@ from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from latency import count, first_update, percentile  # bench/ is on the path of a script run from it
+
+from nvplug.testing.node import SimulatedNode, registered_with
 from nvplug.testing.udev import UdevSender, pci_event
 
 TIMEOUT = 15.0
 GFD_INTERVAL = 60.0  # seconds between GFD's relabels (--sleep-interval)
 POLL = 0.0002
-
-
-def percentile(samples: list[float], p: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def wait_file(path: Path, holds: Callable[[str], bool]) -> float:
@@ -47,17 +44,6 @@ def wait_file(path: Path, holds: Callable[[str], bool]) -> float:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} never held the expected labels")
         time.sleep(POLL)
-
-
-def list_arrival(node: SimulatedNode, since: float, devices: int) -> float:
-    def arrived(k: object) -> bool:
-        p = node.kubelet.plugin(GPU_RESOURCE)
-        return p is not None and any(u.at >= since and len(u.devices) == devices for u in p.updates)
-
-    node.kubelet.wait_for(lambda k: arrived(k), TIMEOUT)
-    plugin = node.kubelet.plugin(GPU_RESOURCE)
-    assert plugin is not None
-    return next(u.at for u in plugin.updates if u.at >= since and len(u.devices) == devices)
 
 
 def run(samples: int) -> None:
@@ -78,12 +64,12 @@ def run(samples: int) -> None:
                     t0 = time.monotonic()
                     udev.send(pci_event("add", bus, driver=None))
                     file_add.append(wait_file(node.feature_file, lambda t: "nvidia.com/gpu.count=9\n" in t) - t0)
-                    list_add.append(list_arrival(node, t0, 9) - t0)
+                    list_add.append(first_update(node, t0, count(9)) - t0)
                     node.control.remove(uuid)
                     t0 = time.monotonic()
                     udev.send(pci_event("remove", bus, driver=None))
                     file_remove.append(wait_file(node.feature_file, lambda t: "nvidia.com/gpu.count=8\n" in t) - t0)
-                    list_remove.append(list_arrival(node, t0, 8) - t0)
+                    list_remove.append(first_update(node, t0, count(8)) - t0)
                     node.kubelet.wait_for(registered_with(8), TIMEOUT)
                     # The rescan that follows the remove must end before the next add.
                     time.sleep(0.2)
