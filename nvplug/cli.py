@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                           "as systemd sets it, else /var/lib/nvplug)")  # fmt: skip
     run.add_argument("--nfd-feature-file", type=Path, default=None,
                      help="write the node labels here (default: the config's nvplug.labels.featureFile)")  # fmt: skip
+    run.add_argument("--pod-resources-socket", type=Path, default=None,
+                     help="the kubelet's PodResources socket (default: the config's nvplug.podResources)")  # fmt: skip
     run.add_argument("--cdi-spec-dir", type=Path, default=None,
                      help="write the CDI spec here (default: the config's nvplug.cdi.specDir)")  # fmt: skip
 
@@ -185,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dir=args.state_dir,
         cdi_spec_dir=args.cdi_spec_dir,
         feature_file=args.nfd_feature_file,
+        pod_resources_socket=args.pod_resources_socket,
     )
     try:
         asyncio.run(serve(options))

@@ -27,6 +27,8 @@ DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
 # Node Feature Discovery's worker reads every file here; GFD's is `gfd`, ours `nvplug`.
 DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
+# The kubelet's PodResources API: which pod holds which device.
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 # CDI limits the name part of an annotation key (after the prefix's "/") to this.
 MAX_ANNOTATION_NAME = 63
 # What nvplug appends to the prefix: "nvplug_" and 16 hex digits.
@@ -181,6 +183,8 @@ class Config:
     # nvplug.labels: the NFD feature file ("off": none), and the optional health label.
     feature_file: str = DEFAULT_FEATURE_FILE
     unhealthy_count_label: bool = False
+    # nvplug.podResources.socket: where the kubelet serves PodResources ("off": never ask).
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -285,6 +289,7 @@ def as_dict(cfg: Config) -> dict[str, Any]:
             "status": {"listen": cfg.status_listen},
             "cdi": {"specDir": cfg.cdi_spec_dir},
             "labels": {"featureFile": cfg.feature_file, "unhealthyCount": cfg.unhealthy_count_label},
+            "podResources": {"socket": cfg.pod_resources_socket},
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
@@ -314,7 +319,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-NVPLUG_KEYS = ("health", "status", "cdi", "labels")
+NVPLUG_KEYS = ("health", "status", "cdi", "labels", "podResources")
 
 
 def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
@@ -329,6 +334,12 @@ def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
             own["status_listen"] = _listen(ctx, status["listen"], "nvplug.status.listen")
     if "cdi" in found:
         own.update(_Map(ctx, found["cdi"], "nvplug.cdi").read({"specDir": ("cdi_spec_dir", _off_or_absolute)}))
+    if "podResources" in found:
+        own.update(
+            _Map(ctx, found["podResources"], "nvplug.podResources").read(
+                {"socket": ("pod_resources_socket", _off_or_absolute)}
+            )
+        )
     if "labels" in found:
         own.update(
             _Map(ctx, found["labels"], "nvplug.labels").read(

@@ -8,8 +8,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from . import config
 from .allocation import AllocationPolicy
@@ -32,15 +34,17 @@ from .events.kubelet_dir import KubeletDirWatch
 from .events.scanner import Scanner
 from .events.udev import UdevSource
 from .heal import Healer
+from .kubelet.podresources import PodResourcesClient, PodView
 from .kubelet.registrar import Registrar
 from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
 from .nfd import FeatureFile
 from .nvml import Nvml
+from .pods import Holder, holders, of_gpu
 from .recovery import Reprober
 from .resources import Resource, Spec, mig_plan
 from .state import Change, NodeState, Snapshot
 from .statefile import StateFile, read_boot_id, state_dir
-from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_route, reason_class, status_document
+from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_answer, reason_class, status_document
 from .systemd import Notifier
 from .xid import XidPolicy
 
@@ -49,6 +53,9 @@ log = logging.getLogger("nvplug")
 # Retrying a CDI spec that could not be written: the first delay, doubling up to the last.
 CDI_RETRY_FIRST = 1.0
 CDI_RETRY_MAX = 300.0
+# PodResources: how old an answer may be for the Unhealthy log line, and how long after an Allocate to ask.
+PODS_FRESH_FOR_LOG = 1.0
+PODS_AFTER_ALLOCATE = 1.0
 # udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
 RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
 
@@ -70,6 +77,8 @@ class Options:
     cdi_spec_dir: Path | None = None
     # --nfd-feature-file: overrides the config's nvplug.labels.featureFile.
     feature_file: Path | None = None
+    # --pod-resources-socket: overrides the config's nvplug.podResources.socket.
+    pod_resources_socket: Path | None = None
 
 
 @dataclass
@@ -100,13 +109,18 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
-        self.metrics = Metrics(self._resource_views)
+        self.metrics = Metrics(self._resource_views, lambda: self._holders() or {})
         # When each recent revision's event arrived, for the event-to-ListAndWatch latency.
         self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
         self._status = ""
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
         self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
+        socket = options.pod_resources_socket or _off_or_path(options.config.pod_resources_socket)
+        self.pods = PodView(PodResourcesClient(socket) if socket is not None else None)
+        # Work started from synchronous code (a log line that waits for PodResources); kept to be awaited.
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._pods_refresh: asyncio.TimerHandle | None = None
         self._cdi_retry: asyncio.TimerHandle | None = None
         self._cdi_retry_delay = CDI_RETRY_FIRST
 
@@ -160,18 +174,8 @@ class Daemon:
                 opts.status_listen or self.config.status_listen,
                 {
                     "/healthz": self._healthz,
-                    "/status": json_route(
-                        lambda: {
-                            **status_document(self.state.current, self._resource_views(), self._plan_error),
-                            "cdi": self.cdi.status(),
-                            "labels": {
-                                "file": _text(self.nfd.path),
-                                "error": self.nfd.error,
-                                "labels": self.nfd.labels,
-                            },
-                        }
-                    ),
-                    "/metrics": lambda: (200, PROMETHEUS_TEXT, self.metrics.render()),
+                    "/status": self._status_route,
+                    "/metrics": self._metrics_route,
                 },
                 {"/heal": Healer(self.state, scanner, self._handle).route},
             )
@@ -201,6 +205,11 @@ class Daemon:
             reprober.close()
             if self._cdi_retry is not None:
                 self._cdi_retry.cancel()
+            if self._pods_refresh is not None:
+                self._pods_refresh.cancel()
+            await asyncio.gather(*self._side_tasks, return_exceptions=True)
+            if self.pods.client is not None:
+                await self.pods.client.close()
             udev.stop()
             kubelet_dir.stop()
             # The registrars before the rebinds that would wake them.
@@ -238,7 +247,7 @@ class Daemon:
     def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
         service = DevicePluginService(
-            spec.name, self.state, spec.project, opts.dev_root, policy, self._sent, self._delivered
+            spec.name, self.state, spec.project, opts.dev_root, policy, self._sent, self._delivered, self._allocated
         )
         server = PluginServer(service, opts.plugin_dir / _socket_name(spec.name))
         registrar = Registrar(
@@ -338,7 +347,11 @@ class Daemon:
             # Evidence starts re-probes of a GPU, and a probe at once.
             reprober.follow(snap)
         for change in changes:
-            _log_change(change, snap)
+            if change.what == "unhealthy" and change.gpu is not None and self.pods.client is not None:
+                # The operator's first question is whose job broke: ask the kubelet before saying it.
+                self._spawn(self._log_with_pods(change, snap))
+            else:
+                _log_change(change, snap)
             if change.what == "recovery evidence" and change.gpu is not None:
                 reprober.now(change.gpu.uuid)
             if change.what in ("healthy", "unhealthy"):
@@ -391,6 +404,55 @@ class Daemon:
         """A list went out: entries of devices it no longer holds may leave the spec now."""
         self.cdi.delivered(resource, [(d.gpu, d.mig) for d in devices.devices])
         self._publish_spec()
+
+    async def _status_route(self) -> tuple[int, str, bytes]:
+        answer = await self.pods.fresh()
+        doc = status_document(
+            self.state.current, self._resource_views(), self._plan_error, self._holders(), answer.error
+        )
+        doc["cdi"] = self.cdi.status()
+        doc["labels"] = {"file": _text(self.nfd.path), "error": self.nfd.error, "labels": self.nfd.labels}
+        return json_answer(doc)
+
+    async def _metrics_route(self) -> tuple[int, str, bytes]:
+        await self.pods.fresh()
+        return 200, PROMETHEUS_TEXT, self.metrics.render()
+
+    def _holders(self) -> dict[str, list[Holder]] | None:
+        """Who holds each device (GPU or MIG UUID), from the last PodResources answer; None if unknown."""
+        entries = self.pods.answer.entries
+        if entries is None:
+            return None
+        return holders(entries, self.state.current, [p.spec.name for p in self._plugins])
+
+    async def _log_with_pods(self, change: Change, snap: Snapshot) -> None:
+        await self.pods.fresh(max_age=PODS_FRESH_FOR_LOG)
+        gpu = change.gpu
+        assert gpu is not None
+        by_device = self._holders()
+        if by_device is None:
+            _log_change(change, snap)  # why the pods are unknown was said once already
+            return
+        held = of_gpu(by_device, gpu)
+        suffix = "; in use by " + ", ".join(h.text for h in held) if held else "; no pod holds it"
+        _log_change(change, snap, suffix)
+
+    def _allocated(self) -> None:
+        """The kubelet records the pod just after Allocate: ask then, once for a burst of allocations."""
+        if self.pods.client is not None and self._pods_refresh is None:
+            self._pods_refresh = asyncio.get_running_loop().call_later(PODS_AFTER_ALLOCATE, self._refresh_pods)
+
+    def _refresh_pods(self) -> None:
+        self._pods_refresh = None
+        self._spawn(self._fresh_pods())
+
+    async def _fresh_pods(self) -> None:
+        await self.pods.fresh(max_age=0.0)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     def _cdi_settings(self, cfg: Config) -> CdiSettings:
         return CdiSettings.from_config(cfg, self.options.dev_root, self.options.cdi_spec_dir)
@@ -548,6 +610,10 @@ def _unready_note(snap: Snapshot) -> list[str]:
     return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
 
 
+def _off_or_path(value: str) -> Path | None:
+    return None if value == "off" else Path(value)
+
+
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
@@ -583,7 +649,7 @@ _NODE_CHANGES = {
 _GPU_WARNINGS = {"unhealthy", "fault while unhealthy", "restored unhealthy", "removed", "xid without catalog action"}
 
 
-def _log_change(change: Change, snap: Snapshot) -> None:
+def _log_change(change: Change, snap: Snapshot, suffix: str = "") -> None:
     gpu = change.gpu
     if gpu is None:
         level, text = _NODE_CHANGES.get(change.what, (logging.INFO, change.what + ": {}"))
@@ -596,7 +662,7 @@ def _log_change(change: Change, snap: Snapshot) -> None:
         # The operator reads here what the GPU needs before it is offered again.
         needs = [s.waiting_for(gpu.bus_id, gpu.index) for _, s in snap.devices_of(gpu) if not s.healthy]
         waiting = f"; waiting for {needs[0]}" if needs and needs[0] else ""
-    log.log(level, "%s %s%s%s", gpu.label, change.what, reason, waiting)
+    log.log(level, "%s %s%s%s%s", gpu.label, change.what, reason, waiting, suffix)
 
 
 async def serve(options: Options) -> None:

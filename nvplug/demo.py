@@ -55,6 +55,8 @@ def _demo(root: Path, log_level: str) -> int:
         drv = driverroot.build(root / "driver")
         # Short re-probe backoff, so a lost GPU's re-probes show in a demo.
         node.config.write_text(DEMO_CONFIG.format(driver_root=drv.root))
+        # NFD's features.d, where nvplug writes the node labels.
+        node.features_dir.mkdir()
         node.kubelet.start()
         # The daemon logs at info (the demo quotes its reasons); the user sees what they asked for.
         node.start_daemon(log_level="info", echo=functools.partial(_echo, logging.getLevelName(log_level.upper())))

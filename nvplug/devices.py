@@ -218,6 +218,21 @@ def duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def _pods_cell(pods: Any) -> str:
+    """How many pods hold the GPU, `-` for none, `unknown` when PodResources could not say."""
+    if pods is None:
+        return "unknown"
+    names = list(dict.fromkeys(f"{p.get('namespace')}/{p.get('pod')}" for p in pods))
+    if not names:
+        return "-"
+    return names[0] if len(names) == 1 else f"{len(names)} pods"
+
+
+def _holder_text(holder: Mapping[str, Any]) -> str:
+    replica = f", replica {holder['replica']}" if holder.get("replica") is not None else ""
+    return f"{holder.get('namespace')}/{holder.get('pod')} (container {holder.get('container')}{replica})"
+
+
 def _advertised_text(advertised: Mapping[str, Sequence[str]], uuid: str) -> str:
     parts = []
     for resource, ids in advertised.items():
@@ -243,7 +258,7 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
     """A row per GPU, then its advertisement, NVLink peers and MIG devices on indented lines."""
     if not gpus:
         return "no GPUs"
-    headers = ("IDX", "UUID", "BUS ID", "NAME", "MEMORY", "NUMA", "HEALTH", "SINCE", "REASON")
+    headers = ("IDX", "UUID", "BUS ID", "NAME", "MEMORY", "NUMA", "HEALTH", "PODS", "SINCE", "REASON")
     rows = []
     for g in gpus:
         numa = g.get("numa_node")
@@ -257,6 +272,7 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
                 f"{memory} MiB" if memory is not None else "?",
                 str(numa) if isinstance(numa, int) and numa >= 0 else "-",
                 str(g.get("health", "?")),
+                _pods_cell(g.get("pods")),
                 since_text(g.get("since"), now),
                 str(g.get("reason") or ""),
             )
@@ -273,6 +289,8 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
         if g.get("waiting_for"):
             out.append(f"     waiting for {g['waiting_for']}")
         uuid = str(g.get("uuid", ""))
+        if g.get("pods"):
+            out.append(f"     pods: {', '.join(_holder_text(h) for h in g['pods'])}")
         out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, uuid)}")
         out.append(f"     nvlink peers: {_nvlink_text(g.get('nvlink_peers') or {}, index_of)}")
         for m in g.get("mig") or []:

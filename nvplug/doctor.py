@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nfd-feature-file", type=Path, default=None, help="nvplug's NFD feature file (default: the config's)"
     )
     parser.add_argument(
+        "--pod-resources-socket", type=Path, default=None, help="the kubelet's PodResources (default: the config's)"
+    )
+    parser.add_argument(
         "--brief",
         action="store_true",
         help="ask only the running daemon and print one line; exit 0 healthy, 1 a problem, 2 unknown "
@@ -707,6 +710,63 @@ def check_labels(ctx: _Context) -> Check:
     return Check("PASS", f"the {len(want)} node labels match this node", evidence)
 
 
+# --- 11. the kubelet's view ---------------------------------------------------------------------
+
+
+def check_kubelet_view(ctx: _Context) -> Check:
+    """PodResources against nvplug's /status: what the kubelet believes of nvplug's devices."""
+    import asyncio
+
+    from .crosscheck import CHECKPOINT, CheckpointEntry, cross_check, read_checkpoint
+    from .kubelet.podresources import PodResourcesClient, PodResourcesUnavailable
+
+    try:
+        cfg = config.load(ctx.args.config)
+    except config.ConfigError as err:
+        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+    if cfg.pod_resources_socket == "off" and ctx.args.pod_resources_socket is None:
+        return Check("PASS", "not asked: PodResources is off (nvplug.podResources.socket: off)")
+    path: Path = ctx.args.pod_resources_socket or Path(cfg.pod_resources_socket)
+    try:
+        doc = statusclient.status(statusclient.listen_address(ctx.args.status_listen, ctx.args.config))
+    except (statusclient.StatusUnavailable, ValueError) as err:
+        return Check("WARN", "not checked: the daemon does not answer (step 7)", [str(err)])
+
+    async def ask() -> tuple[dict[str, list[str]], tuple[Any, ...]]:
+        client = PodResourcesClient(path, rate=2.0, burst=2)
+        try:
+            return await client.allocatable(), await client.list_pods()
+        finally:
+            await client.close()
+
+    try:
+        allocatable, pods = asyncio.run(ask())
+    except PodResourcesUnavailable as err:
+        return Check(
+            "WARN",
+            "the kubelet's PodResources cannot be asked: which pod holds which GPU is unknown",
+            [str(err)],
+            "is the kubelet running (step 6)? PodResources is served since Kubernetes 1.13, "
+            "GetAllocatableResources since 1.23 (GA 1.28)",
+        )
+    checkpoint: list[CheckpointEntry] = []
+    evidence = [f"{path}: {sum(len(v) for v in allocatable.values())} allocatable devices, {len(pods)} containers "
+                "holding devices"]  # fmt: skip
+    try:
+        checkpoint = read_checkpoint(ctx.args.device_plugin_dir / CHECKPOINT)
+    except (OSError, ValueError) as err:
+        evidence.append(f"the kubelet's checkpoint is not read: {err}")
+    findings = cross_check(doc, allocatable, pods, checkpoint)
+    if findings:
+        return Check(
+            "FAIL",
+            "the kubelet's view of nvplug's devices disagrees with nvplug's",
+            [f.problem for f in findings] + evidence,
+            "; ".join(dict.fromkeys(f.fix for f in findings)),
+        )
+    return Check("PASS", "the kubelet's view agrees with nvplug's", evidence)
+
+
 STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (
     ("kernel driver", check_driver),
     (LIB_NAME, check_library),
@@ -718,6 +778,7 @@ STEPS: tuple[tuple[str, Callable[[_Context], Check]], ...] = (
     ("config", check_config),
     ("CDI spec", check_cdi),
     ("node labels", check_labels),
+    ("kubelet's view", check_kubelet_view),
 )
 
 

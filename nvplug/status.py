@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .pods import Holder
 from .resources import Resource
 from .state import Snapshot
 
@@ -61,7 +63,18 @@ def reason_class(reason: str) -> str:
     return head[:48]
 
 
-def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_error: str | None) -> dict[str, Any]:
+def status_document(
+    snapshot: Snapshot,
+    resources: Sequence[ResourceView],
+    plan_error: str | None,
+    pods: Mapping[str, list[Holder]] | None = None,
+    pods_error: str | None = None,
+) -> dict[str, Any]:
+    """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why)."""
+
+    def held(uuids: Sequence[str]) -> list[dict[str, object]] | None:
+        return None if pods is None else [h.as_dict() for u in uuids for h in pods.get(u, [])]
+
     advertised: dict[str, dict[str, list[str]]] = {}
     for view in resources:
         for device in view.resource.devices:
@@ -87,6 +100,7 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
                     "health": own.health.value if own else None,
                     "reason": own.reason if own else None,
                     "waiting_for": own.waiting_for(gpu.bus_id, gpu.index) if own else None,
+                    "pods": held([mig.uuid]),
                 }
             )
         gpus.append(
@@ -109,6 +123,8 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
                 "advertised": advertised.get(gpu.uuid, {}),
                 "nvlink_peers": peers,
                 "mig": migs,
+                # Who holds the GPU: whole, a replica of it, or one of its MIG devices.
+                "pods": held([gpu.uuid, *(m.uuid for m in gpu.mig)]),
             }
         )
     return {
@@ -117,6 +133,7 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
         "nvml_error": snapshot.nvml_error,
         "health_watch_error": snapshot.health_watch_error,
         "plan_error": plan_error,
+        "pods_error": pods_error,
         "resources": [
             {
                 "name": v.resource.name,
@@ -134,7 +151,11 @@ def status_document(snapshot: Snapshot, resources: Sequence[ResourceView], plan_
 class Metrics:
     """The daemon's counters, in a registry of its own (no process-wide state)."""
 
-    def __init__(self, resources: Callable[[], Sequence[ResourceView]]) -> None:
+    def __init__(
+        self,
+        resources: Callable[[], Sequence[ResourceView]],
+        holders: Callable[[], Mapping[str, list[Holder]]] = dict,
+    ) -> None:
         self.registry = reg = CollectorRegistry()
         self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
         self.transitions = Counter(
@@ -152,7 +173,7 @@ class Metrics:
         )
         build = Info("nvplug_build", "Build information", registry=reg)
         build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
-        reg.register(_ResourceCollector(resources))
+        reg.register(_ResourceCollector(resources, holders))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -161,8 +182,11 @@ class Metrics:
 class _ResourceCollector(Collector):
     """Read at scrape time, so the gauges can never disagree with the state."""
 
-    def __init__(self, resources: Callable[[], Sequence[ResourceView]]) -> None:
+    def __init__(
+        self, resources: Callable[[], Sequence[ResourceView]], holders: Callable[[], Mapping[str, list[Holder]]]
+    ) -> None:
         self._resources = resources
+        self._holders = holders
 
     def collect(self) -> Iterator[Metric]:
         devices = GaugeMetricFamily(
@@ -185,11 +209,21 @@ class _ResourceCollector(Collector):
             registered.add_metric([name], 1.0 if view.registered else 0.0)
             ok.add_metric([name], view.registrations)
             failed.add_metric([name], view.registration_failures)
-        yield from (devices, registered, ok, failed)
+        allocated = GaugeMetricFamily(
+            "nvplug_device_allocated",
+            "1 while a container holds the device (the kubelet's PodResources, read at scrape time)",
+            labels=["resource", "uuid", "namespace", "pod", "container"],
+        )
+        # A container may hold several replicas of one GPU: one series for it.
+        held = self._holders().items()
+        series = {(h.resource, uuid, h.namespace, h.pod, h.container) for uuid, hs in held for h in hs}
+        for labels in sorted(series):
+            allocated.add_metric(list(labels), 1.0)
+        yield from (devices, registered, ok, failed, allocated)
 
 
 Answer = tuple[int, str, bytes]
-Route = Callable[[], Answer]
+Route = Callable[[], Answer | Awaitable[Answer]]
 
 
 @dataclass(frozen=True)
@@ -273,7 +307,8 @@ class StatusServer:
             return 405, "text/plain", b"GET only, or POST to /heal\n"
         if path not in self._routes:
             return 404, "text/plain", b"try /healthz, /status or /metrics\n"
-        return self._routes[path]()
+        answer = self._routes[path]()
+        return await answer if inspect.isawaitable(answer) else answer
 
 
 def _content_length(headers: str) -> int:
@@ -316,5 +351,9 @@ def _prepare_socket_path(path: Path) -> Path:
     return path
 
 
+def json_answer(document: dict[str, Any]) -> Answer:
+    return 200, "application/json", json.dumps(document, indent=1).encode() + b"\n"
+
+
 def json_route(document: Callable[[], dict[str, Any]]) -> Route:
-    return lambda: (200, "application/json", json.dumps(document(), indent=1).encode() + b"\n")
+    return lambda: json_answer(document())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the committed Python code for the kubelet device-plugin API.
+"""Regenerate the committed Python code for the kubelet's device-plugin and PodResources APIs.
 
 python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
 python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
@@ -18,26 +18,21 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "nvplug" / "kubelet" / "api"
-PROTO = "deviceplugin.proto"
-OUTPUTS = ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py")
+PROTOS = ("deviceplugin", "podresources")
+OUTPUTS = tuple(f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate(out: Path) -> None:
-    args = [
-        "protoc",
-        f"-I{API}",
-        f"--python_out={out}",
-        f"--pyi_out={out}",
-        f"--grpc_python_out={out}",
-        str(API / PROTO),
-    ]
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed on {API / PROTO}")
-    # grpc_tools emits a top-level import; the package needs a relative one.
-    grpc_py = out / "deviceplugin_pb2_grpc.py"
-    text = grpc_py.read_text()
-    text = re.sub(r"^import deviceplugin_pb2 as", "from . import deviceplugin_pb2 as", text, flags=re.M)
-    grpc_py.write_text(text)
+    for name in PROTOS:
+        proto = API / f"{name}.proto"
+        args = ["protoc", f"-I{API}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", str(proto)]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed on {proto}")
+        # grpc_tools emits a top-level import; the package needs a relative one.
+        grpc_py = out / f"{name}_pb2_grpc.py"
+        text = grpc_py.read_text()
+        text = re.sub(rf"^import {name}_pb2 as", f"from . import {name}_pb2 as", text, flags=re.M)
+        grpc_py.write_text(text)
 
 
 def main() -> int:
@@ -54,7 +49,7 @@ def main() -> int:
         ]
         if opts.check:
             for name in stale:
-                print(f"stale: {API / name} differs from what {PROTO} generates", file=sys.stderr)
+                print(f"stale: {API / name} differs from what its .proto generates", file=sys.stderr)
             return 1 if stale else 0
         for name in OUTPUTS:
             (API / name).write_bytes((out / name).read_bytes())

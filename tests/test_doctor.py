@@ -165,6 +165,7 @@ def doctor_args(node: SimulatedNode, listen: str | None = None) -> list[str]:
         "--config", str(node.config),
         "--cdi-spec-dir", str(node.cdi_dir),
         "--nfd-feature-file", str(node.feature_file),
+        "--pod-resources-socket", str(node.kubelet.pod_resources.socket_path),
     ]  # fmt: skip
 
 
@@ -239,7 +240,7 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d
-    assert [d.verdict(i) for i in range(1, 11)] == ["PASS"] * 10, d
+    assert [d.verdict(i) for i in range(1, 12)] == ["PASS"] * 11, d
     assert "550.54.15" in d.text(1)
     assert f"loaded from {node.lib_dir}/libnvidia-ml.so.1" in d.text(2)
     assert "8 GPUs" in d.text(3) and "driver 550.54.15" in d.text(3)
@@ -248,7 +249,8 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     assert "8 devices advertised, all healthy" in d.text(7)
     assert "9. CDI spec: all 8 CDI names resolve, each defined once" in d.out
     assert "10. node labels: the 24 node labels match this node" in d.out
-    assert "0 failed, 0 warnings, 10 passed" in d.out
+    assert "11. kubelet's view: the kubelet's view agrees with nvplug's" in d.out
+    assert "0 failed, 0 warnings, 11 passed" in d.out
 
 
 def test_node_labels_missing_stale_or_doubled_by_gfd(node: SimulatedNode, status_server: FakeStatusServer) -> None:
@@ -527,3 +529,32 @@ def test_end_to_end_with_the_daemon(node: SimulatedNode) -> None:
     d = doctor(node, listen="")
     assert d.rc == 1
     assert d.verdict(7) == "FAIL", d
+
+
+def test_the_kubelets_view_against_nvplugs(node: SimulatedNode) -> None:
+    """With the real daemon: agreement, then devices the kubelet's checkpoint gives to a pod that is gone."""
+    prepare(node)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), 15.0)
+    gpus = node.scenario_gpus()
+    node.kubelet.admit("ml", "trainer-0", "main", "nvidia.com/gpu", [gpus[0]["uuid"]])
+    d = doctor(node)
+    assert d.verdict(11) == "PASS", d
+    assert "8 allocatable devices, 1 containers holding devices" in d.text(11)
+    entries = [
+        {
+            "PodUID": uid,
+            "ContainerName": "main",
+            "ResourceName": "nvidia.com/gpu",
+            "DeviceIDs": {"0": [gpus[i]["uuid"]]},
+        }
+        for uid, i in (("uid-1", 0), ("uid-gone", 5))
+    ]
+    (node.plugin_dir / "kubelet_internal_checkpoint").write_text(json.dumps({"Data": {"PodDeviceEntries": entries}}))
+    d = doctor(node)
+    assert d.verdict(11) == "FAIL", d
+    assert (
+        f"gives nvidia.com/gpu {gpus[5]['uuid']} to pod uid-gone (container main), which no running pod holds" in d.out
+    )
+    assert "systemctl restart kubelet" in d.out

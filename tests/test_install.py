@@ -40,6 +40,7 @@ CONFIG = "/etc/nvplug/config.yaml"
 STATE_FILE = "/var/lib/nvplug/health.json"
 CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
 FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
+POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 UNIT = "nvplug"
 WATCHDOG_SEC = 3
 TIMEOUT = 20.0
@@ -167,12 +168,15 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
     uuids = re.findall(r"^gpu .*?\buuid=(\S+)", fakenvml.DEFAULT_SCENARIO.read_text(), re.MULTILINE)
 
     kubelet = KubeletThread(plugin_dir)
+    kubelet.pod_resources.socket_path.parent.mkdir()
     ctr = nspawn.Container(
         image,
         binds=[
             nspawn.Bind(plugin_dir, PLUGIN_DIR),
             nspawn.Bind(nvml_dir, NVML_DIR, read_only=True),
             nspawn.Bind(control_dir, CONTROL_DIR),
+            # The stand-in's PodResources socket, where the kubelet serves it.
+            nspawn.Bind(kubelet.pod_resources.socket_path.parent, POD_RESOURCES_DIR),
         ],
         log=say,
     )
@@ -310,6 +314,17 @@ def test_node_labels_once_nfd_is_there(node: Node) -> None:
     props = node.show("ActiveState", "SubState")
     assert (props["ActiveState"], props["SubState"]) == ("active", "running"), props
     _timed("check 2c: node labels in features.d", started)
+
+
+def test_the_service_reads_podresources_under_its_sandbox(node: Node) -> None:
+    """The stand-in serves PodResources on the host; the hardened unit asks it when `nvplug devices` reads."""
+    started = time.monotonic()
+    node.kubelet.admit("ml", "trainer-0", "main", GPU_RESOURCE, [node.uuids[2]])
+    out = node.ctr.run("nvplug", "devices", timeout=60).stdout
+    assert "pods: ml/trainer-0 (container main)" in out, f"{out}\n{node.diagnose()}"
+    assert node.kubelet.pod_resources.calls["List"] >= 1
+    node.kubelet.delete_pod("ml", "trainer-0")
+    _timed("check 2d: PodResources from the unit", started)
 
 
 def test_journal_has_no_errors_and_a_forced_error_shows_at_err(node: Node) -> None:

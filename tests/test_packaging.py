@@ -288,6 +288,7 @@ def test_shipped_config_examples_are_valid_and_show_the_defaults() -> None:
     assert data["flags"].keys() >= {"migStrategy", "failOnInitError"}
     assert "timeSlicing" in data["sharing"]
     assert data["nvplug"]["cdi"] == {"specDir": config.DEFAULT_CDI_SPEC_DIR}
+    assert data["nvplug"]["podResources"] == {"socket": config.DEFAULT_POD_RESOURCES_SOCKET}
     assert data["nvplug"]["labels"] == {"featureFile": config.DEFAULT_FEATURE_FILE, "unhealthyCount": False}
     assert data["nvplug"]["health"].keys() == {
         "ignoreXids",

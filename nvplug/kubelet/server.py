@@ -48,6 +48,7 @@ class DevicePluginService:
         policy: AllocationPolicy | None = None,
         on_send: Callable[[str, int], None] = lambda resource, revision: None,
         on_delivered: Callable[[str, Resource], None] = lambda name, resource: None,
+        on_allocated: Callable[[], None] = lambda: None,
     ) -> None:
         self.resource_name = resource_name
         self._state = state
@@ -58,6 +59,8 @@ class DevicePluginService:
         self._on_send = on_send
         # Told each list once gRPC has taken it: what the kubelet may now allocate from.
         self._on_delivered = on_delivered
+        # Told after each Allocate: the kubelet records the pod just after, for PodResources.
+        self._on_allocated = on_allocated
         self._closing = asyncio.Event()
         self._retired = False
         # Open ListAndWatch streams; `idle` is set while there are none.
@@ -175,6 +178,7 @@ class DevicePluginService:
             for name in result.cdi_devices:
                 out.cdi_devices.add(name=name)
             log.info("%s: allocated %s", self.resource_name, ", ".join(g.label for g in result.gpus))
+        self._on_allocated()
         return response
 
     async def GetPreferredAllocation(

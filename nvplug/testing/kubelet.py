@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 
 from nvplug.kubelet.api import API_VERSION, KUBELET_SOCKET
 from nvplug.kubelet.api import deviceplugin_pb2 as pb
+from nvplug.testing.podresources import Container, FakePodResources, Pod
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 HEALTHY = "Healthy"
@@ -271,11 +272,16 @@ class FakeKubelet:
         dial_timeout: float = DIAL_TIMEOUT_S,
         clean_on_start: bool = True,
         on_event: Callable[[str], None] | None = None,
+        pod_resources_socket: Path | None = None,
     ) -> None:
         """`clean_on_start`: delete every unix socket in plugin_dir when starting, as the
         real kubelet does on every start (not just restarts). `on_event` gets one line
-        per registration, update, stream end and restart."""
+        per registration, update, stream end and restart. PodResources is served on
+        `pod_resources_socket` (default: pod-resources/kubelet.sock beside plugin_dir)."""
         self._dir = Path(plugin_dir).absolute()
+        self.pod_resources = FakePodResources(
+            pod_resources_socket or self._dir.parent / "pod-resources" / "kubelet.sock", self._allocatable
+        )
         self._dial_timeout = dial_timeout
         self._clean_on_start = clean_on_start
         self._on_event = on_event
@@ -400,6 +406,7 @@ class FakeKubelet:
             raise KubeletError(f"cannot bind kubelet socket {sock}: {e}") from e
         await server.start()
         self._server, self._hung, self._socket_created_at = server, hang, created_at
+        await self.pod_resources.start()
         self._changed_now()
 
     async def stop(self) -> None:
@@ -409,6 +416,7 @@ class FakeKubelet:
         await asyncio.gather(*(server.stop(None) for server in wedged))
         await self._shutdown("kubelet stopped", forget=False)
         self.socket_path.unlink(missing_ok=True)
+        await self.pod_resources.stop()
         self._changed_now()
 
     async def restart(self, *, hang: bool = False) -> None:
@@ -432,6 +440,7 @@ class FakeKubelet:
             self._clean_on_start = clean
 
     async def _shutdown(self, reason: str, *, forget: bool) -> None:
+        await self.pod_resources.stop()
         self._epoch += 1
         server, self._server = self._server, None
         if server is not None:
@@ -626,6 +635,23 @@ class FakeKubelet:
             raise KubeletError(f"Allocate for {resource!r} on {conn.socket_path} returned no container responses")
         return resp
 
+    async def admit(
+        self, namespace: str, pod: str, container: str, resource: str, device_ids: Sequence[str]
+    ) -> pb.AllocateResponse:
+        """A container admitted as the kubelet does it: Allocate, then the pod is on record for PodResources."""
+        response = await self.allocate(resource, device_ids)
+        known = self.pod_resources.pods.get((namespace, pod))
+        containers = {c.name: c for c in (known.containers if known else ())}
+        held = dict(containers[container].devices) if container in containers else {}
+        held[resource] = (*held.get(resource, ()), *device_ids)
+        containers[container] = Container(container, held)
+        self.pod_resources.admit(Pod(namespace, pod, tuple(containers.values())))
+        return response
+
+    def _allocatable(self) -> Mapping[str, tuple[str, ...]]:
+        """The healthy devices of every resource the kubelet knows, a stopped endpoint's included."""
+        return {name: tuple(d.id for d in v.devices.values() if d.healthy) for name, v in self._plugins.items()}
+
     async def preferred_allocation(
         self,
         resource: str,
@@ -749,9 +775,14 @@ class KubeletThread:
         dial_timeout: float = DIAL_TIMEOUT_S,
         clean_on_start: bool = True,
         on_event: Callable[[str], None] | None = None,
+        pod_resources_socket: Path | None = None,
     ) -> None:
         self._kubelet = FakeKubelet(
-            plugin_dir, dial_timeout=dial_timeout, clean_on_start=clean_on_start, on_event=on_event
+            plugin_dir,
+            dial_timeout=dial_timeout,
+            clean_on_start=clean_on_start,
+            on_event=on_event,
+            pod_resources_socket=pod_resources_socket,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -801,6 +832,21 @@ class KubeletThread:
         self, resource: str, device_ids: Sequence[str], *, timeout: float | None = None
     ) -> pb.AllocateResponse:
         return self._submit(self._kubelet.allocate(resource, device_ids, timeout=timeout))
+
+    def admit(
+        self, namespace: str, pod: str, container: str, resource: str, device_ids: Sequence[str]
+    ) -> pb.AllocateResponse:
+        return self._submit(self._kubelet.admit(namespace, pod, container, resource, device_ids))
+
+    def delete_pod(self, namespace: str, pod: str) -> None:
+        async def delete() -> None:
+            self._kubelet.pod_resources.delete(namespace, pod)
+
+        self._submit(delete())
+
+    @property
+    def pod_resources(self) -> FakePodResources:
+        return self._kubelet.pod_resources
 
     def preferred_allocation(
         self,

@@ -178,6 +178,7 @@ class SimulatedNode:
             "--state-dir", str(self.state_dir),
             "--cdi-spec-dir", str(self.cdi_dir),
             "--nfd-feature-file", str(self.feature_file),
+            "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
             "--log-level", log_level,
             *extra,
         ]  # fmt: skip

@@ -1,0 +1,138 @@
+"""The kubelet's PodResources service (v1), as the kubelet stand-in serves it on a real unix socket.
+
+It answers List, Get and GetAllocatableResources from what the stand-in admitted
+(pods, their containers and the device IDs each was allocated) and from the devices
+the plugins advertise. Like the kubelet it rate-limits the whole service (a token
+bucket, 100 a second with a burst of 10 by default) and answers ResourceExhausted
+"rejected by rate limit" beyond; every call is counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ..kubelet.api import podresources_pb2 as pb
+from ..kubelet.podresources import TokenBucket
+
+SERVICE = "v1.PodResourcesLister"
+QPS = 100.0
+BURST = 10
+
+
+@dataclass(frozen=True)
+class Container:
+    name: str
+    # Device IDs by resource name, as allocated.
+    devices: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Pod:
+    namespace: str
+    name: str
+    containers: tuple[Container, ...]
+
+
+class FakePodResources:
+    def __init__(
+        self,
+        socket_path: Path,
+        allocatable: Callable[[], Mapping[str, tuple[str, ...]]],
+        qps: float = QPS,
+        burst: int = BURST,
+    ) -> None:
+        self.socket_path = socket_path
+        self._allocatable = allocatable
+        self.pods: dict[tuple[str, str], Pod] = {}
+        self.calls: Counter[str] = Counter()
+        self.refused = 0
+        self._bucket = TokenBucket(qps, burst)
+        self._server: grpc.aio.Server | None = None
+
+    def set_limit(self, qps: float, burst: int) -> None:
+        self._bucket = TokenBucket(qps, burst)
+
+    async def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "List": grpc.unary_unary_rpc_method_handler(
+                self._list, pb.ListPodResourcesRequest.FromString, pb.ListPodResourcesResponse.SerializeToString
+            ),
+            "Get": grpc.unary_unary_rpc_method_handler(
+                self._get, pb.GetPodResourcesRequest.FromString, pb.GetPodResourcesResponse.SerializeToString
+            ),
+            "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
+                self._allocatable_resources,
+                pb.AllocatableResourcesRequest.FromString,
+                pb.AllocatableResourcesResponse.SerializeToString,
+            ),
+        }
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_insecure_port(f"unix:{self.socket_path}")
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(None)
+        self.socket_path.unlink(missing_ok=True)
+
+    def admit(self, pod: Pod) -> None:
+        self.pods[(pod.namespace, pod.name)] = pod
+
+    def delete(self, namespace: str, name: str) -> None:
+        self.pods.pop((namespace, name), None)
+
+    async def _limit(self, method: str, context: grpc.aio.ServicerContext[object, object]) -> None:
+        self.calls[method] += 1
+        if not self._bucket.allow():
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+
+    async def _list(
+        self, request: pb.ListPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.ListPodResourcesResponse:
+        await self._limit("List", context)
+        return pb.ListPodResourcesResponse(pod_resources=[_message(p) for p in self.pods.values()])
+
+    async def _get(
+        self, request: pb.GetPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.GetPodResourcesResponse:
+        await self._limit("Get", context)
+        pod = self.pods.get((request.pod_namespace, request.pod_name))
+        if pod is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
+            )
+        assert pod is not None
+        return pb.GetPodResourcesResponse(pod_resources=_message(pod))
+
+    async def _allocatable_resources(
+        self, request: pb.AllocatableResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.AllocatableResourcesResponse:
+        await self._limit("GetAllocatableResources", context)
+        devices = [pb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in self._allocatable().items()]
+        return pb.AllocatableResourcesResponse(devices=devices)
+
+
+def _message(pod: Pod) -> pb.PodResources:
+    return pb.PodResources(
+        name=pod.name,
+        namespace=pod.namespace,
+        containers=[
+            pb.ContainerResources(
+                name=c.name,
+                devices=[pb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in c.devices.items()],
+            )
+            for c in pod.containers
+        ],
+    )
