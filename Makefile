@@ -31,6 +31,7 @@ bench: setup
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/allocation.py
 	$(BIN)/python bench/labels.py
+	$(BIN)/python bench/scale.py
 
 proto: setup
 	$(BIN)/python scripts/gen_proto.py

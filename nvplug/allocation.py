@@ -173,7 +173,7 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
         raise AllocationError(f"{resource.name}: allocation size {size} is not positive")
     # Only devices we know can be allocated: an ID we do not know (a GPU gone a moment ago,
     # or a bogus request) is no candidate, and must not cost time or memory.
-    offered = {i for i in available if resource.get(i) is not None}
+    offered = resource.known(available)
     if len(offered) < size:
         raise AllocationError(f"{resource.name}: allocation size {size} exceeds the {len(offered)} available we know")
     missing = [i for i in must_include if i not in offered]
@@ -182,13 +182,8 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
         raise AllocationError(f"{resource.name}: {len(chosen)} must-include IDs exceed allocation size {size}")
-
-    def order(device_id: str) -> tuple[int, int, str]:
-        device = resource.get(device_id)
-        assert device is not None  # offered holds known IDs only
-        return (device.gpu.index, device.replica or 0, device_id)
-
-    candidates = sorted(offered, key=order)
+    # GPU index, then replica: the projection's order, looked up rather than computed.
+    candidates = sorted(offered, key=resource.rank)
     if resource.shared:
         return _spread(resource, candidates, chosen, size)
     return best_set(resource.topology.score, candidates, chosen, size)
@@ -205,20 +200,30 @@ def _show_all(device_ids: Sequence[str]) -> str:
 
 
 def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: int) -> list[str]:
-    """Replicas from the least-loaded GPUs: fewest taken by this request, then most still free."""
-
-    def gpu_of(device_id: str) -> str:
+    """Replicas from the least-loaded GPUs: fewest taken by this request, then most still free; among
+    equals the lowest GPU index, and on a GPU its lowest replica. One pass groups the candidates by
+    GPU; each pick then looks at the GPUs, not at every candidate."""
+    by_gpu: dict[str, list[str]] = {}
+    for device_id in candidates:
         device = resource.get(device_id)
-        return device.gpu.uuid if device is not None else device_id
-
-    free = Counter(gpu_of(i) for i in candidates)
-    taken = Counter(gpu_of(i) for i in chosen)
-    taken_ids = set(chosen)
-    rest = [i for i in candidates if i not in taken_ids]
+        assert device is not None  # candidates are known IDs
+        by_gpu.setdefault(device.gpu.uuid, []).append(device_id)
+    taken = Counter(dev.gpu.uuid for i in chosen if (dev := resource.get(i)) is not None)
+    picked = set(chosen)
+    next_of = dict.fromkeys(by_gpu, 0)
     while len(chosen) < size:
-        # min() keeps the first of equals, and `rest` is in GPU-index order.
-        pick = min(rest, key=lambda i: (taken[gpu_of(i)], -free[gpu_of(i)]))
-        rest.remove(pick)
+        best: tuple[tuple[int, int], str] | None = None
+        for gpu, ids in by_gpu.items():  # in GPU-index order: the first of equals wins
+            at = next_of[gpu]
+            while at < len(ids) and ids[at] in picked:
+                at += 1
+            next_of[gpu] = at
+            if at < len(ids) and (best is None or (taken[gpu], -len(ids)) < best[0]):
+                best = ((taken[gpu], -len(ids)), gpu)
+        assert best is not None  # size <= len(candidates)
+        gpu = best[1]
+        pick = by_gpu[gpu][next_of[gpu]]
+        picked.add(pick)
         chosen.append(pick)
-        taken[gpu_of(pick)] += 1
+        taken[gpu] += 1
     return chosen

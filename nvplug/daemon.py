@@ -36,7 +36,7 @@ from .events.udev import UdevSource
 from .heal import Healer
 from .kubelet.podresources import PodResourcesClient, PodView
 from .kubelet.registrar import Registrar
-from .kubelet.server import PLUGIN_OPTIONS, DevicePluginService, PluginServer
+from .kubelet.server import MAX_MESSAGE, PLUGIN_OPTIONS, DevicePluginService, PluginServer, list_size
 from .nfd import FeatureFile
 from .nvml import Nvml
 from .pods import Holder, holders, of_gpu
@@ -113,6 +113,8 @@ class Daemon:
         # When each recent revision's event arrived, for the event-to-ListAndWatch latency.
         self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
+        # Resources left out because their list would pass the kubelet's message limit, and why.
+        self._too_big: dict[str, str] = {}
         self._status = ""
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
         self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
@@ -121,6 +123,7 @@ class Daemon:
         # Work started from synchronous code (a log line that waits for PodResources); kept to be awaited.
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._pods_refresh: asyncio.TimerHandle | None = None
+        self._save_pending = False
         self._cdi_retry: asyncio.TimerHandle | None = None
         self._cdi_retry_delay = CDI_RETRY_FIRST
 
@@ -231,10 +234,15 @@ class Daemon:
             for plugin in self._plugins:
                 await self._close(plugin)
             await scanner.close()
+            self._save_state()  # whatever a last event changed
             log.info("nvplug stopped")
 
     def _planned(self, cfg: Config) -> list[Spec]:
-        """The resources to serve for this config and the GPUs present; a misfit is said once."""
+        """The resources to serve for this config and the GPUs present; a misfit is said once.
+
+        A resource whose list would pass the kubelet's message limit is not advertised: the kubelet
+        would refuse the list, and the resource would vanish from the node all the same.
+        """
         specs, error = mig_plan(cfg, self.state.current)
         if error != self._plan_error:
             if error:
@@ -242,7 +250,12 @@ class Daemon:
             elif self._plan_error:
                 log.info("the MIG layout fits %s again", cfg.flags.mig_strategy)
             self._plan_error = error
-        return specs
+        too_big = oversized(specs, self.state.current)
+        if too_big != self._too_big:
+            for problem in too_big.values():
+                log.error("not advertised: %s", problem)
+            self._too_big = too_big
+        return [s for s in specs if s.name not in too_big]
 
     def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
@@ -357,9 +370,10 @@ class Daemon:
             if change.what in ("healthy", "unhealthy"):
                 self.metrics.transitions.labels(change.what, reason_class(change.reason)).inc()
         if snap.revision != before:
-            self.state_file.save(snap.records())
             # Before any ListAndWatch stream runs again: no device is advertised before its CDI entry.
             self._publish_spec()
+            # Just after the streams (an fsync must not delay the kubelet's news), within this loop turn.
+            self._save_soon()
             self.nfd.update(self.state.current, self.config, self.config.unhealthy_count_label)
         if changes:
             self._update_status()
@@ -378,6 +392,15 @@ class Daemon:
         )
         if failed:
             self.metrics.nvml_errors.labels(failed).inc()
+
+    def _save_soon(self) -> None:
+        if not self._save_pending:
+            self._save_pending = True
+            asyncio.get_running_loop().call_soon(self._save_state)
+
+    def _save_state(self) -> None:
+        self._save_pending = False
+        self.state_file.save(self.state.current.records())
 
     def _publish_spec(self) -> None:
         """Write the CDI spec for the current state; devices whose names would not resolve are not offered."""
@@ -402,7 +425,7 @@ class Daemon:
 
     def _delivered(self, resource: str, devices: Resource) -> None:
         """A list went out: entries of devices it no longer holds may leave the spec now."""
-        self.cdi.delivered(resource, [(d.gpu, d.mig) for d in devices.devices])
+        self.cdi.delivered(resource, devices.units)
         self._publish_spec()
 
     async def _status_route(self) -> tuple[int, str, bytes]:
@@ -485,7 +508,8 @@ class Daemon:
     def _healthz(self) -> tuple[int, str, bytes]:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
         ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
-        if ready and not self._plan_error and not (self.cdi.error and self.cdi.settings.enforce):
+        refused = self._plan_error or self._too_big or (self.cdi.error and self.cdi.settings.enforce)
+        if ready and not refused:
             # Serving; but say which devices are out because Allocate could not hand them out.
             notes = [*_unready_note(self.state.current), *self._cdi_note()]
             return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"
@@ -515,6 +539,7 @@ class Daemon:
             parts.append(f"health events unavailable: {snap.health_watch_error}")
         if self._plan_error:
             parts.append(f"advertising nothing: {self._plan_error}")
+        parts += [f"not advertised: {problem}" for problem in self._too_big.values()]
         parts += _unready_note(snap)
         parts += self._cdi_note()
         return "; ".join(parts)
@@ -540,6 +565,10 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
+            planned, _ = mig_plan(new, self.state.current)
+            too_big = oversized(planned, self.state.current)
+            if too_big:
+                raise config.ConfigError(f"{new.source}: " + "; ".join(too_big.values()))
             specs = self._planned(new)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             cdi = self._cdi_settings(new)
@@ -608,6 +637,20 @@ def _unready_note(snap: Snapshot) -> list[str]:
         return []
     uuid, problem = next(iter(out.items()))
     return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
+
+
+def oversized(specs: list[Spec], snapshot: Snapshot) -> dict[str, str]:
+    """Resources whose ListAndWatch message would pass the kubelet's limit, with the count and size."""
+    out = {}
+    for spec in specs:
+        devices = spec.project(snapshot).devices
+        size = list_size(devices)
+        if size > MAX_MESSAGE:
+            out[spec.name] = (
+                f"{spec.name} would advertise {len(devices):,} devices in a {size:,}-byte ListAndWatch message, "
+                f"over the kubelet's {MAX_MESSAGE:,}-byte limit (fewer replicas, or fewer GPUs per resource)"
+            )
+    return out
 
 
 def _off_or_path(value: str) -> Path | None:

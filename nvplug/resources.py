@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from itertools import chain
+from typing import NamedTuple
 
 from .config import Config, ConfigError, Devices
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice
@@ -17,9 +20,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 REPLICA_SEPARATOR = "::"
 
 
-@dataclass(frozen=True)
-class Device:
-    """One advertised device ID and the GPU behind it."""
+class Device(NamedTuple):
+    """One advertised device ID and the GPU behind it. A named tuple: a GPU's replicas are made anew on
+    each of its health changes, thousands at a time, and a tuple is made in half a dataclass's time."""
 
     id: str
     gpu: Gpu
@@ -34,6 +37,8 @@ class Device:
 
 @dataclass(frozen=True)
 class Resource:
+    """Projected once per state revision (the servers cache it): every request looks devices up by ID."""
+
     name: str
     devices: tuple[Device, ...] = ()
     topology: Topology = field(default_factory=Topology)
@@ -42,20 +47,49 @@ class Resource:
     fail_requests_greater_than_one: bool = False
     # For MIG devices: the /dev/nvidia-caps minors of their instances.
     cap_minors: CapMinors = field(default_factory=CapMinors)
-    _by_id: Mapping[str, Device] = field(init=False, repr=False, compare=False)
+    # The devices in blocks, one per GPU (its replicas) where the projection made them so: a block
+    # whose GPU and health did not change is the same tuple in the next revision's projection.
+    blocks: tuple[tuple[Device, ...], ...] = field(default=(), repr=False, compare=False)
+    # True when every block's devices share one health (one GPU's replicas).
+    uniform_blocks: bool = field(default=False, repr=False, compare=False)
+    _by_id: Mapping[str, Device] = field(default_factory=dict, repr=False, compare=False)
+    # Each ID's position in `devices` (GPU index, then replica): sorting by it needs no Python key.
+    _rank: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_id", {d.id: d for d in self.devices})
+        if not self.blocks:
+            object.__setattr__(self, "blocks", (self.devices,))
+        if not self._by_id:
+            object.__setattr__(self, "_by_id", {d.id: d for d in self.devices})
+        if not self._rank:
+            object.__setattr__(self, "_rank", {d.id: n for n, d in enumerate(self.devices)})
 
     def get(self, device_id: str) -> Device | None:
         return self._by_id.get(device_id)
+
+    def known(self, device_ids: Iterable[str]) -> set[str]:
+        """The IDs among these that this resource advertises (a set operation in C, not a loop)."""
+        return self._by_id.keys() & set(device_ids)
+
+    def rank(self, device_id: str) -> int:
+        return self._rank[device_id]
+
+    @cached_property
+    def units(self) -> tuple[tuple[Gpu, MigDevice | None], ...]:
+        """The GPUs and MIG devices behind the devices, each once (replicas folded)."""
+        if self.uniform_blocks:  # a block is one GPU's replicas
+            return tuple((b[0].gpu, b[0].mig) for b in self.blocks if b)
+        return tuple({(d.mig.uuid if d.mig else d.gpu.uuid): (d.gpu, d.mig) for d in self.devices}.values())
 
     @property
     def shared(self) -> bool:
         return self.replicas > 1
 
-    @property
+    @cached_property
     def healthy_count(self) -> int:
+        if self.uniform_blocks:
+            # Each block is one GPU's replicas, with its GPU's health: count blocks, not devices.
+            return sum(len(b) for b in self.blocks if b and b[0].health.healthy)
         return sum(1 for d in self.devices if d.health.healthy)
 
 
@@ -76,21 +110,47 @@ class ResourceSpec:
     # What `select` and `shared` were made from, so that two specs compare by it.
     selection: str = "all"
 
-    def project(self, snapshot: Snapshot) -> Resource:
-        """Unshared GPUs by UUID; replicas as <uuid>::<n>, each with its GPU's health; index order."""
-        devices: list[Device] = []
+    def project(self, snapshot: Snapshot, previous: Resource | None = None) -> Resource:
+        """Unshared GPUs by UUID; replicas as <uuid>::<n>, each with its GPU's health; index order.
+
+        With the previous revision's projection, a GPU whose facts and health did not change keeps
+        its block of devices: a health change costs the changed GPU's replicas, not every device.
+        """
+        kept = {b[0].gpu.uuid: b for b in previous.blocks if b} if previous is not None else {}
+        blocks: list[tuple[Device, ...]] = []
         for g in snapshot.gpus:
             if g.uuid not in snapshot.health or not self.select(g):
                 continue
             health = snapshot.health[g.uuid]
-            if self.replicas > 1 and self.shared(g):
-                devices += [
-                    Device(f"{g.uuid}{REPLICA_SEPARATOR}{n}", g, health, replica=n) for n in range(self.replicas)
-                ]
+            old = kept.get(g.uuid)
+            if old is not None and old[0].gpu == g and old[0].health == health:
+                blocks.append(old)
+            elif self.replicas > 1 and self.shared(g):
+                blocks.append(
+                    tuple(Device(f"{g.uuid}{REPLICA_SEPARATOR}{n}", g, health, replica=n) for n in range(self.replicas))
+                )
             else:
-                devices.append(Device(g.uuid, g, health))
+                blocks.append((Device(g.uuid, g, health),))
+        devices = tuple(chain.from_iterable(blocks))
+        by_id: Mapping[str, Device] = {}
+        rank: Mapping[str, int] = {}
+        if previous is not None and _same_layout(blocks, previous.blocks):
+            # The same IDs in the same order: patch the lookup where blocks changed; the ranks stand.
+            patched = dict(previous._by_id)
+            for b in blocks:
+                if kept[b[0].gpu.uuid] is not b:
+                    patched.update((d.id, d) for d in b)
+            by_id, rank = patched, previous._rank
         return Resource(
-            self.name, tuple(devices), snapshot.topology, self.replicas, self.fail_requests_greater_than_one
+            self.name,
+            devices,
+            snapshot.topology,
+            self.replicas,
+            self.fail_requests_greater_than_one,
+            blocks=tuple(blocks),
+            uniform_blocks=True,
+            _by_id=by_id,
+            _rank=rank,
         )
 
 
@@ -101,7 +161,7 @@ class MigSpec:
     name: str
     profile: str
 
-    def project(self, snapshot: Snapshot) -> Resource:
+    def project(self, snapshot: Snapshot, previous: Resource | None = None) -> Resource:
         devices = []
         for g in snapshot.gpus:
             parent = snapshot.health.get(g.uuid)
@@ -116,6 +176,11 @@ class MigSpec:
 
 
 Spec = ResourceSpec | MigSpec
+
+
+def _same_layout(blocks: Iterable[tuple[Device, ...]], before: Iterable[tuple[Device, ...]]) -> bool:
+    """Blocks of the same GPUs, in the same order, of the same sizes: the same device IDs."""
+    return [(b[0].gpu.uuid, len(b)) for b in blocks if b] == [(b[0].gpu.uuid, len(b)) for b in before if b]
 
 
 def mig_plan(cfg: Config, snapshot: Snapshot) -> tuple[list[Spec], str | None]:

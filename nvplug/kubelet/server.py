@@ -7,33 +7,126 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from ..allocation import AllocationError, AllocationPolicy, allocate, host_path, preferred
-from ..resources import Resource
+from ..resources import Device, Resource
 from ..state import NodeState, Snapshot
 from .api import deviceplugin_pb2 as pb
-from .api import deviceplugin_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Projects a snapshot onto the devices of this resource.
-Projection = Callable[[Snapshot], Resource]
+# Projects a snapshot onto the devices of this resource, reusing what the last projection holds.
+Projection = Callable[[Snapshot, Resource | None], Resource]
 # What Register announces and GetDevicePluginOptions answers: the same, always.
 PLUGIN_OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+SERVICE = "v1beta1.DevicePlugin"
+# The kubelet's gRPC client refuses a larger message (its default receive limit), and the resource
+# then vanishes from the node (kubernetes PR #127049).
+MAX_MESSAGE = 4 << 20
+# ListAndWatchResponse field 1 (devices), length-delimited.
+_DEVICES_TAG = b"\x0a"
 
 
-def to_list_and_watch(resource: Resource) -> pb.ListAndWatchResponse:
-    devices = []
-    for device in resource.devices:
-        msg = pb.Device(ID=device.id, health=device.health.health.value)
-        if device.numa_node is not None:
-            msg.topology.nodes.add(ID=device.numa_node)
-        devices.append(msg)
-    return pb.ListAndWatchResponse(devices=devices)
+def encode_device(device_id: str, health: str, numa_node: int | None) -> bytes:
+    """One device as a `devices` entry of a serialized ListAndWatchResponse: a repeated message field
+    is its entries back to back, so a whole list is the join of its devices' encodings."""
+    msg = pb.Device(ID=device_id, health=health)
+    if numa_node is not None:
+        msg.topology.nodes.add(ID=numa_node)
+    body = msg.SerializeToString()
+    return _DEVICES_TAG + _varint(len(body)) + body
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def device_size(device_id: str, health: str, numa_node: int | None) -> int:
+    """len(encode_device(...)), counted rather than encoded: proto3 leaves out empty strings and zeros."""
+    body = _field(len(device_id.encode())) if device_id else 0
+    body += _field(len(health.encode())) if health else 0
+    if numa_node is not None:
+        node = 1 + _varint_size(numa_node) if numa_node else 0
+        body += _field(_field(node))
+    return _field(body)
+
+
+def _field(length: int) -> int:
+    """A length-delimited field: its tag, its length, its bytes."""
+    return 1 + _varint_size(length) + length
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def list_size(devices: Iterable[Device]) -> int:
+    """The bytes of the ListAndWatch message that advertises these devices."""
+    return sum(device_size(d.id, d.health.health.value, d.numa_node) for d in devices)
+
+
+class ListEncoder:
+    """A resource's ListAndWatch message, serialized block by block (a GPU's replicas): a block whose
+    devices did not change since the last message is not encoded again."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, tuple[tuple[Device, ...], bytes]] = {}
+
+    def encode(self, resource: Resource) -> bytes:
+        fresh: dict[int, tuple[tuple[Device, ...], bytes]] = {}
+        parts = []
+        for block in resource.blocks:
+            cached = self._blocks.get(id(block))
+            if cached is not None and cached[0] is block:
+                data = cached[1]
+            elif resource.uniform_blocks and block:
+                data = _encode_replicas(block)
+            else:
+                data = b"".join(encode_device(d.id, d.health.health.value, d.numa_node) for d in block)
+            fresh[id(block)] = (block, data)
+            parts.append(data)
+        self._blocks = fresh
+        return b"".join(parts)
+
+
+def _encode_replicas(block: tuple[Device, ...]) -> bytes:
+    """A GPU's replicas share health and NUMA node: encode those once, then each ID before them
+    (fields go in number order: ID, health, topology). The same bytes as encode_device, faster."""
+    first = block[0]
+    # The Device message without its ID (proto3 leaves an empty string out): what follows each ID.
+    rest = pb.Device(health=first.health.health.value)
+    if first.numa_node is not None:
+        rest.topology.nodes.add(ID=first.numa_node)
+    tail = rest.SerializeToString()
+    out = []
+    for device in block:
+        raw = device.id.encode()
+        field = b"\x0a" + _length(len(raw)) + raw
+        out.append(_DEVICES_TAG + _length(len(field) + len(tail)) + field + tail)
+    return b"".join(out)
+
+
+_SHORT = [bytes((n,)) for n in range(128)]
+
+
+def _length(value: int) -> bytes:
+    return _SHORT[value] if value < 128 else _varint(value)
+
+
+def _serialize(message: bytes | Message) -> bytes:
+    """ListAndWatch answers with bytes it serialized itself; everything else is a message."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class DevicePluginService:
@@ -63,6 +156,9 @@ class DevicePluginService:
         self._on_allocated = on_allocated
         self._closing = asyncio.Event()
         self._retired = False
+        # The projection of the last revision asked for, and the encoded blocks of the last list.
+        self._projection: tuple[int, Resource] | None = None
+        self._encoder = ListEncoder()
         # Open ListAndWatch streams; `idle` is set while there are none.
         self._streams = 0
         self._idle = asyncio.Event()
@@ -87,7 +183,15 @@ class DevicePluginService:
             await asyncio.wait_for(self._idle.wait(), timeout)
 
     def resource(self) -> Resource:
-        return self._project(self._state.current)
+        return self._current()[1]
+
+    def _current(self) -> tuple[int, Resource]:
+        """This resource for the current revision: projected once per revision, then looked up by ID."""
+        snapshot = self._state.current
+        cached = self._projection
+        if cached is None or cached[0] != snapshot.revision:
+            self._projection = cached = (snapshot.revision, self._project(snapshot, cached[1] if cached else None))
+        return cached
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
@@ -96,9 +200,9 @@ class DevicePluginService:
 
     async def ListAndWatch(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
-    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+    ) -> AsyncIterator[bytes]:
         revision = -1
-        last: pb.ListAndWatchResponse | None = None
+        last: bytes | None = None
         log.info("%s: kubelet opened ListAndWatch", self.resource_name)
         self._streams += 1
         self._idle.clear()
@@ -106,16 +210,15 @@ class DevicePluginService:
             while True:
                 snapshot = await self._next_snapshot(revision)
                 if snapshot is None:
-                    if self._retired and (last is None or last.devices):
+                    if self._retired and (last is None or last):
                         log.info(
                             "%s: ListAndWatch sends an empty list: the resource is no longer served", self.resource_name
                         )
-                        yield pb.ListAndWatchResponse()
+                        yield b""
                         self._on_delivered(self.resource_name, Resource(self.resource_name))
                     return
-                revision = snapshot.revision
-                resource = self._project(snapshot)
-                message = to_list_and_watch(resource)
+                revision, resource = self._current()
+                message = self._encoder.encode(resource)
                 # Several revisions may leave this resource unchanged.
                 if message == last:
                     continue
@@ -230,7 +333,8 @@ class PluginServer:
         remove_stale_socket(self.socket_path)
         self.service.open()
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        handlers = _handlers(self.service)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         # Nobody but root may talk to the plugin.
         old_umask = os.umask(0o077)
         try:
@@ -256,6 +360,29 @@ class PluginServer:
         # which would take a new socket at the same path with it.
         await self.stop(grace=0)
         await self.start()
+
+
+def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+    """The generated registration, but ListAndWatch's answers pass through as the bytes they are."""
+    return {
+        "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+            service.GetDevicePluginOptions, pb.Empty.FromString, pb.DevicePluginOptions.SerializeToString
+        ),
+        "ListAndWatch": grpc.unary_stream_rpc_method_handler(service.ListAndWatch, pb.Empty.FromString, _serialize),
+        "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
+            service.GetPreferredAllocation,
+            pb.PreferredAllocationRequest.FromString,
+            pb.PreferredAllocationResponse.SerializeToString,
+        ),
+        "Allocate": grpc.unary_unary_rpc_method_handler(
+            service.Allocate, pb.AllocateRequest.FromString, pb.AllocateResponse.SerializeToString
+        ),
+        "PreStartContainer": grpc.unary_unary_rpc_method_handler(
+            service.PreStartContainer,
+            pb.PreStartContainerRequest.FromString,
+            pb.PreStartContainerResponse.SerializeToString,
+        ),
+    }
 
 
 def remove_stale_socket(path: Path) -> None:
