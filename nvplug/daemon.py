@@ -55,6 +55,7 @@ CDI_RETRY_FIRST = 1.0
 CDI_RETRY_MAX = 300.0
 # PodResources: how old an answer may be for the Unhealthy log line, and how long after an Allocate to ask.
 PODS_FRESH_FOR_LOG = 1.0
+PODS_LOG_DELAY = 0.05
 PODS_AFTER_ALLOCATE = 1.0
 # udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
 RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
@@ -449,6 +450,8 @@ class Daemon:
         return holders(entries, self.state.current, [p.spec.name for p in self._plugins])
 
     async def _log_with_pods(self, change: Change, snap: Snapshot) -> None:
+        # After the kubelet has the news: the question to the kubelet must not compete with the list.
+        await asyncio.sleep(PODS_LOG_DELAY)
         await self.pods.fresh(max_age=PODS_FRESH_FOR_LOG)
         gpu = change.gpu
         assert gpu is not None
