@@ -56,6 +56,8 @@ CDI_RETRY_MAX = 300.0
 # PodResources: how old an answer may be for the Unhealthy log line, and how long after an Allocate to ask.
 PODS_FRESH_FOR_LOG = 1.0
 PODS_LOG_DELAY = 0.05
+# How long /status and /metrics wait for the kubelet's answer before serving without it.
+PODS_READER_WAIT = 0.5
 PODS_AFTER_ALLOCATE = 1.0
 # udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
 RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
@@ -430,7 +432,7 @@ class Daemon:
         self._publish_spec()
 
     async def _status_route(self) -> tuple[int, str, bytes]:
-        answer = await self.pods.fresh()
+        answer = await self.pods.fresh(wait=PODS_READER_WAIT)
         doc = status_document(
             self.state.current, self._resource_views(), self._plan_error, self._holders(), answer.error
         )
@@ -439,7 +441,7 @@ class Daemon:
         return json_answer(doc)
 
     async def _metrics_route(self) -> tuple[int, str, bytes]:
-        await self.pods.fresh()
+        await self.pods.fresh(wait=PODS_READER_WAIT)
         return 200, PROMETHEUS_TEXT, self.metrics.render()
 
     def _holders(self) -> dict[str, list[Holder]] | None:

@@ -170,8 +170,12 @@ class PodView:
     def answer(self) -> Answer:
         return self._answer
 
-    async def fresh(self, max_age: float | None = None) -> Answer:
-        """An answer no older than `max_age` (default: the TTL), asking the kubelet if need be."""
+    async def fresh(self, max_age: float | None = None, wait: float | None = None) -> Answer:
+        """An answer no older than `max_age` (default: the TTL), asking the kubelet if need be.
+
+        `wait` bounds how long a reader waits for the kubelet (a slow kubelet must not stall /status):
+        past it, the last answer serves, or none, while the question goes on.
+        """
         if self.client is None:
             return self._answer
         limit = self._ttl if max_age is None else max_age
@@ -179,7 +183,12 @@ class PodView:
             return self._answer
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.ensure_future(self._ask(self.client))
-        return await asyncio.shield(self._inflight)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._inflight), wait)
+        except asyncio.TimeoutError:
+            if self._answer.entries is not None:
+                return self._answer
+            return Answer(None, f"the kubelet's PodResources did not answer within {wait:g} s", time.monotonic())
 
     async def _ask(self, client: PodResourcesClient) -> Answer:
         try:

@@ -9,8 +9,12 @@ bucket, 100 a second with a burst of 10 by default) and answers ResourceExhauste
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +56,11 @@ class FakePodResources:
         self.pods: dict[tuple[str, str], Pod] = {}
         self.calls: Counter[str] = Counter()
         self.refused = 0
+        # Seconds each call waits before it is answered: a kubelet that is slow to answer.
+        self.delay = 0.0
         self._bucket = TokenBucket(qps, burst)
-        self._server: grpc.aio.Server | None = None
+        self._lock = threading.Lock()
+        self._server: grpc.Server | None = None
 
     def set_limit(self, qps: float, burst: int) -> None:
         self._bucket = TokenBucket(qps, burst)
@@ -74,16 +81,18 @@ class FakePodResources:
                 pb.AllocatableResourcesResponse.SerializeToString,
             ),
         }
-        server = grpc.aio.server()
+        # Threads of its own, as a kubelet's: a test that blocks the stand-in's loop (waiting on nvplug's
+        # /status, which asks PodResources) must not stall the answer.
+        server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="podresources"))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         server.add_insecure_port(f"unix:{self.socket_path}")
-        await server.start()
+        server.start()
         self._server = server
 
     async def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(None)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: server.stop(None).wait())
         self.socket_path.unlink(missing_ok=True)
 
     def admit(self, pod: Pod) -> None:
@@ -92,34 +101,33 @@ class FakePodResources:
     def delete(self, namespace: str, name: str) -> None:
         self.pods.pop((namespace, name), None)
 
-    async def _limit(self, method: str, context: grpc.aio.ServicerContext[object, object]) -> None:
-        self.calls[method] += 1
-        if not self._bucket.allow():
-            self.refused += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+    def _limit(self, method: str, context: grpc.ServicerContext) -> None:
+        if self.delay:
+            time.sleep(self.delay)  # a slow kubelet
+        with self._lock:
+            self.calls[method] += 1
+            allowed = self._bucket.allow()
+            self.refused += not allowed
+        if not allowed:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
 
-    async def _list(
-        self, request: pb.ListPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> pb.ListPodResourcesResponse:
-        await self._limit("List", context)
-        return pb.ListPodResourcesResponse(pod_resources=[_message(p) for p in self.pods.values()])
+    def _list(self, request: pb.ListPodResourcesRequest, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
+        self._limit("List", context)
+        return pb.ListPodResourcesResponse(pod_resources=[_message(p) for p in list(self.pods.values())])
 
-    async def _get(
-        self, request: pb.GetPodResourcesRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> pb.GetPodResourcesResponse:
-        await self._limit("Get", context)
+    def _get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
+        self._limit("Get", context)
         pod = self.pods.get((request.pod_namespace, request.pod_name))
         if pod is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
-            )
+            missing = f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
+            context.abort(grpc.StatusCode.NOT_FOUND, missing)
         assert pod is not None
         return pb.GetPodResourcesResponse(pod_resources=_message(pod))
 
-    async def _allocatable_resources(
-        self, request: pb.AllocatableResourcesRequest, context: grpc.aio.ServicerContext[object, object]
+    def _allocatable_resources(
+        self, request: pb.AllocatableResourcesRequest, context: grpc.ServicerContext
     ) -> pb.AllocatableResourcesResponse:
-        await self._limit("GetAllocatableResources", context)
+        self._limit("GetAllocatableResources", context)
         devices = [pb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in self._allocatable().items()]
         return pb.AllocatableResourcesResponse(devices=devices)
 
