@@ -40,6 +40,8 @@ class AllocationPolicy:
     cdi_kind: str = GPU_KIND
     # CDI names every container gets besides its devices' (IMEX channels, GDS, MOFED, GDRCopy).
     cdi_extra: tuple[str, ...] = ()
+    # Where GetPreferredAllocation puts replicas: distributed over GPUs, or packed onto few.
+    packed: bool = False
 
     @property
     def uses_cdi(self) -> bool:
@@ -167,8 +169,11 @@ def _cap_nodes(resource: Resource, device: Device) -> tuple[str, ...]:
     return nodes
 
 
-def preferred(resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-    """Must-include first, then the best-connected rest; among equals, the lowest GPU index."""
+def preferred(
+    resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int, packed: bool = False
+) -> list[str]:
+    """Must-include first, then the best-connected rest; among equals, the lowest GPU index.
+    Replicas of shared GPUs go to the least-loaded GPUs, or with `packed` onto as few GPUs as may be."""
     if size <= 0:
         raise AllocationError(f"{resource.name}: allocation size {size} is not positive")
     # Only devices we know can be allocated: an ID we do not know (a GPU gone a moment ago,
@@ -185,7 +190,7 @@ def preferred(resource: Resource, available: Sequence[str], must_include: Sequen
     # GPU index, then replica: the projection's order, looked up rather than computed.
     candidates = sorted(offered, key=resource.rank)
     if resource.shared:
-        return _spread(resource, candidates, chosen, size)
+        return _spread(resource, candidates, chosen, size, packed)
     return best_set(resource.topology.score, candidates, chosen, size)
 
 
@@ -199,10 +204,13 @@ def _show_all(device_ids: Sequence[str]) -> str:
     return f"[{shown}{f' and {len(device_ids) - 3} more' if len(device_ids) > 3 else ''}]"
 
 
-def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: int) -> list[str]:
+def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: int, packed: bool = False) -> list[str]:
     """Replicas from the least-loaded GPUs: fewest taken by this request, then most still free; among
-    equals the lowest GPU index, and on a GPU its lowest replica. One pass groups the candidates by
-    GPU; each pick then looks at the GPUs, not at every candidate."""
+    equals the lowest GPU index, and on a GPU its lowest replica. `packed` turns both around: the GPU
+    this request already uses most, then the one with the fewest replicas left (the busiest), so that
+    a GPU fills before the next is touched. One pass groups the candidates by GPU; each pick then
+    looks at the GPUs, not at every candidate."""
+    sign = -1 if packed else 1
     by_gpu: dict[str, list[str]] = {}
     for device_id in candidates:
         device = resource.get(device_id)
@@ -218,8 +226,9 @@ def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: 
             while at < len(ids) and ids[at] in picked:
                 at += 1
             next_of[gpu] = at
-            if at < len(ids) and (best is None or (taken[gpu], -len(ids)) < best[0]):
-                best = ((taken[gpu], -len(ids)), gpu)
+            key = (sign * taken[gpu], -sign * len(ids))
+            if at < len(ids) and (best is None or key < best[0]):
+                best = (key, gpu)
         assert best is not None  # size <= len(candidates)
         gpu = best[1]
         pick = by_gpu[gpu][next_of[gpu]]

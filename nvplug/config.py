@@ -49,6 +49,7 @@ MAX_DEVICES = 1024
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
 DeviceIDStrategy = Literal["uuid", "index"]
+SharedPolicy = Literal["distributed", "packed"]
 DeviceDiscoveryStrategy = Literal["auto", "nvml", "tegra"]
 SharingStrategy = Literal["none", "time-slicing", "mps"]
 # Which devices a replicated resource covers: all of them, the first N, or a list of
@@ -88,6 +89,9 @@ class PluginFlags:
     # Newer NVIDIA releases; None/empty: not set.
     kubelet_socket: str | None = None
     cdi_feature_flags: tuple[str, ...] = ()
+    # How GetPreferredAllocation places replicas: spread over the least-used GPUs, or packed onto few.
+    # None: not set (Config.shared_policy says what is in force).
+    shared_devices_allocation_policy: SharedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,8 @@ class ReplicatedResources:
     rename_by_default: bool = False
     fail_requests_greater_than_one: bool = False
     resources: tuple[ReplicatedResource, ...] = ()
+    # Also accepted here, beside NVIDIA's flags.plugin.sharedDevicesAllocationPolicy; None: not set.
+    shared_devices_allocation_policy: SharedPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,12 @@ class Config:
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
+
+    @property
+    def shared_policy(self) -> SharedPolicy:
+        """NVIDIA's flags.plugin.sharedDevicesAllocationPolicy, or sharing.timeSlicing's; distributed if neither."""
+        plugin = self.flags.plugin.shared_devices_allocation_policy
+        return plugin or self.sharing.time_slicing.shared_devices_allocation_policy or "distributed"
 
 
 def load(path: Path | None) -> Config:
@@ -236,6 +248,12 @@ def parse(text: str, source: str) -> Config:
         node = _Map(ctx, found["nvplug"], "nvplug").items(NVPLUG_KEYS)["cdi"]
         raise ctx.error(node, "nvplug.cdi.specDir", f"is off, but flags.plugin.deviceListStrategy {cdi} hands out "
                         "CDI names that nothing would define")  # fmt: skip
+    sliced = cfg.sharing.time_slicing.shared_devices_allocation_policy
+    flagged = cfg.flags.plugin.shared_devices_allocation_policy
+    if sliced is not None and flagged is not None and sliced != flagged:
+        node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["timeSlicing"]
+        raise ctx.error(node, "sharing.timeSlicing.sharedDevicesAllocationPolicy",
+                        f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}")  # fmt: skip
     if cfg.sharing.mps.resources and cfg.flags.mig_strategy == "mixed":
         node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["mps"]
         raise ctx.error(node, "sharing.mps", "MPS sharing does not work with flags.migStrategy: mixed")
@@ -258,6 +276,7 @@ def as_dict(cfg: Config) -> dict[str, Any]:
         "containerDriverRoot": p.container_driver_root,
         "kubeletSocket": p.kubelet_socket,
         "cdiFeatureFlags": list(p.cdi_feature_flags),
+        "sharedDevicesAllocationPolicy": p.shared_devices_allocation_policy,
     }
     flags = {
         "migStrategy": f.mig_strategy,
@@ -305,11 +324,14 @@ def _replicated_dict(rr: ReplicatedResources) -> dict[str, Any]:
         devices = list(r.devices) if isinstance(r.devices, tuple) else r.devices
         return _drop_none({"name": r.name, "rename": r.rename, "devices": devices, "replicas": r.replicas})
 
-    return {
-        "renameByDefault": rr.rename_by_default,
-        "failRequestsGreaterThanOne": rr.fail_requests_greater_than_one,
-        "resources": [one(r) for r in rr.resources],
-    }
+    return _drop_none(
+        {
+            "renameByDefault": rr.rename_by_default,
+            "failRequestsGreaterThanOne": rr.fail_requests_greater_than_one,
+            "sharedDevicesAllocationPolicy": rr.shared_devices_allocation_policy,
+            "resources": [one(r) for r in rr.resources],
+        }
+    )
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
@@ -421,6 +443,7 @@ def _plugin_flags(ctx: _Context, node: yaml.Node, path: str) -> PluginFlags:
             "containerDriverRoot": ("container_driver_root", _path),
             "kubeletSocket": ("kubelet_socket", _path),
             "cdiFeatureFlags": ("cdi_feature_flags", _str_list),
+            "sharedDevicesAllocationPolicy": ("shared_devices_allocation_policy", _choice(SharedPolicy)),
         }
     )
     return PluginFlags(**values)
@@ -484,13 +507,16 @@ def _replicated(ctx: _Context, node: yaml.Node, path: str) -> ReplicatedResource
             "renameByDefault": ("rename_by_default", _bool),
             "failRequestsGreaterThanOne": ("fail_requests_greater_than_one", _bool),
             "resources": ("resources", _no_check),
+            "sharedDevicesAllocationPolicy": ("shared_devices_allocation_policy", _choice(SharedPolicy)),
         }
     )
     rename_by_default = bool(values.get("rename_by_default", False))
     resources = []
     names: set[str] = set()
     advertised: set[str] = set()
-    listed = section.items(("renameByDefault", "failRequestsGreaterThanOne", "resources")).get("resources")
+    listed = section.items(
+        ("renameByDefault", "failRequestsGreaterThanOne", "resources", "sharedDevicesAllocationPolicy")
+    ).get("resources")
     items = [] if listed is None or _is_null(listed) else _sequence(ctx, listed, f"{path}.resources")
     for item, item_path in items:
         entry = _Map(ctx, item, item_path)

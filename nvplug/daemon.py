@@ -632,6 +632,7 @@ def allocation_policy(cfg: Config) -> AllocationPolicy:
         id_strategy=plugin.device_id_strategy,
         pass_device_specs=plugin.pass_device_specs,
         cdi_annotation_prefix=plugin.cdi_annotation_prefix,
+        packed=cfg.shared_policy == "packed",
     )
 
 

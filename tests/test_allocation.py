@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nvplug import config
 from nvplug.allocation import (
     CONTROL_NODES,
     AllocationError,
@@ -146,3 +147,45 @@ def test_preferred_replicas_spread_over_the_least_loaded_gpus() -> None:
     assert preferred(resource, available, [], 2) == ["GPU-2::0", "GPU-1::2"]
     assert preferred(resource, available, [], 4) == ["GPU-2::0", "GPU-1::2", "GPU-0::3", "GPU-2::1"]
     assert preferred(resource, available, ["GPU-1::3"], 2) == ["GPU-1::3", "GPU-2::0"]
+
+
+def test_packed_fills_the_busiest_gpu_before_the_next() -> None:
+    resource = shared_resource()
+    available = ["GPU-0::3", "GPU-1::2", "GPU-1::3", "GPU-2::0", "GPU-2::1", "GPU-2::2", "GPU-2::3"]
+    # GPU-0 has one replica left (the busiest), then GPU-1 with two: packed fills them in that order.
+    assert preferred(resource, available, [], 2, packed=True) == ["GPU-0::3", "GPU-1::2"]
+    assert preferred(resource, available, [], 3, packed=True) == ["GPU-0::3", "GPU-1::2", "GPU-1::3"]
+    # A must-include replica draws the rest to its GPU.
+    assert preferred(resource, available, ["GPU-2::3"], 3, packed=True) == ["GPU-2::3", "GPU-2::0", "GPU-2::1"]
+    # Distributed, the default, is unchanged by the option's existence.
+    assert preferred(resource, available, [], 2) == preferred(resource, available, [], 2, packed=False)
+
+
+@pytest.mark.parametrize(
+    ("text", "policy"),
+    [
+        ("version: v1\n", "distributed"),
+        ("flags: {plugin: {sharedDevicesAllocationPolicy: packed}}", "packed"),
+        ("sharing: {timeSlicing: {sharedDevicesAllocationPolicy: packed}}", "packed"),
+        (
+            "flags: {plugin: {sharedDevicesAllocationPolicy: packed}}\n"
+            "sharing: {timeSlicing: {sharedDevicesAllocationPolicy: packed}}",
+            "packed",
+        ),
+    ],
+)
+def test_shared_devices_allocation_policy_in_nvidias_place_or_under_time_slicing(text: str, policy: str) -> None:
+    cfg = config.parse(text, "t.yaml")
+    assert cfg.shared_policy == policy
+    assert config.parse(config.to_yaml(cfg), "again").shared_policy == policy
+
+
+def test_shared_devices_allocation_policy_errors() -> None:
+    with pytest.raises(config.ConfigError, match=r"disagrees with flags\.plugin\.sharedDevicesAllocationPolicy"):
+        config.parse(
+            "flags: {plugin: {sharedDevicesAllocationPolicy: packed}}\n"
+            "sharing: {timeSlicing: {sharedDevicesAllocationPolicy: distributed}}",
+            "t.yaml",
+        )
+    with pytest.raises(config.ConfigError, match="sharedDevicesAllocationPolicy"):
+        config.parse("flags: {plugin: {sharedDevicesAllocationPolicy: tight}}", "t.yaml")

@@ -123,3 +123,24 @@ def test_reload_that_changes_resources_registers_them_without_a_restart(node: Si
     assert [len(u.devices) for u in small.updates] == [4, 0] and small.stream_end == "EOF"
     assert node.daemon.pid == pid and node.daemon.poll() is None
     assert not (node.plugin_dir / "nvplug-nvidia.com-gpu-small.sock").exists()
+
+
+def test_packed_and_distributed_through_grpc_and_a_reload(node: SimulatedNode) -> None:
+    """GetPreferredAllocation at the stand-in: distributed spreads replicas over GPUs; a reload to
+    packed (NVIDIA's flags.plugin.sharedDevicesAllocationPolicy) fills one GPU first."""
+    base = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+    node.config.write_text(base)
+    node.kubelet.start()
+    daemon = node.start_daemon()
+    node.kubelet.wait_for(registered_with(32), TIMEOUT)
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    available = list(plugin.devices)
+    gpus = [g["uuid"] for g in node.scenario_gpus()]
+    spread = node.kubelet.preferred_allocation(GPU_RESOURCE, available, [], 3)
+    assert [i.split("::")[0] for i in spread] == gpus[:3]
+    node.config.write_text(base + "flags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n")
+    daemon.send_signal(signal.SIGHUP)
+    node.wait_log("reloaded the config")
+    packed = node.kubelet.preferred_allocation(GPU_RESOURCE, available, [], 3)
+    assert packed == [f"{gpus[0]}::0", f"{gpus[0]}::1", f"{gpus[0]}::2"]

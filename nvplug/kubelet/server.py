@@ -298,6 +298,7 @@ class DevicePluginService:
                     list(container.available_deviceIDs),
                     list(container.must_include_deviceIDs),
                     container.allocation_size,
+                    self.policy.packed,
                 )
             except AllocationError as err:
                 log.warning("GetPreferredAllocation refused: %s", err)
