@@ -240,20 +240,25 @@ class Daemon:
             self._save_state()  # whatever a last event changed
             log.info("nvplug stopped")
 
-    def _planned(self, cfg: Config) -> list[Spec]:
+    def _plan(self, cfg: Config) -> tuple[list[Spec], str | None, dict[str, str]]:
+        """The resources this config asks for on the GPUs present, why none fit (if so), and those
+        whose list would pass the kubelet's message limit."""
+        specs, error = mig_plan(cfg, self.state.current)
+        return specs, error, oversized(specs, self.state.current)
+
+    def _planned(self, cfg: Config, plan: tuple[list[Spec], str | None, dict[str, str]] | None = None) -> list[Spec]:
         """The resources to serve for this config and the GPUs present; a misfit is said once.
 
         A resource whose list would pass the kubelet's message limit is not advertised: the kubelet
         would refuse the list, and the resource would vanish from the node all the same.
         """
-        specs, error = mig_plan(cfg, self.state.current)
+        specs, error, too_big = plan or self._plan(cfg)
         if error != self._plan_error:
             if error:
                 log.error("advertising nothing: %s", error)
             elif self._plan_error:
                 log.info("the MIG layout fits %s again", cfg.flags.mig_strategy)
             self._plan_error = error
-        too_big = oversized(specs, self.state.current)
         if too_big != self._too_big:
             for problem in too_big.values():
                 log.error("not advertised: %s", problem)
@@ -570,11 +575,10 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
-            planned, _ = mig_plan(new, self.state.current)
-            too_big = oversized(planned, self.state.current)
-            if too_big:
-                raise config.ConfigError(f"{new.source}: " + "; ".join(too_big.values()))
-            specs = self._planned(new)
+            plan = self._plan(new)
+            if plan[2]:
+                raise config.ConfigError(f"{new.source}: " + "; ".join(plan[2].values()))
+            specs = self._planned(new, plan)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             cdi = self._cdi_settings(new)
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it

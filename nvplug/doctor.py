@@ -587,6 +587,14 @@ def check_config(ctx: _Context) -> Check:
     return Check("PASS", "the config is valid", evidence)
 
 
+def _config(ctx: _Context) -> config.Config | Check:
+    """The config for the steps that need it; a config that does not load is step 8's failure."""
+    try:
+        return config.load(ctx.args.config)
+    except config.ConfigError as err:
+        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+
+
 # --- 9. CDI spec -------------------------------------------------------------------------------
 
 
@@ -595,10 +603,9 @@ def check_cdi(ctx: _Context) -> Check:
     from .cdi.writer import SPEC_DIRS, conflicts, read_specs
     from .cdicli import node_specs
 
-    try:
-        cfg = config.load(ctx.args.config)
-    except config.ConfigError as err:
-        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+    cfg = _config(ctx)
+    if isinstance(cfg, Check):
+        return cfg
     uses_cdi = [s for s in cfg.flags.plugin.device_list_strategy if s.startswith("cdi")]
     if cfg.cdi_spec_dir == "off" and ctx.args.cdi_spec_dir is None:
         return Check("PASS", "nvplug writes no CDI spec (nvplug.cdi.specDir: off) and hands out no CDI names")
@@ -654,10 +661,9 @@ def check_labels(ctx: _Context) -> Check:
     from .nfd import read_machine
     from .oneshot import scan_snapshot
 
-    try:
-        cfg = config.load(ctx.args.config)
-    except config.ConfigError as err:
-        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+    cfg = _config(ctx)
+    if isinstance(cfg, Check):
+        return cfg
     if cfg.feature_file == "off" and ctx.args.nfd_feature_file is None:
         return Check("PASS", "nvplug writes no node labels (nvplug.labels.featureFile: off)")
     path: Path = ctx.args.nfd_feature_file or Path(cfg.feature_file)
@@ -720,10 +726,9 @@ def check_kubelet_view(ctx: _Context) -> Check:
     from .crosscheck import CHECKPOINT, CheckpointEntry, cross_check, read_checkpoint
     from .kubelet.podresources import PodResourcesClient, PodResourcesUnavailable
 
-    try:
-        cfg = config.load(ctx.args.config)
-    except config.ConfigError as err:
-        return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])
+    cfg = _config(ctx)
+    if isinstance(cfg, Check):
+        return cfg
     if cfg.pod_resources_socket == "off" and ctx.args.pod_resources_socket is None:
         return Check("PASS", "not asked: PodResources is off (nvplug.podResources.socket: off)")
     path: Path = ctx.args.pod_resources_socket or Path(cfg.pod_resources_socket)

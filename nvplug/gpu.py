@@ -61,6 +61,11 @@ class Gpu:
         return None if self.minor is None else f"/dev/nvidia{self.minor}"
 
 
+def uuid_of(gpu: Gpu, mig: MigDevice | None) -> str:
+    """The UUID of a device as a container sees it: the MIG device's, or the whole GPU's."""
+    return mig.uuid if mig is not None else gpu.uuid
+
+
 def normalize_bus_id(bus_id: str) -> str:
     """NVML writes `00000000:18:00.0`; sysfs and logs use `0000:18:00.0`."""
     bus_id = bus_id.strip().lower()

@@ -9,7 +9,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from .config import Config, ConfigError, Devices
-from .gpu import NO_NUMA_NODE, Gpu, MigDevice
+from .gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from .health import HealthState
 from .mig import CapMinors
 from .state import Snapshot
@@ -79,7 +79,7 @@ class Resource:
         """The GPUs and MIG devices behind the devices, each once (replicas folded)."""
         if self.uniform_blocks:  # a block is one GPU's replicas
             return tuple((b[0].gpu, b[0].mig) for b in self.blocks if b)
-        return tuple({(d.mig.uuid if d.mig else d.gpu.uuid): (d.gpu, d.mig) for d in self.devices}.values())
+        return tuple({uuid_of(d.gpu, d.mig): (d.gpu, d.mig) for d in self.devices}.values())
 
     @property
     def shared(self) -> bool:

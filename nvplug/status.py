@@ -353,7 +353,3 @@ def _prepare_socket_path(path: Path) -> Path:
 
 def json_answer(document: dict[str, Any]) -> Answer:
     return 200, "application/json", json.dumps(document, indent=1).encode() + b"\n"
-
-
-def json_route(document: Callable[[], dict[str, Any]]) -> Route:
-    return lambda: json_answer(document())

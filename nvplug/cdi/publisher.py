@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config
+from ..gpu import uuid_of
 from ..state import Snapshot
 from . import driverfiles
 from .spec import (
@@ -93,10 +94,6 @@ class SpecPublisher:
         # CDI names of the optional classes and IMEX channels, which Allocate adds to every container.
         self.extra_names: tuple[str, ...] = ()
 
-    @property
-    def spec_dir(self) -> Path | None:
-        return self.settings.spec_dir
-
     def configure(self, settings: CdiSettings) -> bool:
         """A reloaded config; True if the spec must be made again. A spec in a directory no longer
         configured is removed, or runtimes would still resolve names from it."""
@@ -150,7 +147,7 @@ class SpecPublisher:
             return {}
         unresolved: dict[str, str] = {}
         for gpu, mig in self._present(snap):
-            uuid = mig.uuid if mig is not None else gpu.uuid
+            uuid = uuid_of(gpu, mig)
             name = device_name(gpu, mig, self.settings.id_strategy)
             if name not in self._resolvable:
                 why = skipped.get(uuid) or f"its CDI spec entry could not be written: {self.error}"
@@ -169,7 +166,7 @@ class SpecPublisher:
         }
 
     def delivered(self, resource: str, units: Iterable[Unit]) -> None:
-        self._delivered[resource] = {(m.uuid if m is not None else g.uuid): (g, m) for g, m in units}
+        self._delivered[resource] = {uuid_of(*unit): unit for unit in units}
 
     def forget(self, resource: str) -> None:
         self._delivered.pop(resource, None)
@@ -209,7 +206,7 @@ class SpecPublisher:
 
     def _units(self, snap: Snapshot) -> list[Unit]:
         """The devices present, then those gone but still in a list some resource last delivered."""
-        units: dict[str, Unit] = {(m.uuid if m is not None else g.uuid): (g, m) for g, m in self._present(snap)}
+        units: dict[str, Unit] = {uuid_of(*unit): unit for unit in self._present(snap)}
         for held in self._delivered.values():
             for uuid, unit in held.items():
                 units.setdefault(uuid, unit)

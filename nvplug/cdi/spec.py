@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from ..gpu import Gpu, MigDevice
+from ..gpu import Gpu, MigDevice, uuid_of
 from ..mig import CapMinors
 
 VENDOR = "k8s.device-plugin.nvidia.com"
@@ -39,7 +39,7 @@ Unit = tuple[Gpu, MigDevice | None]
 def device_name(gpu: Gpu, mig: MigDevice | None, id_strategy: str) -> str:
     """NVIDIA's naming: UUIDs (GPU-... or MIG-...), or indices (`2`, or `2:1` for a GPU's second MIG device)."""
     if id_strategy == "uuid":
-        return mig.uuid if mig is not None else gpu.uuid
+        return uuid_of(gpu, mig)
     if mig is None:
         return str(gpu.index)
     return f"{gpu.index}:{gpu.mig.index(mig)}"
@@ -198,7 +198,7 @@ def gpu_spec(
     skipped: dict[str, str] = {}
     whole: list[Node] = []
     for gpu, mig in units:
-        uuid = mig.uuid if mig is not None else gpu.uuid
+        uuid = uuid_of(gpu, mig)
         node = gpu.device_node
         if node is None:
             skipped[uuid] = f"the minor number of {gpu.label} is unknown, so its device node is too"

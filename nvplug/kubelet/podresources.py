@@ -24,7 +24,6 @@ from .api import podresources_pb2 as pb
 
 log = logging.getLogger("nvplug")
 
-DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 # Far below the kubelet's 100/s, burst 10.
 RATE = 5.0
 BURST = 5

@@ -36,14 +36,30 @@ _DEVICES_TAG = b"\x0a"
 def encode_device(device_id: str, health: str, numa_node: int | None) -> bytes:
     """One device as a `devices` entry of a serialized ListAndWatchResponse: a repeated message field
     is its entries back to back, so a whole list is the join of its devices' encodings."""
-    msg = pb.Device(ID=device_id, health=health)
+    return _entry(device_id, _after_id(health, numa_node))
+
+
+def _after_id(health: str, numa_node: int | None) -> bytes:
+    """A Device message without its ID (proto3 leaves an empty string out): what follows the ID in an
+    entry, since fields go in number order (ID, health, topology). A GPU's replicas share it."""
+    rest = pb.Device(health=health)
     if numa_node is not None:
-        msg.topology.nodes.add(ID=numa_node)
-    body = msg.SerializeToString()
-    return _DEVICES_TAG + _varint(len(body)) + body
+        rest.topology.nodes.add(ID=numa_node)
+    return rest.SerializeToString()
+
+
+def _entry(device_id: str, tail: bytes) -> bytes:
+    raw = device_id.encode()
+    field = b"\x0a" + _varint(len(raw)) + raw if raw else b""
+    return _DEVICES_TAG + _varint(len(field) + len(tail)) + field + tail
+
+
+_SHORT = [bytes((n,)) for n in range(128)]
 
 
 def _varint(value: int) -> bytes:
+    if value < 128:
+        return _SHORT[value]  # every length in a device entry: no loop on the hot path
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
@@ -101,27 +117,9 @@ class ListEncoder:
 
 
 def _encode_replicas(block: tuple[Device, ...]) -> bytes:
-    """A GPU's replicas share health and NUMA node: encode those once, then each ID before them
-    (fields go in number order: ID, health, topology). The same bytes as encode_device, faster."""
-    first = block[0]
-    # The Device message without its ID (proto3 leaves an empty string out): what follows each ID.
-    rest = pb.Device(health=first.health.health.value)
-    if first.numa_node is not None:
-        rest.topology.nodes.add(ID=first.numa_node)
-    tail = rest.SerializeToString()
-    out = []
-    for device in block:
-        raw = device.id.encode()
-        field = b"\x0a" + _length(len(raw)) + raw
-        out.append(_DEVICES_TAG + _length(len(field) + len(tail)) + field + tail)
-    return b"".join(out)
-
-
-_SHORT = [bytes((n,)) for n in range(128)]
-
-
-def _length(value: int) -> bytes:
-    return _SHORT[value] if value < 128 else _varint(value)
+    """A GPU's replicas share health and NUMA node: what follows each ID is made once."""
+    tail = _after_id(block[0].health.health.value, block[0].numa_node)
+    return b"".join(_entry(d.id, tail) for d in block)
 
 
 def _serialize(message: bytes | Message) -> bytes:
