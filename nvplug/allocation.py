@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cdi.spec import GPU_KIND, device_name, qualified
-from .gpu import Gpu
+from .gpu import Gpu, uuid_of
 from .resources import Device, Resource
 from .topology import best_set
 
@@ -124,8 +124,8 @@ def allocate(
         )
     devices = resolve(resource, device_ids)
     gpus = tuple({d.gpu.uuid: d.gpu for d in devices}.values())
-    # What the container sees: whole GPUs (replicas folded), or the MIG devices themselves.
-    units: list[Device] = [d for d in devices if d.mig is not None]
+    # What the container sees: whole GPUs or MIG devices, each once (replicas folded).
+    units: list[Device] = list({d.mig.uuid: d for d in devices if d.mig is not None}.values())
     units += [Device(g.uuid, g, devices[0].health) for g in gpus if not any(d.gpu == g for d in units)]
     ids = [device_name(d.gpu, d.mig, policy.id_strategy) for d in units]
     strategies = set(policy.list_strategies)
@@ -215,8 +215,8 @@ def _spread(resource: Resource, candidates: list[str], chosen: list[str], size: 
     for device_id in candidates:
         device = resource.get(device_id)
         assert device is not None  # candidates are known IDs
-        by_gpu.setdefault(device.gpu.uuid, []).append(device_id)
-    taken = Counter(dev.gpu.uuid for i in chosen if (dev := resource.get(i)) is not None)
+        by_gpu.setdefault(uuid_of(device.gpu, device.mig), []).append(device_id)
+    taken = Counter(uuid_of(dev.gpu, dev.mig) for i in chosen if (dev := resource.get(i)) is not None)
     picked = set(chosen)
     next_of = dict.fromkeys(by_gpu, 0)
     while len(chosen) < size:

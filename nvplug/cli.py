@@ -21,7 +21,7 @@ from .doctor import add_arguments as add_doctor
 from .doctor import run as run_doctor
 from .healcli import add_arguments as add_heal
 from .healcli import run as run_heal
-from .resources import resource_specs, unserved_sharing
+from .resources import check, unserved_sharing
 
 log = logging.getLogger("nvplug")
 
@@ -146,9 +146,9 @@ def _stderr(message: str) -> None:
 def _load(path: Path | None, warn: Callable[[str], None] = _stderr) -> config.Config:
     """The config, checked against the schema and against what nvplug can serve."""
     cfg = config.load(path)
-    resource_specs(cfg)
+    check(cfg)
     for name in unserved_sharing(cfg):
-        warn(f"{cfg.source}: sharing.timeSlicing for {name} is ignored: nvplug serves no such resource yet")
+        warn(f"{cfg.source}: sharing.timeSlicing for {name} is ignored: no device of this config is named so")
     return cfg
 
 

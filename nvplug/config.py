@@ -20,6 +20,8 @@ from typing import Any, Literal, get_args
 
 import yaml
 
+from .selection import DeviceFilter, Selector, covers
+
 DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
 # Root-only by default: a unix socket in the unit's RuntimeDirectory.
 DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
@@ -114,10 +116,13 @@ class Flags:
 
 @dataclass(frozen=True)
 class Resource:
-    """Devices whose product name matches `pattern` (`*` is a wildcard) are advertised as `name`."""
+    """Devices whose product name (MIG: profile) matches `pattern` are advertised as `name`; first match wins.
+    The pattern is NVIDIA's: `*` is any text, and it may match anywhere in the name (see selection.py)."""
 
     pattern: str
     name: str
+    # Where the entry is in the file, for messages about it.
+    where: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class ReplicatedResource:
     # Filled in as `<name>.shared` when renameByDefault is on and no rename is given.
     rename: str | None = None
     devices: Devices = "all"
+    # Where the entry is in the file, for messages about it.
+    where: str = field(default="", compare=False)
 
     @property
     def advertised_name(self) -> str:
@@ -191,6 +198,8 @@ class Config:
     unhealthy_count_label: bool = False
     # nvplug.podResources.socket: where the kubelet serves PodResources ("off": never ask).
     pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
+    # nvplug.devices: which GPUs are handed out at all.
+    devices: DeviceFilter = field(default_factory=DeviceFilter)
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -254,6 +263,14 @@ def parse(text: str, source: str) -> Config:
         node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["timeSlicing"]
         raise ctx.error(node, "sharing.timeSlicing.sharedDevicesAllocationPolicy",
                         f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}")  # fmt: skip
+    if cfg.flags.mig_strategy == "mixed":
+        # A resource holds whole GPUs or MIG devices, never both: Allocate hands out one kind.
+        whole = {r.name: r for r in cfg.resources.gpus}
+        for r in cfg.resources.mig:
+            clash = whole.get(r.name) or (Resource("*", r.name, "the default") if r.name == GPU_RESOURCE else None)
+            if clash is not None:
+                raise ConfigError(f"{r.where}.name: {r.name} also names whole GPUs ({clash.where}) under "
+                                  "flags.migStrategy: mixed; MIG devices need a name of their own")  # fmt: skip
     if cfg.sharing.mps.resources and cfg.flags.mig_strategy == "mixed":
         node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["mps"]
         raise ctx.error(node, "sharing.mps", "MPS sharing does not work with flags.migStrategy: mixed")
@@ -309,6 +326,10 @@ def as_dict(cfg: Config) -> dict[str, Any]:
             "cdi": {"specDir": cfg.cdi_spec_dir},
             "labels": {"featureFile": cfg.feature_file, "unhealthyCount": cfg.unhealthy_count_label},
             "podResources": {"socket": cfg.pod_resources_socket},
+            "devices": {
+                "include": [s.value for s in cfg.devices.include],
+                "exclude": [s.value for s in cfg.devices.exclude],
+            },
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
@@ -341,7 +362,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-NVPLUG_KEYS = ("health", "status", "cdi", "labels", "podResources")
+NVPLUG_KEYS = ("health", "status", "cdi", "labels", "podResources", "devices")
 
 
 def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
@@ -362,6 +383,9 @@ def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
                 {"socket": ("pod_resources_socket", _off_or_absolute)}
             )
         )
+    if "devices" in found:
+        selectors = {"include": ("include", _selectors), "exclude": ("exclude", _selectors)}
+        own["devices"] = DeviceFilter(**_Map(ctx, found["devices"], "nvplug.devices").read(selectors))
     if "labels" in found:
         own.update(
             _Map(ctx, found["labels"], "nvplug.labels").read(
@@ -376,6 +400,30 @@ def _off_or_absolute(ctx: _Context, node: yaml.Node, path: str) -> str:
     if value != "off" and not value.startswith("/"):
         raise ctx.error(node, path, f"{value!r} is neither off nor an absolute path")
     return value
+
+
+def _selectors(ctx: _Context, node: yaml.Node, path: str) -> tuple[Selector, ...]:
+    """GPU indices, GPU UUIDs, PCI bus ids and product patterns; each names whole GPUs."""
+    out: list[Selector] = []
+    for item, item_path in _sequence(ctx, node, path):
+        if isinstance(item, yaml.ScalarNode) and item.tag == INT_TAG:
+            index = _int(ctx, item, item_path, "a GPU index")
+            if not 0 <= index < MAX_DEVICES:
+                raise ctx.error(item, item_path, f"GPU index {index} is out of range 0-{MAX_DEVICES - 1}")
+            text = str(index)
+        else:
+            text = _str(ctx, item, item_path)
+        if text.startswith("MIG-") or _MIG_INDEX.fullmatch(text):
+            raise ctx.error(item, item_path, f"{text!r} is a MIG device; nvplug.devices picks whole GPUs")
+        if text.startswith("GPU-") and not _GPU_UUID.fullmatch(text):
+            raise ctx.error(item, item_path, f"{text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        selector = Selector.parse(text)
+        if selector.kind == "index" and int(selector.value) >= MAX_DEVICES:
+            raise ctx.error(item, item_path, f"GPU index {selector.value} is out of range 0-{MAX_DEVICES - 1}")
+        if selector in out:
+            raise ctx.error(item, item_path, f"{selector} is listed twice")
+        out.append(selector)
+    return tuple(out)
 
 
 def _listen(ctx: _Context, node: yaml.Node, path: str) -> str:
@@ -482,12 +530,27 @@ def _resources(ctx: _Context, node: yaml.Node, path: str) -> Resources:
 
 
 def _resource_list(ctx: _Context, node: yaml.Node, path: str) -> tuple[Resource, ...]:
-    out = []
+    out: list[Resource] = []
     for item, item_path in _sequence(ctx, node, path):
         values = _Map(ctx, item, item_path).read(
             {"pattern": ("pattern", _str), "name": ("name", _resource_name)}, required=("pattern", "name")
         )
-        out.append(Resource(**values))
+        resource = Resource(**values, where=f"{ctx.source}, line {item.start_mark.line + 1}: {item_path}")
+        # First match wins: an entry whose every match an earlier one takes would name those devices
+        # twice, and the second name would never be given.
+        earlier = next((r for r in out if covers(r.pattern, resource.pattern)), None)
+        if earlier is not None:
+            if earlier.name == resource.name:
+                twice = "names the same devices again"
+            else:
+                twice = f"would give the devices it matches a second name, {resource.name}"
+            raise ctx.error(
+                item,
+                f"{item_path}.pattern",
+                f"{resource.pattern!r} {twice}: every one of them already matches {earlier.pattern!r} "
+                f"({earlier.name}, {earlier.where}), and the first match wins",
+            )
+        out.append(resource)
     return tuple(out)
 
 
@@ -511,8 +574,7 @@ def _replicated(ctx: _Context, node: yaml.Node, path: str) -> ReplicatedResource
         }
     )
     rename_by_default = bool(values.get("rename_by_default", False))
-    resources = []
-    names: set[str] = set()
+    resources: list[ReplicatedResource] = []
     advertised: set[str] = set()
     listed = section.items(
         ("renameByDefault", "failRequestsGreaterThanOne", "resources", "sharedDevicesAllocationPolicy")
@@ -531,9 +593,13 @@ def _replicated(ctx: _Context, node: yaml.Node, path: str) -> ReplicatedResource
         )
         fields = entry.items(("name", "rename", "devices", "replicas"))
         name = read["name"]
-        if name in names:
-            raise ctx.error(fields["name"], f"{item_path}.name", f"{name} is listed twice")
-        names.add(name)
+        read["where"] = f"{ctx.source}, line {item.start_mark.line + 1}: {item_path}"
+        for other in (r for r in resources if r.name == name):
+            both = _overlap(other.devices, read.get("devices", "all"))
+            if both:
+                node = fields.get("devices", fields["name"])
+                raise ctx.error(node, f"{item_path}.devices", f"{both} of {name} also shared by {other.where}: "
+                                "each device may be picked by one entry of a resource")  # fmt: skip
         if "rename" not in read and rename_by_default:
             read["rename"] = name + SHARED_SUFFIX
             problem = _resource_name_problem(read["rename"])
@@ -549,6 +615,19 @@ def _replicated(ctx: _Context, node: yaml.Node, path: str) -> ReplicatedResource
         resources.append(resource)
     values["resources"] = tuple(resources)
     return ReplicatedResources(**values)
+
+
+def _overlap(first: Devices, second: Devices) -> str | None:
+    """What two entries' `devices` both pick, where the file alone tells; the rest is checked on the GPUs."""
+    if first == "all" or second == "all":
+        return "every device"
+    if isinstance(first, int) and isinstance(second, int):
+        return f"the first {min(first, second)} devices"
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        common = [ref for ref in first if ref in second]
+        if common:
+            return f"device {common[0]}"
+    return None
 
 
 def _imex(ctx: _Context, node: yaml.Node, path: str) -> Imex:

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from .nfd import FeatureFile
 from .nvml import Nvml
 from .pods import Holder, holders, of_gpu
 from .recovery import Reprober
-from .resources import Resource, Spec, mig_plan
+from .resources import Plan, Resource, Spec, plan
 from .state import Change, NodeState, Snapshot
 from .statefile import StateFile, read_boot_id, state_dir
 from .status import PROMETHEUS_TEXT, Metrics, ResourceView, StatusServer, json_answer, reason_class, status_document
@@ -116,8 +116,11 @@ class Daemon:
         # When each recent revision's event arrived, for the event-to-ListAndWatch latency.
         self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
-        # Resources left out because their list would pass the kubelet's message limit, and why.
-        self._too_big: dict[str, str] = {}
+        # Resources left out (a list past the kubelet's message limit, a device shared twice), and why.
+        self._refused: Mapping[str, str] = {}
+        # GPUs nvplug.devices leaves out, and why; and its selectors that pick no GPU.
+        self._excluded: Mapping[str, str] = {}
+        self._unmatched: tuple[str, ...] = ()
         self._status = ""
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
         self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
@@ -240,30 +243,41 @@ class Daemon:
             self._save_state()  # whatever a last event changed
             log.info("nvplug stopped")
 
-    def _plan(self, cfg: Config) -> tuple[list[Spec], str | None, dict[str, str]]:
-        """The resources this config asks for on the GPUs present, why none fit (if so), and those
-        whose list would pass the kubelet's message limit."""
-        specs, error = mig_plan(cfg, self.state.current)
-        return specs, error, oversized(specs, self.state.current)
+    def _plan(self, cfg: Config) -> Plan:
+        """The resources this config asks for on the GPUs present; those whose list would pass the
+        kubelet's message limit are refused too."""
+        found = plan(cfg, self.state.current)
+        too_big = oversized(list(found.specs), self.state.current)
+        return replace(found, refused={**found.refused, **too_big}) if too_big else found
 
-    def _planned(self, cfg: Config, plan: tuple[list[Spec], str | None, dict[str, str]] | None = None) -> list[Spec]:
+    def _planned(self, cfg: Config, found: Plan | None = None) -> list[Spec]:
         """The resources to serve for this config and the GPUs present; a misfit is said once.
 
-        A resource whose list would pass the kubelet's message limit is not advertised: the kubelet
-        would refuse the list, and the resource would vanish from the node all the same.
+        A refused resource is not advertised: a list past the kubelet's message limit would be
+        refused by the kubelet, and the resource would vanish from the node all the same.
         """
-        specs, error, too_big = plan or self._plan(cfg)
-        if error != self._plan_error:
-            if error:
-                log.error("advertising nothing: %s", error)
+        found = found or self._plan(cfg)
+        if found.error != self._plan_error:
+            if found.error:
+                log.error("advertising nothing: %s", found.error)
             elif self._plan_error:
                 log.info("the MIG layout fits %s again", cfg.flags.mig_strategy)
-            self._plan_error = error
-        if too_big != self._too_big:
-            for problem in too_big.values():
+            self._plan_error = found.error
+        if found.refused != self._refused:
+            for problem in found.refused.values():
                 log.error("not advertised: %s", problem)
-            self._too_big = too_big
-        return [s for s in specs if s.name not in too_big]
+            self._refused = found.refused
+        if found.excluded != self._excluded or found.unmatched != self._unmatched:
+            for gpu in self.state.current.gpus:
+                why = found.excluded.get(gpu.uuid)
+                if why is not None and self._excluded.get(gpu.uuid) != why:
+                    log.info("%s excluded (%s): not advertised, still health-watched", gpu.label, why)
+                elif why is None and gpu.uuid in self._excluded:
+                    log.info("%s no longer excluded by nvplug.devices", gpu.label)
+            for selector in set(found.unmatched) - set(self._unmatched):
+                log.warning("nvplug.devices.%s picks no GPU on this node", selector)
+            self._excluded, self._unmatched = found.excluded, found.unmatched
+        return found.served
 
     def _make_plugin(self, spec: Spec, policy: AllocationPolicy) -> _Plugin:
         opts = self.options
@@ -301,13 +315,20 @@ class Daemon:
 
     async def _apply_resources(self, specs: list[Spec], policy: AllocationPolicy) -> None:
         """A reload that changes what is advertised: new servers register, gone ones stop, changed ones
-        register again so that the kubelet reads their new device lists. Unchanged ones are left alone."""
+        register again so that the kubelet reads their new device lists. Unchanged ones are left alone;
+        so is one whose spec changed but whose devices did not (a filter that left out another model)."""
         # One at a time: a rescan (a heal's, say) and a reload may both change what is served.
         async with self._resources_lock:
             wanted = {spec.name: spec for spec in specs}
             keep: list[_Plugin] = []
+            snap = self.state.current
             for plugin in self._plugins:
-                if wanted.get(plugin.spec.name) == plugin.spec:
+                spec = wanted.get(plugin.spec.name)
+                if spec is not None and (spec == plugin.spec or _same_list(spec, plugin.spec, snap)):
+                    if spec != plugin.spec:
+                        log.info("%s: advertised devices unchanged, no re-registration", spec.name)
+                        plugin.spec = spec
+                        plugin.server.service.reproject(spec.project)
                     keep.append(plugin)
                     del wanted[plugin.spec.name]
                 else:
@@ -439,7 +460,7 @@ class Daemon:
     async def _status_route(self) -> tuple[int, str, bytes]:
         answer = await self.pods.fresh(wait=PODS_READER_WAIT)
         doc = status_document(
-            self.state.current, self._resource_views(), self._plan_error, self._holders(), answer.error
+            self.state.current, self._resource_views(), self._plan_error, self._holders(), answer.error, self._excluded
         )
         doc["cdi"] = self.cdi.status()
         doc["labels"] = {"file": _text(self.nfd.path), "error": self.nfd.error, "labels": self.nfd.labels}
@@ -518,7 +539,7 @@ class Daemon:
     def _healthz(self) -> tuple[int, str, bytes]:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
         ready = bool(self._plugins) and all(p.registrar.registered.is_set() for p in self._plugins)
-        refused = self._plan_error or self._too_big or (self.cdi.error and self.cdi.settings.enforce)
+        refused = self._plan_error or self._refused or (self.cdi.error and self.cdi.settings.enforce)
         if ready and not refused:
             # Serving; but say which devices are out because Allocate could not hand them out.
             notes = [*_unready_note(self.state.current), *self._cdi_note()]
@@ -549,7 +570,7 @@ class Daemon:
             parts.append(f"health events unavailable: {snap.health_watch_error}")
         if self._plan_error:
             parts.append(f"advertising nothing: {self._plan_error}")
-        parts += [f"not advertised: {problem}" for problem in self._too_big.values()]
+        parts += [f"not advertised: {problem}" for problem in self._refused.values()]
         parts += _unready_note(snap)
         parts += self._cdi_note()
         return "; ".join(parts)
@@ -575,10 +596,10 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
-            plan = self._plan(new)
-            if plan[2]:
-                raise config.ConfigError(f"{new.source}: " + "; ".join(plan[2].values()))
-            specs = self._planned(new, plan)
+            found = self._plan(new)
+            if found.refused:
+                raise config.ConfigError(f"{new.source}: " + "; ".join(found.refused.values()))
+            specs = self._planned(new, found)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             cdi = self._cdi_settings(new)
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
@@ -661,6 +682,13 @@ def oversized(specs: list[Spec], snapshot: Snapshot) -> dict[str, str]:
                 f"over the kubelet's {MAX_MESSAGE:,}-byte limit (fewer replicas, or fewer GPUs per resource)"
             )
     return out
+
+
+def _same_list(spec: Spec, other: Spec, snapshot: Snapshot) -> bool:
+    """Whether two specs advertise the same device IDs, and Allocate treats them alike."""
+    if spec.fail_requests_greater_than_one != other.fail_requests_greater_than_one:
+        return False
+    return [d.id for d in spec.project(snapshot).devices] == [d.id for d in other.project(snapshot).devices]
 
 
 def _off_or_path(value: str) -> Path | None:

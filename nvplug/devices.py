@@ -21,7 +21,7 @@ from .labels import node_labels
 from .labels import render as render_labels
 from .nfd import read_machine
 from .oneshot import scan_snapshot
-from .resources import mig_plan
+from .resources import plan
 from .state import Snapshot
 
 DIRECT_LABEL = "(direct NVML read; the daemon is not running)"
@@ -130,10 +130,10 @@ def direct_read(cfg: config.Config, sysfs_root: Path, proc_root: Path) -> list[d
     )
     advertised: dict[str, dict[str, list[str]]] = {}
     try:
-        specs, _ = mig_plan(cfg, snapshot)
+        planned = plan(cfg, snapshot)
     except config.ConfigError:
-        specs = []
-    for spec in specs:
+        planned = None
+    for spec in planned.served if planned is not None else []:
         for device in spec.project(snapshot).devices:
             advertised.setdefault(device.gpu.uuid, {}).setdefault(spec.name, []).append(device.id)
     out = []
@@ -158,6 +158,7 @@ def direct_read(cfg: config.Config, sysfs_root: Path, proc_root: Path) -> list[d
                 "reason": state.reason,
                 "since": state.since,
                 "advertised": advertised.get(g.uuid, {}),
+                "excluded": planned.excluded.get(g.uuid) if planned is not None else None,
                 "nvlink_peers": peers,
                 "mig": [
                     {
@@ -233,14 +234,23 @@ def _holder_text(holder: Mapping[str, Any]) -> str:
     return f"{holder.get('namespace')}/{holder.get('pod')} (container {holder.get('container')}{replica})"
 
 
-def _advertised_text(advertised: Mapping[str, Sequence[str]], uuid: str) -> str:
+def _advertised_text(advertised: Mapping[str, Sequence[str]], excluded: str | None) -> str:
+    """Each resource's IDs of the GPU; a device's replicas folded into `x4 (<uuid>::0..::3)`."""
+    if excluded:
+        return f"excluded ({excluded}); health still watched"
     parts = []
     for resource, ids in advertised.items():
-        replicas = [i.removeprefix(f"{uuid}::") for i in ids if i.startswith(f"{uuid}::")]
-        if ids and len(replicas) == len(ids):
-            parts.append(f"{resource} x{len(ids)} ({uuid}::{replicas[0]}..::{replicas[-1]})")
-        else:
-            parts.append(f"{resource} {', '.join(ids)}")
+        runs: dict[str, list[str]] = {}
+        for device_id in ids:
+            unit, sep, replica = device_id.partition("::")
+            runs.setdefault(unit if sep else device_id, []).append(replica if sep else "")
+        texts = []
+        for unit, replicas in runs.items():
+            if replicas[0]:
+                texts.append(f"x{len(replicas)} ({unit}::{replicas[0]}..::{replicas[-1]})")
+            else:
+                texts.append(unit)
+        parts.append(f"{resource} {', '.join(texts)}")
     return "; ".join(parts) if parts else "not advertised"
 
 
@@ -271,7 +281,7 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
                 str(g.get("name") or "?"),
                 f"{memory} MiB" if memory is not None else "?",
                 str(numa) if isinstance(numa, int) and numa >= 0 else "-",
-                str(g.get("health", "?")),
+                str(g.get("health", "?")) + (", excluded" if g.get("excluded") else ""),
                 _pods_cell(g.get("pods")),
                 since_text(g.get("since"), now),
                 str(g.get("reason") or ""),
@@ -288,10 +298,9 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
         out.append(line(row))
         if g.get("waiting_for"):
             out.append(f"     waiting for {g['waiting_for']}")
-        uuid = str(g.get("uuid", ""))
         if g.get("pods"):
             out.append(f"     pods: {', '.join(_holder_text(h) for h in g['pods'])}")
-        out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, uuid)}")
+        out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, g.get('excluded'))}")
         out.append(f"     nvlink peers: {_nvlink_text(g.get('nvlink_peers') or {}, index_of)}")
         for m in g.get("mig") or []:
             out.append(

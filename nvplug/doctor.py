@@ -562,12 +562,12 @@ def run_brief(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def check_config(ctx: _Context) -> Check:
-    from .resources import resource_specs, unserved_sharing
+    from .resources import check, unserved_sharing
 
     path: Path | None = ctx.args.config
     try:
         cfg = config.load(path)
-        specs = resource_specs(cfg)
+        check(cfg)
     except config.ConfigError as err:
         return Check(
             "FAIL",
@@ -575,7 +575,8 @@ def check_config(ctx: _Context) -> Check:
             [str(err)],
             "fix the key named above (`nvplug config check FILE`), then `systemctl reload nvplug`",
         )
-    evidence = [f"{cfg.source}: resources {', '.join(s.name for s in specs)}"]
+    names = dict.fromkeys([*(r.name for r in cfg.resources.gpus), *(r.name for r in cfg.resources.mig)])
+    evidence = [f"{cfg.source}: resources {', '.join(names)}"]
     ignored = unserved_sharing(cfg)
     if ignored:
         return Check(

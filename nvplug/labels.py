@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .config import Config, ReplicatedResource
+from .config import GPU_RESOURCE, Config, ReplicatedResource
 from .gpu import Gpu, MigDevice
+from .resources import Naming
 from .state import Snapshot
 
 PREFIX = "nvidia.com/"
@@ -81,7 +82,7 @@ def _gpu_labels(gpus: Sequence[Gpu], cfg: Config) -> dict[str, str]:
     gpu = model[0]
     # Sharing never applies to a GPU in MIG mode: when every GPU of the model is, it is not shared.
     whole = not all(g.mig_enabled for g in model)
-    entry = _sharing(cfg, cfg.resource_name) if whole else None
+    entry = _sharing(cfg, Naming.from_config(cfg).gpu_name(gpu)) if whole else None
     labels = _base("gpu", _product(gpu.name), len(model), entry, sharing_on=whole)
     if gpu.memory_mib:
         labels[f"{PREFIX}gpu.memory"] = str(gpu.memory_mib)
@@ -105,7 +106,7 @@ def _single(gpus: Sequence[Gpu], cfg: Config) -> dict[str, str]:
         return {f"{PREFIX}gpu.product": product, f"{PREFIX}gpu.count": "0", f"{PREFIX}gpu.replicas": "0",
                 f"{PREFIX}gpu.memory": "0"}  # fmt: skip
     parent, mig = migs[0]
-    entry = _sharing(cfg, cfg.resource_name)
+    entry = _sharing(cfg, Naming.from_config(cfg).name(parent, mig) or GPU_RESOURCE)
     labels = _base("gpu", f"{_product(parent.name)}-MIG-{mig.profile}", len(migs), entry, sharing_on=True)
     return labels | _attributes("gpu", mig)
 

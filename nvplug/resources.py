@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
+from types import MappingProxyType
 from typing import NamedTuple
 
-from .config import Config, ConfigError, Devices
+from . import config
+from .config import GPU_RESOURCE, RESOURCE_DOMAIN, Config, ConfigError, Devices, MigStrategy
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from .health import HealthState
 from .mig import CapMinors
+from .selection import DeviceFilter, matches
 from .state import Snapshot
 from .topology import Topology
 
-GPU_RESOURCE = "nvidia.com/gpu"
 # Time-sliced replicas are advertised as <uuid>::<n>, as NVIDIA's plugin does.
 REPLICA_SEPARATOR = "::"
 
@@ -93,44 +95,98 @@ class Resource:
         return sum(1 for d in self.devices if d.health.healthy)
 
 
-def _every_gpu(gpu: Gpu) -> bool:
-    return True
+@dataclass(frozen=True)
+class Naming:
+    """The resource each GPU and MIG device belongs to before sharing: resources.gpus and
+    resources.mig (first match wins; an unmatched GPU keeps nvidia.com/gpu), flags.migStrategy,
+    and nvplug.devices (an excluded GPU and its MIG devices belong to none)."""
+
+    gpus: tuple[config.Resource, ...] = config.Resources().gpus
+    mig: tuple[config.Resource, ...] = ()
+    strategy: MigStrategy = "none"
+    devices: DeviceFilter = field(default_factory=DeviceFilter)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Naming:
+        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices)
+
+    def gpu_name(self, gpu: Gpu) -> str:
+        """The name of the GPU's model: its resource as a whole GPU, and its MIG devices' under single."""
+        product = gpu.name or ""
+        return next((r.name for r in self.gpus if matches(r.pattern, product)), GPU_RESOURCE)
+
+    def name(self, gpu: Gpu, mig: MigDevice | None) -> str | None:
+        """The resource of a whole GPU (`mig` None) or of a MIG device; None if not offered as such."""
+        if self.devices.excludes(gpu):
+            return None
+        if mig is None:
+            return None if gpu.mig_enabled and self.strategy != "none" else self.gpu_name(gpu)
+        if self.strategy == "none" or not gpu.mig_enabled:
+            return None
+        found = next((r.name for r in self.mig if matches(r.pattern, mig.profile)), None)
+        if found is not None:
+            return found
+        # single: MIG devices stand in for their GPUs; mixed: NVIDIA's one resource per profile.
+        return self.gpu_name(gpu) if self.strategy == "single" else f"{RESOURCE_DOMAIN}/mig-{mig.profile}"
+
+    def units(self, snapshot: Snapshot) -> Iterator[tuple[Gpu, MigDevice | None, str]]:
+        """Every device offered, with its resource, in GPU index order."""
+        for gpu in snapshot.gpus:
+            for mig in (None, *gpu.mig):
+                name = self.name(gpu, mig)
+                if name is not None:
+                    yield gpu, mig, name
 
 
 @dataclass(frozen=True)
 class ResourceSpec:
-    """One advertised resource: a name, which GPUs, and how many times each (time-slicing)."""
+    """One advertised resource: devices of one base name (see Naming), and how many times each.
+
+    A sharing entry with a rename takes the devices it picks into a resource of its own; the
+    base resource keeps the rest whole, or replicates those of an entry without a rename.
+    """
 
     name: str = GPU_RESOURCE
     replicas: int = 1
-    select: Callable[[Gpu], bool] = field(default=_every_gpu, compare=False)
     fail_requests_greater_than_one: bool = False
-    # Which of the selected GPUs are replicated; the others are offered whole.
-    shared: Callable[[Gpu], bool] = field(default=_every_gpu, compare=False)
-    # What `select` and `shared` were made from, so that two specs compare by it.
-    selection: str = "all"
+    # The name the devices have before sharing renames them, and how that is decided.
+    base: str = GPU_RESOURCE
+    naming: Naming = field(default_factory=Naming)
+    # Which devices of `base` are here: those `take` picks, but none that `leave` does.
+    take: Devices = "all"
+    leave: tuple[Devices, ...] = ()
+    # Which of them are replicated, when replicas > 1.
+    share: Devices = "all"
 
     def project(self, snapshot: Snapshot, previous: Resource | None = None) -> Resource:
-        """Unshared GPUs by UUID; replicas as <uuid>::<n>, each with its GPU's health; index order.
+        """Unshared devices by UUID; replicas as <uuid>::<n>, each with its device's health; index order.
 
-        With the previous revision's projection, a GPU whose facts and health did not change keeps
-        its block of devices: a health change costs the changed GPU's replicas, not every device.
+        With the previous revision's projection, a device whose facts and health did not change keeps
+        its block of devices: a health change costs the changed device's replicas, not every device.
         """
-        kept = {b[0].gpu.uuid: b for b in previous.blocks if b} if previous is not None else {}
+        kept = {_key(b): b for b in previous.blocks if b} if previous is not None else {}
         blocks: list[tuple[Device, ...]] = []
-        for g in snapshot.gpus:
-            if g.uuid not in snapshot.health or not self.select(g):
+        ordinal = -1  # the device's place among those of `base`: what a count of devices picks
+        for gpu, mig, name in self.naming.units(snapshot):
+            if name != self.base:
                 continue
-            health = snapshot.health[g.uuid]
-            old = kept.get(g.uuid)
-            if old is not None and old[0].gpu == g and old[0].health == health:
+            ordinal += 1
+            if not picks(self.take, gpu, mig, ordinal) or any(picks(d, gpu, mig, ordinal) for d in self.leave):
+                continue
+            health = _health(snapshot, gpu, mig)
+            if health is None:
+                continue
+            uuid = uuid_of(gpu, mig)
+            copies = self.replicas if self.replicas > 1 and picks(self.share, gpu, mig, ordinal) else 0
+            old = kept.get(uuid)
+            if old is not None and old[0].gpu == gpu and old[0].health == health and _copies(old) == copies:
                 blocks.append(old)
-            elif self.replicas > 1 and self.shared(g):
+            elif copies:
                 blocks.append(
-                    tuple(Device(f"{g.uuid}{REPLICA_SEPARATOR}{n}", g, health, replica=n) for n in range(self.replicas))
+                    tuple(Device(f"{uuid}{REPLICA_SEPARATOR}{n}", gpu, health, n, mig) for n in range(copies))
                 )
             else:
-                blocks.append((Device(g.uuid, g, health),))
+                blocks.append((Device(uuid, gpu, health, mig=mig),))
         devices = tuple(chain.from_iterable(blocks))
         by_id: Mapping[str, Device] = {}
         rank: Mapping[str, int] = {}
@@ -138,7 +194,7 @@ class ResourceSpec:
             # The same IDs in the same order: patch the lookup where blocks changed; the ranks stand.
             patched = dict(previous._by_id)
             for b in blocks:
-                if kept[b[0].gpu.uuid] is not b:
+                if kept[_key(b)] is not b:
                     patched.update((d.id, d) for d in b)
             by_id, rank = patched, previous._rank
         return Resource(
@@ -147,6 +203,7 @@ class ResourceSpec:
             snapshot.topology,
             self.replicas,
             self.fail_requests_greater_than_one,
+            cap_minors=snapshot.cap_minors,
             blocks=tuple(blocks),
             uniform_blocks=True,
             _by_id=by_id,
@@ -154,107 +211,150 @@ class ResourceSpec:
         )
 
 
-@dataclass(frozen=True)
-class MigSpec:
-    """The MIG devices of one profile, on every GPU in MIG mode."""
-
-    name: str
-    profile: str
-
-    def project(self, snapshot: Snapshot, previous: Resource | None = None) -> Resource:
-        devices = []
-        for g in snapshot.gpus:
-            parent = snapshot.health.get(g.uuid)
-            if parent is None:
-                continue
-            for m in g.mig:
-                own = snapshot.health.get(m.uuid)
-                if m.profile == self.profile and own is not None:
-                    # A fault of the whole GPU is a fault of each of its MIG devices.
-                    devices.append(Device(m.uuid, g, own if parent.healthy else parent, mig=m))
-        return Resource(self.name, tuple(devices), snapshot.topology, cap_minors=snapshot.cap_minors)
+Spec = ResourceSpec
 
 
-Spec = ResourceSpec | MigSpec
+def mig_spec(name: str, profile: str) -> ResourceSpec:
+    """The MIG devices of one profile, under migStrategy mixed, advertised as `name`."""
+    return ResourceSpec(name, base=f"{RESOURCE_DOMAIN}/mig-{profile}", naming=Naming(strategy="mixed"))
+
+
+def picks(devices: Devices, gpu: Gpu, mig: MigDevice | None, ordinal: int) -> bool:
+    """NVIDIA's `devices`: all; the first N of the resource; or GPU indices, MIG indices (`gpu:mig`,
+    the MIG device's place on its GPU) and UUIDs. A GPU's index or UUID picks its MIG devices too."""
+    if devices == "all":
+        return True
+    if isinstance(devices, int):
+        return ordinal < devices
+    if str(gpu.index) in devices or gpu.uuid in devices:
+        return True
+    return mig is not None and (mig.uuid in devices or f"{gpu.index}:{gpu.mig.index(mig)}" in devices)
+
+
+def _health(snapshot: Snapshot, gpu: Gpu, mig: MigDevice | None) -> HealthState | None:
+    parent = snapshot.health.get(gpu.uuid)
+    if mig is None or parent is None:
+        return parent
+    own = snapshot.health.get(mig.uuid)
+    # A fault of the whole GPU is a fault of each of its MIG devices.
+    return None if own is None else own if parent.healthy else parent
+
+
+def _key(block: tuple[Device, ...]) -> str:
+    return uuid_of(block[0].gpu, block[0].mig)
+
+
+def _copies(block: tuple[Device, ...]) -> int:
+    return len(block) if block[0].replica is not None else 0
 
 
 def _same_layout(blocks: Iterable[tuple[Device, ...]], before: Iterable[tuple[Device, ...]]) -> bool:
-    """Blocks of the same GPUs, in the same order, of the same sizes: the same device IDs."""
-    return [(b[0].gpu.uuid, len(b)) for b in blocks if b] == [(b[0].gpu.uuid, len(b)) for b in before if b]
+    """Blocks of the same devices, in the same order, of the same sizes: the same device IDs."""
+    return [(_key(b), len(b)) for b in blocks if b] == [(_key(b), len(b)) for b in before if b]
 
 
-def mig_plan(cfg: Config, snapshot: Snapshot) -> tuple[list[Spec], str | None]:
-    """flags.migStrategy over the GPUs present: the specs to serve, or none and the reason why."""
-    strategy = cfg.flags.mig_strategy
-    whole = resource_specs(cfg)
-    if strategy == "none":
-        return list(whole), None
-    on = [g for g in snapshot.gpus if g.mig_enabled]
-    profiles = sorted({m.profile for g in on for m in g.mig})
-    if strategy == "single":
-        if not on:
-            return list(whole), None
-        off = [g.label for g in snapshot.gpus if not g.mig_enabled]
-        if off or len(profiles) != 1:
-            why = f"GPUs without MIG: {off}" if off else f"MIG profiles {profiles}"
-            return [], f"migStrategy single needs every GPU in MIG mode with one profile; found {why}"
-        return [MigSpec(cfg.resource_name, profiles[0])], None
-    # mixed: whole GPUs where MIG is off, one resource per MIG profile.
-    base = [replace(spec, select=_and_not_mig(spec.select), selection=f"{spec.selection}, MIG off") for spec in whole]
-    return [*base, *(MigSpec(f"nvidia.com/mig-{p}", p) for p in profiles)], None
+@dataclass(frozen=True)
+class Plan:
+    """What a config advertises on the devices present."""
+
+    specs: tuple[ResourceSpec, ...]
+    # Why nothing is advertised (a MIG layout that does not fit migStrategy single); None if it fits.
+    error: str | None = None
+    # Resources not advertised, and why (two sharing entries pick one device).
+    refused: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # GPUs left out by nvplug.devices, and why.
+    excluded: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Selectors of nvplug.devices that pick no GPU present.
+    unmatched: tuple[str, ...] = ()
+
+    @property
+    def served(self) -> list[ResourceSpec]:
+        return [s for s in self.specs if s.name not in self.refused]
 
 
-def _and_not_mig(select: Callable[[Gpu], bool]) -> Callable[[Gpu], bool]:
-    return lambda gpu: not gpu.mig_enabled and select(gpu)
+def plan(cfg: Config, snapshot: Snapshot) -> Plan:
+    """The resources to serve: each name that has devices now, as many times as sharing says."""
+    check(cfg)
+    naming = Naming.from_config(cfg)
+    excluded = {g.uuid: why for g in snapshot.gpus if (why := cfg.devices.why(g)) is not None}
+    unmatched = tuple(cfg.devices.unmatched(snapshot.gpus))
+    units = list(naming.units(snapshot))
+    error = _single_misfit(cfg, snapshot, units) if cfg.flags.mig_strategy == "single" else None
+    if error is not None:
+        return Plan((), error, excluded=excluded, unmatched=unmatched)
+    bases = sorted({name for _, _, name in units}) or [GPU_RESOURCE]
+    specs: list[ResourceSpec] = []
+    refused: dict[str, str] = {}
+    sharing = cfg.sharing.time_slicing
+    for base in bases:
+        entries = [r for r in sharing.resources if r.name == base]
+        own = [ResourceSpec(r.advertised_name, r.replicas, sharing.fail_requests_greater_than_one, base, naming,
+                            take=r.devices) for r in entries if r.advertised_name != base]  # fmt: skip
+        in_place = next((r for r in entries if r.advertised_name == base), None)
+        rest = ResourceSpec(base, base=base, naming=naming, leave=tuple(s.take for s in own))
+        if in_place is not None:
+            rest = ResourceSpec(base, in_place.replicas, sharing.fail_requests_greater_than_one, base, naming,
+                                leave=rest.leave, share=in_place.devices)  # fmt: skip
+        chosen = [s for s in (rest, *own) if s.project(snapshot).devices] or [rest]
+        specs += chosen
+        twice = _picked_twice(base, entries, units)
+        if twice is not None:
+            refused.update(dict.fromkeys((s.name for s in chosen), twice))
+    # A sharing rename may not take the name of another resource.
+    names = [s.name for s in specs]
+    for name in {n for n in names if names.count(n) > 1}:
+        raise ConfigError(f"{cfg.source}: {name} would be advertised twice: a sharing rename must not take the "
+                          "name of a resource (resources.gpus, resources.mig or a MIG profile's)")  # fmt: skip
+    return Plan(tuple(specs), None, MappingProxyType(refused), MappingProxyType(excluded), unmatched)
+
+
+def _single_misfit(cfg: Config, snapshot: Snapshot, units: list[tuple[Gpu, MigDevice | None, str]]) -> str | None:
+    """migStrategy single: every GPU handed out in MIG mode, or none; one profile per resource."""
+    handed = [g for g in snapshot.gpus if not cfg.devices.excludes(g)]
+    on = [g for g in handed if g.mig_enabled]
+    if not on:
+        return None
+    off = [g.label for g in handed if not g.mig_enabled]
+    profiles: dict[str, set[str]] = {}
+    for _, mig, name in units:
+        if mig is not None:
+            profiles.setdefault(name, set()).add(mig.profile)
+    mixed = [f"{name}: {sorted(p)}" for name, p in sorted(profiles.items()) if len(p) > 1]
+    if not off and not mixed and profiles:
+        return None
+    why = f"GPUs without MIG: {off}" if off else f"MIG profiles {'; '.join(mixed) or 'none'}"
+    return f"migStrategy single needs every GPU in MIG mode with one profile per resource; found {why}"
+
+
+def _picked_twice(
+    base: str, entries: list[config.ReplicatedResource], units: list[tuple[Gpu, MigDevice | None, str]]
+) -> str | None:
+    """Two sharing entries of one resource that pick one device (a GPU by UUID in one, by index in the other)."""
+    ordinal = -1
+    for gpu, mig, name in units:
+        if name != base:
+            continue
+        ordinal += 1
+        by = [r for r in entries if picks(r.devices, gpu, mig, ordinal)]
+        if len(by) > 1:
+            device = mig.uuid if mig is not None else gpu.label
+            where = " and ".join(r.where or r.name for r in by)
+            return f"{device} of {base} is picked by two sharing entries ({where}); a device may be shared by one"
+    return None
+
+
+def check(cfg: Config) -> None:
+    """What the file alone shows nvplug cannot serve."""
+    if cfg.sharing.strategy == "mps":
+        raise ConfigError(f"{cfg.source}: sharing.mps is not supported by nvplug yet; use timeSlicing")
 
 
 def unserved_sharing(cfg: Config) -> list[str]:
-    """Sharing entries for resources nvplug does not advertise yet (MIG profiles): ignored, to be said."""
-    return [r.name for r in cfg.sharing.time_slicing.resources if r.name != cfg.resource_name]
-
-
-def resource_specs(cfg: Config) -> list[ResourceSpec]:
-    """What the config asks to advertise: whole GPUs, and time-sliced replicas per sharing entry.
-
-    A renamed entry gets a resource of its own; GPUs it does not take stay whole under the
-    base name. An entry that keeps the base name offers its GPUs' replicas there, the rest whole.
-    """
-    if cfg.sharing.strategy == "mps":
-        raise ConfigError(f"{cfg.source}: sharing.mps is not supported by nvplug yet; use timeSlicing")
-    base = cfg.resource_name
-    sharing = cfg.sharing.time_slicing
-    fail_gt_one = sharing.fail_requests_greater_than_one
-    entries = [r for r in sharing.resources if r.name == base]
-    renamed = [(r, _device_filter(r.devices)) for r in entries if r.advertised_name != base]
-    in_place = [(r, _device_filter(r.devices)) for r in entries if r.advertised_name == base]
-    specs = [
-        ResourceSpec(r.advertised_name, r.replicas, pick, fail_gt_one, selection=repr(r.devices)) for r, pick in renamed
+    """Sharing entries for names no device of this config can have: a typo, most likely."""
+    known = {GPU_RESOURCE, *(r.name for r in cfg.resources.gpus), *(r.name for r in cfg.resources.mig)}
+    mig = f"{RESOURCE_DOMAIN}/mig-"
+    return [
+        r.name
+        for r in cfg.sharing.time_slicing.resources
+        if r.name not in known and not (r.name.startswith(mig) and cfg.flags.mig_strategy == "mixed")
     ]
-    picks = [pick for _, pick in renamed]
-    whole = ResourceSpec(
-        base,
-        select=lambda gpu: not any(pick(gpu) for pick in picks),
-        selection="all but " + repr([r.devices for r, _ in renamed]) if renamed else "all",
-    )
-    if in_place:
-        (entry, pick), *_ = in_place
-        whole = replace(
-            whole,
-            replicas=entry.replicas,
-            fail_requests_greater_than_one=fail_gt_one,
-            shared=pick,
-            selection=f"{whole.selection}, shared {entry.devices!r}",
-        )
-    if in_place or not renamed or any(r.devices != "all" for r, _ in renamed):
-        specs.insert(0, whole)
-    return specs
-
-
-def _device_filter(devices: Devices) -> Callable[[Gpu], bool]:
-    """NVIDIA's `devices`: all, the first N by index, or a list of indices and UUIDs."""
-    if devices == "all":
-        return _every_gpu
-    if isinstance(devices, int):
-        return lambda gpu: gpu.index < devices
-    wanted = set(devices)
-    return lambda gpu: str(gpu.index) in wanted or gpu.uuid in wanted

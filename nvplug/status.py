@@ -69,8 +69,11 @@ def status_document(
     plan_error: str | None,
     pods: Mapping[str, list[Holder]] | None = None,
     pods_error: str | None = None,
+    excluded: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why)."""
+    """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why).
+    `excluded`: GPUs nvplug.devices leaves out, and why."""
+    excluded = excluded or {}
 
     def held(uuids: Sequence[str]) -> list[dict[str, object]] | None:
         return None if pods is None else [h.as_dict() for u in uuids for h in pods.get(u, [])]
@@ -121,6 +124,7 @@ def status_document(
                 "recovery_action": health.recovery_action,
                 "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
                 "advertised": advertised.get(gpu.uuid, {}),
+                "excluded": excluded.get(gpu.uuid),
                 "nvlink_peers": peers,
                 "mig": migs,
                 # Who holds the GPU: whole, a replica of it, or one of its MIG devices.

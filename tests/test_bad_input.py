@@ -420,9 +420,8 @@ def resources(draw: st.DrawFn) -> Resource:
     spec = ResourceSpec(
         draw(st.sampled_from([GPU_RESOURCE, "nvidia.com/gpu.shared"])),
         replicas,
-        shared=lambda g: g.index in shared,
         fail_requests_greater_than_one=draw(st.booleans()),
-        selection=f"shared {sorted(shared)}",
+        share=tuple(str(i) for i in sorted(shared)),
     )
     return spec.project(state.current)
 

@@ -267,7 +267,8 @@ TS = "sharing:\n  timeSlicing:\n    resources:\n    - "
         # Duplicates in sharing.
         (
             TS + "{name: gpu, replicas: 2}\n    - {name: nvidia.com/gpu, replicas: 3}\n",
-            r"line 5: sharing\.timeSlicing\.resources\[1\]\.name: nvidia\.com/gpu is listed twice",
+            r"line 5: sharing\.timeSlicing\.resources\[1\]\.devices: every device of nvidia\.com/gpu also shared "
+            r"by c\.yaml, line 4: sharing\.timeSlicing\.resources\[0\]",
         ),
         (
             "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n"
@@ -403,11 +404,15 @@ def _nvplug(*args: str) -> subprocess.CompletedProcess[str]:
 def test_config_check_through_the_cli(tmp_path: Path) -> None:
     ok = _nvplug("config", "check", str(NVIDIA_V1))
     assert (ok.returncode, ok.stdout) == (0, f"{NVIDIA_V1}: ok\n")
-    # NVIDIA's file loads unchanged; what nvplug cannot serve yet (MIG resources) is said, not fatal.
-    assert ok.stderr.splitlines() == [
-        f"{NVIDIA_V1}: sharing.timeSlicing for nvidia.com/mig-1g.10gb is ignored: nvplug serves no such resource yet",
-        f"{NVIDIA_V1}: sharing.timeSlicing for nvidia.com/mig-3g.40gb is ignored: nvplug serves no such resource yet",
-    ]
+    # NVIDIA's file loads unchanged, and nvplug serves all of it (MIG time-slicing too): nothing to warn of.
+    assert ok.stderr == ""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: a100\n      replicas: 2\n")
+    warned = _nvplug("config", "check", str(typo))
+    assert warned.returncode == 0
+    assert warned.stderr == (
+        f"{typo}: sharing.timeSlicing for nvidia.com/a100 is ignored: no device of this config is named so\n"
+    )
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 0\n")

@@ -11,7 +11,8 @@ from nvplug.event import EvidenceFound, InventoryFound, PciChanged, ProbeResult,
 from nvplug.gpu import Gpu, MigDevice
 from nvplug.health import Health
 from nvplug.mig import parse_mig_minors, profile_name, read_mig_minors
-from nvplug.resources import MigSpec, mig_plan
+from nvplug.resources import mig_spec
+from nvplug.resources import plan as plan_resources
 from nvplug.state import NodeState
 
 H100 = 81559  # MiB, an H100 80GB HBM3
@@ -78,8 +79,8 @@ def node(*gpus: Gpu) -> NodeState:
 
 def plan(strategy: str, state: NodeState) -> tuple[list[str], str | None]:
     cfg = config.parse(f"version: v1\nflags:\n  migStrategy: {strategy}\n", "c.yaml")
-    specs, error = mig_plan(cfg, state.current)
-    return [f"{s.name}={len(s.project(state.current).devices)}" for s in specs], error
+    found = plan_resources(cfg, state.current)
+    return [f"{s.name}={len(s.project(state.current).devices)}" for s in found.specs], found.error
 
 
 def test_strategies_on_a_mixed_node() -> None:
@@ -98,14 +99,14 @@ def test_single_serves_one_profile_as_the_gpu_resource() -> None:
     assert plan("single", state) == (["nvidia.com/gpu=14"], None)
     two = node(mig_gpu(0, ["1g.10gb"] * 7), mig_gpu(1, ["3g.40gb"]))
     specs, error = plan("single", two)
-    assert specs == [] and "MIG profiles ['1g.10gb', '3g.40gb']" in (error or "")
+    assert specs == [] and "MIG profiles nvidia.com/gpu: ['1g.10gb', '3g.40gb']" in (error or "")
     assert plan("single", node(mig_gpu(0, []), mig_gpu(1, []))) == (["nvidia.com/gpu=2"], None)
 
 
 def test_instance_scoped_xid_marks_only_its_mig_device() -> None:
     state = node(mig_gpu(0, ["1g.10gb"] * 3))
     state.apply(XidOccurred("GPU-0", 79, gpu_instance=2, compute_instance=0))
-    resource = MigSpec("nvidia.com/mig-1g.10gb", "1g.10gb").project(state.current)
+    resource = mig_spec("nvidia.com/mig-1g.10gb", "1g.10gb").project(state.current)
     assert [(d.id, d.health.health) for d in resource.devices] == [
         ("MIG-0-0", Health.HEALTHY),
         ("MIG-0-1", Health.UNHEALTHY),
@@ -114,12 +115,12 @@ def test_instance_scoped_xid_marks_only_its_mig_device() -> None:
     assert state.current.health["GPU-0"].healthy
     # A whole-GPU XID takes every MIG device of the GPU with it; its reset brings them all back.
     state.apply(XidOccurred("GPU-0", 48))
-    assert all(not d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+    assert all(not d.health.healthy for d in mig_spec("m", "1g.10gb").project(state.current).devices)
     state.apply(ProbeResult("GPU-0", None, "re-probe 1"))
-    assert all(not d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+    assert all(not d.health.healthy for d in mig_spec("m", "1g.10gb").project(state.current).devices)
     state.apply(PciChanged("unbind", "0000:00:00.0"))
     state.apply(ProbeResult("GPU-0", None, "scan"))
-    assert all(d.health.healthy for d in MigSpec("m", "1g.10gb").project(state.current).devices)
+    assert all(d.health.healthy for d in mig_spec("m", "1g.10gb").project(state.current).devices)
 
 
 def test_layout_change_drops_and_adds_mig_health() -> None:
@@ -136,7 +137,7 @@ def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
     state = NodeState()
     minors = CapMinors({(0, 1): 12, (0, 2): 21}, {(0, 1, 0): 13, (0, 2, 0): 22})
     state.apply(InventoryFound((mig_gpu(0, ["3g.40gb", "3g.40gb"]),), cap_minors=minors))
-    resource = MigSpec("nvidia.com/mig-3g.40gb", "3g.40gb").project(state.current)
+    resource = mig_spec("nvidia.com/mig-3g.40gb", "3g.40gb").project(state.current)
     out = allocate(resource, ["MIG-0-1"], AllocationPolicy(), lambda p: "/host" + p, lambda p: False)
     assert out.envs == {"NVIDIA_VISIBLE_DEVICES": "MIG-0-1"}
     assert [n.container_path for n in out.device_nodes] == [
@@ -147,7 +148,7 @@ def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
     by_index = allocate(resource, ["MIG-0-1", "MIG-0-0"], AllocationPolicy(id_strategy="index"), str, lambda p: False)
     assert by_index.envs == {"NVIDIA_VISIBLE_DEVICES": "0:1,0:0"}
     # A MIG device whose minors the driver does not list cannot be handed out safely.
-    bare = MigSpec("m", "3g.40gb").project(node(mig_gpu(0, ["3g.40gb"])).current)
+    bare = mig_spec("m", "3g.40gb").project(node(mig_gpu(0, ["3g.40gb"])).current)
     with pytest.raises(AllocationError, match="no capability device minors listed for MIG-0-0"):
         allocate(bare, ["MIG-0-0"], AllocationPolicy(), str, lambda p: False)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..gpu import uuid_of
+from ..selection import DeviceFilter
 from ..state import Snapshot
 from . import driverfiles
 from .spec import (
@@ -50,6 +51,8 @@ class CdiSettings:
     imex_channels: tuple[int, ...] = ()
     # A cdi strategy hands out the names, so a device without an entry must not be offered.
     enforce: bool = False
+    # nvplug.devices: a GPU it leaves out is in no spec.
+    devices: DeviceFilter = field(default_factory=DeviceFilter)
 
     @classmethod
     def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
@@ -69,6 +72,7 @@ class CdiSettings:
             optional,
             cfg.imex.channel_ids,
             any(s.startswith("cdi") for s in plugin.device_list_strategy),
+            cfg.devices,
         )
 
     def hook(self) -> str | None:
@@ -200,9 +204,10 @@ class SpecPublisher:
                     log.warning("CDI spec: %s", problem)
         return self._files
 
-    @staticmethod
-    def _present(snap: Snapshot) -> list[Unit]:
-        return [unit for g in snap.gpus for unit in [(g, None), *((g, m) for m in g.mig)]]
+    def _present(self, snap: Snapshot) -> list[Unit]:
+        """The devices present that nvplug hands out."""
+        gpus = [g for g in snap.gpus if not self.settings.devices.excludes(g)]
+        return [unit for g in gpus for unit in [(g, None), *((g, m) for m in g.mig)]]
 
     def _units(self, snap: Snapshot) -> list[Unit]:
         """The devices present, then those gone but still in a list some resource last delivered."""

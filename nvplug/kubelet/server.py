@@ -183,6 +183,11 @@ class DevicePluginService:
     def resource(self) -> Resource:
         return self._current()[1]
 
+    def reproject(self, project: Projection) -> None:
+        """A new way to project the same devices (a reloaded config); the next request projects afresh."""
+        self._project = project
+        self._projection = None
+
     def _current(self) -> tuple[int, Resource]:
         """This resource for the current revision: projected once per revision, then looked up by ID."""
         snapshot = self._state.current
