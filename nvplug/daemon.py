@@ -616,7 +616,7 @@ class Daemon:
                 plugin.server.service.policy = allocation
             if specs != [p.spec for p in self._plugins]:
                 await self._apply_resources(specs, allocation)
-                log.info("reloaded the config from %s; resources changed: %s", source, [s.name for s in specs])
+                log.info("reloaded the config from %s; resources now: %s", source, [s.name for s in specs])
             else:
                 log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
             self.config = new

@@ -2,7 +2,7 @@
 
 A pattern is NVIDIA's: `*` stands for any text, everything else is literal, and the
 pattern may match anywhere in the name (NVIDIA searches with an unanchored regular
-expression), so `A100` matches `NVIDIA A100-SXM4-80GB` and `1g.10gb` matches `1g.10gb+me`.
+expression), so `A100` matches `NVIDIA A100-SXM4-80GB` and `1g.10gb` matches `1g.10gb.me`.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_patterns_match_as_nvidia_matches_them() -> None:
     # An unanchored search with * as any text: a word of the product name is enough.
     assert matches("H100", H100) and matches("*", "") and matches("A100*80GB", A100)
     assert not matches("A100", H100) and not matches("H100 PCIe", H100)
-    assert matches("1g.10gb", "1g.10gb+me")  # as NVIDIA: write 1g.10gb+me first to tell them apart
+    assert matches("1g.10gb", "1g.10gb.me")  # as NVIDIA: write 1g.10gb.me first to tell them apart
     assert matches("a.b", "a.b") and not matches("a.b", "axb")  # no regex meta characters
 
 
@@ -109,9 +109,9 @@ def test_time_slicing_names_the_per_model_resource() -> None:
 
 def test_mig_names_and_mixed_models() -> None:
     state = NodeState()
-    state.apply(InventoryFound((gpu(0, H100, ("1g.10gb", "1g.10gb+me", "3g.40gb")), gpu(1, A100, ("1g.10gb",)),
+    state.apply(InventoryFound((gpu(0, H100, ("1g.10gb", "1g.10gb.me", "3g.40gb")), gpu(1, A100, ("1g.10gb",)),
                                 gpu(2, A100))))  # fmt: skip
-    cfg = load(RENAMES + "  mig:\n  - {pattern: 1g.10gb+me, name: mig-media}\n  - {pattern: 1g, name: mig-small}\n"
+    cfg = load(RENAMES + "  mig:\n  - {pattern: 1g.10gb.me, name: mig-media}\n  - {pattern: 1g, name: mig-small}\n"
                "flags:\n  migStrategy: mixed\n")  # fmt: skip
     assert {k: v for k, v in advertised(plan(cfg, state.current), state).items()} == {
         "nvidia.com/a100": [gpu(2, A100).uuid],
