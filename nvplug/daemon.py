@@ -599,9 +599,9 @@ class Daemon:
             found = self._plan(new)
             if found.refused:
                 raise config.ConfigError(f"{new.source}: " + "; ".join(found.refused.values()))
-            specs = self._planned(new, found)
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             cdi = self._cdi_settings(new)
+            specs = self._planned(new, found)
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)
         else:

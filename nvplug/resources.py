@@ -300,11 +300,11 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
         twice = _picked_twice(base, entries, units)
         if twice is not None:
             refused.update(dict.fromkeys((s.name for s in chosen), twice))
-    # A sharing rename may not take the name of another resource.
+    # A sharing rename may not take the name of another resource: its devices would be in two lists.
     names = [s.name for s in specs]
     for name in {n for n in names if names.count(n) > 1}:
-        raise ConfigError(f"{cfg.source}: {name} would be advertised twice: a sharing rename must not take the "
-                          "name of a resource (resources.gpus, resources.mig or a MIG profile's)")  # fmt: skip
+        refused[name] = (f"{cfg.source}: {name} would be advertised twice: a sharing rename must not take the "
+                         "name of a resource (resources.gpus, resources.mig or a MIG profile's)")  # fmt: skip
     return Plan(tuple(specs), None, MappingProxyType(refused), MappingProxyType(excluded), unmatched)
 
 
