@@ -31,6 +31,11 @@ DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
 DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
 # The kubelet's PodResources API: which pod holds which device.
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# DRA: NVIDIA's driver name, and where the kubelet looks for plugins.
+DEFAULT_DRA_DRIVER = "gpu.nvidia.com"
+DEFAULT_DRA_KUBECONFIG = "/etc/nvplug/kubeconfig"
+DEFAULT_PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
+DEFAULT_KUBELET_PLUGINS = "/var/lib/kubelet/plugins"
 # CDI limits the name part of an annotation key (after the prefix's "/") to this.
 MAX_ANNOTATION_NAME = 63
 # What nvplug appends to the prefix: "nvplug_" and 16 hex digits.
@@ -184,6 +189,22 @@ class Imex:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    """nvplug.dra: the DRA kubelet plugin, off by default."""
+
+    enabled: bool = False
+    # NVIDIA's DRA driver's name, so that DeviceClasses written for it select nvplug's devices.
+    driver_name: str = DEFAULT_DRA_DRIVER
+    # The Node object's name; None: this host's name, as the kubelet takes it.
+    node_name: str | None = None
+    kubeconfig: str = DEFAULT_DRA_KUBECONFIG
+    # The GPUs offered through DRA (none listed: every GPU); the device plugin offers the others.
+    devices: tuple[Selector, ...] = ()
+    registry_dir: str = DEFAULT_PLUGINS_REGISTRY
+    plugins_dir: str = DEFAULT_KUBELET_PLUGINS
+
+
+@dataclass(frozen=True)
 class Config:
     source: str = "built-in defaults"
     resource_name: str = GPU_RESOURCE
@@ -200,6 +221,7 @@ class Config:
     pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
     # nvplug.devices: which GPUs are handed out at all.
     devices: DeviceFilter = field(default_factory=DeviceFilter)
+    dra: DraConfig = field(default_factory=DraConfig)
     resources: Resources = field(default_factory=Resources)
     sharing: Sharing = field(default_factory=Sharing)
     imex: Imex = field(default_factory=Imex)
@@ -263,6 +285,10 @@ def parse(text: str, source: str) -> Config:
         node = _Map(ctx, found["sharing"], "sharing").items(("timeSlicing", "mps"))["timeSlicing"]
         raise ctx.error(node, "sharing.timeSlicing.sharedDevicesAllocationPolicy",
                         f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}")  # fmt: skip
+    if cfg.dra.enabled and cfg.cdi_spec_dir == "off":
+        node = _Map(ctx, found["nvplug"], "nvplug").items(NVPLUG_KEYS)["dra"]
+        raise ctx.error(node, "nvplug.dra.enabled", "needs the CDI spec (nvplug.cdi.specDir is off): "
+                        "NodePrepareResources hands out CDI device names")  # fmt: skip
     if cfg.flags.mig_strategy == "mixed":
         # A resource holds whole GPUs or MIG devices, never both: Allocate hands out one kind.
         whole = {r.name: r for r in cfg.resources.gpus}
@@ -330,6 +356,17 @@ def as_dict(cfg: Config) -> dict[str, Any]:
                 "include": [s.value for s in cfg.devices.include],
                 "exclude": [s.value for s in cfg.devices.exclude],
             },
+            "dra": _drop_none(
+                {
+                    "enabled": cfg.dra.enabled,
+                    "driverName": cfg.dra.driver_name,
+                    "nodeName": cfg.dra.node_name,
+                    "kubeconfig": cfg.dra.kubeconfig,
+                    "devices": [s.value for s in cfg.dra.devices],
+                    "registryDir": cfg.dra.registry_dir,
+                    "pluginsDir": cfg.dra.plugins_dir,
+                }
+            ),
             "health": {
                 "ignoreXids": sorted(h.ignore_xids),
                 "fatalXids": sorted(h.fatal_xids),
@@ -362,7 +399,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 # --- the sections ---------------------------------------------------------------------
 
 
-NVPLUG_KEYS = ("health", "status", "cdi", "labels", "podResources", "devices")
+NVPLUG_KEYS = ("health", "status", "cdi", "labels", "podResources", "devices", "dra")
 
 
 def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
@@ -386,6 +423,17 @@ def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
     if "devices" in found:
         selectors = {"include": ("include", _selectors), "exclude": ("exclude", _selectors)}
         own["devices"] = DeviceFilter(**_Map(ctx, found["devices"], "nvplug.devices").read(selectors))
+    if "dra" in found:
+        keys = {
+            "enabled": ("enabled", _bool),
+            "driverName": ("driver_name", _driver_name),
+            "nodeName": ("node_name", _dns_subdomain),
+            "kubeconfig": ("kubeconfig", _absolute),
+            "devices": ("devices", _selectors),
+            "registryDir": ("registry_dir", _absolute),
+            "pluginsDir": ("plugins_dir", _absolute),
+        }
+        own["dra"] = DraConfig(**_Map(ctx, found["dra"], "nvplug.dra").read(keys))
     if "labels" in found:
         own.update(
             _Map(ctx, found["labels"], "nvplug.labels").read(
@@ -393,6 +441,28 @@ def _nvplug(ctx: _Context, node: yaml.Node) -> dict[str, Any]:
             )
         )
     return own
+
+
+def _dns_subdomain(ctx: _Context, node: yaml.Node, path: str) -> str:
+    value = _str(ctx, node, path)
+    if len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value):
+        raise ctx.error(node, path, f"{value!r} is not a DNS subdomain (lower case letters, digits, '-' and '.')")
+    return value
+
+
+def _driver_name(ctx: _Context, node: yaml.Node, path: str) -> str:
+    value = _dns_subdomain(ctx, node, path)
+    # A driver name is also the domain of its device attributes, which allows 63 characters.
+    if len(value) > 63:
+        raise ctx.error(node, path, f"{value!r} is longer than 63 characters")
+    return value
+
+
+def _absolute(ctx: _Context, node: yaml.Node, path: str) -> str:
+    value = _path(ctx, node, path)
+    if not value.startswith("/"):
+        raise ctx.error(node, path, f"{value!r} is not an absolute path")
+    return value
 
 
 def _off_or_absolute(ctx: _Context, node: yaml.Node, path: str) -> str:

@@ -50,6 +50,9 @@ class Gpu:
     mig: tuple[MigDevice, ...] = ()
     # Whether the GPU can do MIG at all (NVML reports a MIG mode for it).
     mig_capable: bool = False
+    # As NVIDIA's tools spell them (Tesla, Nvidia; Hopper, Ada Lovelace): DRA device attributes.
+    brand: str | None = None
+    architecture: str | None = None
 
     @property
     def label(self) -> str:

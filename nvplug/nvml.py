@@ -296,6 +296,8 @@ class Nvml:
         mode = opt(lambda: pynvml.nvmlDeviceGetMigMode(handle), "MIG mode")
         enabled = mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE
         mig = _read_mig(handle, label, memory, notes) if enabled else None
+        brand = opt(lambda: int(pynvml.nvmlDeviceGetBrand(handle)), "brand")
+        arch = opt(lambda: int(pynvml.nvmlDeviceGetArchitecture(handle)), "architecture")
         return Gpu(
             uuid=uuid,
             index=index,
@@ -308,6 +310,8 @@ class Nvml:
             mig_enabled=mig is not None,
             mig=mig or (),
             mig_capable=mode is not None,
+            brand=None if brand is None else _BRANDS.get(brand, "Unknown"),
+            architecture=None if arch is None else _ARCHITECTURES.get(arch, "Unknown"),
         )
 
     def _sysfs_numa(self, bus_id: str) -> int | None:
@@ -317,6 +321,18 @@ class Nvml:
             return int(path.read_text().strip())
         except (OSError, ValueError):
             return None
+
+
+# nvmlBrandType_t and nvmlDeviceArchitecture_t as NVIDIA's Go library names them (its DRA driver's attributes).
+_BRANDS = {
+    0: "Unknown", 1: "Quadro", 2: "Tesla", 3: "NVS", 4: "Grid", 5: "GeForce", 6: "Titan", 7: "NvidiaVApps",
+    8: "NvidiaVPC", 9: "NvidiaVCS", 10: "NvidiaVWS", 11: "NvidiaCloudGaming", 12: "QuadroRTX", 13: "NvidiaRTX",
+    14: "Nvidia", 15: "GeForceRTX", 16: "TitanRTX",
+}  # fmt: skip
+_ARCHITECTURES = {
+    2: "Kepler", 3: "Maxwell", 4: "Pascal", 5: "Volta", 6: "Turing", 7: "Ampere", 8: "Ada Lovelace", 9: "Hopper",
+    10: "Blackwell", 13: "Rubin",
+}  # fmt: skip
 
 
 class _Notes:

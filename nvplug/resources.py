@@ -14,7 +14,7 @@ from .config import GPU_RESOURCE, RESOURCE_DOMAIN, Config, ConfigError, Devices,
 from .gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from .health import HealthState
 from .mig import CapMinors
-from .selection import DeviceFilter, matches
+from .selection import DeviceFilter, Selector, matches
 from .state import Snapshot
 from .topology import Topology
 
@@ -99,16 +99,26 @@ class Resource:
 class Naming:
     """The resource each GPU and MIG device belongs to before sharing: resources.gpus and
     resources.mig (first match wins; an unmatched GPU keeps nvidia.com/gpu), flags.migStrategy,
-    and nvplug.devices (an excluded GPU and its MIG devices belong to none)."""
+    and nvplug.devices (an excluded GPU and its MIG devices belong to none). A GPU given to DRA
+    (nvplug.dra) belongs to no resource of the device plugin: no GPU is offered through both."""
 
     gpus: tuple[config.Resource, ...] = config.Resources().gpus
     mig: tuple[config.Resource, ...] = ()
     strategy: MigStrategy = "none"
     devices: DeviceFilter = field(default_factory=DeviceFilter)
+    # nvplug.dra.devices when DRA is on (empty: every GPU); None when it is off.
+    dra: tuple[Selector, ...] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Naming:
-        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices)
+        dra = cfg.dra.devices if cfg.dra.enabled else None
+        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra)
+
+    def dra_owns(self, gpu: Gpu) -> bool:
+        """Whether the GPU is offered through DRA (and so not by the device plugin)."""
+        if self.dra is None or self.devices.excludes(gpu):
+            return False
+        return not self.dra or any(s.picks(gpu) for s in self.dra)
 
     def gpu_name(self, gpu: Gpu) -> str:
         """The name of the GPU's model: its resource as a whole GPU, and its MIG devices' under single."""
@@ -117,7 +127,7 @@ class Naming:
 
     def name(self, gpu: Gpu, mig: MigDevice | None) -> str | None:
         """The resource of a whole GPU (`mig` None) or of a MIG device; None if not offered as such."""
-        if self.devices.excludes(gpu):
+        if self.devices.excludes(gpu) or self.dra_owns(gpu):
             return None
         if mig is None:
             return None if gpu.mig_enabled and self.strategy != "none" else self.gpu_name(gpu)
@@ -173,7 +183,7 @@ class ResourceSpec:
             ordinal += 1
             if not picks(self.take, gpu, mig, ordinal) or any(picks(d, gpu, mig, ordinal) for d in self.leave):
                 continue
-            health = _health(snapshot, gpu, mig)
+            health = device_health(snapshot, gpu, mig)
             if health is None:
                 continue
             uuid = uuid_of(gpu, mig)
@@ -231,7 +241,7 @@ def picks(devices: Devices, gpu: Gpu, mig: MigDevice | None, ordinal: int) -> bo
     return mig is not None and (mig.uuid in devices or f"{gpu.index}:{gpu.mig.index(mig)}" in devices)
 
 
-def _health(snapshot: Snapshot, gpu: Gpu, mig: MigDevice | None) -> HealthState | None:
+def device_health(snapshot: Snapshot, gpu: Gpu, mig: MigDevice | None) -> HealthState | None:
     parent = snapshot.health.get(gpu.uuid)
     if mig is None or parent is None:
         return parent

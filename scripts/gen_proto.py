@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate the committed Python code for the kubelet's device-plugin and PodResources APIs.
+"""Regenerate the committed Python code for the kubelet APIs: device plugin, PodResources, plugin
+registration and DRA (v1beta1, v1).
 
 python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
 python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
@@ -18,7 +19,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "nvplug" / "kubelet" / "api"
-PROTOS = ("deviceplugin", "podresources")
+PROTOS = ("deviceplugin", "podresources", "pluginregistration", "dra_v1beta1", "dra_v1")
 OUTPUTS = tuple(f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 

@@ -1,0 +1,157 @@
+"""Prepared ResourceClaims: what NodePrepareResources handed out, and the checkpoint that keeps prepare
+and unprepare idempotent across restarts of nvplug and of the kubelet.
+
+The kubelet sends a claim's namespace, name and UID only; the devices come from the claim's
+allocation result in the API server. Unprepare may come after the claim is deleted, and the
+kubelet may ask again for a claim prepared before a restart: both are answered from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..files import write_atomically
+from .devices import DraDevice
+
+log = logging.getLogger("nvplug.dra")
+
+CHECKPOINT = "dra-claims.json"
+CHECKPOINT_VERSION = 1
+
+
+class ClaimError(ValueError):
+    """Why one claim cannot be prepared; the kubelet shows it in the pod's events."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"ResourceClaim {self.namespace}/{self.name} ({self.uid})"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    # The claim's requests it serves (subrequests folded into their request).
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+    uuid: str
+    cdi_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    claim: ClaimRef
+    devices: tuple[PreparedDevice, ...]
+
+
+def prepare(
+    ref: ClaimRef,
+    claim: Mapping[str, Any],
+    driver: str,
+    pool: str,
+    offered: Mapping[str, DraDevice],
+    cdi_ids: Callable[[DraDevice], tuple[str, ...]],
+) -> PreparedClaim:
+    """The devices of this driver in the claim's allocation, each checked against the pool now."""
+    meta = claim.get("metadata") or {}
+    if meta.get("uid") != ref.uid:
+        raise ClaimError(f"{ref}: the API server has UID {meta.get('uid')} under that name (deleted and made again?)")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise ClaimError(f"{ref}: not allocated")
+    results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
+    by_device: dict[str, list[str]] = {}
+    for result in results:
+        name, where = str(result.get("device")), str(result.get("pool"))
+        if where != pool:
+            raise ClaimError(f"{ref}: device {name} is in pool {where}, not in this node's pool {pool}")
+        device = offered.get(name)
+        if device is None:
+            raise ClaimError(f"{ref}: device {name} is not offered by {driver} on {pool} (unknown device)")
+        if not device.healthy and not result.get("adminAccess"):
+            raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}")
+        request = str(result.get("request", "")).split("/")[0]
+        by_device.setdefault(name, []).append(request)
+    devices = tuple(
+        PreparedDevice(tuple(dict.fromkeys(requests)), pool, name, offered[name].uuid, cdi_ids(offered[name]))
+        for name, requests in by_device.items()
+    )
+    return PreparedClaim(ref, devices)
+
+
+class ClaimStore:
+    """The prepared claims by UID, saved to a file after each change (None: kept in memory only)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._claims: dict[str, PreparedClaim] = {}
+
+    def load(self) -> None:
+        """What an earlier run prepared. A file that cannot be read is kept aside, not lost."""
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            doc = json.loads(self.path.read_text())
+            if doc.get("version") != CHECKPOINT_VERSION:
+                raise ValueError(f"version {doc.get('version')!r}, not {CHECKPOINT_VERSION}")
+            claims = [_claim_from(item) for item in doc["claims"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            aside = self.path.with_name(self.path.name + ".bad")
+            log.error("%s: unreadable DRA checkpoint (%s); kept as %s, starting with no prepared claims",
+                      self.path, err, aside)  # fmt: skip
+            self.path.replace(aside)
+            return
+        self._claims = {c.claim.uid: c for c in claims}
+        if claims:
+            log.info("%d prepared ResourceClaims restored from %s", len(claims), self.path)
+
+    def get(self, uid: str) -> PreparedClaim | None:
+        return self._claims.get(uid)
+
+    def put(self, claim: PreparedClaim) -> None:
+        self._claims[claim.claim.uid] = claim
+        self._save()
+
+    def remove(self, uid: str) -> bool:
+        if self._claims.pop(uid, None) is None:
+            return False
+        self._save()
+        return True
+
+    def __iter__(self) -> Iterator[PreparedClaim]:
+        return iter(list(self._claims.values()))
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def holding(self, uuid: str) -> list[PreparedClaim]:
+        """The claims prepared with this device (a GPU's UUID also finds claims of its MIG devices'
+        parent: callers pass each UUID they care about)."""
+        return [c for c in self._claims.values() if any(d.uuid == uuid for d in c.devices)]
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        doc = {"version": CHECKPOINT_VERSION, "claims": [asdict(c) for c in self._claims.values()]}
+        write_atomically(self.path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode(), mode=0o600)
+
+
+def _claim_from(item: Mapping[str, Any]) -> PreparedClaim:
+    ref = ClaimRef(str(item["claim"]["namespace"]), str(item["claim"]["name"]), str(item["claim"]["uid"]))
+    devices = tuple(_device_from(d) for d in item["devices"])
+    return PreparedClaim(ref, devices)
+
+
+def _device_from(d: Mapping[str, Any]) -> PreparedDevice:
+    requests, cdi_ids = tuple(map(str, d["requests"])), tuple(map(str, d["cdi_ids"]))
+    return PreparedDevice(requests, str(d["pool"]), str(d["device"]), str(d["uuid"]), cdi_ids)

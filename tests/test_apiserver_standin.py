@@ -1,0 +1,476 @@
+"""Tests of the Kubernetes API server stand-in, over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import yaml
+
+from nvplug.testing.apiserver import GROUP, FakeApiServer
+
+TOKEN = "test-token"
+DRIVER = "gpu.nvidia.com"
+SLICES = f"/apis/{GROUP}/v1/resourceslices"
+
+
+def call(
+    server: FakeApiServer,
+    method: str,
+    path: str,
+    body: Any = None,
+    token: str | None = TOKEN,
+    conn: http.client.HTTPConnection | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    own = conn is None
+    conn = conn or http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    sent = dict(headers or {})
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    data: bytes | None = None
+    if body is not None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        sent.setdefault("Content-Type", "application/json")
+    try:
+        conn.request(method, path, body=data, headers=sent)
+        resp = conn.getresponse()
+        raw = resp.read()
+        assert resp.getheader("Content-Type") == "application/json"
+        assert int(resp.getheader("Content-Length") or -1) == len(raw)
+        return resp.status, json.loads(raw)
+    finally:
+        if own:
+            conn.close()
+
+
+def device(name: str, version: str = "v1", **attributes: Any) -> dict[str, Any]:
+    attrs = {"productName": {"string": "NVIDIA H100"}, "index": {"int": 0}, **attributes}
+    fields = {"attributes": attrs, "capacity": {"memory": {"value": "81559Mi"}}}
+    if version == "v1beta1":
+        return {"name": name, "basic": fields}
+    return {"name": name, **fields}
+
+
+def resource_slice(
+    node: str = "node-a",
+    driver: str = DRIVER,
+    name: str | None = None,
+    version: str = "v1",
+    devices: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    meta = {"name": name} if name else {"generateName": f"{node}-{driver}-"}
+    return {
+        "apiVersion": f"{GROUP}/{version}",
+        "kind": "ResourceSlice",
+        "metadata": meta,
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 0, "resourceSliceCount": 1},
+            "devices": devices if devices is not None else [device("gpu-0", version)],
+        },
+    }
+
+
+def assert_status(body: dict[str, Any], code: int, reason: str) -> None:
+    assert body["kind"] == "Status"
+    assert body["apiVersion"] == "v1"
+    assert body["status"] == "Failure"
+    assert body["code"] == code
+    assert body["reason"] == reason
+    assert isinstance(body["message"], str) and body["message"]
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        yield server
+
+
+def test_discovery() -> None:
+    with FakeApiServer(versions=("v1", "v1beta2")) as server:
+        status, group = call(server, "GET", f"/apis/{GROUP}")
+        assert status == 200
+        assert group["kind"] == "APIGroup"
+        assert group["name"] == GROUP
+        assert [v["version"] for v in group["versions"]] == ["v1", "v1beta2"]
+        assert group["preferredVersion"] == {"groupVersion": f"{GROUP}/v1", "version": "v1"}
+
+        status, groups = call(server, "GET", "/apis")
+        assert status == 200
+        assert groups["kind"] == "APIGroupList"
+        assert groups["groups"] == [group]
+
+        status, resources = call(server, "GET", f"/apis/{GROUP}/v1beta2")
+        assert status == 200
+        assert {r["name"] for r in resources["resources"]} == {"resourceslices", "resourceclaims"}
+
+        # A version the cluster does not serve is not there at all.
+        status, body = call(server, "GET", f"/apis/{GROUP}/v1beta1/resourceslices")
+        assert status == 404
+        assert_status(body, 404, "NotFound")
+        status, body = call(server, "GET", "/api/v1/nodes")
+        assert status == 404
+        assert_status(body, 404, "NotFound")
+
+
+def test_auth(api: FakeApiServer, tmp_path: Path) -> None:
+    for token in (None, "wrong"):
+        status, body = call(api, "GET", SLICES, token=token)
+        assert status == 401
+        assert_status(body, 401, "Unauthorized")
+    status, _ = call(api, "GET", SLICES, headers={"Authorization": f"Basic {TOKEN}"}, token=None)
+    assert status == 401
+    assert call(api, "GET", SLICES)[0] == 200
+
+    good = yaml.safe_load(api.write_kubeconfig(tmp_path / "kubeconfig").read_text())
+    assert good["current-context"] == good["contexts"][0]["name"]
+    assert good["clusters"][0]["cluster"]["server"] == api.url
+    assert good["users"][0]["user"]["token"] == TOKEN
+    bad = yaml.safe_load(api.write_kubeconfig(tmp_path / "bad", token="nope").read_text())
+    assert call(api, "GET", SLICES, token=bad["users"][0]["user"]["token"])[0] == 401
+
+    with FakeApiServer(token=None) as open_server:
+        assert call(open_server, "GET", SLICES, token=None)[0] == 200
+    assert [r[2] for r in api.requests] == [401, 401, 401, 200, 401]
+
+
+def test_create_with_generate_name(api: FakeApiServer) -> None:
+    status, created = call(api, "POST", SLICES, resource_slice())
+    assert status == 201
+    meta = created["metadata"]
+    prefix = f"node-a-{DRIVER}-"
+    assert meta["name"].startswith(prefix)
+    suffix = meta["name"][len(prefix) :]
+    assert len(suffix) == 5 and suffix.isalnum() and suffix == suffix.lower()
+    assert meta["uid"] and meta["creationTimestamp"].endswith("Z")
+    assert int(meta["resourceVersion"]) > 0
+    assert created["apiVersion"] == f"{GROUP}/v1" and created["kind"] == "ResourceSlice"
+    assert api.slices() == [created]
+
+    status, second = call(api, "POST", SLICES, resource_slice())
+    assert status == 201
+    assert second["metadata"]["name"] != meta["name"]
+    assert int(second["metadata"]["resourceVersion"]) > int(meta["resourceVersion"])
+
+    status, body = call(api, "POST", SLICES, resource_slice(name="fixed"))
+    assert status == 201 and body["metadata"]["name"] == "fixed"
+    status, body = call(api, "POST", SLICES, resource_slice(name="fixed"))
+    assert status == 409
+    assert_status(body, 409, "AlreadyExists")
+    assert body["details"]["name"] == "fixed"
+
+    status, body = call(api, "POST", SLICES, resource_slice(name="other", version="v1beta1"))
+    assert status == 400
+    assert_status(body, 400, "BadRequest")
+    assert "v1beta1" in body["message"]
+    assert len(api.slices()) == 3
+
+
+def test_list_with_field_selector(api: FakeApiServer) -> None:
+    for name, node, driver in (("b", "node-a", DRIVER), ("a", "node-a", "other.example.com"), ("c", "node-b", DRIVER)):
+        assert call(api, "POST", SLICES, resource_slice(node=node, driver=driver, name=name))[0] == 201
+
+    status, listed = call(api, "GET", SLICES)
+    assert status == 200
+    assert listed["kind"] == "ResourceSliceList"
+    assert listed["apiVersion"] == f"{GROUP}/v1"
+    assert int(listed["metadata"]["resourceVersion"]) >= 3
+    assert [i["metadata"]["name"] for i in listed["items"]] == ["a", "b", "c"]
+
+    def names(selector: str) -> list[str]:
+        status, body = call(api, "GET", f"{SLICES}?fieldSelector={quote(selector)}")
+        assert status == 200
+        return [i["metadata"]["name"] for i in body["items"]]
+
+    assert names("spec.nodeName=node-a") == ["a", "b"]
+    assert names(f"spec.driver={DRIVER}") == ["b", "c"]
+    assert names(f"spec.nodeName=node-a,spec.driver={DRIVER}") == ["b"]
+    assert names("spec.nodeName=node-z") == []
+    assert names("spec.nodeName!=node-a") == ["c"]
+
+    status, body = call(api, "GET", f"{SLICES}?fieldSelector={quote('spec.pool.name=x')}")
+    assert status == 400
+    assert_status(body, 400, "BadRequest")
+    assert [s["metadata"]["name"] for s in api.slices(node="node-a", driver=DRIVER)] == ["b"]
+
+
+def test_update_needs_current_resource_version(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+    stale = json.loads(json.dumps(created))
+    path = f"{SLICES}/s"
+
+    created["spec"]["pool"]["generation"] = 1
+    status, updated = call(api, "PUT", path, created)
+    assert status == 200
+    assert int(updated["metadata"]["resourceVersion"]) > int(created["metadata"]["resourceVersion"])
+    assert updated["metadata"]["uid"] == created["metadata"]["uid"]
+    assert updated["metadata"]["generation"] == 2
+
+    stale["spec"]["pool"]["generation"] = 5
+    status, body = call(api, "PUT", path, stale)
+    assert status == 409
+    assert_status(body, 409, "Conflict")
+    assert api.slices()[0]["spec"]["pool"]["generation"] == 1
+
+    missing = json.loads(json.dumps(updated))
+    del missing["metadata"]["resourceVersion"]
+    assert call(api, "PUT", path, missing)[0] == 409
+
+    status, body = call(api, "PUT", f"{SLICES}/other", updated)
+    assert status == 400 and "does not match the name on the URL" in body["message"]
+
+    moved = json.loads(json.dumps(updated))
+    moved["spec"]["nodeName"] = "node-b"
+    status, body = call(api, "PUT", path, moved)
+    assert status == 422 and "spec.nodeName" in body["message"]
+
+    status, got = call(api, "GET", path)
+    assert status == 200 and got == updated
+
+    ghost = json.loads(json.dumps(updated))
+    ghost["metadata"]["name"] = "ghost"
+    assert call(api, "PUT", f"{SLICES}/ghost", ghost)[0] == 404
+
+
+def test_delete(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+    status, body = call(api, "DELETE", f"{SLICES}/s")
+    assert status == 200
+    assert body["kind"] == "Status" and body["status"] == "Success"
+    assert body["details"]["uid"] == created["metadata"]["uid"]
+    assert api.slices() == []
+    status, body = call(api, "GET", f"{SLICES}/s")
+    assert status == 404
+    assert_status(body, 404, "NotFound")
+    assert body["details"] == {"name": "s", "group": GROUP, "kind": "resourceslices"}
+    assert call(api, "DELETE", f"{SLICES}/s")[0] == 404
+
+
+def test_delete_collection_by_node(api: FakeApiServer) -> None:
+    for name, node in (("a", "node-a"), ("b", "node-b")):
+        call(api, "POST", SLICES, resource_slice(node=node, name=name))
+    status, body = call(api, "DELETE", f"{SLICES}?fieldSelector={quote('spec.nodeName=node-a')}")
+    assert status == 200
+    assert [i["metadata"]["name"] for i in body["items"]] == ["a"]
+    assert [s["metadata"]["name"] for s in api.slices()] == ["b"]
+
+
+def invalid(api: FakeApiServer, obj: dict[str, Any], field: str, path: str = SLICES) -> dict[str, Any]:
+    status, body = call(api, "POST", path, obj)
+    assert status == 422, body
+    assert_status(body, 422, "Invalid")
+    assert field in body["message"]
+    assert any(field in c["field"] for c in body["details"]["causes"])
+    return body
+
+
+def test_validation(api: FakeApiServer) -> None:
+    invalid(api, resource_slice(devices=[device(f"gpu-{i}") for i in range(129)]), "spec.devices")
+    assert call(api, "POST", SLICES, resource_slice(devices=[device(f"gpu-{i}") for i in range(128)]))[0] == 201
+
+    bad_attr = resource_slice(devices=[device("gpu-0", uuid={"string": "GPU-1", "int": 1})])
+    invalid(api, bad_attr, "spec.devices[0].attributes[uuid]")
+    invalid(api, resource_slice(devices=[device("gpu-0", uuid="GPU-1")]), "spec.devices[0].attributes[uuid]")
+    invalid(
+        api, resource_slice(devices=[device("gpu-0", driverVersion={"version": "12.4"})]), "attributes[driverVersion]"
+    )
+    too_many: dict[str, Any] = {f"a{i}": {"int": i} for i in range(32)}
+    invalid(api, resource_slice(devices=[device("gpu-0", **too_many)]), "spec.devices[0]")
+
+    invalid(api, resource_slice(devices=[device("GPU_0")]), "spec.devices[0].name")
+    invalid(api, resource_slice(devices=[device("gpu-0"), device("gpu-0")]), "spec.devices[1].name")
+    no_value = resource_slice(devices=[{"name": "gpu-0", "capacity": {"memory": {"quantity": "1Gi"}}}])
+    invalid(api, no_value, "spec.devices[0].capacity[memory]")
+    bad_taint = resource_slice(devices=[{"name": "gpu-0", "taints": [{"key": "k", "effect": "Evict"}]}])
+    invalid(api, bad_taint, "spec.devices[0].taints[0].effect")
+
+    for field in ("driver", "pool"):
+        obj = resource_slice()
+        del obj["spec"][field]
+        invalid(api, obj, f"spec.{field}")
+    obj = resource_slice()
+    obj["spec"]["pool"]["resourceSliceCount"] = 0
+    invalid(api, obj, "spec.pool.resourceSliceCount")
+    obj = resource_slice()
+    obj["spec"]["allNodes"] = True
+    invalid(api, obj, "spec")
+
+    # Every error is reported, not only the first.
+    obj = resource_slice()
+    del obj["spec"]["driver"]
+    obj["spec"]["pool"]["generation"] = -1
+    body = invalid(api, obj, "spec.driver")
+    assert {c["field"] for c in body["details"]["causes"]} == {"spec.driver", "spec.pool.generation"}
+    assert len(api.slices()) == 1
+
+
+def test_device_shape_follows_the_url_version() -> None:
+    with FakeApiServer(versions=("v1beta1", "v1")) as server:
+        beta = f"/apis/{GROUP}/v1beta1/resourceslices"
+        # The v1 shape sent to v1beta1, and the v1beta1 shape sent to v1.
+        invalid(
+            server, resource_slice(version="v1beta1", devices=[device("gpu-0")]), "spec.devices[0].attributes", beta
+        )
+        invalid(server, resource_slice(devices=[device("gpu-0", "v1beta1")]), "spec.devices[0].basic")
+
+        taint = {"key": "example.com/unhealthy", "value": "xid-79", "effect": "NoExecute"}
+        dev = device("gpu-0", "v1beta1")
+        dev["basic"]["taints"] = [taint]
+        status, created = call(server, "POST", beta, resource_slice(name="s", version="v1beta1", devices=[dev]))
+        assert status == 201
+        # Read at the other version, the same slice comes back in that version's shape.
+        status, as_v1 = call(server, "GET", f"{SLICES}/s")
+        assert status == 200
+        assert as_v1["apiVersion"] == f"{GROUP}/v1"
+        assert as_v1["spec"]["devices"] == [{"name": "gpu-0", **dev["basic"]}]
+        assert call(server, "GET", f"{beta}/s")[1] == created
+
+
+def test_bad_requests(api: FakeApiServer) -> None:
+    status, body = call(api, "POST", SLICES, b"{not json")
+    assert status == 400
+    assert_status(body, 400, "BadRequest")
+    status, body = call(api, "POST", SLICES, resource_slice(), headers={"Content-Type": "text/plain"})
+    assert status == 415
+    assert_status(body, 415, "UnsupportedMediaType")
+    status, body = call(api, "PATCH", f"{SLICES}/s", {})
+    assert status == 405
+    assert_status(body, 405, "MethodNotAllowed")
+    assert call(api, "POST", "/apis", {})[0] == 405
+    assert call(api, "GET", f"{SLICES}/s/status")[0] == 404
+    assert api.slices() == []
+
+
+def test_claims(api: FakeApiServer) -> None:
+    api.add_claim(
+        {
+            "apiVersion": f"{GROUP}/v1beta1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "team", "name": "gpu-claim"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+        }
+    )
+    path = f"/apis/{GROUP}/v1/namespaces/team/resourceclaims/gpu-claim"
+    status, claim = call(api, "GET", path)
+    assert status == 200
+    assert claim["apiVersion"] == f"{GROUP}/v1"
+    assert claim["metadata"]["name"] == "gpu-claim"
+    assert claim["metadata"]["uid"] and claim["metadata"]["resourceVersion"]
+    assert claim["spec"]["devices"]["requests"][0]["name"] == "gpu"
+
+    status, body = call(api, "GET", f"/apis/{GROUP}/v1/namespaces/other/resourceclaims/gpu-claim")
+    assert status == 404
+    assert_status(body, 404, "NotFound")
+    api.delete_claim("team", "gpu-claim")
+    assert call(api, "GET", path)[0] == 404
+
+
+def test_fail_next(api: FakeApiServer) -> None:
+    api.fail_next(2, status=503, reason="ServiceUnavailable")
+    for _ in range(2):
+        status, body = call(api, "GET", SLICES)
+        assert status == 503
+        assert_status(body, 503, "ServiceUnavailable")
+    assert call(api, "GET", SLICES)[0] == 200
+    api.fail_next(1)
+    status, body = call(api, "POST", SLICES, resource_slice())
+    assert status == 500
+    assert_status(body, 500, "InternalError")
+    assert api.slices() == []
+    assert api.requests == [
+        ("GET", SLICES, 503),
+        ("GET", SLICES, 503),
+        ("GET", SLICES, 200),
+        ("POST", SLICES, 500),
+    ]
+
+
+def test_keep_alive_and_restart(api: FakeApiServer) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=5)
+    assert call(api, "POST", SLICES, resource_slice(name="s"), conn=conn)[0] == 201
+    assert call(api, "GET", f"{SLICES}/s", conn=conn)[0] == 200
+    sock = conn.sock
+    assert call(api, "GET", f"{SLICES}/s", conn=conn)[0] == 200
+    assert conn.sock is sock, "the connection was not kept alive"
+
+    url = api.url
+    api.stop()
+    # The kept-alive connection was closed under the client, and nothing listens.
+    with pytest.raises((http.client.HTTPException, OSError)):
+        call(api, "GET", f"{SLICES}/s", conn=conn)
+    conn.close()
+    with pytest.raises(ConnectionRefusedError):
+        call(api, "GET", SLICES)
+
+    api.start()
+    assert api.url == url
+    status, got = call(api, "GET", f"{SLICES}/s")
+    assert status == 200 and got["metadata"]["name"] == "s"
+
+    api.restart()
+    assert api.url == url and [s["metadata"]["name"] for s in api.slices()] == ["s"]
+    api.restart(keep_state=False)
+    assert api.url == url and api.slices() == []
+    status, listed = call(api, "GET", SLICES)
+    assert status == 200 and listed["items"] == []
+
+
+def test_stop_does_not_wait_for_idle_connections(api: FakeApiServer) -> None:
+    conns = [http.client.HTTPConnection("127.0.0.1", api.port, timeout=5) for _ in range(5)]
+    for conn in conns:
+        assert call(api, "GET", SLICES, conn=conn)[0] == 200
+    # A connection that never sent a request at all.
+    raw = socket.create_connection(("127.0.0.1", api.port), timeout=5)
+    time.sleep(0.2)
+    started = time.monotonic()
+    api.stop()
+    assert time.monotonic() - started < 2.0
+    # Closed, not left hanging (a timeout would raise): EOF once accepted, a reset if still queued.
+    with contextlib.suppress(ConnectionResetError):
+        assert raw.recv(1) == b""
+    raw.close()
+    for conn in conns:
+        conn.close()
+    assert not [t for t in threading.enumerate() if t.name == "fake-apiserver-conn"]
+
+
+def test_delete_slices(api: FakeApiServer) -> None:
+    for name, node in (("a1", "node-a"), ("a2", "node-a"), ("b1", "node-b")):
+        assert call(api, "POST", SLICES, resource_slice(node=node, name=name))[0] == 201
+    assert api.delete_slices("node-a") == 2
+    assert api.delete_slices("node-a") == 0
+    assert [s["metadata"]["name"] for s in api.slices()] == ["b1"]
+    status, listed = call(api, "GET", f"{SLICES}?fieldSelector={quote('spec.nodeName=node-a')}")
+    assert status == 200 and listed["items"] == []
+
+
+def test_concurrent_clients(api: FakeApiServer) -> None:
+    errors: list[BaseException] = []
+
+    def create(i: int) -> None:
+        try:
+            status, _ = call(api, "POST", SLICES, resource_slice(node=f"node-{i}"))
+            assert status == 201
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    versions = [int(s["metadata"]["resourceVersion"]) for s in api.slices()]
+    assert len(api.slices()) == 20 and len(set(versions)) == 20
+    assert len(api.requests) == 20
