@@ -17,6 +17,7 @@ from . import config
 from .allocation import AllocationPolicy
 from .cdi.publisher import CdiSettings, SpecPublisher
 from .config import Config
+from .dra.driver import DraDriver
 from .event import (
     CdiChecked,
     Event,
@@ -112,7 +113,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         self._kubelet_dir: KubeletDirWatch | None = None
-        self.metrics = Metrics(self._resource_views, lambda: self._holders() or {})
+        self.metrics = Metrics(self._resource_views, lambda: self._holders() or {}, self._dra_status)
         # When each recent revision's event arrived, for the event-to-ListAndWatch latency.
         self._event_times: dict[int, float] = {}
         self._plan_error: str | None = None
@@ -124,6 +125,8 @@ class Daemon:
         self._status = ""
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
         self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
+        # The DRA driver, a sink of the same state as the device plugin, when nvplug.dra is on.
+        self.dra = DraDriver(options.config, self.state_file.path.parent) if options.config.dra.enabled else None
         socket = options.pod_resources_socket or _off_or_path(options.config.pod_resources_socket)
         self.pods = PodView(PodResourcesClient(socket) if socket is not None else None)
         # Work started from synchronous code (a log line that waits for PodResources); kept to be awaited.
@@ -165,7 +168,8 @@ class Daemon:
             udev.start()
         except OSError as err:
             log.error("udev hotplug events unavailable (%s); new GPUs are found only by rescans", err)
-        kubelet_dir = KubeletDirWatch(opts.plugin_dir, [], bus.publish_threadsafe)
+        dra_dirs = [p.parent for p in self.dra.sockets.sockets] if self.dra is not None else []
+        kubelet_dir = KubeletDirWatch(opts.plugin_dir, [], bus.publish_threadsafe, dra_dirs)
         self._kubelet_dir = kubelet_dir
         kubelet_dir.start()
         tasks: list[asyncio.Task[None]] = []
@@ -179,6 +183,8 @@ class Daemon:
             if isinstance(first, NvmlFailed):
                 scanner.request("NVML unavailable at start")
             await self._apply_resources(self._planned(self.config), self._policy(self.config))
+            if self.dra is not None:
+                await self.dra.start()
             status = StatusServer(
                 opts.status_listen or self.config.status_listen,
                 {
@@ -237,6 +243,8 @@ class Daemon:
                 await asyncio.gather(*rebinds, return_exceptions=True)
             if status is not None:
                 await status.stop()
+            if self.dra is not None:
+                await self.dra.stop()
             for plugin in self._plugins:
                 await self._close(plugin)
             await scanner.close()
@@ -339,7 +347,8 @@ class Daemon:
             fresh = [self._make_plugin(spec, policy) for spec in wanted.values()]
             self._plugins = keep + fresh
             if self._kubelet_dir is not None:
-                self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins])
+                dra = list(self.dra.sockets.sockets) if self.dra is not None else []
+                self._kubelet_dir.set_own([p.server.socket_path for p in self._plugins] + dra)
             for plugin in fresh:
                 await self._open(plugin)
 
@@ -360,6 +369,9 @@ class Daemon:
         elif isinstance(event, MigConfigChanged):
             scanner.request(f"MIG layout of {event.uuid} changed")
         elif isinstance(event, PluginSocketRemoved):
+            if self.dra is not None and Path(event.path) in self.dra.sockets.sockets:
+                log.warning("%s was removed: serving it again", event.path)
+                await self.dra.sockets.rebind(Path(event.path))
             for plugin in self._plugins:
                 if str(plugin.server.socket_path) == event.path:
                     self._reconnect(plugin, registered_again=False)
@@ -404,6 +416,8 @@ class Daemon:
             # Just after the streams (an fsync must not delay the kubelet's news), within this loop turn.
             self._save_soon()
             self.nfd.update(self.state.current, self.config, self.config.unhealthy_count_label)
+            if self.dra is not None:
+                self.dra.update(self.state.current)
         if changes:
             self._update_status()
 
@@ -464,6 +478,7 @@ class Daemon:
         )
         doc["cdi"] = self.cdi.status()
         doc["labels"] = {"file": _text(self.nfd.path), "error": self.nfd.error, "labels": self.nfd.labels}
+        doc["dra"] = self._dra_status()
         return json_answer(doc)
 
     async def _metrics_route(self) -> tuple[int, str, bytes]:
@@ -573,7 +588,25 @@ class Daemon:
         parts += [f"not advertised: {problem}" for problem in self._refused.values()]
         parts += _unready_note(snap)
         parts += self._cdi_note()
+        parts += self._dra_note()
         return "; ".join(parts)
+
+    def _dra_status(self) -> dict[str, object] | None:
+        return self.dra.status() if self.dra is not None else None
+
+    def _dra_note(self) -> list[str]:
+        dra = self.dra
+        if dra is None:
+            return []
+        if dra.publisher.error:
+            return [f"DRA {dra.driver}: {dra.publisher.error}"]
+        how = (
+            "registered"
+            if dra.registered
+            else f"not registered ({dra.registration_error or 'waiting for the kubelet'})"
+        )
+        healthy = sum(1 for d in dra.devices if d.healthy)
+        return [f"DRA {dra.driver} {how}: {healthy} devices in {len(dra.publisher.slice_names)} ResourceSlices"]
 
     def _cdi_note(self) -> list[str]:
         return [f"CDI spec not written: {self.cdi.error}"] if self.cdi.error else []
@@ -596,6 +629,8 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = config.load(self.options.config_path)
+            if new.dra != self.config.dra:
+                raise config.ConfigError(f"{new.source}: nvplug.dra changed; that takes `systemctl restart nvplug`")
             found = self._plan(new)
             if found.refused:
                 raise config.ConfigError(f"{new.source}: " + "; ".join(found.refused.values()))

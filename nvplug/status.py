@@ -159,6 +159,7 @@ class Metrics:
         self,
         resources: Callable[[], Sequence[ResourceView]],
         holders: Callable[[], Mapping[str, list[Holder]]] = dict,
+        dra: Callable[[], Mapping[str, Any] | None] = lambda: None,
     ) -> None:
         self.registry = reg = CollectorRegistry()
         self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
@@ -178,6 +179,7 @@ class Metrics:
         build = Info("nvplug_build", "Build information", registry=reg)
         build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
         reg.register(_ResourceCollector(resources, holders))
+        reg.register(_DraCollector(dra))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -224,6 +226,32 @@ class _ResourceCollector(Collector):
         for labels in sorted(series):
             allocated.add_metric(list(labels), 1.0)
         yield from (devices, registered, ok, failed, allocated)
+
+
+class _DraCollector(Collector):
+    """The DRA driver's pool and claims, from its status (nothing while DRA is off)."""
+
+    def __init__(self, dra: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._dra = dra
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self._dra()
+        if doc is None:
+            return
+        driver = [str(doc["driver"])]
+        claims = GaugeMetricFamily("nvplug_dra_claims_prepared", "ResourceClaims prepared", labels=["driver"])
+        claims.add_metric(driver, len(doc["claims"]))
+        pool = GaugeMetricFamily("nvplug_dra_pool_devices", "Devices published in the pool", labels=["driver"])
+        pool.add_metric(driver, float(doc["pool_devices"]))
+        registered = GaugeMetricFamily(
+            "nvplug_dra_registered", "1 when the kubelet registered the DRA plugin", labels=["driver"]
+        )
+        registered.add_metric(driver, 1.0 if doc["registered"] else 0.0)
+        published = GaugeMetricFamily(
+            "nvplug_dra_slices_published", "1 when the ResourceSlices are written as the pool is", labels=["driver"]
+        )
+        published.add_metric(driver, 0.0 if doc["error"] else 1.0)
+        yield from (claims, pool, registered, published)
 
 
 Answer = tuple[int, str, bytes]

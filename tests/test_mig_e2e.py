@@ -15,9 +15,10 @@ MIXED_LAYOUT = ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
 
 
 def mig_node(
-    node: SimulatedNode, strategy: str, layouts: dict[int, list[str]], minors: bool = True
+    node: SimulatedNode, strategy: str, layouts: dict[int, list[str]], minors: bool = True, start: bool = True
 ) -> list[dict[str, str]]:
-    """GPUs in `layouts` get MIG mode and those MIG devices; the minors table, if any, lists them all."""
+    """GPUs in `layouts` get MIG mode and those MIG devices; the minors table, if any, lists them all.
+    With `start`, the config names the strategy and the kubelet stand-in and the daemon start."""
     gpus = node.scenario_gpus()
     lines = node.scenario.read_text().splitlines()
     for index, profiles in layouts.items():
@@ -29,9 +30,10 @@ def mig_node(
     table = {int(g["minor"]): [(gi, 0) for gi in range(1, 8)] for g in gpus}
     if minors:
         fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
-    node.config.write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
-    node.kubelet.start()
-    node.start_daemon()
+    if start:
+        node.config.write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
+        node.kubelet.start()
+        node.start_daemon()
     return gpus
 
 

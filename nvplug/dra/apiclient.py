@@ -78,7 +78,9 @@ class KubeConfig:
                     return dict(item[kind[:-1]])
             raise KubeConfigError(f"{path}: {kind}: no entry named {name!r}")
 
-        context = named("contexts", doc.get("current-context"))
+        if not doc.get("current-context"):
+            raise KubeConfigError(f"{path}: current-context is not set")
+        context = named("contexts", doc["current-context"])
         cluster = named("clusters", context.get("cluster"))
         user = named("users", context.get("user")) if context.get("user") else {}
         if "exec" in user or "auth-provider" in user:

@@ -1,4 +1,5 @@
-"""inotify on the device-plugin directory: a new kubelet.sock, or our own socket gone."""
+"""inotify on the device-plugin directory: a new kubelet.sock, or our own socket gone (there, or in
+the directories of the DRA plugin's sockets)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,24 @@ class _Observer(BaseObserver):
 class KubeletDirWatch:
     """Runs watchdog's observer thread; `emit` must be thread-safe."""
 
-    def __init__(self, plugin_dir: Path, own_sockets: Iterable[Path], emit: Callable[[Event], None]) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path,
+        own_sockets: Iterable[Path],
+        emit: Callable[[Event], None],
+        more_dirs: Iterable[Path] = (),
+    ) -> None:
         self.plugin_dir = plugin_dir
+        self.more_dirs = tuple(dict.fromkeys(more_dirs))
         self._handler = _Handler(str(plugin_dir / KUBELET_SOCKET), own_sockets, emit)
         self._observer: _Observer | None = None
 
     def start(self) -> None:
         observer = _Observer()
         observer.schedule(self._handler, str(self.plugin_dir), recursive=False)
+        for directory in self.more_dirs:
+            directory.mkdir(parents=True, exist_ok=True)
+            observer.schedule(self._handler, str(directory), recursive=False)
         observer.daemon = True
         observer.start()
         self._observer = observer

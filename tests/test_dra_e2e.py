@@ -1,0 +1,252 @@
+"""DRA end to end: the daemon's DRA kubelet plugin, registered through plugins_registry with the
+kubelet's DRA stand-in, publishing ResourceSlices to the API-server stand-in over HTTP, and
+preparing claims; restarts of each, health changes and hot adds; the device plugin beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_mig_e2e import mig_node
+
+from nvplug import statusclient
+from nvplug.cdi.spec import GPU_KIND
+from nvplug.testing.apiserver import FakeApiServer
+from nvplug.testing.drakubelet import DraKubelet
+from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev import pci_event, send_uevent
+
+TIMEOUT = 15.0
+DRIVER = "gpu.nvidia.com"
+NODE = "node-a"
+
+
+@dataclass
+class Dra:
+    node: SimulatedNode
+    api: FakeApiServer
+    kubelet: DraKubelet
+    kubeconfig: Path
+
+    def config(self, devices: str = "[4, 5, 6, 7]", extra: str = "") -> str:
+        return f"""version: v1
+flags:
+  plugin:
+    deviceListStrategy: [cdi-cri]
+{extra}nvplug:
+  dra:
+    enabled: true
+    nodeName: {NODE}
+    kubeconfig: {self.kubeconfig}
+    devices: {devices}
+    registryDir: {self.node.root / "registry"}
+    pluginsDir: {self.node.root / "plugins"}
+"""
+
+    def start(self, cfg: str | None = None) -> None:
+        self.node.config.write_text(cfg or self.config())
+        self.node.kubelet.start()
+        self.node.start_daemon()
+        self.kubelet.start()
+        self.wait(lambda: self.kubelet.plugin(DRIVER) is not None, "the DRA plugin's registration")
+
+    def slices(self) -> list[dict[str, Any]]:
+        return self.api.slices(node=NODE, driver=DRIVER)
+
+    def pool(self) -> dict[str, dict[str, Any]]:
+        """The published devices by name (v1 shape: attributes on the device)."""
+        return {d["name"]: d for s in self.slices() for d in s["spec"]["devices"]}
+
+    def wait(self, check: Callable[[], bool], what: str) -> float:
+        began = time.monotonic()
+        while time.monotonic() - began < TIMEOUT:
+            if check():
+                return time.monotonic() - began
+            time.sleep(0.005)
+        raise AssertionError(f"timed out waiting for {what}; slices: {json.dumps(self.slices(), indent=1)}\n"
+                             f"daemon log:\n{self.node.log_text()[-3000:]}")  # fmt: skip
+
+    def claim(self, name: str, *devices: str, request: str = "gpu") -> tuple[str, str, str]:
+        """An allocated ResourceClaim of these devices of the node's pool; (namespace, name, uid)."""
+        uid = f"uid-{name}"
+        results = [{"request": request, "driver": DRIVER, "pool": NODE, "device": d} for d in devices]
+        self.api.add_claim({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": "ml", "name": name, "uid": uid},
+            "spec": {"devices": {"requests": [{"name": request}]}},
+            "status": {"allocation": {"devices": {"results": results}}},
+        })  # fmt: skip
+        return ("ml", name, uid)
+
+
+@pytest.fixture
+def dra(node: SimulatedNode) -> Iterator[Dra]:
+    api = FakeApiServer(versions=("v1", "v1beta1"))
+    api.start()
+    kubelet = DraKubelet(node.root / "registry", NODE, "1.34", api)
+    try:
+        yield Dra(node, api, kubelet, api.write_kubeconfig(node.root / "kubeconfig"))
+    finally:
+        kubelet.stop()
+        node.stop_daemon()
+        api.stop()
+
+
+def test_slices_prepare_and_the_device_plugin_beside_it(dra: Dra) -> None:
+    dra.start()
+    uuids = [g["uuid"] for g in dra.node.scenario_gpus()]
+    # The device plugin keeps GPUs 0-3; DRA offers 4-7: no GPU through both.
+    dra.node.kubelet.wait_for(registered_with(4, GPU_RESOURCE), TIMEOUT)
+    plugin = dra.node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and sorted(plugin.devices) == sorted(uuids[:4])
+    dra.wait(lambda: len(dra.pool()) == 4, "four devices in the pool")
+    registration = dra.kubelet.plugin(DRIVER)
+    assert registration is not None and registration.service == "v1.DRAPlugin"
+    assert registration.endpoint == str(dra.node.root / "plugins" / DRIVER / "dra.sock")
+    (published,) = dra.slices()
+    print(json.dumps(published, indent=1))
+    spec = published["spec"]
+    assert spec["pool"] == {"name": NODE, "generation": spec["pool"]["generation"], "resourceSliceCount": 1}
+    gpu5 = dra.pool()["gpu-5"]
+    assert gpu5["attributes"]["type"] == {"string": "gpu"} and gpu5["attributes"]["uuid"] == {"string": uuids[5]}
+    assert gpu5["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert gpu5["attributes"]["architecture"] == {"string": "Hopper"}
+    assert gpu5["attributes"]["cudaComputeCapability"] == {"version": "9.0.0"}
+    assert gpu5["attributes"]["driverVersion"] == {"version": "550.54.15"}
+    assert gpu5["attributes"]["cudaDriverVersion"] == {"version": "12.4.0"}
+    assert gpu5["attributes"]["index"] == {"int": 5} and gpu5["attributes"]["minor"] == {"int": 5}
+    assert gpu5["attributes"]["pcieBusID"] == {"string": "0000:ab:00.0"}
+    assert gpu5["capacity"]["memory"] == {"value": "81559Mi"}
+
+    claim = dra.claim("train", "gpu-5")
+    (answer,) = dra.kubelet.prepare(DRIVER, [claim]).values()
+    assert answer.error == ""
+    assert answer.devices == ((NODE, "gpu-5", ("gpu",), (f"{GPU_KIND}={uuids[5]}",)),)
+    # Idempotent: asked again, the same answer.
+    assert dra.kubelet.prepare(DRIVER, [claim]) == {claim[2]: answer}
+    status = status_of(dra.node)
+    assert status["dra"]["claims"] == [{"namespace": "ml", "name": "train", "uid": claim[2], "devices": ["gpu-5"]}]
+    # Per-claim errors: an unknown device, a claim the API server does not have, one of another UID.
+    bogus = dra.claim("bogus", "gpu-0")
+    missing = ("ml", "gone", "uid-gone")
+    results = dra.kubelet.prepare(DRIVER, [bogus, missing, ("ml", "train", "uid-other")])
+    assert "device gpu-0 is not offered by gpu.nvidia.com on node-a (unknown device)" in results[bogus[2]].error
+    assert "cannot read the claim from the API server: not found" in results["uid-gone"].error
+    assert "the API server has UID uid-train under that name" in results["uid-other"].error
+    assert dra.kubelet.unprepare(DRIVER, [claim, missing]) == {claim[2]: "", "uid-gone": ""}
+    assert status_of(dra.node)["dra"]["claims"] == []
+
+
+def test_health_changes_and_hot_adds_reach_the_slices_within_milliseconds(dra: Dra) -> None:
+    dra.start(dra.config(devices="[]"))  # every GPU to DRA
+    dra.wait(lambda: len(dra.pool()) == 8, "eight devices")
+    claim = dra.claim("held", "gpu-6")
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
+    began = time.monotonic()
+    dra.node.control.xid(6, 79)
+    dra.wait(lambda: "gpu-6" not in dra.pool(), "gpu-6 to leave the pool")
+    print(f"XID 79 on GPU 6 -> ResourceSlice without gpu-6: {(time.monotonic() - began) * 1000:.1f} ms")
+    print(json.dumps(dra.slices(), indent=1))
+    # A new claim of the Unhealthy device fails alone; the prepared one stays prepared.
+    late = dra.claim("late", "gpu-6")
+    errors = dra.kubelet.prepare(DRIVER, [late, claim])
+    assert "device gpu-6" in errors[late[2]].error and "is Unhealthy: XID 79" in errors[late[2]].error
+    assert errors[claim[2]].error == ""
+    if os.geteuid() == 0:
+        new = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
+        dra.node.add_gpu(
+            f'uuid={new} name="NVIDIA H100 80GB HBM3" minor=8 bus=0000:CC:00.0 numa=1 memory_mib=81559 cc=9.0'
+        )
+        began = time.monotonic()
+        send_uevent(pci_event("add", "0000:cc:00.0"))
+        send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
+        dra.wait(lambda: "gpu-8" in dra.pool(), "the hot-added GPU in the pool")
+        print(f"hot add -> ResourceSlice with gpu-8: {(time.monotonic() - began) * 1000:.1f} ms")
+        assert dra.pool()["gpu-8"]["attributes"]["uuid"] == {"string": new}
+
+
+def test_restarts_of_the_kubelet_the_api_server_and_nvplug(dra: Dra) -> None:
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    claim = dra.claim("train", "gpu-4")
+    first = dra.kubelet.prepare(DRIVER, [claim])[claim[2]]
+    # The kubelet restarts: it deletes the node's slices, finds our socket again, and we publish again.
+    dra.kubelet.restart()
+    assert dra.kubelet.wiped >= 1
+    dra.wait(lambda: len(dra.pool()) == 4, "the slices published again after the kubelet's restart")
+    assert dra.kubelet.accepted(DRIVER) == 2
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]] == first
+    # The API server goes away: the device plugin does not notice, the slices catch up when it is back.
+    dra.api.stop()
+    dra.node.control.xid(5, 79)
+    time.sleep(0.3)
+    assert dra.node.daemon is not None and dra.node.daemon.poll() is None
+    dra.node.wait_log("ResourceSlices of node-a not published", TIMEOUT)
+    dra.api.restart()
+    dra.wait(lambda: set(dra.pool()) == {"gpu-4", "gpu-6", "gpu-7"}, "the pool without gpu-5, once the API is back")
+    # nvplug restarts: the prepared claim comes from its checkpoint, even with the claim deleted.
+    assert dra.node.stop_daemon() == 0
+    dra.api.delete_claim("ml", "train")
+    dra.node.start_daemon()
+    dra.wait(lambda: dra.kubelet.accepted(DRIVER) >= 3, "registration of the restarted daemon")
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]] == first
+    assert dra.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}
+    assert dra.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}  # and again: idempotent
+
+
+def test_a_kubelet_1_32_and_a_v1beta1_api_server(dra: Dra) -> None:
+    dra.api.restart(keep_state=False)
+    dra.api.versions = ("v1beta1",)
+    dra.kubelet.version = "1.32"
+    dra.start()
+    dra.wait(lambda: bool(dra.slices()), "the slices")
+    (published,) = dra.slices()
+    assert published["apiVersion"] == "resource.k8s.io/v1beta1"
+    assert [d["name"] for d in published["spec"]["devices"]] == ["gpu-4", "gpu-5", "gpu-6", "gpu-7"]
+    assert published["spec"]["devices"][0]["basic"]["attributes"]["type"] == {"string": "gpu"}
+    registration = dra.kubelet.plugin(DRIVER)
+    assert registration is not None and registration.service == "v1beta1.DRAPlugin"
+    claim = dra.claim("old", "gpu-7")
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].devices[0][1] == "gpu-7"
+
+
+def test_a_mig_device_claim(dra: Dra) -> None:
+    gpus = mig_node(dra.node, "mixed", {4: ["3g.40gb", "3g.40gb"]}, start=False)
+    dra.start(dra.config(extra="  migStrategy: mixed\n"))
+    dra.wait(lambda: len(dra.pool()) == 5, "3 GPUs and 2 MIG devices")
+    names = sorted(dra.pool())
+    assert names == ["gpu-4-mig-3g40gb-1-0", "gpu-4-mig-3g40gb-2-0", "gpu-5", "gpu-6", "gpu-7"]
+    mig = dra.pool()["gpu-4-mig-3g40gb-2-0"]
+    print(json.dumps(mig, indent=1))
+    assert mig["attributes"]["type"] == {"string": "mig"} and mig["attributes"]["profile"] == {"string": "3g.40gb"}
+    assert mig["attributes"]["parentUUID"] == {"string": gpus[4]["uuid"]}
+    claim = dra.claim("small", "gpu-4-mig-3g40gb-2-0", request="mig")
+    (answer,) = dra.kubelet.prepare(DRIVER, [claim]).values()
+    uuid = mig["attributes"]["uuid"]["string"]
+    assert answer.error == "" and answer.devices == ((NODE, "gpu-4-mig-3g40gb-2-0", ("mig",), (f"{GPU_KIND}={uuid}",)),)
+    print(f"prepare of a MIG device: {answer}")
+
+
+def test_a_bad_kubeconfig_leaves_the_device_plugin_alone(dra: Dra) -> None:
+    dra.kubeconfig.write_text("apiVersion: v1\nclusters: []\n")
+    dra.start()
+    dra.node.kubelet.wait_for(registered_with(4, GPU_RESOURCE), TIMEOUT)
+    dra.node.wait_log("DRA: ", TIMEOUT)
+    status = status_of(dra.node)
+    assert "kubeconfig: current-context is not set" in status["dra"]["error"]
+    claim = dra.claim("any", "gpu-4")
+    assert "cannot read the claim" in dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error
+    assert dra.node.daemon is not None
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    dra.node.wait_log("reloaded the config", TIMEOUT)
+
+
+def status_of(node: SimulatedNode) -> dict[str, Any]:
+    return statusclient.status(f"unix:{node.status_socket}")
