@@ -126,7 +126,11 @@ class Daemon:
         self.cdi = SpecPublisher(self._cdi_settings(options.config))
         self.nfd = FeatureFile(self._feature_file(options.config), options.sysfs_root)
         # The DRA driver, a sink of the same state as the device plugin, when nvplug.dra is on.
-        self.dra = DraDriver(options.config, self.state_file.path.parent) if options.config.dra.enabled else None
+        self.dra = (
+            DraDriver(options.config, self.state_file.path.parent, self._update_status)
+            if options.config.dra.enabled
+            else None
+        )
         socket = options.pod_resources_socket or _off_or_path(options.config.pod_resources_socket)
         self.pods = PodView(PodResourcesClient(socket) if socket is not None else None)
         # Work started from synchronous code (a log line that waits for PodResources); kept to be awaited.
@@ -474,7 +478,13 @@ class Daemon:
     async def _status_route(self) -> tuple[int, str, bytes]:
         answer = await self.pods.fresh(wait=PODS_READER_WAIT)
         doc = status_document(
-            self.state.current, self._resource_views(), self._plan_error, self._holders(), answer.error, self._excluded
+            self.state.current,
+            self._resource_views(),
+            self._plan_error,
+            self._holders(),
+            answer.error,
+            self._excluded,
+            self.dra.by_gpu() if self.dra is not None else None,
         )
         doc["cdi"] = self.cdi.status()
         doc["labels"] = {"file": _text(self.nfd.path), "error": self.nfd.error, "labels": self.nfd.labels}

@@ -82,6 +82,14 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
     for r in doc.get("resources") or []:
         state = "registered" if r.get("registered") else "NOT registered"
         lines.append(f"  {r.get('name')}: {state}, {r.get('devices', 0)} devices, {r.get('healthy', 0)} healthy")
+    dra = doc.get("dra")
+    if dra:
+        state = "registered" if dra.get("registered") else "NOT registered"
+        slices = ", ".join(dra.get("slices") or []) or "none"
+        lines.append(f"  DRA {dra.get('driver')}: {state}, {dra.get('pool_devices', 0)} devices in the pool "
+                     f"(ResourceSlices: {slices}), {len(dra.get('claims') or [])} claims prepared")  # fmt: skip
+        if dra.get("error"):
+            lines.append(f"  DRA error: {dra['error']}")
     for key in ("nvml_error", "health_watch_error", "plan_error"):
         if doc.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {doc[key]}")
@@ -234,10 +242,14 @@ def _holder_text(holder: Mapping[str, Any]) -> str:
     return f"{holder.get('namespace')}/{holder.get('pod')} (container {holder.get('container')}{replica})"
 
 
-def _advertised_text(advertised: Mapping[str, Sequence[str]], excluded: str | None) -> str:
-    """Each resource's IDs of the GPU; a device's replicas folded into `x4 (<uuid>::0..::3)`."""
+def _advertised_text(
+    advertised: Mapping[str, Sequence[str]], excluded: str | None, dra: Sequence[Mapping[str, Any]] | None
+) -> str:
+    """Each resource's IDs of the GPU; a device's replicas folded into `x4 (<uuid>::0..::3)`; or its DRA devices."""
     if excluded:
         return f"excluded ({excluded}); health still watched"
+    if dra:
+        return "through DRA: " + "; ".join(_dra_text(d) for d in dra)
     parts = []
     for resource, ids in advertised.items():
         runs: dict[str, list[str]] = {}
@@ -252,6 +264,15 @@ def _advertised_text(advertised: Mapping[str, Sequence[str]], excluded: str | No
                 texts.append(unit)
         parts.append(f"{resource} {', '.join(texts)}")
     return "; ".join(parts) if parts else "not advertised"
+
+
+def _dra_text(device: Mapping[str, Any]) -> str:
+    """`gpu.nvidia.com gpu-5, claimed by ml/train` (or `in the pool`, `not in the pool: Unhealthy`)."""
+    claims = device.get("claims") or []
+    where = f"claimed by {', '.join(claims)}" if claims else "in the pool"
+    if not device.get("healthy"):
+        where = "left out of the pool (Unhealthy)" + (f", prepared for {', '.join(claims)}" if claims else "")
+    return f"{device.get('driver')} {device.get('device')}, {where}"
 
 
 def _nvlink_text(peers: Mapping[str, int], index_of: Mapping[str, Any]) -> str:
@@ -300,7 +321,7 @@ def render(gpus: Sequence[Mapping[str, Any]], now: float) -> str:
             out.append(f"     waiting for {g['waiting_for']}")
         if g.get("pods"):
             out.append(f"     pods: {', '.join(_holder_text(h) for h in g['pods'])}")
-        out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, g.get('excluded'))}")
+        out.append(f"     advertised: {_advertised_text(g.get('advertised') or {}, g.get('excluded'), g.get('dra'))}")
         out.append(f"     nvlink peers: {_nvlink_text(g.get('nvlink_peers') or {}, index_of)}")
         for m in g.get("mig") or []:
             out.append(

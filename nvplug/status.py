@@ -70,10 +70,13 @@ def status_document(
     pods: Mapping[str, list[Holder]] | None = None,
     pods_error: str | None = None,
     excluded: Mapping[str, str] | None = None,
+    dra: Mapping[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why).
-    `excluded`: GPUs nvplug.devices leaves out, and why."""
+    `excluded`: GPUs nvplug.devices leaves out, and why. `dra`: by GPU UUID, its devices in the DRA
+    pool and the claims prepared with them."""
     excluded = excluded or {}
+    dra = dra or {}
 
     def held(uuids: Sequence[str]) -> list[dict[str, object]] | None:
         return None if pods is None else [h.as_dict() for u in uuids for h in pods.get(u, [])]
@@ -125,6 +128,7 @@ def status_document(
                 "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
                 "advertised": advertised.get(gpu.uuid, {}),
                 "excluded": excluded.get(gpu.uuid),
+                "dra": dra.get(gpu.uuid),
                 "nvlink_peers": peers,
                 "mig": migs,
                 # Who holds the GPU: whole, a replica of it, or one of its MIG devices.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_devices import devices
 from test_mig_e2e import mig_node
 
 from nvplug import statusclient
@@ -133,6 +134,18 @@ def test_slices_prepare_and_the_device_plugin_beside_it(dra: Dra) -> None:
     assert dra.kubelet.prepare(DRIVER, [claim]) == {claim[2]: answer}
     status = status_of(dra.node)
     assert status["dra"]["claims"] == [{"namespace": "ml", "name": "train", "uid": claim[2], "devices": ["gpu-5"]}]
+    # The operator's view: which GPUs DRA offers, and the claims that hold them.
+    rc, text, err = devices(dra.node, listen=f"unix:{dra.node.status_socket}")
+    print(text)
+    assert rc == 0, err
+    assert "DRA gpu.nvidia.com: registered, 4 devices in the pool (ResourceSlices: node-a-gpu.nvidia.com-" in text
+    assert "1 claims prepared" in text
+    assert "advertised: through DRA: gpu.nvidia.com gpu-5, claimed by ml/train" in text
+    assert "advertised: through DRA: gpu.nvidia.com gpu-4, in the pool" in text
+    assert f"advertised: nvidia.com/gpu {uuids[0]}" in text
+    metrics = statusclient.fetch(f"unix:{dra.node.status_socket}", "/metrics")[1]
+    assert 'nvplug_dra_claims_prepared{driver="gpu.nvidia.com"} 1.0' in metrics
+    assert 'nvplug_dra_pool_devices{driver="gpu.nvidia.com"} 4.0' in metrics
     # Per-claim errors: an unknown device, a claim the API server does not have, one of another UID.
     bogus = dra.claim("bogus", "gpu-0")
     missing = ("ml", "gone", "uid-gone")

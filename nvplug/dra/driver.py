@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ..cdi.spec import GPU_KIND, device_name, qualified
@@ -34,7 +35,7 @@ def node_name(cfg: Config) -> str:
 
 
 class DraDriver:
-    def __init__(self, cfg: Config, state_dir: Path | None) -> None:
+    def __init__(self, cfg: Config, state_dir: Path | None, on_change: Callable[[], None] = lambda: None) -> None:
         dra = cfg.dra
         self.driver = dra.driver_name
         self.node = node_name(cfg)
@@ -48,7 +49,8 @@ class DraDriver:
             error = str(err)
             log.error("DRA: %s; no ResourceSlices are published and no claim can be prepared", err)
         self.client = client
-        self.publisher = SlicePublisher(client, self.driver, self.node, error)
+        self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
+        self._on_change = on_change
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None)
         self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare,
                                   self.unprepare, self._registered)  # fmt: skip
@@ -112,12 +114,22 @@ class DraDriver:
     def _registered(self, ok: bool, error: str) -> None:
         self.registered = ok
         self.registration_error = None if ok else error or "refused"
+        self._on_change()
         if ok:
             log.info("%s: registered with the kubelet as a DRA plugin; publishing ResourceSlices", self.driver)
             # The kubelet deletes its node's slices when it starts.
             self.publisher.republish()
         else:
             log.error("%s: the kubelet refused the DRA plugin: %s", self.driver, self.registration_error)
+
+    def by_gpu(self) -> dict[str, list[dict[str, object]]]:
+        """Each GPU's devices in the pool (itself, or its MIG devices) and the claims prepared with them."""
+        out: dict[str, list[dict[str, object]]] = {}
+        for d in self.devices:
+            held = [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(d.uuid)]
+            entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": held}
+            out.setdefault(d.gpu.uuid, []).append(entry)
+        return out
 
     def status(self) -> dict[str, object]:
         held: dict[str, list[str]] = {}

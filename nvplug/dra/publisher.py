@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -27,9 +27,18 @@ FAILURES = (ApiError, OSError, TimeoutError, ConnectionError, KubeConfigError, V
 
 
 class SlicePublisher:
-    def __init__(self, client: ApiClient | None, driver: str, node: str, error: str | None = None) -> None:
-        """`client` None: no API server can be reached (`error` says why); the pool is only kept."""
+    def __init__(
+        self,
+        client: ApiClient | None,
+        driver: str,
+        node: str,
+        error: str | None = None,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`client` None: no API server can be reached (`error` says why); the pool is only kept.
+        `on_change` is told after each write and each change of error (the status line)."""
         self.client = client
+        self._on_change = on_change
         self.driver = driver
         self.node = node
         self.error = error
@@ -87,6 +96,7 @@ class SlicePublisher:
                 if self.error is not None:
                     log.info("ResourceSlices of %s published again", self.node)
                     self.error = None
+            self._on_change()
 
     def _failed(self, error: str) -> None:
         if error != self.error:
