@@ -240,7 +240,7 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d
-    assert [d.verdict(i) for i in range(1, 12)] == ["PASS"] * 11, d
+    assert [d.verdict(i) for i in range(1, 13)] == ["PASS"] * 12, d
     assert "550.54.15" in d.text(1)
     assert f"loaded from {node.lib_dir}/libnvidia-ml.so.1" in d.text(2)
     assert "8 GPUs" in d.text(3) and "driver 550.54.15" in d.text(3)
@@ -250,7 +250,8 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     assert "9. CDI spec: all 8 CDI names resolve, each defined once" in d.out
     assert "10. node labels: the 24 node labels match this node" in d.out
     assert "11. kubelet's view: the kubelet's view agrees with nvplug's" in d.out
-    assert "0 failed, 0 warnings, 11 passed" in d.out
+    assert "12. DRA: DRA is off (nvplug.dra.enabled: false)" in d.out
+    assert "0 failed, 0 warnings, 12 passed" in d.out
 
 
 def test_node_labels_missing_stale_or_doubled_by_gfd(node: SimulatedNode, status_server: FakeStatusServer) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from test_devices import devices
+from test_doctor import doctor
 from test_mig_e2e import mig_node
 
 from nvplug import statusclient
@@ -245,6 +246,29 @@ def test_a_mig_device_claim(dra: Dra) -> None:
     uuid = mig["attributes"]["uuid"]["string"]
     assert answer.error == "" and answer.devices == ((NODE, "gpu-4-mig-3g40gb-2-0", ("mig",), (f"{GPU_KIND}={uuid}",)),)
     print(f"prepare of a MIG device: {answer}")
+
+
+def test_doctor_checks_registration_credentials_and_slices(dra: Dra) -> None:
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    claim = dra.claim("train", "gpu-5")
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    print(d.out)
+    assert d.verdict(12) == "PASS", d
+    assert "12. DRA: DRA gpu.nvidia.com: registered, 4 devices published, 1 claims prepared" in d.out
+    assert f"{dra.api.url}: resource.k8s.io/v1, 1 ResourceSlices of node-a for gpu.nvidia.com" in d.text(12)
+    # Credentials the API server refuses: a FAIL that says so.
+    dra.api.token = "another-token"
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    assert d.verdict(12) == "FAIL" and "401" in d.text(12), d
+    # Our registration socket removed (a cleanup, a careless operator): served again, registered again.
+    dra.api.token = "test-token"
+    (dra.node.root / "registry" / f"{DRIVER}-reg.sock").unlink()
+    dra.node.wait_log("reg.sock was removed: serving it again", TIMEOUT)
+    dra.wait(lambda: dra.kubelet.accepted(DRIVER) == 2, "registration through the new socket")
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    assert d.verdict(12) == "PASS", d
 
 
 def test_a_bad_kubeconfig_leaves_the_device_plugin_alone(dra: Dra) -> None:

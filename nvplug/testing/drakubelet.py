@@ -60,7 +60,7 @@ class DraKubelet:
         self.wiped = 0
         # The registered plugin of each driver: its endpoint and service.
         self._plugins: dict[str, Registration] = {}
-        self._seen: dict[str, tuple[int, int]] = {}
+        self._seen: dict[str, tuple[int, int, int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,8 +139,9 @@ class DraKubelet:
             self._stop.wait(0.02)
 
     def scan(self) -> None:
-        """Register each new socket (a new inode at a path counts as new); a vanished one deregisters."""
-        found: dict[str, tuple[int, int]] = {}
+        """Register each new socket (one made again at a path counts as new, as inotify would tell: its
+        inode number may be reused, its change time not); a vanished one deregisters."""
+        found: dict[str, tuple[int, int, int]] = {}
         for entry in os.scandir(self.registry_dir):
             if entry.name.startswith("."):
                 continue
@@ -149,7 +150,7 @@ class DraKubelet:
             except FileNotFoundError:
                 continue
             if stat.S_ISSOCK(st.st_mode):
-                found[entry.path] = (st.st_dev, st.st_ino)
+                found[entry.path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         for path, key in found.items():
             if self._seen.get(path) != key:
                 self._seen[path] = key
