@@ -14,12 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cdi_podman import (
+    CHAR,
+    NVIDIA_MAJOR,
+    check_driver_files,
+    expected_control_nodes,
+    read_spec,
+    real_device_nodes,
+    run_inside,
+)
 from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
 
 from nvplug import statusclient
 from nvplug.cdi.spec import GPU_KIND
+from nvplug.testing import driverroot, podman
 from nvplug.testing.apiserver import FakeApiServer
 from nvplug.testing.drakubelet import DraKubelet
 from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
@@ -287,3 +297,22 @@ def test_a_bad_kubeconfig_leaves_the_device_plugin_alone(dra: Dra) -> None:
 
 def status_of(node: SimulatedNode) -> dict[str, Any]:
     return statusclient.status(f"unix:{node.status_socket}")
+
+
+@pytest.mark.skipif(podman.podman_available() is not None, reason=f"cannot run containers: {podman.podman_available()}")
+def test_a_container_runs_with_the_cdi_names_prepare_returned(dra: Dra, short_tmp: Path) -> None:
+    drv = driverroot.build(short_tmp / "drv")
+    real_device_nodes(dra.node)
+    dra.start(dra.config(extra=f"  nvidiaDriverRoot: {drv.root}\n"))
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    claim = dra.claim("run", "gpu-6")
+    (answer,) = dra.kubelet.prepare(DRIVER, [claim]).values()
+    ((_, _, _, names),) = answer.devices
+    spec, spec_text = read_spec(dra.node)
+    with podman.PodmanStore(short_tmp / "pm") as store:
+        inside, context, _, ran = run_inside(store, dra.node, list(names), spec, spec_text)
+    minor = int(dra.node.scenario_gpus()[6]["minor"])
+    expected = expected_control_nodes() | {f"/dev/nvidia{minor}": (CHAR, NVIDIA_MAJOR, minor)}
+    assert inside.devices == expected, f"the container must see GPU 6 alone\n{context}"
+    check_driver_files(inside, spec, drv, context)
+    print(f"podman run --device {' '.join(names)}: {ran:.2f}s")
