@@ -30,6 +30,8 @@ install -D -m 0644 packaging/config.yaml "$stage/etc/nvplug/config.yaml"
 install -D -m 0644 README.md "$stage/usr/share/doc/nvplug/README.md"
 # Node Problem Detector's custom-plugin config: operators point NPD at it (README.md).
 install -D -m 0644 packaging/npd/nvplug-gpu-health.json "$stage/usr/share/nvplug/npd/nvplug-gpu-health.json"
+# The unit's drop-in for the DRA plugin: operators install it when they turn DRA on (README.md).
+install -D -m 0644 packaging/systemd/nvplug-dra.conf "$stage/usr/share/nvplug/systemd/nvplug-dra.conf"
 mkdir -p "$stage/usr/bin"
 ln -s /opt/nvplug/venv/bin/nvplug "$stage/usr/bin/nvplug"
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 
 from nvplug.testing import fakenvml, nspawn
+from nvplug.testing.apiserver import FakeApiServer
+from nvplug.testing.drakubelet import DraKubelet
 from nvplug.testing.kubelet import FakeKubelet, KubeletThread
 from nvplug.testing.node import GPU_RESOURCE, device_health, registered_with
 
@@ -41,7 +43,11 @@ STATE_FILE = "/var/lib/nvplug/health.json"
 CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
 FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
 POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
+REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+KUBELET_PLUGINS_DIR = "/var/lib/kubelet/plugins"
+DRA_DROPIN = "/usr/share/nvplug/systemd/nvplug-dra.conf"
 UNIT = "nvplug"
+DRIVER = "gpu.nvidia.com"
 WATCHDOG_SEC = 3
 TIMEOUT = 20.0
 
@@ -79,6 +85,7 @@ class Node:
     control: fakenvml.Control
     plugin_dir: Path  # the host's side of PLUGIN_DIR
     uuids: list[str]
+    host: Path  # the host's directory of the bound ones
 
     def diagnose(self) -> str:
         """What an assertion message needs: the unit's state, its journal, what the stand-in saw."""
@@ -161,7 +168,8 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
     # Short host paths: the stand-in's and the plugin's unix sockets live in plugin_dir.
     host = Path(tempfile.mkdtemp(prefix="nvp-inst-", dir="/tmp"))
     plugin_dir, nvml_dir, control_dir = host / "dp", host / "nvml", host / "ctl"
-    for d in (plugin_dir, control_dir):
+    registry_dir, plugins_dir = host / "reg", host / "plugins"
+    for d in (plugin_dir, control_dir, registry_dir, plugins_dir):
         d.mkdir()
     fakenvml.build(nvml_dir)
     shutil.copyfile(fakenvml.DEFAULT_SCENARIO, nvml_dir / "node.scenario")
@@ -177,6 +185,9 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
             nspawn.Bind(control_dir, CONTROL_DIR),
             # The stand-in's PodResources socket, where the kubelet serves it.
             nspawn.Bind(kubelet.pod_resources.socket_path.parent, POD_RESOURCES_DIR),
+            # The kubelet's DRA directories, for the DRA stand-in here.
+            nspawn.Bind(registry_dir, REGISTRY_DIR),
+            nspawn.Bind(plugins_dir, KUBELET_PLUGINS_DIR),
         ],
         log=say,
     )
@@ -207,7 +218,7 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         _install(ctr, f"/var/tmp/{deb.name}", say)
         _timed("install the deb (apt-get, postinst)", started)
 
-        yield Node(ctr, kubelet, fakenvml.Control(control_dir / "nvml.ctl"), plugin_dir, uuids)
+        yield Node(ctr, kubelet, fakenvml.Control(control_dir / "nvml.ctl"), plugin_dir, uuids, host)
     finally:
         try:
             ctr.close()
@@ -445,6 +456,53 @@ def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> Non
     TIMINGS.add("  (SIGSTOP to active again)", stopped_to_running)
     TIMINGS.add("  (SIGSTOP to registered again)", time.monotonic() - started)
     _timed("check 6: watchdog restart", started)
+
+
+def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
+    """DRA under the hardened unit: without the shipped drop-in the API server (TCP) and the kubelet's
+    plugin directories are out of reach, and the device plugin carries on; with it, the kubelet's
+    DRA stand-in registers the plugin, the slices reach the API-server stand-in and a claim is prepared."""
+    started = time.monotonic()
+    original = node.ctr.sh(f"cat {CONFIG}").stdout
+    with FakeApiServer() as api:
+        kubeconfig = api.write_kubeconfig(node.host / "kubeconfig")
+        node.ctr.write_file("/etc/nvplug/kubeconfig", kubeconfig.read_text(), mode=0o600)
+        node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  dra:\n    enabled: true\n    nodeName: node-a\n"
+                            "    devices: [6, 7]\n")  # fmt: skip
+        kubelet = DraKubelet(node.host / "reg", "node-a", "1.34", api, {KUBELET_PLUGINS_DIR: node.host / "plugins"})
+        registrations = node.registrations()
+        node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+        node.ctr.wait_journal(UNIT, "ResourceSlices of node-a not published", "-o", "cat", timeout=TIMEOUT)
+        journal = node.ctr.journal(UNIT, "-o", "cat")
+        assert "cannot serve the DRA sockets" in journal, journal
+        # The device plugin serves the six GPUs DRA does not have.
+        node.kubelet.wait_for(lambda k: node.registrations() > registrations and registered_with(6)(k), TIMEOUT)
+        props = node.show("ActiveState", "SubState")
+        assert (props["ActiveState"], props["SubState"]) == ("active", "running"), props
+        node.ctr.sh(f"install -D -m 0644 {DRA_DROPIN} /etc/systemd/system/{UNIT}.service.d/dra.conf")
+        node.ctr.run("systemctl", "daemon-reload")
+        node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+        kubelet.start()
+        try:
+            nspawn.wait_until(lambda: kubelet.accepted(DRIVER) >= 1, TIMEOUT, "DRA registration", node.diagnose)
+            devices = lambda: [d["name"] for s in api.slices(node="node-a") for d in s["spec"]["devices"]]  # noqa: E731
+            nspawn.wait_until(lambda: devices() == ["gpu-6", "gpu-7"], TIMEOUT, "the ResourceSlices", node.diagnose)
+            result = {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-7"}
+            allocation = {"devices": {"results": [result]}}
+            api.add_claim({"metadata": {"namespace": "ml", "name": "c", "uid": "u1"}, "status": {"allocation": allocation}})
+            answer = kubelet.prepare(DRIVER, [("ml", "c", "u1")])["u1"]
+            assert answer.error == "" and answer.devices[0][3] == (f"k8s.device-plugin.nvidia.com/gpu={node.uuids[7]}",)
+            assert node.ctr.exists("/var/lib/nvplug/dra-claims.json")
+            assert kubelet.unprepare(DRIVER, [("ml", "c", "u1")]) == {"u1": ""}
+        finally:
+            kubelet.stop()
+    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf")
+    node.ctr.write_file(CONFIG, original)
+    node.ctr.run("systemctl", "daemon-reload")
+    registrations = node.registrations()
+    node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+    node.wait_registered_again(registrations)
+    _timed("check 7b: DRA with its drop-in", started)
 
 
 def test_stop_is_clean(node: Node) -> None:

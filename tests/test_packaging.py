@@ -41,6 +41,7 @@ COMMON_FILES = {
     "/usr/bin/nvplug",
     "/usr/share/doc/nvplug/README.md",
     "/usr/share/nvplug/npd/nvplug-gpu-health.json",
+    "/usr/share/nvplug/systemd/nvplug-dra.conf",
     "/usr/lib/tmpfiles.d/nvplug.conf",
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"

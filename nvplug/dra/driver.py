@@ -61,7 +61,12 @@ class DraDriver:
 
     async def start(self) -> None:
         self.claims.load()
-        await self.sockets.start()
+        try:
+            await self.sockets.start()
+        except (OSError, RuntimeError) as err:
+            # The device plugin goes on; the status line and doctor say why DRA does not.
+            self.registration_error = f"cannot serve the DRA sockets: {err}"
+            log.error("%s: %s (is the directory writable? see the unit's DRA drop-in)", self.driver, err)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
 
     async def stop(self) -> None:

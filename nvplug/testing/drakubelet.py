@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -51,8 +52,18 @@ class Prepared:
 
 
 class DraKubelet:
-    def __init__(self, registry_dir: Path, node: str, version: str = "1.34", apiserver: SliceStore | None = None):
+    def __init__(
+        self,
+        registry_dir: Path,
+        node: str,
+        version: str = "1.34",
+        apiserver: SliceStore | None = None,
+        mounts: Mapping[str, Path] | None = None,
+    ) -> None:
+        """`mounts`: where a path the plugin names (its endpoint) is on this side, for a plugin in a
+        container whose directories are bound from here (prefix -> host directory)."""
         self.registry_dir = registry_dir
+        self.mounts = dict(mounts or {})
         self.node = node
         self.version = version
         self.apiserver = apiserver
@@ -121,7 +132,13 @@ class DraKubelet:
         registration = self.plugin(driver)
         if registration is None or registration.service is None:
             raise RuntimeError(f"no DRA plugin registered for {driver}")
-        return _MODULES[registration.service], registration.endpoint
+        return _MODULES[registration.service], self._here(registration.endpoint)
+
+    def _here(self, path: str) -> str:
+        for prefix, host in self.mounts.items():
+            if path.startswith(prefix.rstrip("/") + "/"):
+                return str(host / path[len(prefix.rstrip("/")) + 1 :])
+        return path
 
     @staticmethod
     def _call(endpoint: str, pb: ModuleType, method: str, request: Any, reply: Any) -> Any:
@@ -173,7 +190,7 @@ class DraKubelet:
                 )(pb.InfoRequest(), timeout=CALL_TIMEOUT)
                 service, error = self._validate(info)
                 if error is None:
-                    error = self._dial(info.endpoint)
+                    error = self._dial(self._here(info.endpoint))
                 channel.unary_unary(
                     "/pluginregistration.Registration/NotifyRegistrationStatus",
                     request_serializer=pb.RegistrationStatus.SerializeToString,
