@@ -489,7 +489,8 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
             nspawn.wait_until(lambda: devices() == ["gpu-6", "gpu-7"], TIMEOUT, "the ResourceSlices", node.diagnose)
             result = {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-7"}
             allocation = {"devices": {"results": [result]}}
-            api.add_claim({"metadata": {"namespace": "ml", "name": "c", "uid": "u1"}, "status": {"allocation": allocation}})
+            meta = {"namespace": "ml", "name": "c", "uid": "u1"}
+            api.add_claim({"metadata": meta, "status": {"allocation": allocation}})
             answer = kubelet.prepare(DRIVER, [("ml", "c", "u1")])["u1"]
             assert answer.error == "" and answer.devices[0][3] == (f"k8s.device-plugin.nvidia.com/gpu={node.uuids[7]}",)
             assert node.ctr.exists("/var/lib/nvplug/dra-claims.json")
