@@ -474,7 +474,8 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
         node.ctr.run("systemctl", "restart", UNIT, timeout=60)
         node.ctr.wait_journal(UNIT, "ResourceSlices of node-a not published", "-o", "cat", timeout=TIMEOUT)
         journal = node.ctr.journal(UNIT, "-o", "cat")
-        assert "cannot serve the DRA sockets" in journal, journal
+        assert "Read-only file system: '/var/lib/kubelet/plugins/gpu.nvidia.com'" in journal, journal
+        assert "see the unit's DRA drop-in" in journal and "Address family not supported by protocol" in journal
         # The device plugin serves the six GPUs DRA does not have.
         node.kubelet.wait_for(lambda k: node.registrations() > registrations and registered_with(6)(k), TIMEOUT)
         props = node.show("ActiveState", "SubState")
@@ -497,7 +498,8 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
             assert kubelet.unprepare(DRIVER, [("ml", "c", "u1")]) == {"u1": ""}
         finally:
             kubelet.stop()
-    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf")
+    # The operator's files go with the operator (dpkg --purge leaves files it did not install).
+    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf /etc/nvplug/kubeconfig")
     node.ctr.write_file(CONFIG, original)
     node.ctr.run("systemctl", "daemon-reload")
     registrations = node.registrations()

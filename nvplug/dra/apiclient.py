@@ -170,11 +170,20 @@ class ApiClient:
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The answer's JSON; ApiError for an error status, OSError or TimeoutError if none came."""
         async with self._lock:
-            try:
-                return await asyncio.wait_for(self._exchange(method, path, body), self.timeout)
-            except BaseException:
-                await self._drop()
-                raise
+            for attempt in (1, 2):
+                reused = self._conn is not None
+                try:
+                    return await asyncio.wait_for(self._exchange(method, path, body), self.timeout)
+                except _Closed:
+                    # The server closed the kept connection while it was idle (a restart, an idle
+                    # timeout): nothing was answered, so the request goes once more, on a new one.
+                    await self._drop()
+                    if not reused or attempt == 2:
+                        raise
+                except BaseException:
+                    await self._drop()
+                    raise
+            raise AssertionError("unreachable")
 
     async def close(self) -> None:
         async with self._lock:
@@ -215,7 +224,8 @@ class ApiClient:
         return doc
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._conn is None or self._conn[1].is_closing():
+        # A server's close of an idle connection shows as EOF on our side, not as a closing writer.
+        if self._conn is None or self._conn[1].is_closing() or self._conn[0].at_eof():
             url = urlsplit(self.config.server)
             ctx = self.config.ssl_context()
             port = url.port or (443 if url.scheme == "https" else 80)
@@ -231,8 +241,17 @@ class ApiClient:
                 await conn[1].wait_closed()
 
 
+class _Closed(ConnectionError):
+    """The connection ended before any byte of an answer."""
+
+
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    line = await reader.readline()
+    try:
+        line = await reader.readline()
+    except ConnectionResetError as err:
+        raise _Closed(str(err)) from err
+    if not line:
+        raise _Closed("the API server closed the connection")
     parts = line.decode("latin-1").split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
         raise ConnectionError(f"not an HTTP response: {line[:80]!r}")

@@ -23,7 +23,8 @@ log = logging.getLogger("nvplug.dra")
 
 RETRY_FIRST = 0.5
 RETRY_MAX = 60.0
-FAILURES = (ApiError, OSError, TimeoutError, ConnectionError, KubeConfigError, ValueError, KeyError, TypeError)
+# asyncio.TimeoutError is not TimeoutError before Python 3.11.
+FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
 
 
 class SlicePublisher:
@@ -49,6 +50,8 @@ class SlicePublisher:
         self._devices: list[DraDevice] = []
         # The slices as last written or listed; None: list them first.
         self._known: list[dict[str, Any]] | None = None
+        # Counts republish(): one that comes during a write outlives what that write saw.
+        self._republished = 0
         self._wake = asyncio.Event()
 
     def want(self, devices: Sequence[DraDevice]) -> None:
@@ -58,6 +61,7 @@ class SlicePublisher:
     def republish(self) -> None:
         """The kubelet registered us: it may have deleted the slices, so look again."""
         self._known = None
+        self._republished += 1
         self._wake.set()
 
     @property
@@ -104,6 +108,7 @@ class SlicePublisher:
             self.error = error
 
     async def _reconcile(self, client: ApiClient) -> None:
+        republished = self._republished
         version = self.version or await self.discover(client)
         base = f"/apis/{GROUP}/{version}/resourceslices"
         if self._known is None:
@@ -133,7 +138,8 @@ class SlicePublisher:
                 written.append(await client.request("POST", base, obj))
         for old in known[len(objects) :]:
             await client.request("DELETE", f"{base}/{old['metadata']['name']}")
-        self._known = written
+        # A republish() meanwhile (the kubelet restarted and wiped them) means list again.
+        self._known = written if self._republished == republished else None
         self.writes += 1
         self.published_at = time.time()
         log.info(

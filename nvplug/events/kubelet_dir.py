@@ -94,8 +94,12 @@ class KubeletDirWatch:
         observer = _Observer()
         observer.schedule(self._handler, str(self.plugin_dir), recursive=False)
         for directory in self.more_dirs:
-            directory.mkdir(parents=True, exist_ok=True)
-            observer.schedule(self._handler, str(directory), recursive=False)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                observer.schedule(self._handler, str(directory), recursive=False)
+            except OSError as err:
+                # Whoever needs the directory says why it cannot be used; the device plugin goes on.
+                log.warning("cannot watch %s: %s", directory, err)
         observer.daemon = True
         observer.start()
         self._observer = observer
