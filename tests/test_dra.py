@@ -648,12 +648,9 @@ def test_a_stopped_server_refuses_and_a_restarted_one_is_reached_again(tmp_path:
             await asyncio.to_thread(api.start)
             # The same client reaches the server again: no new client, no restart of the caller.
             assert (await client.request("GET", f"/apis/{GROUP}"))["kind"] == "APIGroup"
+            # A restart while the client is idle: the first request after it is answered.
             await asyncio.to_thread(api.restart)
-            answers = []
-            for _ in range(2):
-                with contextlib.suppress(OSError):
-                    answers.append(await client.request("GET", f"/apis/{GROUP}"))
-            assert answers and answers[-1]["kind"] == "APIGroup"
+            assert (await client.request("GET", f"/apis/{GROUP}"))["kind"] == "APIGroup"
             await client.close()
 
         asyncio.run(main())
