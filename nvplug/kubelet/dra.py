@@ -10,7 +10,6 @@ only the package differs, and each kubelet picks the first of our services it kn
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +19,7 @@ import grpc
 
 from ..dra.claims import ClaimError, ClaimRef, PreparedClaim
 from .api import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
-from .server import remove_stale_socket
+from .server import remove_stale_socket, serve_unix
 
 log = logging.getLogger("nvplug.dra")
 
@@ -83,17 +82,7 @@ class DraSockets:
 
     async def _serve(self, path: Path, handlers: list[grpc.GenericRpcHandler]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_socket(path)
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers(handlers)
-        # Nobody but root may talk to the plugin.
-        old_umask = os.umask(0o077)
-        try:
-            server.add_insecure_port(f"unix://{path}")
-            await server.start()
-        finally:
-            os.umask(old_umask)
-        self._servers[path] = server
+        self._servers[path] = await serve_unix(path, handlers)
         log.info("%s: serving on %s", self.driver, path)
 
     def _registration_handler(self) -> grpc.GenericRpcHandler:

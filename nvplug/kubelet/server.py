@@ -334,19 +334,9 @@ class PluginServer:
         return self.socket_path.name
 
     async def start(self) -> None:
-        remove_stale_socket(self.socket_path)
         self.service.open()
-        server = grpc.aio.server()
-        handlers = _handlers(self.service)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        # Nobody but root may talk to the plugin.
-        old_umask = os.umask(0o077)
-        try:
-            server.add_insecure_port(f"unix://{self.socket_path}")
-            await server.start()
-        finally:
-            os.umask(old_umask)
-        self._server = server
+        handler = grpc.method_handlers_generic_handler(SERVICE, _handlers(self.service))
+        self._server = await serve_unix(self.socket_path, [handler])
         log.info("%s: serving on %s", self.service.resource_name, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
@@ -387,6 +377,21 @@ def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[A
             pb.PreStartContainerResponse.SerializeToString,
         ),
     }
+
+
+async def serve_unix(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
+    """A gRPC server on a unix socket at `path` (a stale socket there is replaced), root's only."""
+    remove_stale_socket(path)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(handlers)
+    # Nobody but root may talk to the plugin.
+    old_umask = os.umask(0o077)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    return server
 
 
 def remove_stale_socket(path: Path) -> None:
