@@ -373,12 +373,13 @@ class Daemon:
         elif isinstance(event, MigConfigChanged):
             scanner.request(f"MIG layout of {event.uuid} changed")
         elif isinstance(event, PluginSocketRemoved):
-            if self.dra is not None and Path(event.path) in self.dra.sockets.sockets:
-                log.warning("%s was removed: serving it again", event.path)
-                await self.dra.sockets.rebind(Path(event.path))
-            for plugin in self._plugins:
-                if str(plugin.server.socket_path) == event.path:
-                    self._reconnect(plugin, registered_again=False)
+            self._dra_socket_removed(Path(event.path))
+            # After a change of resources under way: a server it stops removes its socket, and a new
+            # one of the same name serves at that path once it is done (then nothing is to rebind).
+            async with self._resources_lock:
+                for plugin in self._plugins:
+                    if str(plugin.server.socket_path) == event.path:
+                        self._reconnect(plugin, registered_again=False)
         else:
             if isinstance(event, PciChanged):
                 log.info("udev: %s %s %s", event.action, event.bus_id, event.driver or "")
@@ -668,6 +669,12 @@ class Daemon:
             # Strategy and sharing are in the labels.
             self.nfd.configure(self._feature_file(new))
             self.nfd.update(self.state.current, new, new.unhealthy_count_label)
+
+    def _dra_socket_removed(self, path: Path) -> None:
+        # Only if it is still gone: the stop inside a rebind removes the old socket too.
+        if self.dra is not None and path in self.dra.sockets.sockets and not path.exists():
+            log.warning("%s was removed: serving it again", path)
+            self._spawn(self.dra.sockets.rebind(path))
 
     def _reconnect(self, plugin: _Plugin, registered_again: bool) -> None:
         """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
