@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ class Daemon:
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._pods_refresh: asyncio.TimerHandle | None = None
         self._save_pending = False
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state file")
         self._cdi_retry: asyncio.TimerHandle | None = None
         self._cdi_retry_delay = CDI_RETRY_FIRST
 
@@ -444,10 +446,18 @@ class Daemon:
     def _save_soon(self) -> None:
         if not self._save_pending:
             self._save_pending = True
-            asyncio.get_running_loop().call_soon(self._save_state)
+            asyncio.get_running_loop().call_soon(self._queue_save)
+
+    def _queue_save(self) -> None:
+        """The records as they are now, written by the saver thread: its fsync must not hold up the loop
+        (a ListAndWatch message waits on it). One thread, so saves land in the order they were taken."""
+        self._save_pending = False
+        records = self.state.current.records()
+        asyncio.get_running_loop().run_in_executor(self._saver, self.state_file.save, records)
 
     def _save_state(self) -> None:
-        self._save_pending = False
+        """At the end, once the saver is done: whatever a last event changed."""
+        self._saver.shutdown(wait=True)
         self.state_file.save(self.state.current.records())
 
     def _publish_spec(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -191,6 +191,10 @@ class ResourceSpec:
             old = kept.get(uuid)
             if old is not None and old[0].gpu == gpu and old[0].health == health and _copies(old) == copies:
                 blocks.append(old)
+            elif copies and old is not None and _copies(old) == copies:
+                # The same replicas with new facts: their IDs are kept, not formatted again.
+                ids = [d.id for d in old]
+                blocks.append(tuple(map(Device, ids, repeat(gpu), repeat(health), range(copies), repeat(mig))))
             elif copies:
                 blocks.append(
                     tuple(Device(f"{uuid}{REPLICA_SEPARATOR}{n}", gpu, health, n, mig) for n in range(copies))

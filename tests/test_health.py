@@ -268,8 +268,14 @@ def test_a_restart_keeps_an_unhealthy_gpu_and_a_new_boot_clears_it(node: Simulat
     uuids = start(node)
     node.control.xid(0, 46)
     node.kubelet.wait_for(device_health(uuids[0], healthy=False), TIMEOUT)
-    saved = json.loads((node.state_dir / "health.json").read_text())
-    assert [d["uuid"] for d in saved["devices"]] == [uuids[0]] and saved["devices"][0]["clears"] == "reset"
+
+    def saved() -> list[dict[str, str]]:
+        devices: list[dict[str, str]] = json.loads((node.state_dir / "health.json").read_text())["devices"]
+        return devices
+
+    # Written by the saver thread just after the kubelet has the news (its fsync must not delay it).
+    node.kubelet.wait_for(lambda k: bool(saved()), TIMEOUT)
+    assert [d["uuid"] for d in saved()] == [uuids[0]] and saved()[0]["clears"] == "reset"
     for sig in (signal.SIGTERM, signal.SIGKILL):
         assert node.stop_daemon(sig) in (0, -signal.SIGKILL)
         mark = len(node.log_text())

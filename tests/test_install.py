@@ -422,7 +422,12 @@ def test_an_unhealthy_gpu_stays_unhealthy_across_a_restart_and_heals_by_reset(no
     assert node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.split() == ["-r", "-i", "0000:18:00.0"]
     node.kubelet.wait_for(device_health(gpu0, healthy=True), TIMEOUT)
     node.ctr.wait_journal(UNIT, "heal with a reset asked by uid 0", "-o", "cat", timeout=TIMEOUT)
-    assert gpu0 not in node.ctr.run("cat", STATE_FILE).stdout
+
+    # The saver thread writes the file just after the kubelet has the news.
+    def healed() -> bool:
+        return gpu0 not in node.ctr.run("cat", STATE_FILE).stdout
+
+    nspawn.wait_until(healed, TIMEOUT, "GPU 0 out of the state file", node.diagnose)
     errors = node.ctr.journal(UNIT, "-p", "err", "-o", "cat")
     assert "reload refused" in errors and "health state" not in errors, errors
     _timed("check 5: health across a restart, heal --reset", started)
@@ -486,7 +491,10 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
         kubelet.start()
         try:
             nspawn.wait_until(lambda: kubelet.accepted(DRIVER) >= 1, TIMEOUT, "DRA registration", node.diagnose)
-            devices = lambda: [d["name"] for s in api.slices(node="node-a") for d in s["spec"]["devices"]]  # noqa: E731
+
+            def devices() -> list[str]:
+                return [d["name"] for s in api.slices(node="node-a") for d in s["spec"]["devices"]]
+
             nspawn.wait_until(lambda: devices() == ["gpu-6", "gpu-7"], TIMEOUT, "the ResourceSlices", node.diagnose)
             result = {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-7"}
             allocation = {"devices": {"results": [result]}}

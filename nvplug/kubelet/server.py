@@ -117,9 +117,30 @@ class ListEncoder:
 
 
 def _encode_replicas(block: tuple[Device, ...]) -> bytes:
-    """A GPU's replicas share health and NUMA node: what follows each ID is made once."""
+    """A GPU's replicas share health and NUMA node: what follows each ID is made once, and so is what
+    comes before an ID of each length. An entry is `head + id + tail`, so a run of IDs of one length
+    is `head + (tail + head).join(ids) + tail`: one join in C, not an encoding per replica."""
     tail = _after_id(block[0].health.health.value, block[0].numa_node)
-    return b"".join(_entry(d.id, tail) for d in block)
+    ids = [d.id for d in block]
+    if not "".join(ids).isascii():  # characters are not bytes then: entry by entry
+        return b"".join(_entry(i, tail) for i in ids)
+    lengths = list(map(len, ids))
+    parts = []
+    start = 0
+    while start < len(ids):
+        size, end = lengths[start], start + 1
+        while end < len(ids) and lengths[end] == size:
+            end += 1
+        if size == 0:
+            parts.append(_entry("", tail) * (end - start))
+        else:
+            field = b"\x0a" + _varint(size)
+            head = _DEVICES_TAG + _varint(len(field) + size + len(tail)) + field
+            # latin-1 maps bytes to characters one to one: the join runs on str, the IDs are ASCII.
+            glue = (tail + head).decode("latin-1")
+            parts.append(head + glue.join(ids[start:end]).encode("latin-1") + tail)
+        start = end
+    return b"".join(parts)
 
 
 def _serialize(message: bytes | Message) -> bytes:
