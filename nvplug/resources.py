@@ -116,9 +116,14 @@ class Naming:
 
     def dra_owns(self, gpu: Gpu) -> bool:
         """Whether the GPU is offered through DRA (and so not by the device plugin)."""
-        if self.dra is None or self.devices.excludes(gpu):
-            return False
-        return not self.dra or any(s.picks(gpu) for s in self.dra)
+        return not self.devices.excludes(gpu) and self._picked_by_dra(gpu)
+
+    def serves(self, gpu: Gpu) -> bool:
+        """Whether the device plugin offers the GPU or its MIG devices: not excluded, not DRA's."""
+        return not self.devices.excludes(gpu) and not self._picked_by_dra(gpu)
+
+    def _picked_by_dra(self, gpu: Gpu) -> bool:
+        return self.dra is not None and (not self.dra or any(s.picks(gpu) for s in self.dra))
 
     def gpu_name(self, gpu: Gpu) -> str:
         """The name of the GPU's model: its resource as a whole GPU, and its MIG devices' under single."""
@@ -127,8 +132,10 @@ class Naming:
 
     def name(self, gpu: Gpu, mig: MigDevice | None) -> str | None:
         """The resource of a whole GPU (`mig` None) or of a MIG device; None if not offered as such."""
-        if self.devices.excludes(gpu) or self.dra_owns(gpu):
-            return None
+        return self._unit_name(gpu, mig) if self.serves(gpu) else None
+
+    def _unit_name(self, gpu: Gpu, mig: MigDevice | None) -> str | None:
+        """`name` for a GPU the device plugin serves."""
         if mig is None:
             return None if gpu.mig_enabled and self.strategy != "none" else self.gpu_name(gpu)
         if self.strategy == "none" or not gpu.mig_enabled:
@@ -142,8 +149,10 @@ class Naming:
     def units(self, snapshot: Snapshot) -> Iterator[tuple[Gpu, MigDevice | None, str]]:
         """Every device offered, with its resource, in GPU index order."""
         for gpu in snapshot.gpus:
+            if not self.serves(gpu):  # once per GPU: a filter's patterns are not matched per MIG device
+                continue
             for mig in (None, *gpu.mig):
-                name = self.name(gpu, mig)
+                name = self._unit_name(gpu, mig)
                 if name is not None:
                     yield gpu, mig, name
 
@@ -293,7 +302,7 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     excluded = {g.uuid: why for g in snapshot.gpus if (why := cfg.devices.why(g)) is not None}
     unmatched = tuple(cfg.devices.unmatched(snapshot.gpus))
     units = list(naming.units(snapshot))
-    error = _single_misfit(cfg, snapshot, units) if cfg.flags.mig_strategy == "single" else None
+    error = _single_misfit(naming, snapshot, units) if cfg.flags.mig_strategy == "single" else None
     if error is not None:
         return Plan((), error, excluded=excluded, unmatched=unmatched)
     bases = sorted({name for _, _, name in units}) or [GPU_RESOURCE]
@@ -322,9 +331,9 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     return Plan(tuple(specs), None, MappingProxyType(refused), MappingProxyType(excluded), unmatched)
 
 
-def _single_misfit(cfg: Config, snapshot: Snapshot, units: list[tuple[Gpu, MigDevice | None, str]]) -> str | None:
-    """migStrategy single: every GPU handed out in MIG mode, or none; one profile per resource."""
-    handed = [g for g in snapshot.gpus if not cfg.devices.excludes(g)]
+def _single_misfit(naming: Naming, snapshot: Snapshot, units: list[tuple[Gpu, MigDevice | None, str]]) -> str | None:
+    """migStrategy single: every GPU the device plugin hands out in MIG mode, or none; one profile per resource."""
+    handed = [g for g in snapshot.gpus if naming.serves(g)]
     on = [g for g in handed if g.mig_enabled]
     if not on:
         return None

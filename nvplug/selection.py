@@ -8,7 +8,7 @@ expression), so `A100` matches `NVIDIA A100-SXM4-80GB` and `1g.10gb` matches `1g
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
@@ -105,13 +105,9 @@ class DeviceFilter:
 
     include: tuple[Selector, ...] = ()  # none: every GPU
     exclude: tuple[Selector, ...] = ()
-    # Where the keys are, for messages.
-    where: str = field(default="nvplug.devices", compare=False)
 
     def excludes(self, gpu: Gpu) -> bool:
-        if self.include and not any(s.picks(gpu) for s in self.include):
-            return True
-        return any(s.picks(gpu) for s in self.exclude)
+        return self.why(gpu) is not None
 
     def why(self, gpu: Gpu) -> str | None:
         """Why the GPU is left out, for the operator; None if it is not."""

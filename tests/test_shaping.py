@@ -127,6 +127,11 @@ def test_mig_names_and_mixed_models() -> None:
         "nvidia.com/a100": ["MIG-1-0"],
         "nvidia.com/h100": ["MIG-0-0", "MIG-0-1"],
     }
+    # A GPU given to DRA is not the device plugin's: it need not be in MIG mode for single to fit.
+    dra = NodeState()
+    dra.apply(InventoryFound((gpu(0, H100, ("1g.10gb",) * 2), gpu(1, A100))))
+    cfg = load("flags:\n  migStrategy: single\nnvplug:\n  dra:\n    enabled: true\n    devices: [1]\n")
+    assert advertised(plan(cfg, dra.current), dra) == {"nvidia.com/gpu": ["MIG-0-0", "MIG-0-1"]}
     # One profile per resource: two under one name do not fit single.
     both = plan(config.parse("version: v1\nflags:\n  migStrategy: single\n", "c"), single.current)
     assert both.specs == () and "nvidia.com/gpu: ['1g.10gb', '3g.40gb']" in (both.error or "")
