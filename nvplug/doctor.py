@@ -779,12 +779,11 @@ def check_kubelet_view(ctx: _Context) -> Check:
 def check_dra(ctx: _Context) -> Check:
     """The DRA plugin: registered with the kubelet, its kubeconfig accepted, its slices what the pool is."""
     import asyncio
-    from urllib.parse import quote
 
     from .dra.apiclient import ApiClient, KubeConfig, KubeConfigError
     from .dra.driver import node_name
-    from .dra.publisher import FAILURES
-    from .dra.slices import GROUP, VERSIONS
+    from .dra.publisher import FAILURES, discover, list_slices
+    from .dra.slices import GROUP
 
     cfg = _config(ctx)
     if isinstance(cfg, Check):
@@ -801,14 +800,8 @@ def check_dra(ctx: _Context) -> Check:
     async def ask() -> tuple[str, list[dict[str, Any]]]:
         client = ApiClient(kubeconfig, timeout=5.0)
         try:
-            group = await client.request("GET", f"/apis/{GROUP}")
-            served = {v.get("version") for v in group.get("versions") or []}
-            version = next((v for v in VERSIONS if v in served), None)
-            if version is None:
-                raise ValueError(f"the API server serves no {GROUP} version nvplug writes ({', '.join(VERSIONS)})")
-            selector = quote(f"spec.nodeName={node},spec.driver={driver}")
-            listed = await client.request("GET", f"/apis/{GROUP}/{version}/resourceslices?fieldSelector={selector}")
-            return version, list(listed.get("items") or [])
+            version = await discover(client)
+            return version, await list_slices(client, version, node, driver)
         finally:
             await client.close()
 

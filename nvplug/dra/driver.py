@@ -131,16 +131,16 @@ class DraDriver:
         """Each GPU's devices in the pool (itself, or its MIG devices) and the claims prepared with them."""
         out: dict[str, list[dict[str, object]]] = {}
         for d in self.devices:
-            held = [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(d.uuid)]
-            entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": held}
+            entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
+                     "claims": self._held(d)}  # fmt: skip
             out.setdefault(d.gpu.uuid, []).append(entry)
         return out
 
+    def _held(self, device: DraDevice) -> list[str]:
+        """The claims prepared with the device, as namespace/name."""
+        return [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(device.uuid)]
+
     def status(self) -> dict[str, object]:
-        held: dict[str, list[str]] = {}
-        for c in self.claims:
-            for d in c.devices:
-                held.setdefault(d.uuid, []).append(f"{c.claim.namespace}/{c.claim.name}")
         return {
             **self.publisher.status(),
             "registered": self.registered,
@@ -148,8 +148,7 @@ class DraDriver:
             "registry_socket": str(self.sockets.registration_socket),
             "plugin_socket": str(self.sockets.plugin_socket),
             "devices": [
-                {"name": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": held.get(d.uuid, [])}
-                for d in self.devices
+                {"name": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": self._held(d)} for d in self.devices
             ],
             "claims": [
                 {

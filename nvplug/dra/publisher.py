@@ -112,14 +112,12 @@ class SlicePublisher:
         version = self.version or await self.discover(client)
         base = f"/apis/{GROUP}/{version}/resourceslices"
         if self._known is None:
-            selector = quote(f"spec.nodeName={self.node},spec.driver={self.driver}")
             try:
-                listed = await client.request("GET", f"{base}?fieldSelector={selector}")
+                self._known = await list_slices(client, version, self.node, self.driver)
             except ApiError as err:
                 if err.status == 404:
                     self.version = None  # the API server changed: discover again
                 raise
-            self._known = sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
             self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
         wanted = pool_devices(self._devices, version)
         known = self._known
@@ -148,15 +146,26 @@ class SlicePublisher:
         )  # fmt: skip
 
     async def discover(self, client: ApiClient) -> str:
-        """The newest resource.k8s.io version the API server serves."""
-        group = await client.request("GET", f"/apis/{GROUP}")
-        served = {v.get("version") for v in group.get("versions") or [] if isinstance(v, dict)}
-        version = next((v for v in VERSIONS if v in served), None)
-        if version is None:
-            raise ValueError(f"the API server serves {GROUP} {sorted(map(str, served))}, none of {list(VERSIONS)}")
-        self.version = version
-        log.info("publishing ResourceSlices as %s/%s", GROUP, version)
-        return version
+        self.version = await discover(client)
+        log.info("publishing ResourceSlices as %s/%s", GROUP, self.version)
+        return self.version
+
+
+async def discover(client: ApiClient) -> str:
+    """The newest resource.k8s.io version the API server serves (and nvplug writes)."""
+    group = await client.request("GET", f"/apis/{GROUP}")
+    served = {v.get("version") for v in group.get("versions") or [] if isinstance(v, dict)}
+    version = next((v for v in VERSIONS if v in served), None)
+    if version is None:
+        raise ValueError(f"the API server serves {GROUP} {sorted(map(str, served))}, none of {list(VERSIONS)}")
+    return version
+
+
+async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:
+    """The node's ResourceSlices of this driver, by name."""
+    selector = quote(f"spec.nodeName={node},spec.driver={driver}")
+    listed = await client.request("GET", f"/apis/{GROUP}/{version}/resourceslices?fieldSelector={selector}")
+    return sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
 
 
 def _same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], generation: int) -> bool:

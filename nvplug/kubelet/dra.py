@@ -58,9 +58,8 @@ class DraSockets:
         return self.plugin_socket, self.registration_socket
 
     async def start(self) -> None:
-        await self._serve(self.plugin_socket, [_dra_handler(pb, self._node_prepare, self._node_unprepare)
-                                               for pb in _VERSIONS])  # fmt: skip
-        await self._serve(self.registration_socket, [self._registration_handler()])
+        await self._serve(self.plugin_socket)
+        await self._serve(self.registration_socket)
 
     async def stop(self) -> None:
         # Registration first: once its socket is gone the kubelet deregisters us.
@@ -75,12 +74,14 @@ class DraSockets:
         server = self._servers.pop(path, None)
         if server is not None:
             await server.stop(0)
-        if path == self.plugin_socket:
-            await self._serve(path, [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS])
-        else:
-            await self._serve(path, [self._registration_handler()])
+        await self._serve(path)
 
-    async def _serve(self, path: Path, handlers: list[grpc.GenericRpcHandler]) -> None:
+    async def _serve(self, path: Path) -> None:
+        """One of the two sockets, with its services: DRA in each version, or registration."""
+        if path == self.plugin_socket:
+            handlers = [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS]
+        else:
+            handlers = [self._registration_handler()]
         path.parent.mkdir(parents=True, exist_ok=True)
         self._servers[path] = await serve_unix(path, handlers)
         log.info("%s: serving on %s", self.driver, path)
