@@ -420,7 +420,7 @@ class Daemon:
         if snap.revision != before:
             # Before any ListAndWatch stream runs again: no device is advertised before its CDI entry.
             self._publish_spec()
-            # Just after the streams (an fsync must not delay the kubelet's news), within this loop turn.
+            # By the saver thread, after this loop turn: an fsync must not delay the kubelet's news.
             self._save_soon()
             self.nfd.update(self.state.current, self.config, self.config.unhealthy_count_label)
             if self.dra is not None:
@@ -679,6 +679,9 @@ class Daemon:
             # Strategy and sharing are in the labels.
             self.nfd.configure(self._feature_file(new))
             self.nfd.update(self.state.current, new, new.unhealthy_count_label)
+            if self.dra is not None:
+                # nvplug.devices, the MIG strategy and the ID strategy shape the pool too.
+                self.dra.configure(new, self.state.current)
 
     def _dra_socket_removed(self, path: Path) -> None:
         # Only if it is still gone: the stop inside a rebind removes the old socket too.

@@ -196,6 +196,17 @@ def test_health_changes_and_hot_adds_reach_the_slices_within_milliseconds(dra: D
         assert dra.pool()["gpu-8"]["attributes"]["uuid"] == {"string": new}
 
 
+def test_a_reload_that_excludes_a_gpu_takes_it_out_of_the_pool(dra: Dra) -> None:
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    assert dra.node.daemon is not None
+    dra.node.config.write_text(dra.config() + "  devices:\n    exclude: [5]\n")
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    dra.wait(lambda: sorted(dra.pool()) == ["gpu-4", "gpu-6", "gpu-7"], "gpu-5 out of the pool")
+    claim = dra.claim("late", "gpu-5")
+    assert "unknown device" in dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error
+
+
 def test_restarts_of_the_kubelet_the_api_server_and_nvplug(dra: Dra) -> None:
     dra.start()
     dra.wait(lambda: len(dra.pool()) == 4, "the pool")

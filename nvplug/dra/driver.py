@@ -77,6 +77,12 @@ class DraDriver:
         if self.client is not None:
             await self.client.close()
 
+    def configure(self, cfg: Config, snapshot: Snapshot) -> None:
+        """A reloaded config (nvplug.dra itself unchanged): the pool as the new one makes it."""
+        self.naming = Naming.from_config(cfg)
+        self.id_strategy = cfg.flags.plugin.device_id_strategy
+        self.update(snapshot)
+
     def update(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed."""
         devices = offered(snapshot, self.naming)
