@@ -24,6 +24,8 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict nvplug
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/check_names.py
 	$(BIN)/python scripts/gen_proto.py --check
 
 # Figures, not pass/fail: see bench/README.md. Run as root for the udev measures.

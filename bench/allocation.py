@@ -23,8 +23,8 @@ from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.topology import Link, PcieLevel, Topology
+from nvplug.core.topology import Link, PcieLevel, Topology
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
 

@@ -24,8 +24,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from latency import count, first_update, percentile  # bench/ is on the path of a script run from it
 
-from nvplug.testing.node import SimulatedNode, registered_with
-from nvplug.testing.udev import UdevSender, pci_event
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
+from nvplug.testing.udev_sender import UdevSender, pci_event
 
 TIMEOUT = 15.0
 GFD_INTERVAL = 60.0  # seconds between GFD's relabels (--sleep-interval)

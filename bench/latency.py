@@ -24,9 +24,9 @@ from pathlib import Path
 # The stand-in's client side logs every GOAWAY of a restart at info level otherwise.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug.testing.kubelet import FakeKubelet, Update
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import UdevSender, pci_event
+from nvplug.testing.kubelet_standin import FakeKubelet, Update
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import UdevSender, pci_event
 
 TIMEOUT = 15.0
 # (target, unit, what NVIDIA's plugin does) per measure.

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pynvml  # type: ignore[import-untyped]
 
-from nvplug.events.nvml import WANTED
-from nvplug.nvml import Nvml, NvmlUnavailable, recovery_action, session
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable, recovery_action, session
+from nvplug.sources.nvml_events import WANTED
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 EVENT_NAMES = {
     0x1: "SingleBitEccError",

@@ -25,8 +25,8 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from latency import percentile, rss_mib  # bench/ is on the path of a script run from it
 
-from nvplug.kubelet.server import MAX_MESSAGE, device_size
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health
+from nvplug.kubelet.device_plugin import MAX_MESSAGE, device_size
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health
 
 TIMEOUT = 30.0
 SIZES = (1, 128, 1024)  # replicas per GPU: 8, 1,024 and 8,192 devices

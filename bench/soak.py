@@ -36,11 +36,11 @@ from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug import statusclient
+from nvplug.status import status_client as statusclient
 from nvplug.testing.fakenvml import ControlError
-from nvplug.testing.kubelet import FakeKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev import UdevSender, pci_event
+from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev_sender import UdevSender, pci_event
 
 CONVERGE = 0.1  # seconds the stand-in may lag the daemon
 TIMEOUT = 15.0

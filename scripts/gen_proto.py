@@ -2,7 +2,7 @@
 """Regenerate the committed Python code for the kubelet APIs: device plugin, PodResources, plugin
 registration and DRA (v1beta1, v1).
 
-python scripts/gen_proto.py            # rewrite nvplug/kubelet/api/*_pb2*
+python scripts/gen_proto.py            # rewrite nvplug/protos/*_pb2*
 python scripts/gen_proto.py --check    # exit 1 if the committed code is stale
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-API = ROOT / "nvplug" / "kubelet" / "api"
+API = ROOT / "nvplug" / "protos"
 PROTOS = ("deviceplugin", "podresources", "pluginregistration", "dra_v1beta1", "dra_v1")
 OUTPUTS = tuple(f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 

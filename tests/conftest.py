@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nvplug.testing import fakenvml
-from nvplug.testing.node import SimulatedNode
+from nvplug.testing.simulated_node import SimulatedNode
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from nvplug import config
-from nvplug.allocation import (
+from nvplug.core.events import HealthReported, InventoryFound
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import NodeState
+from nvplug.kubelet.allocation import (
     CONTROL_NODES,
     AllocationError,
     AllocationPolicy,
@@ -13,11 +16,8 @@ from nvplug.allocation import (
     allocate,
     preferred,
 )
-from nvplug.cdi.spec import GPU_KIND
-from nvplug.event import HealthReported, InventoryFound
-from nvplug.gpu import Gpu
-from nvplug.resources import Resource, ResourceSpec
-from nvplug.state import NodeState
+from nvplug.shaping.resource_plan import Resource, ResourceSpec
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ from urllib.parse import quote
 
 import pytest
 import yaml
-
-from nvplug.testing.apiserver import GROUP, FakeApiServer
+from support.apiserver_standin import GROUP, FakeApiServer
 
 TOKEN = "test-token"
 DRIVER = "gpu.nvidia.com"

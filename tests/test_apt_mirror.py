@@ -11,9 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from nvplug.testing import nspawn
-from nvplug.testing.nspawn import MIRROR_ENV, AptSource, Mirror, MirrorError, apt_sources, debian_mirror
+from support import nspawn
+from support.nspawn import MIRROR_ENV, AptSource, Mirror, MirrorError, apt_sources, debian_mirror
 
 MAIN = "http://mirror.example/debian"
 OTHER = "https://other.example/debian/"

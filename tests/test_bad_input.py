@@ -36,7 +36,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nvplug import config
-from nvplug.allocation import (
+from nvplug.core.events import HealthReported, InventoryFound
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import NodeState
+from nvplug.core.topology import Link, PcieLevel, Topology
+from nvplug.kubelet.allocation import (
     LIST_STRATEGIES,
     VISIBLE_DEVICES_ENV,
     AllocationError,
@@ -44,15 +48,11 @@ from nvplug.allocation import (
     allocate,
     preferred,
 )
-from nvplug.event import HealthReported, InventoryFound
-from nvplug.gpu import Gpu
-from nvplug.kubelet.api import deviceplugin_pb2 as pb
-from nvplug.kubelet.api import deviceplugin_pb2_grpc as pb_grpc
-from nvplug.resources import REPLICA_SEPARATOR, Resource, ResourceSpec
-from nvplug.state import NodeState
-from nvplug.testing.kubelet import DeviceView
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.topology import Link, PcieLevel, Topology
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
+from nvplug.shaping.resource_plan import REPLICA_SEPARATOR, Resource, ResourceSpec
+from nvplug.testing.kubelet_standin import DeviceView
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 # "Within a second or so" for a 10,000-element request, with room for a slow CI machine.

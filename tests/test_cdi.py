@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 
 from nvplug import config
-from nvplug.allocation import AllocationPolicy, allocate
-from nvplug.cdi import driverfiles
-from nvplug.cdi.publisher import CdiSettings, SpecPublisher
-from nvplug.cdi.spec import (
+from nvplug.core.events import CdiChecked, InventoryFound
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.health import Health
+from nvplug.core.mig import CapMinors
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.kubelet.allocation import AllocationPolicy, allocate
+from nvplug.shaping.resource_plan import ResourceSpec
+from nvplug.sinks.cdi import driver_files as driverfiles
+from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
+from nvplug.sinks.cdi.cdi_publisher import CdiSettings, SpecPublisher
+from nvplug.sinks.cdi.cdi_spec import (
     ALL,
     CDI_VERSION,
     GPU_KIND,
@@ -21,14 +28,7 @@ from nvplug.cdi.spec import (
     gpu_spec,
     shared_edits,
 )
-from nvplug.cdi.writer import SpecWriter, conflicts, read_specs
-from nvplug.event import CdiChecked, InventoryFound
-from nvplug.gpu import Gpu, MigDevice
-from nvplug.health import Health
-from nvplug.mig import CapMinors
-from nvplug.resources import ResourceSpec
-from nvplug.state import NodeState, Snapshot
-from nvplug.testing import driverroot
+from nvplug.testing import fake_driver_root as driverroot
 
 MIG = MigDevice("MIG-aaaa", gpu_instance=3, compute_instance=0, profile="1g.10gb")
 MIG2 = MigDevice("MIG-bbbb", gpu_instance=5, compute_instance=0, profile="1g.10gb")

@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nvplug import statusclient
-from nvplug.cdi.spec import GPU_KIND
-from nvplug.testing import driverroot
-from nvplug.testing.kubelet import KubeletThread
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.status import status_client as statusclient
+from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.kubelet_standin import KubeletThread
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 

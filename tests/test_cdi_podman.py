@@ -22,9 +22,11 @@ from typing import Any
 
 import pytest
 import yaml
+from support import podman
 
-from nvplug.testing import driverroot, fakenvml, podman
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing import fakenvml
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 UNAVAILABLE = podman.podman_available()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"cannot run containers: {UNAVAILABLE}")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nvplug import cli, config
+from nvplug import config
+from nvplug.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -83,7 +84,7 @@ def test_defaults_are_nvidias_but_one() -> None:
         "/usr/bin/nvidia-ctk",
         "/driver-root",
     )
-    assert cfg.resources.gpus == (config.Resource("*", "nvidia.com/gpu"),)
+    assert cfg.resources.gpus == (config.ResourcePattern("*", "nvidia.com/gpu"),)
     assert cfg.sharing.strategy == "none"
     assert cfg.imex == config.Imex((), False)
     # An empty file and empty sections mean the same.
@@ -108,11 +109,11 @@ def test_nvidia_file_from_their_docs_loads_unchanged() -> None:
         nvidia_ctk_path="/usr/local/nvidia/toolkit/nvidia-ctk",
         container_driver_root="/driver-root",
     )
-    assert cfg.resources.gpus == (config.Resource("*", "nvidia.com/gpu"),)
+    assert cfg.resources.gpus == (config.ResourcePattern("*", "nvidia.com/gpu"),)
     # NVIDIA's short form: a name without a domain is in nvidia.com.
     assert cfg.resources.mig == (
-        config.Resource("1g.10gb", "nvidia.com/mig-1g.10gb"),
-        config.Resource("3g.40gb", "nvidia.com/mig-3g.40gb"),
+        config.ResourcePattern("1g.10gb", "nvidia.com/mig-1g.10gb"),
+        config.ResourcePattern("3g.40gb", "nvidia.com/mig-3g.40gb"),
     )
     ts = cfg.sharing.time_slicing
     assert (ts.rename_by_default, ts.fail_requests_greater_than_one) == (True, True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_doctor import FakeStatusServer, nvplug, prepare, status_doc
 
-from nvplug import statusclient
-from nvplug.devices import duration, render, since_text
-from nvplug.testing.node import SimulatedNode, device_health, registered_with
+from nvplug.cli.devices_command import duration, render, since_text
+from nvplug.status import status_client as statusclient
+from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 
 def devices(node: SimulatedNode, *extra: str, listen: str | None = None) -> tuple[int, str, str]:

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from nvplug.testing import driverroot
-from nvplug.testing.node import SimulatedNode, device_health, registered_with
+from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 DRIVER_LINE = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024"
 

@@ -16,18 +16,20 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from support.apiserver_standin import FakeApiServer
 
 from nvplug import config
-from nvplug.dra import claims, devices, slices
-from nvplug.dra.apiclient import ApiClient, ApiError, KubeConfig, KubeConfigError
+from nvplug.core.events import HealthReported, InventoryFound, XidOccurred
+from nvplug.core.gpu import Gpu, MigAttributes, MigDevice
+from nvplug.core.node_state import NodeState
+from nvplug.dra import claims
+from nvplug.dra import dra_devices as devices
+from nvplug.dra import resource_slices as slices
+from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
-from nvplug.dra.devices import DraDevice, Value
-from nvplug.dra.publisher import SlicePublisher
-from nvplug.event import HealthReported, InventoryFound, XidOccurred
-from nvplug.gpu import Gpu, MigAttributes, MigDevice
-from nvplug.resources import Naming, plan
-from nvplug.state import NodeState
-from nvplug.testing.apiserver import FakeApiServer
+from nvplug.dra.dra_devices import DraDevice, Value
+from nvplug.dra.slice_publisher import SlicePublisher
+from nvplug.shaping.resource_plan import Naming, plan
 
 T = TypeVar("T")
 

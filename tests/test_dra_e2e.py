@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import podman
+from support.apiserver_standin import FakeApiServer
+from support.dra_kubelet_standin import DraKubelet
 from test_cdi_podman import (
     CHAR,
     NVIDIA_MAJOR,
@@ -27,13 +30,11 @@ from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
 
-from nvplug import statusclient
-from nvplug.cdi.spec import GPU_KIND
-from nvplug.testing import driverroot, podman
-from nvplug.testing.apiserver import FakeApiServer
-from nvplug.testing.drakubelet import DraKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.status import status_client as statusclient
+from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 TIMEOUT = 15.0
 DRIVER = "gpu.nvidia.com"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.apiserver_standin import GROUP, FakeApiServer
 
-from nvplug.dra.apiclient import ApiClient, KubeConfig
-from nvplug.dra.publisher import FAILURES
-from nvplug.testing.apiserver import GROUP, FakeApiServer
+from nvplug.dra.api_client import ApiClient, KubeConfig
+from nvplug.dra.slice_publisher import FAILURES
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

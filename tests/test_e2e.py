@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.event import (
+from nvplug.core.events import (
     EvidenceFound,
     HealthReported,
     InventoryFound,
@@ -17,12 +17,12 @@ from nvplug.event import (
     RecoveryActionChanged,
     XidOccurred,
 )
-from nvplug.gpu import Gpu, MigDevice
-from nvplug.health import Clears, Health, HealthState, Recorded
-from nvplug.mig import CapMinors
-from nvplug.readiness import unready
-from nvplug.state import DRIVER_RELOADED, NodeState
-from nvplug.statefile import StateFile, decode, encode, state_dir
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.mig import CapMinors
+from nvplug.core.node_state import DRIVER_RELOADED, NodeState
+from nvplug.core.readiness import unready
+from nvplug.sinks.health_state_file import StateFile, decode, encode, state_dir
 
 UUID = "GPU-00000000"
 BUS = "0000:18:00.0"

@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nvplug import statusclient
-from nvplug.testing.kubelet import FakeKubelet, KubeletThread
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import UdevSender, pci_event, send_uevent
+from nvplug.status import status_client as statusclient
+from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import UdevSender, pci_event, send_uevent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 

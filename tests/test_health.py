@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nvplug import statusclient
-from nvplug.testing import nvidia_smi
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.status import status_client as statusclient
+from nvplug.testing import nvidia_smi_standin as nvidia_smi
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 TIMEOUT = 15.0
 

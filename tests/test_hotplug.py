@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from nvplug.testing.kubelet import FakeKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support import nspawn
+from support.apiserver_standin import FakeApiServer
+from support.dra_kubelet_standin import DraKubelet
 
-from nvplug.testing import fakenvml, nspawn
-from nvplug.testing.apiserver import FakeApiServer
-from nvplug.testing.drakubelet import DraKubelet
-from nvplug.testing.kubelet import FakeKubelet, KubeletThread
-from nvplug.testing.node import GPU_RESOURCE, device_health, registered_with
+from nvplug.testing import fakenvml
+from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.simulated_node import GPU_RESOURCE, device_health, registered_with
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = "/var/lib/kubelet/device-plugins"

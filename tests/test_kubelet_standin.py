@@ -18,13 +18,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from nvplug.kubelet.api import deviceplugin_pb2 as pb
-from nvplug.testing.kubelet import (
-    FakeKubelet,
-    KubeletError,
-    KubeletThread,
-    extended_resource_name_error,
-)
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.testing.kubelet_standin import FakeKubelet, KubeletError, KubeletThread, extended_resource_name_error
 
 RES = "example.com/gpu"
 _T = TypeVar("_T")
@@ -533,7 +528,7 @@ def test_kubelet_thread(tmp_path: Path) -> None:
 def test_cli_prints_registrations_and_updates(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nvplug.testing.kubelet", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "nvplug.testing.kubelet_standin", "--dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from nvplug import config
-from nvplug.event import InventoryFound, XidOccurred
-from nvplug.gpu import Gpu, MigAttributes, MigDevice
-from nvplug.labels import UNHEALTHY_COUNT, Machine, model_gpus, node_labels, render
-from nvplug.state import NodeState, Snapshot
+from nvplug.core.events import InventoryFound, XidOccurred
+from nvplug.core.gpu import Gpu, MigAttributes, MigDevice
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.sinks.gfd_labels import UNHEALTHY_COUNT, Machine, model_gpus, node_labels, render
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-40GB"

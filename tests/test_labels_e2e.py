@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from nvplug.testing.node import SimulatedNode, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.cdi import ldcache
-from nvplug.cdi.ldcache import CachedLibrary, LdCacheError
-from nvplug.testing import driverroot
-from nvplug.testing.driverroot import FakeDriverRoot
+from nvplug.sinks.cdi import ld_cache as ldcache
+from nvplug.sinks.cdi.ld_cache import CachedLibrary, LdCacheError
+from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.fake_driver_root import FakeDriverRoot
 
 LIB = "/" + driverroot.LIB_DIR
 HOST_CACHE = Path("/etc/ld.so.cache")

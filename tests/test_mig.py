@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from nvplug import config
-from nvplug.event import EvidenceFound, InventoryFound, PciChanged, ProbeResult, XidOccurred
-from nvplug.gpu import Gpu, MigDevice
-from nvplug.health import Health
-from nvplug.mig import parse_mig_minors, profile_name, read_mig_minors
-from nvplug.resources import mig_spec
-from nvplug.resources import plan as plan_resources
-from nvplug.state import NodeState
+from nvplug.core.events import EvidenceFound, InventoryFound, PciChanged, ProbeResult, XidOccurred
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.health import Health
+from nvplug.core.mig import parse_mig_minors, profile_name, read_mig_minors
+from nvplug.core.node_state import NodeState
+from nvplug.shaping.resource_plan import mig_spec
+from nvplug.shaping.resource_plan import plan as plan_resources
 
 H100 = 81559  # MiB, an H100 80GB HBM3
 A100 = 40960  # MiB, an A100 40GB
@@ -131,8 +131,8 @@ def test_layout_change_drops_and_adds_mig_health() -> None:
 
 
 def test_allocate_a_mig_device_with_its_capability_nodes() -> None:
-    from nvplug.allocation import AllocationError, AllocationPolicy, allocate
-    from nvplug.mig import CapMinors
+    from nvplug.core.mig import CapMinors
+    from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate
 
     state = NodeState()
     minors = CapMinors({(0, 1): 12, (0, 2): 21}, {(0, 1, 0): 13, (0, 2, 0): 22})

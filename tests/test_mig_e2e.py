@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from nvplug import statusclient
+from nvplug.status import status_client as statusclient
 from nvplug.testing import fakenvml
-from nvplug.testing.kubelet import FakeKubelet, KubeletThread
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 MIXED_LAYOUT = ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]

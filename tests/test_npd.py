@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from test_doctor import FakeStatusServer, nvplug, prepare, status_doc
 
-from nvplug import statusclient
-from nvplug.doctor import BRIEF_MAX, BRIEF_TIMEOUT
-from nvplug.testing.node import SimulatedNode, device_health, registered_with
+from nvplug.cli.doctor.doctor_command import BRIEF_MAX, BRIEF_TIMEOUT
+from nvplug.status import status_client as statusclient
+from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 ROOT = Path(__file__).resolve().parent.parent
 NPD_CONFIG = ROOT / "packaging" / "npd" / "nvplug-gpu-health.json"

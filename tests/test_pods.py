@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nvplug.crosscheck import CheckpointEntry, cross_check, read_checkpoint, unhealthy_ids
-from nvplug.event import InventoryFound
-from nvplug.gpu import Gpu, MigDevice
-from nvplug.kubelet.podresources import TokenBucket
-from nvplug.pods import ContainerDevices, Holder, holders, of_gpu, resolve
-from nvplug.state import NodeState, Snapshot
+from nvplug.cli.doctor.crosscheck import CheckpointEntry, cross_check, read_checkpoint, unhealthy_ids
+from nvplug.core.events import InventoryFound
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.kubelet.pod_holders import ContainerDevices, Holder, holders, of_gpu, resolve
+from nvplug.kubelet.podresources_client import TokenBucket
 
 MIGS = (MigDevice("MIG-a", 1, 0, "3g.40gb"), MigDevice("MIG-b", 2, 0, "1g.10gb"))
 GPUS = (Gpu("GPU-0", 0, "0000:18:00.0"), Gpu("GPU-1", 1, "0000:2a:00.0", mig_enabled=True, mig=MIGS))

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from nvplug import statusclient
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.status import status_client as statusclient
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 TIME_SLICED = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nvplug.kubelet.api import deviceplugin_pb2 as pb
+from nvplug.protos import deviceplugin_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 

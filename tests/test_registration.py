@@ -14,12 +14,12 @@ import grpc.aio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nvplug import statusclient
-from nvplug.kubelet.api import KUBELET_SOCKET
-from nvplug.kubelet.api import deviceplugin_pb2 as pb
 from nvplug.kubelet.registrar import REGISTER_TIMEOUT, Registrar
-from nvplug.testing.kubelet import HUNG, FakeKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.protos import KUBELET_SOCKET
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.status import status_client as statusclient
+from nvplug.testing.kubelet_standin import HUNG, FakeKubelet
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
 # From the new kubelet.sock's creation to the new kubelet receiving Register.

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.allocation import AllocationError, AllocationPolicy, allocate, preferred
-from nvplug.event import InventoryFound, XidOccurred
-from nvplug.gpu import Gpu
-from nvplug.kubelet.api import deviceplugin_pb2 as pb
-from nvplug.kubelet.server import (
+from nvplug.core.events import InventoryFound, XidOccurred
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import NodeState
+from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
+from nvplug.kubelet.device_plugin import (
     MAX_MESSAGE,
     DevicePluginService,
     ListEncoder,
@@ -22,9 +22,9 @@ from nvplug.kubelet.server import (
     encode_device,
     list_size,
 )
-from nvplug.resources import Resource, ResourceSpec
-from nvplug.state import NodeState
-from nvplug.testing.node import SimulatedNode
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.shaping.resource_plan import Resource, ResourceSpec
+from nvplug.testing.simulated_node import SimulatedNode
 
 GPUS = tuple(Gpu(f"GPU-{i}", i, f"0000:{0x18 + i:02x}:00.0", minor=i, numa_node=i // 4) for i in range(8))
 SHARED = ResourceSpec(replicas=16)
@@ -212,7 +212,7 @@ def test_a_list_over_the_limit_is_not_advertised_from_the_start(short_tmp: Path,
         node.kubelet.start()
         node.start_daemon(log_level="info")
         node.wait_log("not advertised: nvidia.com/gpu would advertise", timeout=60)
-        from nvplug import statusclient
+        from nvplug.status import status_client as statusclient
 
         code, text = statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=10)
         assert code == 503 and "not advertised: nvidia.com/gpu would advertise" in text

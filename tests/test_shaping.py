@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from nvplug import config
-from nvplug.allocation import AllocationPolicy, allocate, preferred
-from nvplug.event import InventoryFound
-from nvplug.gpu import Gpu, MigDevice
-from nvplug.resources import Naming, Plan, plan
-from nvplug.selection import DeviceFilter, Selector, covers, matches
-from nvplug.state import NodeState
+from nvplug.config.selectors import DeviceFilter, Selector, covers, matches
+from nvplug.core.events import InventoryFound
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.node_state import NodeState
+from nvplug.kubelet.allocation import AllocationPolicy, allocate, preferred
+from nvplug.shaping.resource_plan import Naming, Plan, plan
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"

@@ -12,9 +12,9 @@ import pytest
 from test_devices import devices
 from test_mig_e2e import mig_node, streaming
 
-from nvplug.cdi.spec import GPU_KIND
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev import pci_event, send_uevent
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import pci_event, send_uevent
 
 TIMEOUT = 15.0
 A100 = "NVIDIA A100-SXM4-80GB"

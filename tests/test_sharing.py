@@ -9,8 +9,8 @@ import sys
 import grpc
 import pytest
 
-from nvplug.cdi.spec import GPU_KIND
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
 

@@ -19,9 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from nvplug.testing.kubelet import FakeKubelet
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev import UdevSender, pci_event
+from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev_sender import UdevSender, pci_event
 
 ROUNDS = 10
 TIMEOUT = 15.0

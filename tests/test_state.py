@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from nvplug.event import (
+from nvplug.core.events import (
     HealthReported,
     InventoryFound,
     KubeletSocketCreated,
@@ -14,11 +14,11 @@ from nvplug.event import (
     RecoveryActionChanged,
     XidOccurred,
 )
-from nvplug.gpu import Gpu, normalize_bus_id
-from nvplug.health import Clears, Health
-from nvplug.resources import ResourceSpec
-from nvplug.state import NodeState
-from nvplug.xid import XidPolicy
+from nvplug.core.gpu import Gpu, normalize_bus_id
+from nvplug.core.health import Clears, Health
+from nvplug.core.node_state import NodeState
+from nvplug.core.xid_policy import XidPolicy
+from nvplug.shaping.resource_plan import ResourceSpec
 
 
 def gpu(i: int, numa: int = 0) -> Gpu:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from nvplug import statusclient
-from nvplug.status import Peer, StatusServer, reason_class
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.status import status_client as statusclient
+from nvplug.status.status_server import Peer, StatusServer, reason_class
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 

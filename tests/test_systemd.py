@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.logs import JournalFormatter, journal_stream
-from nvplug.systemd import Notifier
-from nvplug.testing.node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.cli.journal_logging import JournalFormatter, journal_stream
+from nvplug.daemon.sd_notify import Notifier
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nvplug.core.topology import Link, PcieLevel, Topology, best_set
 from nvplug.testing import fakenvml
-from nvplug.topology import Link, PcieLevel, Topology, best_set
 
 
 def ids(n: int) -> list[str]:
@@ -111,7 +111,7 @@ def test_topology_is_read_from_nvml(tmp_path: Path, nvml_lib_dir: Path) -> None:
         )
     )
     code = (
-        "import json; from nvplug.nvml import Nvml; t = Nvml().scan().discovery.topology;"
+        "import json; from nvplug.sources.nvml_discovery import Nvml; t = Nvml().scan().discovery.topology;"
         "print(json.dumps({f'{a}-{b}': [l.nvlinks, l.pcie.name] for (a, b), l in sorted(t.links.items())}))"
     )
     env = fakenvml.environ(nvml_lib_dir, scenario, tmp_path / "ctl")
@@ -129,7 +129,7 @@ def test_topology_is_read_from_nvml(tmp_path: Path, nvml_lib_dir: Path) -> None:
 
 def test_default_scenario_is_an_nvswitch_node(tmp_path: Path, nvml_lib_dir: Path) -> None:
     code = (
-        "import json; from nvplug.nvml import Nvml; d = Nvml().scan().discovery;"
+        "import json; from nvplug.sources.nvml_discovery import Nvml; d = Nvml().scan().discovery;"
         "u = [g.uuid for g in d.gpus]; t = d.topology;"
         "pairs = [(u[0], u[1]), (u[0], u[2]), (u[0], u[4])];"
         "print(json.dumps([[t.link(a, b).nvlinks, t.link(a, b).pcie.name] for a, b in pairs]))"

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import pyudev  # type: ignore[import-untyped]
 
-from nvplug.event import Event, PciChanged
-from nvplug.events.udev import UdevSource, WarningLimiter
-from nvplug.testing.udev import UdevSender, encode_uevent, murmur_hash2, pci_event
+from nvplug.core.events import Event, PciChanged
+from nvplug.sources.udev_monitor import UdevSource, WarningLimiter
+from nvplug.testing.udev_sender import UdevSender, encode_uevent, murmur_hash2, pci_event
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="udev messages from a uid other than 0 are dropped by receivers; needs root"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nvplug.xid import Verdict, XidPolicy, load_catalog
+from nvplug.core.xid_policy import Verdict, XidPolicy, load_catalog
 
 
 @pytest.mark.parametrize(

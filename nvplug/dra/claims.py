@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import write_atomically
-from .devices import DraDevice
+from nvplug.base.atomic_write import write_atomically
+from nvplug.dra.dra_devices import DraDevice
 
 log = logging.getLogger("nvplug.dra")
 

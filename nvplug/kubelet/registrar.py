@@ -11,12 +11,13 @@ from pathlib import Path
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from ..retry import sleep_unless
-from .api import API_VERSION, KUBELET_SOCKET
-from .api import deviceplugin_pb2 as pb
-from .api import deviceplugin_pb2_grpc as pb_grpc
+from nvplug.base.backoff import sleep_unless
+from nvplug.protos import API_VERSION, KUBELET_SOCKET
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+# The name it had before the layout by role: it is part of every log line.
+log = logging.getLogger("nvplug.kubelet.registrar")
 
 # The kubelet dials back inside Register with a 10 s timeout of its own.
 REGISTER_TIMEOUT = 15.0

@@ -1,0 +1,1 @@
+"""Helpers with no knowledge of GPUs or Kubernetes: atomic files and the backoff policy."""

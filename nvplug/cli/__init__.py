@@ -1,0 +1,1 @@
+"""The `nvplug` command line: one module per subcommand."""

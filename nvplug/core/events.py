@@ -1,0 +1,152 @@
+"""Typed events: what sources tell the core. Small, frozen, and free of I/O handles."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nvplug.core.gpu import Gpu
+from nvplug.core.health import Clears
+from nvplug.core.mig import CapMinors
+from nvplug.core.topology import Topology
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe of one GPU: handle, UUID, PCI info, pending retirements and remaps."""
+
+    uuid: str
+    failure: str | None  # None: the probe passed
+    # What prompted the probe, told to the operator when the GPU recovers.
+    evidence: str = "probe"
+    # What would clear the failure: a pending repair (retired pages, remapped rows) needs a reset.
+    clears: Clears = Clears.PROBE
+    # NVML's recovery action (field 230) as the probe read it; 0 when none or not reported.
+    recovery_action: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True)
+class InventoryFound:
+    """A full scan: these GPUs are present, any other is gone, each probed once."""
+
+    gpus: tuple[Gpu, ...]
+    probes: tuple[ProbeResult, ...] = ()
+    topology: Topology = field(default_factory=Topology)
+    cap_minors: CapMinors = field(default_factory=CapMinors)
+    # GPUs still counted by NVML but lost: ones we knew stay, Unhealthy, rather than vanish.
+    lost: int = 0
+    # Which load of the kernel driver this is; a new one means every GPU was reset. None: unknown.
+    driver_instance: str | None = None
+    # Devices (GPU or MIG UUIDs) that Allocate could not hand out, and why.
+    unready: Mapping[str, str] = field(default_factory=dict)
+    # The driver's version as NVML reports it (550.54.15); None where it cannot.
+    driver_version: str | None = None
+    # The CUDA version the driver supports, as NVML encodes it (12040 is 12.4).
+    cuda_version: int | None = None
+
+
+@dataclass(frozen=True)
+class NvmlFailed:
+    """NVML cannot be used at all; the error text is the library's."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class HealthReported:
+    """Direct evidence of a fault of one GPU (lost, ECC, poison), with the reason."""
+
+    uuid: str
+    reason: str
+    # ECC and poison need a reset; a GPU that only went unreachable clears on a passing probe.
+    clears: Clears = Clears.RESET
+
+
+@dataclass(frozen=True)
+class EvidenceFound:
+    """Evidence that a GPU was repaired, from outside NVML: an operator's heal, a reset nvplug ran."""
+
+    uuid: str
+    evidence: str
+
+
+@dataclass(frozen=True)
+class XidOccurred:
+    """An XID critical error; the XID policy decides what it means."""
+
+    uuid: str
+    code: int
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryActionChanged:
+    """NVML's GPU recovery action (field 230): 0 means nothing is needed any more."""
+
+    uuid: str
+    action: int
+
+
+@dataclass(frozen=True)
+class MigConfigChanged:
+    """NVML says a GPU's MIG layout changed: its MIG devices must be read again."""
+
+    uuid: str
+
+
+@dataclass(frozen=True)
+class HealthWatchChanged:
+    """Whether health events can be received at all; `error` None means they can."""
+
+    error: str | None
+
+
+@dataclass(frozen=True)
+class KubeletSocketCreated:
+    """A (new) kubelet.sock appeared: the kubelet started or restarted."""
+
+
+@dataclass(frozen=True)
+class PluginSocketRemoved:
+    """One of our own sockets vanished, as when the kubelet restarts."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class PciChanged:
+    """A udev event for an NVIDIA (vendor 0x10DE) PCI device."""
+
+    action: str  # add, remove, bind, unbind or change
+    bus_id: str  # normalised, e.g. 0000:18:00.0
+    driver: str | None = None  # e.g. nvidia, once bound
+    pci_id: str = ""  # VENDOR:DEVICE, e.g. 10DE:2330
+
+
+@dataclass(frozen=True)
+class CdiChecked:
+    """The CDI spec was written (or not): devices whose CDI names would not resolve, and why."""
+
+    unresolved: Mapping[str, str] = field(default_factory=dict)
+
+
+Event = (
+    InventoryFound
+    | ProbeResult
+    | NvmlFailed
+    | HealthReported
+    | EvidenceFound
+    | XidOccurred
+    | RecoveryActionChanged
+    | MigConfigChanged
+    | HealthWatchChanged
+    | KubeletSocketCreated
+    | PluginSocketRemoved
+    | PciChanged
+    | CdiChecked
+)

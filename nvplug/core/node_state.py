@@ -1,0 +1,478 @@
+"""The node's state: inventory plus health per GPU, under one revision number.
+
+Pure: events go in, a new immutable Snapshot comes out. Sinks wait for a
+revision newer than the one they last acted on, so a burst of events costs
+them one wake-up, not one per event.
+
+Health policy lives here too. A device turns Unhealthy on an event that says
+so, and each fault records what clears it (health.Clears): a passing probe for
+a GPU that was only unreachable; a scan that finds what Allocate needs; and
+for a fault that needs a reset, evidence of one (the PCI device removed and
+added or unbound and re-bound, NVML's recovery action back to none after it
+asked for something, a reloaded driver, an operator's heal) followed by a
+passing probe. A passing probe alone never clears a fault that needs a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from nvplug.core.events import (
+    CdiChecked,
+    Event,
+    EvidenceFound,
+    HealthReported,
+    HealthWatchChanged,
+    InventoryFound,
+    NvmlFailed,
+    PciChanged,
+    ProbeResult,
+    RecoveryActionChanged,
+    XidOccurred,
+)
+from nvplug.core.gpu import Gpu, MigDevice
+from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.mig import CapMinors
+from nvplug.core.topology import Topology
+from nvplug.core.xid_policy import Verdict, XidPolicy
+
+RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
+DRIVER_RELOADED = "the NVIDIA driver was reloaded"
+
+
+def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None = None) -> Gpu | None:
+    return next((g for g in gpus if g.uuid == uuid or g.bus_id == bus_id), None)
+
+
+def devices_of(health: Mapping[str, HealthState], gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
+    """The GPU's own health, then each of its MIG devices'."""
+    for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)):
+        state = health.get(uuid)
+        if state is not None:
+            yield uuid, state
+
+
+def _frozen(mapping: Mapping[str, HealthState] | None = None) -> Mapping[str, HealthState]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    revision: int
+    gpus: tuple[Gpu, ...] = ()
+    health: Mapping[str, HealthState] = field(default_factory=_frozen)
+    # Why NVML cannot be used right now; None while it works.
+    nvml_error: str | None = None
+    # Why health events cannot be received right now; None while they can.
+    health_watch_error: str | None = None
+    # Links between GPUs, read with the inventory.
+    topology: Topology = field(default_factory=Topology)
+    # The /dev/nvidia-caps minors of the MIG instances, read with the inventory.
+    cap_minors: CapMinors = field(default_factory=CapMinors)
+    # Which load of the kernel driver the last scan saw; None: unknown.
+    driver_instance: str | None = None
+    # Devices the last scan found Allocate could not hand out, and why.
+    unready: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Devices whose CDI names would not resolve (the spec could not be written), and why.
+    unresolved: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The driver's version and its CUDA version (12040: 12.4) as the last scan read them; None: unknown.
+    driver_version: str | None = None
+    cuda_version: int | None = None
+    # Faults from the state file for devices not seen yet in this run, by UUID.
+    restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return find_gpu(self.gpus, uuid=uuid)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        return find_gpu(self.gpus, bus_id=bus_id)
+
+    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
+        return devices_of(self.health, gpu)
+
+    def unhealthy(self) -> tuple[Gpu, ...]:
+        """GPUs that are Unhealthy or hold an Unhealthy MIG device."""
+        return tuple(g for g in self.gpus if not all(s.healthy for _, s in self.devices_of(g)))
+
+    def reprobe_due(self) -> tuple[Gpu, ...]:
+        """GPUs a passing probe could heal: unreachable ones, and those whose reset evidence is in."""
+        return tuple(g for g in self.gpus if any(not s.healthy and s.probe_clears for _, s in self.devices_of(g)))
+
+    def records(self) -> dict[str, Recorded]:
+        """Every Unhealthy device with its fault, and the restored ones not seen yet: the state file's content."""
+        out = dict(self.restored)
+        for gpu in self.gpus:
+            out.update((uuid, Recorded(gpu.bus_id, s)) for uuid, s in self.devices_of(gpu) if not s.healthy)
+        return out
+
+
+@dataclass(frozen=True)
+class Change:
+    """One thing an event changed or meant, for the log and later for metrics."""
+
+    what: str
+    gpu: Gpu | None = None
+    reason: str = ""
+
+
+class NodeState:
+    def __init__(
+        self,
+        xid_policy: XidPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+        restored: Mapping[str, Recorded] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._xid = xid_policy or XidPolicy()
+        self._current = Snapshot(revision=0, restored=MappingProxyType(dict(restored or {})))
+        # Replaced on every revision; waiters hold the one they saw.
+        self._bumped = asyncio.Event()
+
+    @property
+    def current(self) -> Snapshot:
+        return self._current
+
+    @property
+    def xid_policy(self) -> XidPolicy:
+        return self._xid
+
+    def set_xid_policy(self, policy: XidPolicy) -> None:
+        """A new config; it applies to XIDs from now on."""
+        self._xid = policy
+
+    def apply(self, event: Event) -> list[Change]:
+        """Fold one event into the state; bump the revision only if the picture changed."""
+        draft = _Draft(self._current, self._clock())
+        if isinstance(event, InventoryFound):
+            self._inventory(draft, event)
+        elif isinstance(event, ProbeResult):
+            self._probe(draft, event)
+        elif isinstance(event, HealthReported):
+            draft.fault(event.uuid, event.reason, event.clears)
+        elif isinstance(event, EvidenceFound):
+            gpu = draft.gpu(event.uuid)
+            if gpu is not None:
+                draft.evidence(gpu, event.evidence)
+        elif isinstance(event, XidOccurred):
+            self._xid_event(draft, event)
+        elif isinstance(event, RecoveryActionChanged):
+            self._recovery_action(draft, event)
+        elif isinstance(event, PciChanged):
+            self._pci(draft, event)
+        elif isinstance(event, NvmlFailed):
+            self._nvml_failed(draft, event)
+        elif isinstance(event, CdiChecked):
+            draft.unresolved = MappingProxyType(dict(event.unresolved))
+            draft.recheck()
+        elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
+            draft.health_watch_error = event.error
+            what = "health watch failed" if event.error else "health watch running"
+            draft.note(Change(what, reason=event.error or ""))
+        snap = draft.build()
+        if snap is not None:
+            self._publish(snap)
+        return draft.changes
+
+    async def wait_past(self, revision: int) -> Snapshot:
+        """Return the first snapshot newer than `revision`, waiting if needed."""
+        while self._current.revision <= revision:
+            await self._bumped.wait()
+        return self._current
+
+    def _publish(self, snap: Snapshot) -> None:
+        self._current = snap
+        bumped, self._bumped = self._bumped, asyncio.Event()
+        bumped.set()
+
+    def _inventory(self, draft: _Draft, event: InventoryFound) -> None:
+        before = {g.uuid: g for g in draft.gpus}
+        after = {g.uuid: g for g in event.gpus}
+        # A GPU NVML still counts but cannot name (it fell off the bus) is not gone: keep
+        # as many of the vanished as NVML counts lost, Unhealthy, until udev says removed.
+        vanished = [g for g in draft.gpus if g.uuid not in after]
+        vanished.sort(key=lambda g: draft.health[g.uuid].healthy)  # already Unhealthy ones first
+        kept = vanished[: event.lost]
+        after.update({g.uuid: g for g in kept})
+        for uuid, gpu in after.items():
+            if uuid not in before:
+                draft.note(Change("added", gpu))
+            elif before[uuid] != gpu:
+                draft.note(Change("changed", gpu))
+        for uuid, gpu in before.items():
+            if uuid not in after:
+                draft.note(Change("removed", gpu))
+        draft.gpus = tuple(sorted(after.values(), key=lambda g: g.index))
+        # Health for every device present: kept, restored from the state file, or new and Healthy.
+        present = [(u, g) for g in draft.gpus for u in (g.uuid, *(m.uuid for m in g.mig))]
+        known = {u for u, _ in present}
+        for uuid in [u for u in draft.health if u not in known]:
+            del draft.health[uuid]
+        for uuid, gpu in present:
+            if uuid not in draft.health:
+                draft.health[uuid] = self._first_health(draft, uuid, gpu)
+        for gpu in kept:
+            draft.fault(gpu.uuid, "GPU is lost: NVML counts it but cannot read it", Clears.PROBE)
+        draft.topology = event.topology
+        draft.cap_minors = event.cap_minors
+        if draft.nvml_error is not None:
+            draft.note(Change("nvml recovered", reason=draft.nvml_error))
+            draft.nvml_error = None
+        if event.driver_instance is not None:
+            draft.driver_instance = event.driver_instance
+            for gpu in draft.gpus:
+                draft.evidence(gpu, DRIVER_RELOADED, reloaded_from=event.driver_instance)
+        if event.driver_version is not None:
+            draft.driver_version = event.driver_version
+        if event.cuda_version is not None:
+            draft.cuda_version = event.cuda_version
+        draft.unready = MappingProxyType(dict(event.unready))
+        draft.recheck()
+        for probe in event.probes:
+            self._probe(draft, probe)
+
+    @staticmethod
+    def _first_health(draft: _Draft, uuid: str, gpu: Gpu) -> HealthState:
+        """Healthy, unless the state file holds a fault of this device from this boot."""
+        record = draft.restored.pop(uuid, None)
+        if record is None:
+            return HealthState(Health.HEALTHY, "discovered", draft.now)
+        draft.note(Change("restored unhealthy", gpu, f"{record.state.reason} (recorded before this start)"))
+        return record.state
+
+    def _nvml_failed(self, draft: _Draft, event: NvmlFailed) -> None:
+        if draft.nvml_error == event.reason:
+            return
+        draft.nvml_error = event.reason
+        draft.note(Change("nvml failed", reason=event.reason))
+        # Nothing can check these GPUs now: stop offering them until NVML is back and probes pass.
+        for gpu in draft.gpus:
+            draft.fault(gpu.uuid, f"NVML unavailable: {event.reason}", Clears.PROBE)
+
+    def _probe(self, draft: _Draft, probe: ProbeResult) -> None:
+        gpu = draft.gpu(probe.uuid)
+        if gpu is None:
+            return
+        if probe.failure is not None:
+            draft.fault(probe.uuid, f"probe failed: {probe.failure}", probe.clears, probe.recovery_action)
+            return
+        for uuid, state in list(draft.devices_of(gpu)):
+            if state.healthy or not state.probe_clears:
+                continue
+            evidence = state.evidence or probe.evidence
+            # The GPU's recovery covers faults of its MIG devices whose evidence is in.
+            reason = (
+                f"recovered: {evidence}, probe passed" if uuid == gpu.uuid else f"recovered with its GPU: {evidence}"
+            )
+            draft.heal(uuid, reason)
+
+    def _xid_event(self, draft: _Draft, event: XidOccurred) -> None:
+        gpu = draft.gpu(event.uuid)
+        if gpu is None:
+            return
+        decision = self._xid.decide(event.code)
+        # An XID that names a GPU and compute instance belongs to that MIG device alone.
+        mig = next(
+            (
+                m
+                for m in gpu.mig
+                if (m.gpu_instance, m.compute_instance) == (event.gpu_instance, event.compute_instance)
+            ),
+            None,
+        )
+        if decision.verdict is Verdict.UNHEALTHY:
+            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET)
+        elif decision.verdict is Verdict.HEALTHY:
+            # Worth a log line even though the picture does not change.
+            draft.note(Change("xid, stays healthy", gpu, decision.reason))
+        elif decision.verdict is Verdict.INFORMATIONAL:
+            draft.note(Change("xid without catalog action", gpu, decision.reason))
+        else:
+            draft.note(Change("xid, reading the recovery action", gpu, decision.reason))
+
+    def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
+        gpu = draft.gpu(event.uuid)
+        if gpu is None:
+            return
+        if event.action != 0:
+            name = RECOVERY_ACTIONS.get(event.action, f"action {event.action}")
+            draft.fault(event.uuid, f"NVML recovery action: {name}", Clears.RESET, event.action)
+        else:
+            # The driver says nothing is needed any more, having asked for something: a probe must still confirm it.
+            draft.evidence(gpu, "NVML recovery action back to none", after_recovery_action=True)
+
+    def _pci(self, draft: _Draft, event: PciChanged) -> None:
+        gpu = draft.by_bus_id(event.bus_id)
+        if event.action in ("remove", "unbind"):
+            # A fault recorded before this start, of a GPU not seen yet, was for the device just reset.
+            for uuid in [u for u, r in draft.restored.items() if r.bus_id == event.bus_id]:
+                del draft.restored[uuid]
+        if gpu is None:
+            return
+        if event.action == "remove":
+            # Gone from the bus: no ID to offer, so the kubelet sees it removed.
+            for uuid, _ in list(draft.devices_of(gpu)):
+                del draft.health[uuid]
+            draft.gpus = tuple(g for g in draft.gpus if g.uuid != gpu.uuid)
+            draft.note(Change("removed", gpu, "PCI device removed"))
+        elif event.action == "unbind":
+            # Still on the bus, perhaps being reset: keep the ID, stop offering it. NVML sees it
+            # again only once re-bound, so the unbind is the evidence of the re-bind to come.
+            draft.fault(gpu.uuid, "driver unbound from the PCI device", Clears.RESET)
+            draft.evidence(gpu, "driver unbound and re-bound")
+
+
+class _Draft:
+    """The next snapshot under construction, with what changed on the way."""
+
+    def __init__(self, base: Snapshot, now: float) -> None:
+        self.base = base
+        self.now = now
+        self.gpus = base.gpus
+        self.health = dict(base.health)
+        self.nvml_error = base.nvml_error
+        self.health_watch_error = base.health_watch_error
+        self.topology = base.topology
+        self.cap_minors = base.cap_minors
+        self.driver_instance = base.driver_instance
+        self.unready = base.unready
+        self.unresolved = base.unresolved
+        self.driver_version = base.driver_version
+        self.cuda_version = base.cuda_version
+        self.restored = dict(base.restored)
+        self.changes: list[Change] = []
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return find_gpu(self.gpus, uuid=uuid)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        return find_gpu(self.gpus, bus_id=bus_id)
+
+    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
+        return devices_of(self.health, gpu)
+
+    def note(self, change: Change) -> None:
+        self.changes.append(change)
+
+    def fault(self, uuid: str, reason: str, clears: Clears, recovery_action: int = 0) -> None:
+        """A fault of a GPU or MIG device (logged under its GPU, the MIG device named first).
+
+        It replaces the fault a device already has only when it needs more to clear, or when it
+        comes after the evidence that would have cleared that one: evidence must follow the fault.
+        """
+        found = self._subject(uuid)
+        current = self.health.get(uuid)
+        if found is None or current is None:
+            return
+        gpu, subject = found
+        replaces = (
+            current.healthy
+            or current.clears is None
+            or clears.rank > current.clears.rank
+            or (clears is Clears.RESET and current.evidence is not None)
+        )
+        if not replaces:
+            if recovery_action and recovery_action != current.recovery_action:
+                self.health[uuid] = replace(current, recovery_action=recovery_action)
+            return
+        instance = self.driver_instance if clears is Clears.RESET else None
+        self.health[uuid] = HealthState(
+            Health.UNHEALTHY, reason, self.now, clears, None, recovery_action or current.recovery_action, instance
+        )
+        self.note(Change("unhealthy" if current.healthy else "fault while unhealthy", gpu, subject + reason))
+
+    def unallocatable(self, uuid: str) -> str | None:
+        """Why Allocate could not hand the device out (a node missing, its CDI name unresolved), if so."""
+        return self.unready.get(uuid) or self.unresolved.get(uuid)
+
+    def recheck(self) -> None:
+        """Fault the devices Allocate could not hand out; heal those it could again."""
+        for uuid, state in list(self.health.items()):
+            problem = self.unallocatable(uuid)
+            if problem is not None:
+                self.fault(uuid, f"cannot be allocated: {problem}", Clears.CHECK)
+            elif state.clears is Clears.CHECK:
+                self.heal(uuid, "recovered: what Allocate needs is present now")
+
+    def heal(self, uuid: str, reason: str) -> None:
+        found = self._subject(uuid)
+        current = self.health.get(uuid)
+        if found is None or current is None or current.healthy:
+            return
+        problem = self.unallocatable(uuid)
+        if problem is not None:
+            # Never Healthy while Allocate would refuse it.
+            self.health[uuid] = HealthState(Health.UNHEALTHY, f"cannot be allocated: {problem}", self.now, Clears.CHECK)
+            self.note(Change("fault while unhealthy", found[0], found[1] + self.health[uuid].reason))
+            return
+        self.health[uuid] = HealthState(Health.HEALTHY, reason, self.now)
+        self.note(Change("healthy", found[0], found[1] + reason))
+
+    def evidence(
+        self, gpu: Gpu, text: str, *, after_recovery_action: bool = False, reloaded_from: str | None = None
+    ) -> None:
+        """Evidence of a repair for the GPU's faults (its MIG devices' too) that have none yet."""
+        noted = False
+        for uuid, state in list(self.devices_of(gpu)):
+            if state.healthy or state.evidence is not None:
+                continue
+            if after_recovery_action and not state.recovery_action:
+                continue  # "back to none" counts only after the driver asked for something
+            if reloaded_from is not None and state.driver_instance in (None, reloaded_from):
+                continue  # the fault happened under this driver instance, or we cannot tell
+            self.health[uuid] = replace(state, evidence=text)
+            noted = True
+        if noted:
+            self.note(Change("recovery evidence", gpu, text))
+
+    def _subject(self, uuid: str) -> tuple[Gpu, str] | None:
+        """The GPU to log a change under, and how the device is named before the reason."""
+        gpu = self.gpu(uuid)
+        if gpu is not None:
+            return gpu, ""
+        found = self.mig_owner(uuid)
+        if found is None:
+            return None
+        gpu, mig = found
+        return gpu, f"MIG {mig.profile} gi {mig.gpu_instance} ci {mig.compute_instance} ({mig.uuid}): "
+
+    def mig_owner(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
+        return next(((g, m) for g in self.gpus for m in g.mig if m.uuid == uuid), None)
+
+    def build(self) -> Snapshot | None:
+        base = self.base
+        unchanged = (
+            self.gpus == base.gpus
+            and self.health == base.health
+            and self.nvml_error == base.nvml_error
+            and self.health_watch_error == base.health_watch_error
+            and self.topology == base.topology
+            and self.cap_minors == base.cap_minors
+            and self.driver_instance == base.driver_instance
+            and self.unready == base.unready
+            and self.unresolved == base.unresolved
+            and self.driver_version == base.driver_version
+            and self.cuda_version == base.cuda_version
+            and self.restored == base.restored
+        )
+        if unchanged:
+            return None
+        return replace(
+            base,
+            revision=base.revision + 1,
+            gpus=self.gpus,
+            health=MappingProxyType(self.health),
+            nvml_error=self.nvml_error,
+            health_watch_error=self.health_watch_error,
+            topology=self.topology,
+            cap_minors=self.cap_minors,
+            driver_instance=self.driver_instance,
+            unready=self.unready,
+            unresolved=self.unresolved,
+            driver_version=self.driver_version,
+            cuda_version=self.cuda_version,
+            restored=MappingProxyType(self.restored),
+        )

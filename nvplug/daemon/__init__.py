@@ -1,0 +1,1 @@
+"""The daemon: sources, core and sinks wired around one asyncio loop."""

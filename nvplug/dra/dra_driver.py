@@ -1,0 +1,168 @@
+"""The DRA driver: one more sink of the node's state, beside the device plugin.
+
+It owns the GPUs nvplug.dra gives it (the device plugin does not offer them), keeps
+the node's ResourceSlices equal to its pool, and prepares claims from the CDI names
+of the node's spec. Nothing here can stop the device plugin: API errors back off, and
+a claim that cannot be prepared fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from nvplug.config import Config
+from nvplug.core.node_state import Snapshot
+from nvplug.dra import claims
+from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
+from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim
+from nvplug.dra.dra_devices import DraDevice, offered
+from nvplug.dra.dra_sockets import DraSockets
+from nvplug.dra.resource_slices import GROUP
+from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
+from nvplug.shaping.resource_plan import Naming
+from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
+
+log = logging.getLogger("nvplug.dra")
+
+
+def node_name(cfg: Config) -> str:
+    """nvplug.dra.nodeName, else this host's name as the kubelet takes it (lower case)."""
+    return cfg.dra.node_name or socket.gethostname().lower()
+
+
+class DraDriver:
+    def __init__(self, cfg: Config, state_dir: Path | None, on_change: Callable[[], None] = lambda: None) -> None:
+        dra = cfg.dra
+        self.driver = dra.driver_name
+        self.node = node_name(cfg)
+        self.naming = Naming.from_config(cfg)
+        self.id_strategy = cfg.flags.plugin.device_id_strategy
+        client: ApiClient | None = None
+        error = None
+        try:
+            client = ApiClient(KubeConfig.load(Path(dra.kubeconfig)))
+        except KubeConfigError as err:
+            error = str(err)
+            log.error("DRA: %s; no ResourceSlices are published and no claim can be prepared", err)
+        self.client = client
+        self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
+        self._on_change = on_change
+        self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None)
+        self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare,
+                                  self.unprepare, self._registered)  # fmt: skip
+        self.registered = False
+        self.registration_error: str | None = None
+        self.devices: list[DraDevice] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.claims.load()
+        try:
+            await self.sockets.start()
+        except (OSError, RuntimeError) as err:
+            # The device plugin goes on; the status line and doctor say why DRA does not.
+            self.registration_error = f"cannot serve the DRA sockets: {err}"
+            log.error("%s: %s (is the directory writable? see the unit's DRA drop-in)", self.driver, err)
+        self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.sockets.stop()
+        if self.client is not None:
+            await self.client.close()
+
+    def configure(self, cfg: Config, snapshot: Snapshot) -> None:
+        """A reloaded config (nvplug.dra itself unchanged): the pool as the new one makes it."""
+        self.naming = Naming.from_config(cfg)
+        self.id_strategy = cfg.flags.plugin.device_id_strategy
+        self.update(snapshot)
+
+    def update(self, snapshot: Snapshot) -> None:
+        """A new state: the pool as it is now, published if it changed."""
+        devices = offered(snapshot, self.naming)
+        if devices != self.devices:
+            self.devices = devices
+            self.publisher.want(devices)
+
+    def owned(self, snapshot: Snapshot) -> set[str]:
+        """The UUIDs of the GPUs offered through DRA."""
+        return {g.uuid for g in snapshot.gpus if self.naming.dra_owns(g)}
+
+    async def prepare(self, ref: ClaimRef) -> PreparedClaim:
+        done = self.claims.get(ref.uid)
+        if done is not None:
+            return done  # asked again (a kubelet restart): the same answer
+        if self.client is None:
+            raise ClaimError(f"{ref}: cannot read the claim: {self.publisher.error}")
+        try:
+            version = self.publisher.version or await self.publisher.discover(self.client)
+            path = f"/apis/{GROUP}/{version}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
+            claim = await self.client.request("GET", path)
+        except FAILURES as err:
+            why = "not found" if isinstance(err, ApiError) and err.status == 404 else str(err)
+            raise ClaimError(f"{ref}: cannot read the claim from the API server: {why}") from err
+        pool = {d.name: d for d in self.devices}
+        prepared = claims.prepare(ref, claim, self.driver, self.node, pool, self._cdi_ids)
+        # Saved before the answer: a restart right after still knows what was handed out.
+        self.claims.put(prepared)
+        log.info("prepared %s: %s", ref, ", ".join(f"{d.device} ({d.uuid})" for d in prepared.devices) or "no devices")
+        return prepared
+
+    async def unprepare(self, ref: ClaimRef) -> None:
+        if self.claims.remove(ref.uid):
+            log.info("unprepared %s", ref)
+
+    def _cdi_ids(self, device: DraDevice) -> tuple[str, ...]:
+        """The node spec's name of the device: the spec the device plugin's names point to."""
+        return (qualified(GPU_KIND, device_name(device.gpu, device.mig, self.id_strategy)),)
+
+    def _registered(self, ok: bool, error: str) -> None:
+        self.registered = ok
+        self.registration_error = None if ok else error or "refused"
+        self._on_change()
+        if ok:
+            log.info("%s: registered with the kubelet as a DRA plugin; publishing ResourceSlices", self.driver)
+            # The kubelet deletes its node's slices when it starts.
+            self.publisher.republish()
+        else:
+            log.error("%s: the kubelet refused the DRA plugin: %s", self.driver, self.registration_error)
+
+    def by_gpu(self) -> dict[str, list[dict[str, object]]]:
+        """Each GPU's devices in the pool (itself, or its MIG devices) and the claims prepared with them."""
+        out: dict[str, list[dict[str, object]]] = {}
+        for d in self.devices:
+            entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
+                     "claims": self._held(d)}  # fmt: skip
+            out.setdefault(d.gpu.uuid, []).append(entry)
+        return out
+
+    def _held(self, device: DraDevice) -> list[str]:
+        """The claims prepared with the device, as namespace/name."""
+        return [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(device.uuid)]
+
+    def status(self) -> dict[str, object]:
+        return {
+            **self.publisher.status(),
+            "registered": self.registered,
+            "registration_error": self.registration_error,
+            "registry_socket": str(self.sockets.registration_socket),
+            "plugin_socket": str(self.sockets.plugin_socket),
+            "devices": [
+                {"name": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": self._held(d)} for d in self.devices
+            ],
+            "claims": [
+                {
+                    "namespace": c.claim.namespace,
+                    "name": c.claim.name,
+                    "uid": c.claim.uid,
+                    "devices": [d.device for d in c.devices],
+                }
+                for c in self.claims
+            ],
+        }

@@ -1,0 +1,218 @@
+"""The CDI sink: the spec for the node's state, written before the list that needs it.
+
+The daemon calls `update` right after each new revision, before any ListAndWatch
+stream can run, so a new device is defined before it is advertised. A device
+that leaves the inventory keeps its entry until every resource has delivered a
+list without it (`delivered`): the kubelet may allocate what it last saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nvplug.config import Config
+from nvplug.config.selectors import DeviceFilter
+from nvplug.core.gpu import uuid_of
+from nvplug.core.node_state import Snapshot
+from nvplug.sinks.cdi import driver_files as driverfiles
+from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, SpecWriter, conflicts, read_specs
+from nvplug.sinks.cdi.cdi_spec import (
+    GPU_KIND,
+    CdiSpec,
+    DriverFiles,
+    Roots,
+    Unit,
+    device_name,
+    gpu_spec,
+    imex_spec,
+    optional_specs,
+    shared_edits,
+)
+
+log = logging.getLogger("nvplug")
+
+
+@dataclass(frozen=True)
+class CdiSettings:
+    """What the config and command line say about the spec."""
+
+    spec_dir: Path | None  # None: no spec is written
+    id_strategy: str = "uuid"
+    roots: Roots = field(default_factory=Roots)
+    # Where this process reads the driver's files: the driver root, or the plugin's view of it.
+    read_root: Path = Path("/")
+    # nvidiaCTKPath: nvidia-cdi-hook beside it, or it, where they exist.
+    ctk_path: str = "/usr/bin/nvidia-ctk"
+    optional: tuple[str, ...] = ()
+    imex_channels: tuple[int, ...] = ()
+    # A cdi strategy hands out the names, so a device without an entry must not be offered.
+    enforce: bool = False
+    # nvplug.devices: a GPU it leaves out is in no spec.
+    devices: DeviceFilter = field(default_factory=DeviceFilter)
+
+    @classmethod
+    def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
+        flags, plugin = cfg.flags, cfg.flags.plugin
+        directory = spec_dir or (None if cfg.cdi_spec_dir == "off" else Path(cfg.cdi_spec_dir))
+        # As NVIDIA's plugin: files are read through containerDriverRoot where this process has it.
+        container_root = Path(plugin.container_driver_root)
+        read_root = container_root if container_root.is_dir() else Path(flags.nvidia_driver_root)
+        optional = tuple(c for c, on in (("gds", flags.gds_enabled), ("mofed", flags.mofed_enabled),
+                                         ("gdrcopy", flags.gdrcopy_enabled)) if on)  # fmt: skip
+        return cls(
+            directory,
+            plugin.device_id_strategy,
+            Roots(flags.nvidia_driver_root, str(dev_root) if dev_root is not None else flags.nvidia_dev_root),
+            read_root,
+            plugin.nvidia_ctk_path,
+            optional,
+            cfg.imex.channel_ids,
+            any(s.startswith("cdi") for s in plugin.device_list_strategy),
+            cfg.devices,
+        )
+
+    def hook(self) -> str | None:
+        ctk = Path(self.ctk_path)
+        for candidate in (ctk.with_name("nvidia-cdi-hook"), ctk):
+            if os.access(candidate, os.X_OK) and candidate.is_file():
+                return str(candidate)
+        return None
+
+
+class SpecPublisher:
+    def __init__(self, settings: CdiSettings) -> None:
+        self.settings = settings
+        self._writer = SpecWriter(settings.spec_dir) if settings.spec_dir is not None else None
+        self._files: DriverFiles | None = None
+        self._files_for: tuple[str | None, str | None] | None = None
+        # The devices each resource's last delivered list held, by UUID.
+        self._delivered: dict[str, dict[str, Unit]] = {}
+        # The GPU spec's device names as last written: what resolves now.
+        self._resolvable: set[str] = set()
+        self.error: str | None = None
+        self.conflicts: list[str] = []
+        # CDI names of the optional classes and IMEX channels, which Allocate adds to every container.
+        self.extra_names: tuple[str, ...] = ()
+
+    def configure(self, settings: CdiSettings) -> bool:
+        """A reloaded config; True if the spec must be made again. A spec in a directory no longer
+        configured is removed, or runtimes would still resolve names from it."""
+        if settings == self.settings:
+            return False
+        if settings.spec_dir != self.settings.spec_dir:
+            if self._writer is not None:
+                try:
+                    self._writer.write([])
+                except OSError as err:
+                    log.warning("cannot remove the CDI spec from %s: %s", self._writer.directory, err)
+            self._writer = SpecWriter(settings.spec_dir) if settings.spec_dir is not None else None
+            self._resolvable = set()
+            self.error = None
+        self.settings = settings
+        self._files = None
+        return True
+
+    def specs(self, snap: Snapshot) -> tuple[list[CdiSpec], dict[str, str]]:
+        """Every spec for this state, and the devices left out of the GPU spec, with why."""
+        s = self.settings
+        files = self._driver_files(snap)
+        hook = s.hook()
+        shared = shared_edits(files, s.roots, driverfiles.control_nodes(Path(s.roots.dev)), hook)
+        gpu, skipped = gpu_spec(self._units(snap), s.id_strategy, snap.cap_minors, s.roots, shared)
+        specs = [gpu, *optional_specs(driverfiles.optional_nodes(Path(s.roots.dev), s.optional), s.roots)]
+        imex = imex_spec(driverfiles.imex_nodes(Path(s.roots.dev), s.imex_channels), s.roots)
+        if imex is not None:
+            specs.append(imex)
+        return specs, skipped
+
+    def update(self, snap: Snapshot) -> dict[str, str]:
+        """Write what changed; the devices whose names would not resolve, and why (when enforced)."""
+        if self._writer is None:
+            return {}
+        specs, skipped = self.specs(snap)
+        try:
+            changed = self._writer.write(specs)
+        except OSError as err:
+            self._failed(str(err.strerror or err))
+        else:
+            self._resolvable = set(specs[0].devices)
+            self.extra_names = tuple(n for spec in specs[1:] for n in spec.names())
+            if self.error is not None:
+                log.info("the CDI spec is written again in %s", self._writer.directory)
+                self.error = None
+            if changed:
+                # Only then: this runs on every new revision, and a health change must stay cheap.
+                self._check_conflicts(specs)
+        if not self.settings.enforce:
+            return {}
+        unresolved: dict[str, str] = {}
+        for gpu, mig in self._present(snap):
+            uuid = uuid_of(gpu, mig)
+            name = device_name(gpu, mig, self.settings.id_strategy)
+            if name not in self._resolvable:
+                why = skipped.get(uuid) or f"its CDI spec entry could not be written: {self.error}"
+                unresolved[uuid] = f"no CDI device {GPU_KIND}={name}: {why}"
+        return unresolved
+
+    def status(self) -> dict[str, object]:
+        """What /status says of the spec."""
+        directory = self.settings.spec_dir
+        return {
+            "spec_dir": str(directory) if directory is not None else None,
+            "devices": len(self._resolvable),
+            "error": self.error,
+            "conflicts": list(self.conflicts),
+            "driver_problems": list(self.driver_problems()),
+        }
+
+    def delivered(self, resource: str, units: Iterable[Unit]) -> None:
+        self._delivered[resource] = {uuid_of(*unit): unit for unit in units}
+
+    def forget(self, resource: str) -> None:
+        self._delivered.pop(resource, None)
+
+    def _failed(self, error: str) -> None:
+        if error != self.error:
+            log.error("%s; CDI names of new devices will not resolve until it is", error)
+            self.error = error
+
+    def _check_conflicts(self, specs: list[CdiSpec]) -> None:
+        assert self._writer is not None
+        files = read_specs([*SPEC_DIRS, self._writer.directory])
+        found = conflicts(files, self._writer.paths(), [s.kind for s in specs])
+        for problem in found:
+            if problem not in self.conflicts:
+                log.warning("CDI conflict: %s", problem)
+        self.conflicts = found
+
+    def driver_problems(self) -> tuple[str, ...]:
+        """What the last look at the driver's files could not find."""
+        return self._files.problems if self._files is not None else ()
+
+    def _driver_files(self, snap: Snapshot) -> DriverFiles:
+        """Found again only for a new driver version or load: libraries do not change under a loaded driver."""
+        key = (snap.driver_version, snap.driver_instance)
+        if self._files is None or key != self._files_for:
+            self._files = driverfiles.discover(self.settings.read_root, snap.driver_version)
+            self._files_for = key
+            if self._writer is not None:
+                for problem in self._files.problems:
+                    log.warning("CDI spec: %s", problem)
+        return self._files
+
+    def _present(self, snap: Snapshot) -> list[Unit]:
+        """The devices present that nvplug hands out."""
+        gpus = [g for g in snap.gpus if not self.settings.devices.excludes(g)]
+        return [unit for g in gpus for unit in [(g, None), *((g, m) for m in g.mig)]]
+
+    def _units(self, snap: Snapshot) -> list[Unit]:
+        """The devices present, then those gone but still in a list some resource last delivered."""
+        units: dict[str, Unit] = {uuid_of(*unit): unit for unit in self._present(snap)}
+        for held in self._delivered.values():
+            for uuid, unit in held.items():
+                units.setdefault(uuid, unit)
+        return list(units.values())

@@ -1,0 +1,1 @@
+"""Sources: NVML, udev, inotify and the re-prober, each feeding typed events to the bus."""

@@ -1,0 +1,30 @@
+"""The one event bus: sources publish, the daemon's dispatcher consumes in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nvplug.core.events import Event
+
+
+class EventBus:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def publish(self, event: Event) -> None:
+        """From the loop's own thread."""
+        self._queue.put_nowait(event)
+
+    def publish_threadsafe(self, event: Event) -> None:
+        """From a source's own thread (NVML wait, watchdog observer)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            # The loop closed under a thread still delivering (an XID in hand at shutdown): nobody
+            # is left to act on it, and the next start reads the GPU afresh.
+            if not self._loop.is_closed():
+                raise
+
+    async def next(self) -> Event:
+        return await self._queue.get()

@@ -1,0 +1,190 @@
+"""NVML scans and probes, and the event watch, on one worker thread.
+
+Everything that calls NVML from the loop's side goes through one thread, so
+a rescan can take NVML's init count to zero (only then does NVML enumerate
+GPUs again) without racing a probe that holds a reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+
+from nvplug.base.backoff import sleep_unless
+from nvplug.core.device_nodes import host_path
+from nvplug.core.events import Event, InventoryFound, NvmlFailed, ProbeResult
+from nvplug.core.readiness import unready
+from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
+from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
+
+# The name it had before the layout by role: it is part of every log line.
+log = logging.getLogger("nvplug.events.scanner")
+
+T = TypeVar("T")
+
+# NVML may come up long after us (a driver loading at boot); don't hammer it.
+BACKOFF_MAX = 300.0
+# The first rescan for GPUs left without event subscriptions; doubling up to BACKOFF_MAX.
+RESUBSCRIBE_FIRST = 1.0
+
+
+class Scanner:
+    def __init__(
+        self,
+        nvml: Nvml,
+        publish: Callable[[Event], None],
+        publish_threadsafe: Callable[[Event], None],
+        wait_ms: int = DEFAULT_WAIT_MS,
+        dev_root: Path = Path("/"),
+    ) -> None:
+        self._nvml = nvml
+        self._dev_root = dev_root
+        self._publish = publish
+        self._publish_threadsafe = publish_threadsafe
+        self._wait_ms = wait_ms
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._watch: NvmlEventWatch | None = None
+        self._wanted = asyncio.Event()
+        self.scans = 0
+        # A scan that left GPUs without event subscriptions is retried, with backoff, until none is left.
+        self._resubscribe: asyncio.TimerHandle | None = None
+        self._resubscribe_delay = RESUBSCRIBE_FIRST
+
+    def request(self, why: str) -> None:
+        """Rescan soon; requests that arrive during a scan fold into one more."""
+        log.debug("rescan requested: %s", why)
+        self._wanted.set()
+
+    async def scan(self) -> InventoryFound | NvmlFailed:
+        """Hand the watch over, scan at init count zero, subscribe the new set of GPUs."""
+        result = await self._call(self._scan_blocking)
+        if isinstance(result, InventoryFound):
+            self._check_subscriptions(result)
+        return result
+
+    def _check_subscriptions(self, found: InventoryFound) -> None:
+        """Never stop watching a GPU quietly: one lost (or failing) when the watch subscribed, or
+        one NVML counts but cannot read, has no events until a later scan subscribes it."""
+        if self._resubscribe is not None:
+            self._resubscribe.cancel()
+            self._resubscribe = None
+        subscribed = self._watch.subscriptions if self._watch is not None else {}
+        unwatched = [g.label for g in found.gpus if g.uuid not in subscribed]
+        if not unwatched and not found.lost:
+            if self._resubscribe_delay > RESUBSCRIBE_FIRST:
+                log.info("every GPU is subscribed to NVML events again")
+            self._resubscribe_delay = RESUBSCRIBE_FIRST
+            return
+        delay = self._resubscribe_delay
+        self._resubscribe_delay = min(delay * 2, BACKOFF_MAX)
+        lost = [f"{found.lost} that NVML cannot read"] if found.lost else []
+        log.warning(
+            "no NVML events from %s: rescanning in %.0f s to subscribe them", ", ".join(unwatched + lost), delay
+        )
+        self._resubscribe = asyncio.get_running_loop().call_later(
+            delay, self.request, "GPUs without event subscriptions"
+        )
+
+    async def probe(self, uuid: str, evidence: str) -> ProbeResult:
+        try:
+            return await self._call(self._nvml.probe, uuid, evidence)
+        except NvmlUnavailable as err:
+            return ProbeResult(uuid, str(err), evidence)
+
+    async def processes(self, uuid: str) -> tuple[int, ...]:
+        """Pids on the GPU. Raises NvmlUnavailable."""
+        return await self._call(self._nvml.processes, uuid)
+
+    async def reset(self, command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """Run a GPU reset with our NVML reference dropped: a client holding the GPU blocks its reset.
+
+        The event watch is gone afterwards; the caller's next scan subscribes again.
+        """
+        return await self._call(self._reset_blocking, tuple(command), timeout)
+
+    def _reset_blocking(self, command: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
+        self._release_watch()
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
+
+    async def run(self) -> None:
+        """Serve rescan requests, retrying with backoff while NVML is unusable."""
+        while True:
+            await self._wanted.wait()
+            retrying = AsyncRetrying(
+                wait=wait_random_exponential(multiplier=1.0, max=BACKOFF_MAX),
+                retry=retry_if_exception_type(NvmlUnavailable),
+                # A udev bind (the driver loading) cuts the backoff short.
+                sleep=functools.partial(sleep_unless, self._wanted),
+                before_sleep=_log_retry,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    self._wanted.clear()
+                    result = await self.scan()
+                    self._publish(result)
+                    if isinstance(result, NvmlFailed):
+                        raise NvmlUnavailable(result.reason)
+
+    async def close(self) -> None:
+        if self._resubscribe is not None:
+            self._resubscribe.cancel()
+        await self._call(self._release_watch)
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+
+    def _release_watch(self) -> None:
+        """On the worker, like every other use of the watch."""
+        if self._watch is not None:
+            self._watch.hand_over()
+            self._watch = None
+
+    def _scan_blocking(self) -> InventoryFound | NvmlFailed:
+        self._release_watch()
+        self.scans += 1
+        try:
+            scan = self._nvml.scan()
+        except NvmlUnavailable as err:
+            return NvmlFailed(str(err))
+        found = scan.discovery
+        for note in found.absent:
+            log.info("%s", note)
+        for problem in found.problems:
+            log.warning("%s", problem)
+        log.info("scan %d: %d GPUs (driver %s)", self.scans, len(found.gpus), found.driver_version or "unknown")
+        # Subscribe before the result is published: no XID may slip past an advertised GPU.
+        if found.gpus:
+            watch = NvmlEventWatch(found.gpus, self._publish_threadsafe, self._wait_ms)
+            watch.start()
+            self._watch = watch
+        problems = unready(found.gpus, found.cap_minors, self._node_exists)
+        return InventoryFound(
+            found.gpus,
+            scan.probes,
+            found.topology,
+            found.cap_minors,
+            found.lost,
+            found.driver_instance,
+            problems,
+            found.driver_version,
+            found.cuda_version,
+        )
+
+    def _node_exists(self, path: str) -> bool:
+        return Path(host_path(self._dev_root, path)).exists()
+
+
+def _log_retry(state: RetryCallState) -> None:
+    delay = state.next_action.sleep if state.next_action is not None else 0.0
+    log.info("NVML still unavailable; scan %d again in %.1fs (or at the next udev bind)", state.attempt_number, delay)

@@ -1,0 +1,1 @@
+"""What operators see and say: /healthz, /status, /metrics and POST /heal, and their client."""

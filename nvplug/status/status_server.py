@@ -1,0 +1,392 @@
+"""What operators see: /healthz, /status (JSON) and /metrics (Prometheus), on a local socket.
+
+A small HTTP/1.1 server on the event loop itself (one request per
+connection): the GET answers are read from the state, never from NVML, so a
+scrape cannot disturb the kubelet's requests. POST routes act (`nvplug heal`);
+they are served on the root-only unix socket alone, never on TCP, and know
+who asked (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import platform
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from nvplug import __version__
+from nvplug.core.node_state import Snapshot
+from nvplug.kubelet.pod_holders import Holder
+from nvplug.shaping.resource_plan import Resource
+
+# The name it had before the layout by role: it is part of every log line.
+log = logging.getLogger("nvplug.status")
+
+MAX_REQUEST = 8192
+READ_TIMEOUT = 5.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class ResourceView:
+    """One advertised resource as the status page shows it."""
+
+    resource: Resource
+    endpoint: str
+    registered: bool
+    registrations: int
+    registration_failures: int
+
+
+def reason_class(reason: str) -> str:
+    """A bounded label for a health reason: `XID 79`, `probe failed`, `driver unbound from the PCI device`."""
+    if reason.startswith("MIG ") and "): " in reason:
+        reason = reason.split("): ", 1)[1]  # drop the MIG device's name: one label per reason, not per device
+    head = reason.split(" (", 1)[0].split(":", 1)[0]
+    words = head.split()
+    if len(words) >= 2 and words[0] == "XID":
+        return " ".join(words[:2])
+    return head[:48]
+
+
+def status_document(
+    snapshot: Snapshot,
+    resources: Sequence[ResourceView],
+    plan_error: str | None,
+    pods: Mapping[str, list[Holder]] | None = None,
+    pods_error: str | None = None,
+    excluded: Mapping[str, str] | None = None,
+    dra: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why).
+    `excluded`: GPUs nvplug.devices leaves out, and why. `dra`: by GPU UUID, its devices in the DRA
+    pool and the claims prepared with them."""
+    excluded = excluded or {}
+    dra = dra or {}
+
+    def held(uuids: Sequence[str]) -> list[dict[str, object]] | None:
+        return None if pods is None else [h.as_dict() for u in uuids for h in pods.get(u, [])]
+
+    advertised: dict[str, dict[str, list[str]]] = {}
+    for view in resources:
+        for device in view.resource.devices:
+            owner = device.gpu.uuid
+            advertised.setdefault(owner, {}).setdefault(view.resource.name, []).append(device.id)
+    gpus = []
+    for gpu in snapshot.gpus:
+        health = snapshot.health[gpu.uuid]
+        peers = {
+            other.uuid: link.nvlinks
+            for other in snapshot.gpus
+            if other.uuid != gpu.uuid and (link := snapshot.topology.link(gpu.uuid, other.uuid)).nvlinks
+        }
+        migs = []
+        for mig in gpu.mig:
+            own = snapshot.health.get(mig.uuid)
+            migs.append(
+                {
+                    "uuid": mig.uuid,
+                    "profile": mig.profile,
+                    "gpu_instance": mig.gpu_instance,
+                    "compute_instance": mig.compute_instance,
+                    "health": own.health.value if own else None,
+                    "reason": own.reason if own else None,
+                    "waiting_for": own.waiting_for(gpu.bus_id, gpu.index) if own else None,
+                    "pods": held([mig.uuid]),
+                }
+            )
+        gpus.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "bus_id": gpu.bus_id,
+                "name": gpu.name,
+                "memory_mib": gpu.memory_mib,
+                "numa_node": gpu.numa_node,
+                "minor": gpu.minor,
+                "health": health.health.value,
+                "reason": health.reason,
+                "since": health.since,
+                "clears": health.clears.value if health.clears else None,
+                "evidence": health.evidence,
+                # NVML's recovery action last read during the fault (0: none, or never asked for).
+                "recovery_action": health.recovery_action,
+                "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
+                "advertised": advertised.get(gpu.uuid, {}),
+                "excluded": excluded.get(gpu.uuid),
+                "dra": dra.get(gpu.uuid),
+                "nvlink_peers": peers,
+                "mig": migs,
+                # Who holds the GPU: whole, a replica of it, or one of its MIG devices.
+                "pods": held([gpu.uuid, *(m.uuid for m in gpu.mig)]),
+            }
+        )
+    return {
+        "version": __version__,
+        "revision": snapshot.revision,
+        "nvml_error": snapshot.nvml_error,
+        "health_watch_error": snapshot.health_watch_error,
+        "plan_error": plan_error,
+        "pods_error": pods_error,
+        "resources": [
+            {
+                "name": v.resource.name,
+                "registered": v.registered,
+                "endpoint": v.endpoint,
+                "devices": len(v.resource.devices),
+                "healthy": v.resource.healthy_count,
+            }
+            for v in resources
+        ],
+        "gpus": gpus,
+    }
+
+
+class Metrics:
+    """The daemon's counters, in a registry of its own (no process-wide state)."""
+
+    def __init__(
+        self,
+        resources: Callable[[], Sequence[ResourceView]],
+        holders: Callable[[], Mapping[str, list[Holder]]] = dict,
+        dra: Callable[[], Mapping[str, Any] | None] = lambda: None,
+    ) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
+        self.transitions = Counter(
+            "nvplug_health_transitions", "Health transitions, by new health and reason", ["to", "reason"], registry=reg
+        )
+        self.nvml_errors = Counter(
+            "nvplug_nvml_errors", "NVML failures, by the call that failed", ["function"], registry=reg
+        )
+        self.latency = Histogram(
+            "nvplug_event_to_list_and_watch_seconds",
+            "From an event's arrival to the ListAndWatch message that carries its effect",
+            ["resource"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=reg,
+        )
+        build = Info("nvplug_build", "Build information", registry=reg)
+        build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
+        reg.register(_ResourceCollector(resources, holders))
+        reg.register(_DraCollector(dra))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ResourceCollector(Collector):
+    """Read at scrape time, so the gauges can never disagree with the state."""
+
+    def __init__(
+        self, resources: Callable[[], Sequence[ResourceView]], holders: Callable[[], Mapping[str, list[Holder]]]
+    ) -> None:
+        self._resources = resources
+        self._holders = holders
+
+    def collect(self) -> Iterator[Metric]:
+        devices = GaugeMetricFamily(
+            "nvplug_devices", "Advertised devices, by resource and health", labels=["resource", "health"]
+        )
+        registered = GaugeMetricFamily(
+            "nvplug_registered", "1 when the resource is registered with the kubelet", labels=["resource"]
+        )
+        ok = CounterMetricFamily(
+            "nvplug_registrations", "Successful registrations with the kubelet", labels=["resource"]
+        )
+        failed = CounterMetricFamily(
+            "nvplug_registration_failures", "Failed registration attempts", labels=["resource"]
+        )
+        for view in self._resources():
+            name = view.resource.name
+            healthy = view.resource.healthy_count
+            devices.add_metric([name, "Healthy"], healthy)
+            devices.add_metric([name, "Unhealthy"], len(view.resource.devices) - healthy)
+            registered.add_metric([name], 1.0 if view.registered else 0.0)
+            ok.add_metric([name], view.registrations)
+            failed.add_metric([name], view.registration_failures)
+        allocated = GaugeMetricFamily(
+            "nvplug_device_allocated",
+            "1 while a container holds the device (the kubelet's PodResources, read at scrape time)",
+            labels=["resource", "uuid", "namespace", "pod", "container"],
+        )
+        # A container may hold several replicas of one GPU: one series for it.
+        held = self._holders().items()
+        series = {(h.resource, uuid, h.namespace, h.pod, h.container) for uuid, hs in held for h in hs}
+        for labels in sorted(series):
+            allocated.add_metric(list(labels), 1.0)
+        yield from (devices, registered, ok, failed, allocated)
+
+
+class _DraCollector(Collector):
+    """The DRA driver's pool and claims, from its status (nothing while DRA is off)."""
+
+    def __init__(self, dra: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._dra = dra
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self._dra()
+        if doc is None:
+            return
+        driver = [str(doc["driver"])]
+        claims = GaugeMetricFamily("nvplug_dra_claims_prepared", "ResourceClaims prepared", labels=["driver"])
+        claims.add_metric(driver, len(doc["claims"]))
+        pool = GaugeMetricFamily("nvplug_dra_pool_devices", "Devices published in the pool", labels=["driver"])
+        pool.add_metric(driver, float(doc["pool_devices"]))
+        registered = GaugeMetricFamily(
+            "nvplug_dra_registered", "1 when the kubelet registered the DRA plugin", labels=["driver"]
+        )
+        registered.add_metric(driver, 1.0 if doc["registered"] else 0.0)
+        published = GaugeMetricFamily(
+            "nvplug_dra_slices_published", "1 when the ResourceSlices are written as the pool is", labels=["driver"]
+        )
+        published.add_metric(driver, 0.0 if doc["error"] else 1.0)
+        yield from (claims, pool, registered, published)
+
+
+Answer = tuple[int, str, bytes]
+Route = Callable[[], Answer | Awaitable[Answer]]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of the unix socket, as the kernel says."""
+
+    pid: int
+    uid: int
+
+    def __str__(self) -> str:
+        return f"uid {self.uid} (pid {self.pid})"
+
+
+# A POST handler gets the request body and the peer.
+PostRoute = Callable[[bytes, Peer], Awaitable[Answer]]
+
+
+class StatusServer:
+    """`unix:/path` (mode 0600) or `host:port`; `off` serves nothing."""
+
+    def __init__(self, listen: str, routes: Mapping[str, Route], posts: Mapping[str, PostRoute] | None = None) -> None:
+        self.listen = listen
+        self._routes = routes
+        self._posts = posts or {}
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        if self.listen == "off":
+            return
+        if self.listen.startswith("unix:"):
+            path = _prepare_socket_path(Path(self.listen[5:]))
+            old = os.umask(0o177)  # root alone may ask
+            try:
+                self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+            finally:
+                os.umask(old)
+        else:
+            host, _, port = self.listen.rpartition(":")
+            self._server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
+        log.info("status endpoint on %s (/healthz, /status, /metrics)", self.listen)
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+            if self.listen.startswith("unix:"):
+                _prepare_socket_path(Path(self.listen[5:]))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+            request_line, _, headers = head.decode("latin-1").partition("\r\n")
+            method, target, _ = request_line.split(" ", 2)
+            length = _content_length(headers)
+            if not 0 <= length <= MAX_REQUEST:
+                status, ctype, body = 413, "text/plain", b"request body too large\n"
+            else:
+                # Read whatever was sent before answering: a client still writing would get EPIPE.
+                data = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
+                status, ctype, body = await self._answer(method, target.split("?", 1)[0], data, writer)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        writer.write(
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    async def _answer(self, method: str, path: str, data: bytes, writer: asyncio.StreamWriter) -> Answer:
+        if method == "POST" and path in self._posts:
+            peer = _peer(writer)
+            if peer is None:
+                # Acting on a GPU is for root on the node, never for whoever reaches a TCP port.
+                return 403, "text/plain", b"POST is served on the unix socket only\n"
+            return await self._posts[path](data, peer)
+        if method != "GET":
+            return 405, "text/plain", b"GET only, or POST to /heal\n"
+        if path not in self._routes:
+            return 404, "text/plain", b"try /healthz, /status or /metrics\n"
+        answer = self._routes[path]()
+        return await answer if inspect.isawaitable(answer) else answer
+
+
+def _content_length(headers: str) -> int:
+    for line in headers.split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            return int(value.strip())
+    return 0
+
+
+def _peer(writer: asyncio.StreamWriter) -> Peer | None:
+    """The peer of a unix socket connection; None on TCP."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return Peer(pid, uid)
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    413: "Content Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+def _prepare_socket_path(path: Path) -> Path:
+    """Our directory, and no stale socket of ours in the way; anything else is left alone."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()
+    return path
+
+
+def json_answer(document: dict[str, Any]) -> Answer:
+    return 200, "application/json", json.dumps(document, indent=1).encode() + b"\n"

@@ -1,0 +1,256 @@
+"""A simulated GPU node: the fake NVML library, a kubelet stand-in and the real
+daemon as a child process, all in one directory. Used by the tests and the demo."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal
+
+from nvplug.core.gpu import normalize_bus_id
+from nvplug.testing import fakenvml
+from nvplug.testing import nvidia_smi_standin as nvidia_smi
+from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# The simulated machine's DMI product name (/sys/class/dmi/id/product_name).
+MACHINE = "NVIDIA DGX H100"
+# The fake library; whatever the host's loader finds (a real driver); or no library at all.
+NvmlSource = Literal["fake", "host", "none"]
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+def registered_with(count: int, resource: str = GPU_RESOURCE) -> Callable[[FakeKubelet], bool]:
+    """A wait_for predicate: registered, streaming, with `count` devices."""
+
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(resource)
+        return p is not None and p.stream_open and len(p.updates) > 0 and p.capacity == count
+
+    return check
+
+
+def device_health(uuid: str, healthy: bool, resource: str = GPU_RESOURCE) -> Callable[[FakeKubelet], bool]:
+    """A wait_for predicate: the kubelet sees this device with this health."""
+
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(resource)
+        return p is not None and uuid in p.devices and p.devices[uuid].healthy is healthy
+
+    return check
+
+
+class SimulatedNode:
+    """Keep `root` short: unix socket paths are limited to 107 bytes."""
+
+    def __init__(self, root: Path, scenario: Path = fakenvml.DEFAULT_SCENARIO, lib_dir: Path | None = None) -> None:
+        self.root = root
+        self.plugin_dir = root / "device-plugins"
+        self.dev_root = root / "dev-root"
+        self.sysfs_root = root / "sys"
+        # Where the daemon reads driver/nvidia-caps/mig-minors.
+        self.proc_root = root / "proc"
+        # The daemon's /healthz, /status and /metrics.
+        self.status_socket = root / "status.sock"
+        self.config = root / "config.yaml"
+        self.control_path = root / "nvml.ctl"
+        self.log_path = root / "nvplug.log"
+        self.scenario = root / "node.scenario"
+        self.lib_dir = lib_dir or root / "lib"
+        # The health state file's directory, and this simulated boot's id (proc/sys/kernel/random/boot_id).
+        self.state_dir = root / "state"
+        # Where the daemon writes its CDI spec (never the machine's /var/run/cdi).
+        self.cdi_dir = root / "cdi"
+        # NFD's features.d and the daemon's label file in it (made by a test that wants labels).
+        self.features_dir = root / "features.d"
+        self.feature_file = self.features_dir / "nvplug"
+        self.boot_id_file = self.proc_root / "sys/kernel/random/boot_id"
+        # /sys/module/nvidia: its inode tells one load of the driver from the next.
+        self.driver_module = self.sysfs_root / "module/nvidia"
+        # A stand-in nvidia-smi on the daemon's PATH, recording its calls here.
+        self.bin_dir = root / "bin"
+        self.nvidia_smi_log = root / "nvidia-smi.log"
+        self.kubelet = KubeletThread(self.plugin_dir)
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self._log_pump: threading.Thread | None = None
+
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.sysfs_root.mkdir(exist_ok=True)
+        (self.dev_root / "dev").mkdir(parents=True, exist_ok=True)
+        for name in CONTROL_NODES:
+            (self.dev_root / "dev" / name).touch()
+        self.config.write_text("version: v1\n")
+        shutil.copyfile(scenario, self.scenario)
+        self.new_boot()
+        self.driver_module.mkdir(parents=True, exist_ok=True)
+        # What the node labels read beside NVML: the machine's DMI product name, each GPU's PCI class.
+        dmi = self.sysfs_root / "class/dmi/id/product_name"
+        dmi.parent.mkdir(parents=True, exist_ok=True)
+        dmi.write_text(f"{MACHINE}\n")
+        for gpu in self.scenario_gpus():
+            self.add_device_node(gpu.get("minor"))
+            self.add_pci_device(gpu.get("bus"))
+        nvidia_smi.install(self.bin_dir, self.nvidia_smi_log)
+
+    def new_boot(self) -> str:
+        """A fresh boot id, as after a reboot."""
+        self.boot_id_file.parent.mkdir(parents=True, exist_ok=True)
+        boot = str(uuid.uuid4())
+        self.boot_id_file.write_text(boot + "\n")
+        return boot
+
+    def reload_driver(self) -> None:
+        """What a reloaded kernel module looks like in sysfs: /sys/module/nvidia made anew."""
+        fresh = self.driver_module.with_name("nvidia.new")
+        fresh.mkdir()
+        # Both exist at once, so the new one cannot reuse the old inode number.
+        shutil.rmtree(self.driver_module)
+        fresh.rename(self.driver_module)
+
+    def add_device_node(self, minor: str | int | None) -> None:
+        """/dev/nvidia<minor> under the dev root, as the driver creates it for each GPU."""
+        if minor is not None:
+            (self.dev_root / "dev" / f"nvidia{minor}").touch()
+
+    def add_pci_device(self, bus_id: str | None) -> None:
+        """The GPU's sysfs directory with its PCI class: a 3D controller, as datacenter GPUs are."""
+        if bus_id is not None:
+            device = self.sysfs_root / "bus/pci/devices" / normalize_bus_id(bus_id)
+            device.mkdir(parents=True, exist_ok=True)
+            (device / "class").write_text("0x030200\n")
+
+    def add_gpu(self, spec: str) -> str:
+        """Hot-add a GPU to the fake library (`gpu` line syntax) with its device node and sysfs entry."""
+        words = dict(w.split("=", 1) for w in shlex.split(spec) if "=" in w)
+        self.add_device_node(words.get("minor"))
+        self.add_pci_device(words.get("bus"))
+        return self.control.add(spec)
+
+    def build_library(self) -> Path:
+        return fakenvml.build(self.lib_dir)
+
+    @property
+    def control(self) -> fakenvml.Control:
+        return fakenvml.Control(self.control_path)
+
+    @property
+    def plugin_socket(self) -> Path:
+        return self.plugin_dir / "nvplug-nvidia.com-gpu.sock"
+
+    def daemon_env(self, nvml: NvmlSource = "fake") -> dict[str, str]:
+        env = dict(os.environ)
+        if nvml != "host":
+            env.pop("LD_LIBRARY_PATH", None)
+        if nvml == "fake":
+            env = fakenvml.environ(self.lib_dir, self.scenario, self.control_path, env)
+            env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start_daemon(
+        self,
+        *extra: str,
+        nvml: NvmlSource = "fake",
+        log_level: str = "debug",
+        env: Mapping[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`."""
+        if nvml == "fake":
+            self.build_library()
+        argv: Sequence[str] = [
+            sys.executable, "-m", "nvplug", "run",
+            "--device-plugin-dir", str(self.plugin_dir),
+            "--dev-root", str(self.dev_root),
+            "--sysfs-root", str(self.sysfs_root),
+            "--proc-root", str(self.proc_root),
+            "--status-listen", f"unix:{self.status_socket}",
+            "--config", str(self.config),
+            "--state-dir", str(self.state_dir),
+            "--cdi-spec-dir", str(self.cdi_dir),
+            "--nfd-feature-file", str(self.feature_file),
+            "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
+            "--log-level", log_level,
+            *extra,
+        ]  # fmt: skip
+        full_env = self.daemon_env(nvml)
+        full_env.update(env or {})
+        self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert self.daemon.stderr is not None
+        self._log_pump = threading.Thread(
+            target=_pump, args=(self.daemon.stderr, self.log_path, echo), name="nvplug log", daemon=True
+        )
+        self._log_pump.start()
+        return self.daemon
+
+    def stop_daemon(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> int:
+        daemon = self.daemon
+        if daemon is None:
+            raise RuntimeError("the daemon was not started")
+        if daemon.poll() is None:
+            daemon.send_signal(sig)
+        try:
+            code = daemon.wait(timeout)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            code = daemon.wait()
+        if self._log_pump is not None:
+            self._log_pump.join(5)
+        return code
+
+    def scenario_gpus(self) -> list[dict[str, str]]:
+        """The scenario's `gpu` lines as key=value maps, in index order."""
+        gpus = []
+        for line in self.scenario.read_text().splitlines():
+            words = shlex.split(line, comments=True)
+            if words and words[0] == "gpu":
+                gpus.append(dict(w.split("=", 1) for w in words[1:]))
+        return gpus
+
+    def wait_log(self, text: str, timeout: float = 15.0, after: int = 0) -> str:
+        """Wait for `text` in the daemon's log past offset `after`. The log is a file: re-read it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log_text()
+            if text in log[after:]:
+                return log
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not in the daemon log:\n{self.log_text()[after:]}")
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.stop_daemon(signal.SIGKILL)
+        self.kubelet.stop()
+
+    def __enter__(self) -> SimulatedNode:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _pump(stream: IO[bytes], path: Path, echo: Callable[[str], None] | None) -> None:
+    with path.open("ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            log.flush()
+            if echo is not None:
+                echo(raw.decode(errors="replace").rstrip("\n"))

@@ -1,0 +1,233 @@
+"""The kubelet's DRA side, as a stand-in on real unix sockets.
+
+Like the kubelet's plugin watcher it looks for sockets in plugins_registry (file names
+starting with '.' are skipped), asks GetInfo, checks the type and the services, dials the
+endpoint, and answers NotifyRegistrationStatus. It picks the DRA service as the kubelet
+of its version would: 1.32 and 1.33 want v1beta1.DRAPlugin; 1.34 and later take the first
+of the plugin's services they know (v1.DRAPlugin, v1beta1.DRAPlugin). Like the kubelet it
+deletes its node's ResourceSlices when it starts (through the API-server stand-in).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+import grpc
+
+from nvplug.protos import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+
+DRA_PLUGIN = "DRAPlugin"
+_MODULES = {"v1.DRAPlugin": dra_v1_pb2, "v1beta1.DRAPlugin": dra_v1beta1_pb2}
+CALL_TIMEOUT = 10.0
+
+
+class SliceStore(Protocol):
+    def delete_slices(self, node: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class Registration:
+    driver: str
+    endpoint: str
+    service: str | None
+    error: str | None
+    socket: str
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    devices: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]  # pool, device, requests, CDI IDs
+    error: str
+
+
+class DraKubelet:
+    def __init__(
+        self,
+        registry_dir: Path,
+        node: str,
+        version: str = "1.34",
+        apiserver: SliceStore | None = None,
+        mounts: Mapping[str, Path] | None = None,
+    ) -> None:
+        """`mounts`: where a path the plugin names (its endpoint) is on this side, for a plugin in a
+        container whose directories are bound from here (prefix -> host directory)."""
+        self.registry_dir = registry_dir
+        self.mounts = dict(mounts or {})
+        self.node = node
+        self.version = version
+        self.apiserver = apiserver
+        self.registrations: list[Registration] = []
+        self.wiped = 0
+        # The registered plugin of each driver: its endpoint and service.
+        self._plugins: dict[str, Registration] = {}
+        self._seen: dict[str, tuple[int, int, int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """As a starting kubelet: wipe the node's slices, then find the plugins already there."""
+        if self.apiserver is not None:
+            self.wiped += self.apiserver.delete_slices(self.node)
+        self.registry_dir.mkdir(parents=True, exist_ok=True)
+        self._stop.clear()
+        self._seen.clear()
+        self._thread = threading.Thread(target=self._watch, name="dra kubelet", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            self._plugins.clear()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def plugin(self, driver: str) -> Registration | None:
+        with self._lock:
+            return self._plugins.get(driver)
+
+    def accepted(self, driver: str) -> int:
+        with self._lock:
+            return sum(1 for r in self.registrations if r.driver == driver and r.ok)
+
+    def prepare(self, driver: str, claims: list[tuple[str, str, str]]) -> dict[str, Prepared]:
+        """NodePrepareResources for (namespace, name, uid) claims; the answer by claim UID."""
+        pb, endpoint = self._service(driver)
+        request = pb.NodePrepareResourcesRequest(
+            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
+        )
+        response = self._call(endpoint, pb, "NodePrepareResources", request, pb.NodePrepareResourcesResponse)
+        return {
+            uid: Prepared(
+                tuple((d.pool_name, d.device_name, tuple(d.request_names), tuple(d.cdi_device_ids)) for d in r.devices),
+                r.error,
+            )
+            for uid, r in response.claims.items()
+        }
+
+    def unprepare(self, driver: str, claims: list[tuple[str, str, str]]) -> dict[str, str]:
+        pb, endpoint = self._service(driver)
+        request = pb.NodeUnprepareResourcesRequest(
+            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
+        )
+        response = self._call(endpoint, pb, "NodeUnprepareResources", request, pb.NodeUnprepareResourcesResponse)
+        return {uid: r.error for uid, r in response.claims.items()}
+
+    def _service(self, driver: str) -> tuple[ModuleType, str]:
+        registration = self.plugin(driver)
+        if registration is None or registration.service is None:
+            raise RuntimeError(f"no DRA plugin registered for {driver}")
+        return _MODULES[registration.service], self._here(registration.endpoint)
+
+    def _here(self, path: str) -> str:
+        for prefix, host in self.mounts.items():
+            if path.startswith(prefix.rstrip("/") + "/"):
+                return str(host / path[len(prefix.rstrip("/")) + 1 :])
+        return path
+
+    @staticmethod
+    def _call(endpoint: str, pb: ModuleType, method: str, request: Any, reply: Any) -> Any:
+        with grpc.insecure_channel(f"unix:{endpoint}") as channel:
+            call = channel.unary_unary(
+                f"/{pb.DESCRIPTOR.package}.DRAPlugin/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=reply.FromString,
+            )
+            return call(request, timeout=CALL_TIMEOUT)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            self._stop.wait(0.02)
+
+    def scan(self) -> None:
+        """Register each new socket (one made again at a path counts as new, as inotify would tell: its
+        inode number may be reused, its change time not); a vanished one deregisters."""
+        found: dict[str, tuple[int, int, int]] = {}
+        for entry in os.scandir(self.registry_dir):
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                found[entry.path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        for path, key in found.items():
+            if self._seen.get(path) != key:
+                self._seen[path] = key
+                self._register(path)
+        for path in set(self._seen) - set(found):
+            del self._seen[path]
+            with self._lock:
+                for driver, reg in list(self._plugins.items()):
+                    if reg.socket == path:
+                        del self._plugins[driver]
+
+    def _register(self, path: str) -> None:
+        pb = pluginregistration_pb2
+        try:
+            with grpc.insecure_channel(f"unix:{path}") as channel:
+                info = channel.unary_unary(
+                    "/pluginregistration.Registration/GetInfo",
+                    request_serializer=pb.InfoRequest.SerializeToString,
+                    response_deserializer=pb.PluginInfo.FromString,
+                )(pb.InfoRequest(), timeout=CALL_TIMEOUT)
+                service, error = self._validate(info)
+                if error is None:
+                    error = self._dial(self._here(info.endpoint))
+                channel.unary_unary(
+                    "/pluginregistration.Registration/NotifyRegistrationStatus",
+                    request_serializer=pb.RegistrationStatus.SerializeToString,
+                    response_deserializer=pb.RegistrationStatusResponse.FromString,
+                )(pb.RegistrationStatus(plugin_registered=error is None, error=error or ""), timeout=CALL_TIMEOUT)
+        except grpc.RpcError as err:
+            self._seen.pop(path, None)  # try again on the next scan, as the plugin watcher retries
+            record = Registration("", "", None, f"{path}: {err.code().name}: {err.details()}", path)
+            with self._lock:
+                self.registrations.append(record)
+            return
+        record = Registration(info.name, info.endpoint, service, error, path)
+        with self._lock:
+            self.registrations.append(record)
+            if record.ok:
+                self._plugins[info.name] = record
+
+    def _validate(self, info: Any) -> tuple[str | None, str | None]:
+        if info.type != DRA_PLUGIN:
+            return None, f"type {info.type!r} is not {DRA_PLUGIN}"
+        offered = list(info.supported_versions)
+        if not offered:
+            return None, "no supported versions"
+        if self.version in ("1.32", "1.33"):
+            if "v1beta1.DRAPlugin" in offered:
+                return "v1beta1.DRAPlugin", None
+            return None, f"{offered}: this kubelet would fall back to v1alpha4, which the plugin does not serve"
+        service = next((s for s in offered if s in _MODULES), None)
+        if service is None:
+            return None, f"none of the plugin's services {offered} is supported by the kubelet ({list(_MODULES)})"
+        return service, None
+
+    @staticmethod
+    def _dial(endpoint: str) -> str | None:
+        try:
+            with grpc.insecure_channel(f"unix:{endpoint}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=CALL_TIMEOUT)
+        except grpc.FutureTimeoutError:
+            return f"cannot connect to {endpoint}"
+        return None
