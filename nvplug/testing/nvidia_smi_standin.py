@@ -39,9 +39,8 @@ def install(bin_dir: Path, log: Path) -> Path:
     """An `nvidia-smi` executable in `bin_dir` that runs this module with this Python, logging to `log`."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / "nvidia-smi"
-    path.write_text(
-        f'#!/bin/sh\n{LOG_ENV}="${{{LOG_ENV}:-{log}}}" exec {sys.executable} -m nvplug.testing.nvidia_smi_standin "$@"\n'
-    )
+    module = "nvplug.testing.nvidia_smi_standin"
+    path.write_text(f'#!/bin/sh\n{LOG_ENV}="${{{LOG_ENV}:-{log}}}" exec {sys.executable} -m {module} "$@"\n')
     path.chmod(0o755)
     return path
 
