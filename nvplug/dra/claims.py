@@ -4,24 +4,27 @@ and unprepare idempotent across restarts of nvplug and of the kubelet.
 The kubelet sends a claim's namespace, name and UID only; the devices come from the claim's
 allocation result in the API server. Unprepare may come after the claim is deleted, and the
 kubelet may ask again for a claim prepared before a restart: both are answered from the checkpoint.
+The checkpoint (nvplug.base.checkpoint) records the boot that wrote it but stays valid across boots,
+as it always has: the kubelet's own record of prepared claims outlives a reboot too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nvplug.base.atomic_write import write_atomically
+from nvplug.base.checkpoint import Checkpoint, CheckpointError, read_checkpoint, seal, write_checkpoint
 from nvplug.dra.dra_devices import DraDevice
 
 log = logging.getLogger("nvplug.dra")
 
 CHECKPOINT = "dra-claims.json"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_KIND = "nvplug.dra-claims"
+# 1: {"version": 1, "claims"}, no envelope; 2: the same claims in the envelope.
+CHECKPOINT_VERSION = 2
 
 
 class ClaimError(ValueError):
@@ -92,8 +95,10 @@ def prepare(
 class ClaimStore:
     """The prepared claims by UID, saved to a file after each change (None: kept in memory only)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, boot_id: str | None = None) -> None:
         self.path = path
+        # Recorded in the checkpoint for whoever reads it; a claim outlives a reboot here.
+        self._boot_id = boot_id
         self._claims: dict[str, PreparedClaim] = {}
 
     def load(self) -> None:
@@ -101,14 +106,13 @@ class ClaimStore:
         if self.path is None or not self.path.exists():
             return
         try:
-            doc = json.loads(self.path.read_text())
-            if doc.get("version") != CHECKPOINT_VERSION:
-                raise ValueError(f"version {doc.get('version')!r}, not {CHECKPOINT_VERSION}")
-            claims = [_claim_from(item) for item in doc["claims"]]
+            found = read_checkpoint(self.path, CHECKPOINT_KIND, CHECKPOINT_VERSION, legacy=_version_1)
+            claims = [_claim_from(item) for item in found.body["claims"]]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             aside = self.path.with_name(self.path.name + ".bad")
+            why = err.reason if isinstance(err, CheckpointError) else err  # the path is in the line already
             log.error("%s: unreadable DRA checkpoint (%s); kept as %s, starting with no prepared claims",
-                      self.path, err, aside)  # fmt: skip
+                      self.path, why, aside)  # fmt: skip
             self.path.replace(aside)
             return
         self._claims = {c.claim.uid: c for c in claims}
@@ -142,8 +146,15 @@ class ClaimStore:
     def _save(self) -> None:
         if self.path is None:
             return
-        doc = {"version": CHECKPOINT_VERSION, "claims": [asdict(c) for c in self._claims.values()]}
-        write_atomically(self.path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode(), mode=0o600)
+        body = {"claims": [asdict(c) for c in self._claims.values()]}
+        write_checkpoint(self.path, seal(CHECKPOINT_KIND, CHECKPOINT_VERSION, body, self._boot_id))
+
+
+def _version_1(doc: dict[str, Any]) -> Checkpoint:
+    """A checkpoint from before the envelope: {"version": 1, "claims": [...]}, no checksum, no boot id."""
+    if doc.get("version") != 1:
+        raise ValueError(f"version {doc.get('version')!r} without the envelope (kind, sha256): only 1 had none")
+    return Checkpoint(CHECKPOINT_KIND, 1, None, {"claims": doc.get("claims")}, sealed=False)
 
 
 def _claim_from(item: Mapping[str, Any]) -> PreparedClaim:

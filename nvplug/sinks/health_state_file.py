@@ -2,33 +2,37 @@
 
 A GPU that an XID took out must not come back Healthy because nvplug restarted
 (watchdog, upgrade, crash, `systemctl restart`). A new boot resets every GPU,
-so a file from another boot is ignored. The file is written atomically (temp
-file, fsync, rename) whenever its content changes; one that is missing,
-corrupt or from a newer nvplug is logged and ignored, never fatal.
+so a file from another boot is ignored. The file is a checkpoint (nvplug.base.checkpoint:
+kind, version, boot id, checksum) written atomically whenever its content changes, by
+a thread of its own while the daemon runs; one that is missing, corrupt or from a newer
+nvplug is logged and ignored, never fatal. Files of format 1, from before the envelope, are read too.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from nvplug.base.atomic_write import write_atomically
+from nvplug.base.checkpoint import Checkpoint, CheckpointError, seal, unseal, write_checkpoint
 from nvplug.core.health import Clears, Health, HealthState, Recorded
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.statefile")
 
-FORMAT = 1
+KIND = "nvplug.health"
+# 1: {"format": 1, "boot_id", "devices"}, no envelope; 2: the same devices in the envelope.
+FORMAT = 2
 FILE_NAME = "health.json"
 DEFAULT_DIR = Path("/var/lib/nvplug")
 BOOT_ID = Path("sys/kernel/random/boot_id")
 
 
-class StateFileError(ValueError):
-    """The file cannot be used; the message says why."""
+class StateFileError(CheckpointError):
+    """A well-sealed file whose devices cannot be used; the reason says why."""
 
 
 def state_dir(explicit: Path | None, environ: Mapping[str, str]) -> Path:
@@ -60,35 +64,39 @@ def encode(records: Mapping[str, Recorded], boot_id: str | None) -> bytes:
         }
         for uuid, r in sorted(records.items())
     ]
-    doc = {"format": FORMAT, "boot_id": boot_id, "devices": devices}
-    return json.dumps(doc, indent=1).encode() + b"\n"
+    return seal(KIND, FORMAT, {"devices": devices}, boot_id)
 
 
-def decode(data: bytes) -> tuple[str | None, dict[str, Recorded]]:
-    """(boot id, records). Raises StateFileError for anything but a well-formed file of a known format."""
-    try:
-        doc = json.loads(data)
-    except ValueError as err:
-        raise StateFileError(f"not JSON: {err}") from err
-    if not isinstance(doc, dict):
-        raise StateFileError("not a JSON object")
-    version = doc.get("format")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise StateFileError(f"no format number (format: {version!r})")
-    if version > FORMAT:
-        raise StateFileError(f"written by a newer nvplug (format {version}; this one reads up to {FORMAT})")
-    boot = doc.get("boot_id")
-    devices = doc.get("devices")
-    if not isinstance(boot, (str, type(None))) or not isinstance(devices, list):
-        raise StateFileError("boot_id or devices missing or of the wrong type")
+def decode(data: bytes, path: Path | None = None) -> tuple[str | None, dict[str, Recorded]]:
+    """(boot id, records). Raises CheckpointError for anything but a well-formed file of a known format."""
+    where = path or Path(FILE_NAME)
+    found = unseal(data, where, KIND, FORMAT, legacy=_format_1)
+    devices = found.body.get("devices")
+    if not isinstance(devices, list):
+        raise StateFileError(where, "boot_id or devices missing or of the wrong type")
     records = {}
     for n, entry in enumerate(devices):
         try:
             uuid, record = _record(entry)
         except (KeyError, TypeError, ValueError) as err:
-            raise StateFileError(f"device {n}: {type(err).__name__}: {err}") from err
+            raise StateFileError(where, f"device {n}: {type(err).__name__}: {err}") from err
         records[uuid] = record
-    return boot, records
+    return found.boot_id, records
+
+
+def _format_1(doc: dict[str, Any]) -> Checkpoint:
+    """A file from before the envelope: {"format": 1, "boot_id": ..., "devices": [...]}, no checksum."""
+    version = doc.get("format")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"no format number (format: {version!r})")
+    if version > FORMAT:
+        raise ValueError(f"written by a newer nvplug (format {version}; this one reads up to {FORMAT})")
+    if version > 1:
+        raise ValueError(f"format {version} without its envelope (kind, version, sha256)")
+    boot = doc.get("boot_id")
+    if not isinstance(boot, (str, type(None))):
+        raise ValueError("boot_id or devices missing or of the wrong type")
+    return Checkpoint(KIND, version, boot, {"devices": doc.get("devices")}, sealed=False)
 
 
 def _record(entry: Any) -> tuple[str, Recorded]:
@@ -118,11 +126,19 @@ def _record(entry: Any) -> tuple[str, Recorded]:
 
 
 class StateFile:
+    """The file, and the thread that writes it while the daemon runs: an fsync must not hold up the
+    asyncio loop (a ListAndWatch message waits on it)."""
+
     def __init__(self, directory: Path, boot_id: str | None) -> None:
         self.path = directory / FILE_NAME
         self._boot_id = boot_id
         self._written: bytes | None = None
         self._failing: str | None = None
+        # One thread, so saves land in the order they were taken.
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state file")
+        self._pending: asyncio.Handle | None = None
+        self._records: Callable[[], Mapping[str, Recorded]] | None = None
+        self._closed = False
 
     def load(self) -> dict[str, Recorded]:
         """The faults recorded in this boot; nothing (and a log line saying why) otherwise."""
@@ -135,9 +151,9 @@ class StateFile:
             log.warning("health state file %s unreadable, ignored: %s", self.path, err)
             return {}
         try:
-            boot, records = decode(data)
-        except StateFileError as err:
-            log.warning("health state file %s ignored: %s", self.path, err)
+            boot, records = decode(data, self.path)
+        except CheckpointError as err:
+            log.warning("health state file %s ignored: %s", self.path, err.reason)
             return {}
         self._written = data
         if self._boot_id is None:
@@ -151,7 +167,9 @@ class StateFile:
         return records
 
     def save(self, records: Mapping[str, Recorded]) -> None:
-        """Write the records if they changed; a failure is logged (once) and retried at the next change."""
+        """Write the records if they changed; a failure is logged (once) and retried at the next change.
+
+        Synchronous, on the caller's thread: for when no save_soon() is under way (the start)."""
         data = encode(records, self._boot_id)
         if data == self._written:
             return
@@ -168,5 +186,34 @@ class StateFile:
             self._failing = None
         self._written = data
 
+    def save_soon(self, records: Callable[[], Mapping[str, Recorded]]) -> None:
+        """From the loop thread: the records as they are at the end of this loop turn, written by the
+        saver thread. Calls within one turn make one write (the last call's callable is the one called)."""
+        self._records = records
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().call_soon(self._queue_save)
+
+    def close(self, records: Mapping[str, Recorded]) -> None:
+        """At the end: once the queued saves are written, these records (whatever a last event changed).
+        Idempotent; a later save_soon() writes on the loop thread, as nothing is left to wait for it."""
+        if self._pending is not None:
+            self._pending.cancel()  # superseded by these records
+            self._pending = None
+        self._records = None
+        self._saver.shutdown(wait=True)
+        self._closed = True
+        self.save(records)
+
+    def _queue_save(self) -> None:
+        self._pending = None
+        take, self._records = self._records, None
+        if take is None:
+            return
+        records = take()
+        if self._closed:
+            self.save(records)
+            return
+        asyncio.get_running_loop().run_in_executor(self._saver, self.save, records)
+
     def _write(self, data: bytes) -> None:
-        write_atomically(self.path, data)
+        write_checkpoint(self.path, data)
