@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_doctor import FakeStatusServer, nvplug, prepare, status_doc
 
-from nvplug.cli.doctor.doctor_command import BRIEF_MAX, BRIEF_TIMEOUT
+from nvplug.cli.doctor.npd_brief import BRIEF_MAX, BRIEF_TIMEOUT
 from nvplug.status import status_client as statusclient
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 

@@ -1,1 +1,1 @@
-"""The `nvplug` command line: one module per subcommand."""
+"""The `nvplug` command line: the registry of subcommands (command_registry), a module for each one's run."""

@@ -15,22 +15,6 @@ from nvplug.sinks.cdi.cdi_spec import CdiSpec
 from nvplug.sources.nvml_snapshot import scan_snapshot
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="cdi_command", required=True)
-    gen = sub.add_parser(
-        "generate",
-        help="print the CDI spec for this node (or write it with --output), as the daemon writes it",
-        description="One NVML scan of this node, then the spec nvplug writes for it: kind "
-        "k8s.device-plugin.nvidia.com/gpu, names by flags.plugin.deviceIDStrategy. The optional classes "
-        "(IMEX channels, GDS, MOFED, GDRCopy) are specs of their own, which the daemon writes beside it.",
-    )
-    gen.add_argument("--output", type=Path, default=None, help="write the GPU spec here (atomically, mode 0644)")
-    gen.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")
-    gen.add_argument("--dev-root", type=Path, default=None, help="default: the config's flags.nvidiaDevRoot")
-    gen.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
-    gen.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
-
-
 @dataclass(frozen=True)
 class NodeSpecs:
     """The specs the daemon would write for this node now; the devices left out and the driver files

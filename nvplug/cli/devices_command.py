@@ -28,18 +28,6 @@ from nvplug.status import status_client as statusclient
 DIRECT_LABEL = "(direct NVML read; the daemon is not running)"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON: the GPUs as /status has them, and the source")
-    parser.add_argument(
-        "--labels",
-        action="store_true",
-        help="print the node labels nvplug writes for Node Feature Discovery (the feature file's content)",
-    )
-    statusclient.add_arguments(parser)
-    parser.add_argument("--sysfs-root", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
-    parser.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
-
-
 def run(args: argparse.Namespace) -> int:
     listen = statusclient.listen_address(args.status_listen, args.config)
     try:

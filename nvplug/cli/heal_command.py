@@ -15,14 +15,6 @@ RESET_WAIT = 180.0
 HEAL_WAIT = 30.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("gpu", metavar="GPU", help="the GPU: its index, UUID or PCI bus id, as `nvplug devices` shows")
-    parser.add_argument(
-        "--reset", action="store_true", help="reset it with `nvidia-smi -r -i BUS_ID` (refused while processes use it)"
-    )
-    statusclient.add_arguments(parser)
-
-
 def _operator() -> str:
     """Who runs this, for the daemon's log: the sudo user behind root where there is one."""
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import socket
@@ -110,15 +109,3 @@ def configured_listen(cfg: config.Config) -> str | None:
             if isinstance(value, str) and value:
                 return value
     return None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--status-listen and --config, as every command that asks the daemon takes them."""
-    parser.add_argument(
-        "--status-listen",
-        default=None,
-        metavar="ADDR",
-        help="the daemon's status endpoint, unix:/path or HOST:PORT "
-        f"(default: the config's nvplug.status.listen, else {DEFAULT_LISTEN})",
-    )
-    parser.add_argument("--config", type=Path, default=None, help=f"config file (default: {config.DEFAULT_PATH})")

@@ -1,0 +1,92 @@
+"""The command line's arguments: one shape for all, and the options several subcommands share.
+
+A shared option is declared here once, with its one flag, type, default and old spellings;
+a subcommand may word its help in its own terms (`worded`), never give it another default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from nvplug import config
+from nvplug.status.status_client import DEFAULT_LISTEN
+
+HIDDEN = argparse.SUPPRESS  # as a help: accepted, left out of --help
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argparse argument: `--flag` (an option) or `name` (a positional)."""
+
+    flag: str
+    help: str | None = None
+    parse: Callable[[str], Any] | None = None
+    default: Any = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    action: str | None = None
+    aliases: tuple[str, ...] = ()  # old spellings: accepted, always hidden from --help
+
+    def worded(self, help: str | None, *, metavar: str | None = None) -> Argument:
+        """The same option (flag, type, default) in one subcommand's words."""
+        return replace(self, help=help, metavar=metavar or self.metavar)
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        settings: dict[str, Any] = {
+            key: value
+            for key, value in (
+                ("action", self.action),
+                ("type", self.parse),
+                ("default", self.default),
+                ("metavar", self.metavar),
+                ("choices", self.choices),
+            )
+            if value is not None
+        }
+        parser.add_argument(self.flag, help=self.help, **settings)
+        dest = self.flag.lstrip("-").replace("-", "_")
+        for alias in self.aliases:
+            # SUPPRESS as the default: the alias sets the value only when it is given.
+            parser.add_argument(alias, dest=dest, help=HIDDEN, **{**settings, "default": argparse.SUPPRESS})
+
+
+# --- shared by several subcommands ---------------------------------------------------------------
+
+CONFIG = Argument("--config", f"config file (default: {config.DEFAULT_PATH})", Path)
+# A command that starts from the config says what it does without the file.
+CONFIG_OR_BUILT_IN = CONFIG.worded(f"config file (default: {config.DEFAULT_PATH}, built-in defaults if absent)")
+
+# Where the kernel's files are read; tests point them at a fake tree.
+SYSFS_ROOT = Argument("--sysfs-root", HIDDEN, Path, Path("/sys"), aliases=("--sys-root",))
+PROC_ROOT = Argument("--proc-root", HIDDEN, Path, Path("/proc"))
+# None: the config's flags.nvidiaDevRoot, which follows flags.nvidiaDriverRoot.
+DEV_ROOT = Argument("--dev-root", "default: the config's flags.nvidiaDevRoot", Path)
+
+DEVICE_PLUGIN_DIR = Argument(
+    "--device-plugin-dir",
+    "the kubelet's device-plugin directory (default: %(default)s)",
+    Path,
+    Path("/var/lib/kubelet/device-plugins"),
+)
+# None for each: the config's nvplug.* key of the same name.
+CDI_SPEC_DIR = Argument("--cdi-spec-dir", parse=Path)
+NFD_FEATURE_FILE = Argument("--nfd-feature-file", parse=Path)
+POD_RESOURCES_SOCKET = Argument("--pod-resources-socket", parse=Path)
+
+# None: the config's nvplug.status.listen (the daemon serves there, the other commands ask there).
+STATUS_LISTEN = Argument("--status-listen")
+LOG_LEVEL = Argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+# What every command that asks the daemon takes.
+ASKS_THE_DAEMON = (
+    STATUS_LISTEN.worded(
+        "the daemon's status endpoint, unix:/path or HOST:PORT "
+        f"(default: the config's nvplug.status.listen, else {DEFAULT_LISTEN})",
+        metavar="ADDR",
+    ),
+    CONFIG,
+)

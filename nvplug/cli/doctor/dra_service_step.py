@@ -1,0 +1,68 @@
+"""Doctor step: the DRA plugin is registered, its kubeconfig works, its ResourceSlices are the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nvplug.cli.doctor.doctor_step import Check, DoctorContext, loaded_config
+from nvplug.status import status_client as statusclient
+
+
+def check_dra(ctx: DoctorContext) -> Check:
+    """The DRA plugin: registered with the kubelet, its kubeconfig accepted, its slices what the pool is."""
+    import asyncio
+
+    from nvplug.dra.api_client import ApiClient, KubeConfig, KubeConfigError
+    from nvplug.dra.dra_driver import node_name
+    from nvplug.dra.resource_slices import GROUP
+    from nvplug.dra.slice_publisher import FAILURES, discover, list_slices
+
+    cfg = loaded_config(ctx)
+    if isinstance(cfg, Check):
+        return cfg
+    if not cfg.dra.enabled:
+        return Check("PASS", "DRA is off (nvplug.dra.enabled: false)")
+    driver, node = cfg.dra.driver_name, node_name(cfg)
+    fix = "check the kubeconfig's server and credentials, and the RBAC the README's DRA section lists"
+    try:
+        kubeconfig = KubeConfig.load(Path(cfg.dra.kubeconfig))
+    except KubeConfigError as err:
+        return Check("FAIL", "the DRA plugin's kubeconfig cannot be used", [str(err)], fix)
+
+    async def ask() -> tuple[str, list[dict[str, Any]]]:
+        client = ApiClient(kubeconfig, timeout=5.0)
+        try:
+            version = await discover(client)
+            return version, await list_slices(client, version, node, driver)
+        finally:
+            await client.close()
+
+    try:
+        version, slices = asyncio.run(ask())
+    except FAILURES as err:
+        return Check("FAIL", f"the API server cannot be asked with {kubeconfig.source}", [str(err)], fix)
+    published = sum(len(s.get("spec", {}).get("devices") or []) for s in slices)
+    evidence = [f"{kubeconfig.server}: {GROUP}/{version}, {len(slices)} ResourceSlices of {node} for {driver} "
+                f"with {published} devices"]  # fmt: skip
+    try:
+        doc = statusclient.status(statusclient.listen_address(ctx.args.status_listen, ctx.args.config))
+    except (statusclient.StatusUnavailable, ValueError) as err:
+        return Check("WARN", "the API server answers; the daemon does not (step 7)", [*evidence, str(err)])
+    dra = doc.get("dra") or {}
+    problems = []
+    if not dra.get("registered"):
+        why = dra.get("registration_error") or "the kubelet has not asked GetInfo"
+        where = dra.get("registry_socket")
+        problems.append(
+            f"the kubelet has not registered the DRA plugin ({why}); {where} must be in the directory "
+            "the kubelet watches (a kubelet with DRA: Kubernetes 1.32 and later)"
+        )
+    if dra.get("error"):
+        problems.append(f"the daemon cannot publish: {dra['error']}")
+    if published != dra.get("pool_devices"):
+        problems.append(f"the API server has {published} devices in the slices, the pool {dra.get('pool_devices')}")
+    if problems:
+        return Check("FAIL", "the DRA plugin is not in service", problems + evidence, fix)
+    claims = len(dra.get("claims") or [])
+    return Check("PASS", f"DRA {driver}: registered, {published} devices published, {claims} claims prepared", evidence)

@@ -1,0 +1,43 @@
+"""`nvplug run`: the device plugin daemon, as the systemd unit starts it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from nvplug import config
+from nvplug.cli import journal_logging as logs
+from nvplug.cli.config_command import load_checked
+from nvplug.daemon.lifecycle import Options, serve
+
+log = logging.getLogger("nvplug")
+
+
+def run(args: argparse.Namespace) -> int:
+    logs.setup(args.log_level)
+    try:
+        cfg = load_checked(args.config, log.warning)
+    except config.ConfigError as err:
+        log.error("%s", err)
+        return 2
+    options = Options(
+        plugin_dir=args.device_plugin_dir,
+        dev_root=args.dev_root or Path(cfg.flags.nvidia_dev_root),
+        sysfs_root=args.sysfs_root,
+        config=cfg,
+        config_path=args.config,
+        proc_root=args.proc_root,
+        status_listen=args.status_listen,
+        state_dir=args.state_dir,
+        cdi_spec_dir=args.cdi_spec_dir,
+        feature_file=args.nfd_feature_file,
+        pod_resources_socket=args.pod_resources_socket,
+    )
+    try:
+        asyncio.run(serve(options))
+    except Exception:
+        log.exception("nvplug failed")
+        return 1
+    return 0
