@@ -80,7 +80,7 @@ def run_source(
         loop = asyncio.get_running_loop()
         # An exception escaping the reader callback would land here.
         loop.set_exception_handler(lambda _loop, context: run.loop_errors.append(context))
-        source = UdevSource(loop, emit, overflowed, receive_buffer_size=receive_buffer_size)
+        source = UdevSource(emit, overflowed, receive_buffer_size=receive_buffer_size)
         source.start()
         try:
             with UdevSender() as sender:
@@ -91,7 +91,7 @@ def run_source(
                     after(run, sender)
                     await _wait(lambda: run.seen(SENTINEL), timeout)
         finally:
-            source.stop()
+            await source.stop()
 
     asyncio.run(main())
     assert run.loop_errors == []
@@ -300,14 +300,14 @@ def test_overflow_calls_back_and_the_source_recovers(caplog: pytest.LogCaptureFi
 def test_stop_closes_the_socket() -> None:
     async def main() -> tuple[str | None, int]:
         loop = asyncio.get_running_loop()
-        source = UdevSource(loop, lambda _event: None)
+        source = UdevSource(lambda _event: None)
         source.start()
         fd = source.fileno()
         link = _fd_target(fd)
         with socket.socket(fileno=os.dup(fd)) as sock:
             assert sock.family == socket.AF_NETLINK
-        source.stop()
-        source.stop()  # twice is harmless
+        await source.stop()
+        await source.stop()  # twice is harmless
         assert source.fileno() == -1
         assert not loop.remove_reader(fd)
         return link, fd

@@ -10,7 +10,8 @@ from pathlib import Path
 from nvplug import config
 from nvplug.cli import journal_logging as logs
 from nvplug.cli.config_command import load_checked
-from nvplug.daemon.lifecycle import Options, serve
+from nvplug.daemon.lifecycle import serve
+from nvplug.daemon.options import Options
 
 log = logging.getLogger("nvplug")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, NoReturn
 
 from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears
@@ -14,6 +15,8 @@ from nvplug.core.topology import Topology
 @dataclass(frozen=True)
 class ProbeResult:
     """One probe of one GPU: handle, UUID, PCI info, pending retirements and remaps."""
+
+    source: ClassVar[str] = "nvml"
 
     uuid: str
     failure: str | None  # None: the probe passed
@@ -32,6 +35,8 @@ class ProbeResult:
 @dataclass(frozen=True)
 class InventoryFound:
     """A full scan: these GPUs are present, any other is gone, each probed once."""
+
+    source: ClassVar[str] = "nvml"
 
     gpus: tuple[Gpu, ...]
     probes: tuple[ProbeResult, ...] = ()
@@ -53,12 +58,16 @@ class InventoryFound:
 class NvmlFailed:
     """NVML cannot be used at all; the error text is the library's."""
 
+    source: ClassVar[str] = "nvml"
+
     reason: str
 
 
 @dataclass(frozen=True)
 class HealthReported:
     """Direct evidence of a fault of one GPU (lost, ECC, poison), with the reason."""
+
+    source: ClassVar[str] = "nvml"
 
     uuid: str
     reason: str
@@ -70,6 +79,8 @@ class HealthReported:
 class EvidenceFound:
     """Evidence that a GPU was repaired, from outside NVML: an operator's heal, a reset nvplug ran."""
 
+    source: ClassVar[str] = "operator"
+
     uuid: str
     evidence: str
 
@@ -77,6 +88,8 @@ class EvidenceFound:
 @dataclass(frozen=True)
 class XidOccurred:
     """An XID critical error; the XID policy decides what it means."""
+
+    source: ClassVar[str] = "nvml"
 
     uuid: str
     code: int
@@ -88,6 +101,8 @@ class XidOccurred:
 class RecoveryActionChanged:
     """NVML's GPU recovery action (field 230): 0 means nothing is needed any more."""
 
+    source: ClassVar[str] = "nvml"
+
     uuid: str
     action: int
 
@@ -96,12 +111,16 @@ class RecoveryActionChanged:
 class MigConfigChanged:
     """NVML says a GPU's MIG layout changed: its MIG devices must be read again."""
 
+    source: ClassVar[str] = "nvml"
+
     uuid: str
 
 
 @dataclass(frozen=True)
 class HealthWatchChanged:
     """Whether health events can be received at all; `error` None means they can."""
+
+    source: ClassVar[str] = "nvml"
 
     error: str | None
 
@@ -110,10 +129,14 @@ class HealthWatchChanged:
 class KubeletSocketCreated:
     """A (new) kubelet.sock appeared: the kubelet started or restarted."""
 
+    source: ClassVar[str] = "kubelet_dir"
+
 
 @dataclass(frozen=True)
 class PluginSocketRemoved:
     """One of our own sockets vanished, as when the kubelet restarts."""
+
+    source: ClassVar[str] = "kubelet_dir"
 
     path: str
 
@@ -121,6 +144,8 @@ class PluginSocketRemoved:
 @dataclass(frozen=True)
 class PciChanged:
     """A udev event for an NVIDIA (vendor 0x10DE) PCI device."""
+
+    source: ClassVar[str] = "udev"
 
     action: str  # add, remove, bind, unbind or change
     bus_id: str  # normalised, e.g. 0000:18:00.0
@@ -131,6 +156,8 @@ class PciChanged:
 @dataclass(frozen=True)
 class CdiChecked:
     """The CDI spec was written (or not): devices whose CDI names would not resolve, and why."""
+
+    source: ClassVar[str] = "nvplug"
 
     unresolved: Mapping[str, str] = field(default_factory=dict)
 
@@ -150,3 +177,8 @@ Event = (
     | PciChanged
     | CdiChecked
 )
+
+
+def assert_never(event: NoReturn) -> NoReturn:
+    """The end of a `match` over events: mypy flags a kind that no case handles (typing's is 3.11+)."""
+    raise AssertionError(f"unhandled event: {event!r}")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nvplug.config import Config
+from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
 from nvplug.dra import claims
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
@@ -23,6 +24,7 @@ from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.shaping.resource_plan import Naming
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
@@ -34,9 +36,20 @@ def node_name(cfg: Config) -> str:
     return cfg.dra.node_name or socket.gethostname().lower()
 
 
-class DraDriver:
-    def __init__(self, cfg: Config, state_dir: Path | None, on_change: Callable[[], None] = lambda: None) -> None:
+class DraDriver(Sink):
+    """A sink of the node's state beside the device plugin: the pool, its slices, and the claims."""
+
+    name = "dra"
+
+    def __init__(
+        self,
+        cfg: Config,
+        state_dir: Path | None,
+        on_change: Callable[[], None] = lambda: None,
+        boot_id: str | None = None,
+    ) -> None:
         dra = cfg.dra
+        self._snapshot: Snapshot | None = None
         self.driver = dra.driver_name
         self.node = node_name(cfg)
         self.naming = Naming.from_config(cfg)
@@ -51,13 +64,14 @@ class DraDriver:
         self.client = client
         self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
         self._on_change = on_change
-        self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None)
-        self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare,
-                                  self.unprepare, self._registered)  # fmt: skip
+        self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
+        self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare_claim,
+                                  self.unprepare_claim, self._registered)  # fmt: skip
         self.registered = False
         self.registration_error: str | None = None
         self.devices: list[DraDevice] = []
         self._task: asyncio.Task[None] | None = None
+        self._rebinding: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.claims.load()
@@ -69,7 +83,17 @@ class DraDriver:
             log.error("%s: %s (is the directory writable? see the unit's DRA drop-in)", self.driver, err)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
 
-    async def stop(self) -> None:
+    def socket_removed(self, path: Path) -> None:
+        """One of the sockets in the watched directories vanished: serve it again if it is ours."""
+        # Only if it is still gone: the stop inside a rebind removes the old socket too.
+        if path in self.sockets.sockets and not path.exists():
+            log.warning("%s was removed: serving it again", path)
+            task = asyncio.create_task(self.sockets.rebind(path))
+            self._rebinding.add(task)
+            task.add_done_callback(self._rebinding.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._rebinding, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -77,14 +101,38 @@ class DraDriver:
         if self.client is not None:
             await self.client.close()
 
-    def configure(self, cfg: Config, snapshot: Snapshot) -> None:
-        """A reloaded config (nvplug.dra itself unchanged): the pool as the new one makes it."""
-        self.naming = Naming.from_config(cfg)
-        self.id_strategy = cfg.flags.plugin.device_id_strategy
-        self.update(snapshot)
+    def prepare(self, cfg: Config) -> Commit:
+        """A reloaded config (nvplug.dra itself unchanged: the daemon refuses that): nvplug.devices, the
+        MIG strategy and the ID strategy shape the pool too."""
+        naming = Naming.from_config(cfg)
 
-    def update(self, snapshot: Snapshot) -> None:
+        async def commit() -> None:
+            self.naming = naming
+            self.id_strategy = cfg.flags.plugin.device_id_strategy
+            if self._snapshot is not None:
+                self.offer(self._snapshot)
+
+        return commit
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if update.revised:
+            self.offer(update.snapshot)
+        return ()
+
+    def notes(self) -> list[str]:
+        if self.publisher.error:
+            return [f"DRA {self.driver}: {self.publisher.error}"]
+        how = (
+            "registered"
+            if self.registered
+            else f"not registered ({self.registration_error or 'waiting for the kubelet'})"
+        )
+        healthy = sum(1 for d in self.devices if d.healthy)
+        return [f"DRA {self.driver} {how}: {healthy} devices in {len(self.publisher.slice_names)} ResourceSlices"]
+
+    def offer(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed."""
+        self._snapshot = snapshot
         devices = offered(snapshot, self.naming)
         if devices != self.devices:
             self.devices = devices
@@ -94,7 +142,7 @@ class DraDriver:
         """The UUIDs of the GPUs offered through DRA."""
         return {g.uuid for g in snapshot.gpus if self.naming.dra_owns(g)}
 
-    async def prepare(self, ref: ClaimRef) -> PreparedClaim:
+    async def prepare_claim(self, ref: ClaimRef) -> PreparedClaim:
         done = self.claims.get(ref.uid)
         if done is not None:
             return done  # asked again (a kubelet restart): the same answer
@@ -114,7 +162,7 @@ class DraDriver:
         log.info("prepared %s: %s", ref, ", ".join(f"{d.device} ({d.uuid})" for d in prepared.devices) or "no devices")
         return prepared
 
-    async def unprepare(self, ref: ClaimRef) -> None:
+    async def unprepare_claim(self, ref: ClaimRef) -> None:
         if self.claims.remove(ref.uid):
             log.info("unprepared %s", ref)
 

@@ -15,14 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from nvplug.base.backoff import Backoff
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
 from nvplug.dra.dra_devices import DraDevice
 from nvplug.dra.resource_slices import GROUP, VERSIONS, pool_devices, slices
 
 log = logging.getLogger("nvplug.dra")
 
-RETRY_FIRST = 0.5
-RETRY_MAX = 60.0
+RETRY_BACKOFF = Backoff(first=0.5, maximum=60.0)
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
 FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
 
@@ -81,7 +81,7 @@ class SlicePublisher:
         }
 
     async def run(self) -> None:
-        delay = RETRY_FIRST
+        retrying = RETRY_BACKOFF.schedule()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -92,11 +92,10 @@ class SlicePublisher:
             except FAILURES as err:
                 self._failed(f"ResourceSlices of {self.node} not published: {err}")
                 self._known = None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX)
+                await asyncio.sleep(retrying.next())
                 self._wake.set()
             else:
-                delay = RETRY_FIRST
+                retrying.reset()
                 if self.error is not None:
                     log.info("ResourceSlices of %s published again", self.node)
                     self.error = None

@@ -30,6 +30,8 @@ BURST = 5
 # How long an answer serves other readers; a refusal by the kubelet's rate limit is honoured this long.
 TTL = 2.0
 REFUSED_FOR = 5.0
+# How long after an Allocate to ask: the kubelet records the pod just after it answered.
+AFTER_ALLOCATE = 1.0
 TIMEOUT = 2.0
 
 
@@ -164,6 +166,27 @@ class PodView:
         self._answer = PodsAnswer(None, "PodResources is off (nvplug.podResources.socket: off)", 0.0)
         self._inflight: asyncio.Task[PodsAnswer] | None = None
         self._said: str | None = None
+        self._refresh: asyncio.TimerHandle | None = None
+        self._refreshing: set[asyncio.Task[PodsAnswer]] = set()
+
+    def after_allocate(self) -> None:
+        """The kubelet records the pod just after Allocate: ask then, once for a burst of allocations."""
+        if self.client is not None and self._refresh is None:
+            self._refresh = asyncio.get_running_loop().call_later(AFTER_ALLOCATE, self._refresh_now)
+
+    def _refresh_now(self) -> None:
+        self._refresh = None
+        task = asyncio.ensure_future(self.fresh(max_age=0.0))
+        self._refreshing.add(task)
+        task.add_done_callback(self._refreshing.discard)
+
+    async def close(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+            self._refresh = None
+        await asyncio.gather(*self._refreshing, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
 
     @property
     def answer(self) -> PodsAnswer:

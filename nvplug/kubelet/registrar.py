@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from nvplug.base.backoff import sleep_unless
+from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
@@ -21,6 +21,10 @@ log = logging.getLogger("nvplug.kubelet.registrar")
 
 # The kubelet dials back inside Register with a 10 s timeout of its own.
 REGISTER_TIMEOUT = 15.0
+
+
+# Against a kubelet.sock that exists but does not answer yet: short, jittered, capped at 2 s.
+REGISTER_BACKOFF = Backoff(first=0.05, maximum=2.0, jitter=True)
 
 
 class RegistrationFailed(Exception):
@@ -43,14 +47,14 @@ class Registrar:
         resource_name: str,
         endpoint: str,
         options: pb.DevicePluginOptions,
-        max_backoff: float = 2.0,
+        backoff: Backoff = REGISTER_BACKOFF,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self.resource_name = resource_name
         self._endpoint = endpoint
         self._options = options
-        self._max_backoff = max_backoff
+        self._backoff = backoff
         self._wanted = asyncio.Event()
         self._wanted.set()
         self.registered = asyncio.Event()
@@ -77,7 +81,7 @@ class Registrar:
 
     async def _register_with_retry(self) -> None:
         retrying = AsyncRetrying(
-            wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff),
+            wait=self._backoff.wait(),
             retry=retry_if_exception_type(RegistrationFailed),
             # A new kubelet socket cuts the backoff short.
             sleep=functools.partial(sleep_unless, self._wanted),

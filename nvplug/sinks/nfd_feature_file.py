@@ -9,12 +9,14 @@ scheduler work for nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from nvplug.base.atomic_write import write_atomically
 from nvplug.config import Config
+from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.sinks.gfd_labels import Machine, node_labels, render
 
 log = logging.getLogger("nvplug")
@@ -39,15 +41,50 @@ def read_machine(sysfs_root: Path, bus_ids: Iterable[str]) -> Machine:
     return Machine(product, classes)
 
 
-class FeatureFile:
-    def __init__(self, path: Path | None, sysfs_root: Path) -> None:
-        self.path = path
+def feature_file_path(cfg: Config, override: Path | None = None) -> Path | None:
+    """--nfd-feature-file, else the config's nvplug.labels.featureFile; None when off."""
+    if override is not None:
+        return override
+    return None if cfg.feature_file == "off" else Path(cfg.feature_file)
+
+
+class FeatureFile(Sink):
+    """The labels of each new revision, written when they changed; a reload may move or drop the file."""
+
+    name = "labels"
+
+    def __init__(self, cfg: Config, sysfs_root: Path, override: Path | None = None) -> None:
+        self._override = override
+        self._cfg = cfg
+        self._snapshot: Snapshot | None = None
+        self.path = feature_file_path(cfg, override)
         self._sysfs_root = sysfs_root
         self._machine: Machine | None = None
         self._machine_for: tuple[str, ...] = ()
         self.labels: dict[str, str] = {}
         self._written: dict[str, str] | None = None
         self.error: str | None = None
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if update.revised:
+            self._snapshot = update.snapshot
+            self.write(update.snapshot, self._cfg)
+        return ()
+
+    def prepare(self, cfg: Config) -> Commit:
+        path = feature_file_path(cfg, self._override)
+
+        async def commit() -> None:
+            # Strategy and sharing are in the labels.
+            self._cfg = cfg
+            self.configure(path)
+            if self._snapshot is not None:
+                self.write(self._snapshot, cfg)
+
+        return commit
+
+    def status(self) -> dict[str, object]:
+        return {"file": None if self.path is None else str(self.path), "error": self.error, "labels": self.labels}
 
     def configure(self, path: Path | None) -> None:
         """A reloaded config: a file no longer configured is removed, or NFD would keep its labels."""
@@ -62,9 +99,9 @@ class FeatureFile:
         self._written = None
         self.error = None
 
-    def update(self, snap: Snapshot, cfg: Config, unhealthy_count: bool) -> None:
+    def write(self, snap: Snapshot, cfg: Config) -> None:
         """Write the labels for this state if they differ from what the file holds."""
-        self.labels = node_labels(snap, cfg, self._machine_of(snap), unhealthy_count)
+        self.labels = node_labels(snap, cfg, self._machine_of(snap), cfg.unhealthy_count_label)
         if self.path is None or self.labels == self._written:
             return
         try:

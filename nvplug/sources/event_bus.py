@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from nvplug.core.events import Event
 
@@ -11,13 +12,13 @@ class EventBus:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._loop_thread = threading.get_ident()
 
     def publish(self, event: Event) -> None:
-        """From the loop's own thread."""
-        self._queue.put_nowait(event)
-
-    def publish_threadsafe(self, event: Event) -> None:
-        """From a source's own thread (NVML wait, watchdog observer)."""
+        """From any thread: the loop's own (a reader, a task) or a source's (NVML wait, watchdog observer)."""
+        if threading.get_ident() == self._loop_thread:
+            self._queue.put_nowait(event)
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:

@@ -3,6 +3,7 @@ the directories of the DRA plugin's sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -14,6 +15,7 @@ from watchdog.observers.inotify import InotifyEmitter
 from watchdog.observers.inotify_c import InotifyFD
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved
+from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.protos import KUBELET_SOCKET
 
 # The name it had before the layout by role: it is part of every log line.
@@ -77,13 +79,17 @@ class _Observer(BaseObserver):
 
 
 class KubeletDirWatch:
-    """Runs watchdog's observer thread; `emit` must be thread-safe."""
+    """Runs watchdog's observer thread, which hands events to the bus."""
+
+    name = "the kubelet directories' watch"
+    blocking: BlockingRunsOn = "own thread"
+    without: str | None = None  # no registration without it
 
     def __init__(
         self,
         plugin_dir: Path,
         own_sockets: Iterable[Path],
-        emit: Callable[[Event], None],
+        emit: Publish,
         more_dirs: Iterable[Path] = (),
     ) -> None:
         self.plugin_dir = plugin_dir
@@ -110,8 +116,9 @@ class KubeletDirWatch:
         """Our sockets changed (a reload); swapped whole, so the observer thread sees one or the other."""
         self._handler.own = frozenset(str(p) for p in own_sockets)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         observer, self._observer = self._observer, None
         if observer is not None:
             observer.stop()
-            observer.join(timeout=5)
+            # Off the loop: the observer may be inside an inotify read.
+            await asyncio.to_thread(observer.join, 5)

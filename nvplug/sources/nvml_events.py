@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pynvml  # type: ignore[import-untyped]
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
+from nvplug.base.backoff import Backoff
 from nvplug.core.events import (
     Event,
     HealthReported,
@@ -51,18 +52,21 @@ def _address(handle: Any) -> int:
     return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
 
 
+# Subscribing, and a failing nvmlEventSetWait: jittered, capped at 30 s.
+SUBSCRIBE_BACKOFF = Backoff(first=0.5, maximum=30.0, jitter=True)
+WAIT_BACKOFF = Backoff(first=0.1, maximum=30.0, jitter=True)
+
+
 class NvmlEventWatch:
     def __init__(
         self,
         gpus: Sequence[Gpu],
         emit: Callable[[Event], None],
         wait_ms: int = DEFAULT_WAIT_MS,
-        max_backoff: float = 30.0,
     ) -> None:
         self._gpus = tuple(gpus)
         self._emit = emit
         self._wait_ms = wait_ms
-        self._max_backoff = max_backoff
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
@@ -101,7 +105,7 @@ class NvmlEventWatch:
 
     def _run_watch(self) -> None:
         retrying = Retrying(
-            wait=wait_random_exponential(multiplier=0.5, max=self._max_backoff),
+            wait=SUBSCRIBE_BACKOFF.wait(),
             retry=retry_if_exception_type(pynvml.NVMLError),
             sleep=self._sleep,
             before_sleep=self._subscribe_failed,
@@ -185,7 +189,7 @@ class NvmlEventWatch:
         """The wait itself fails: report it, and retry with backoff until it works again."""
         self._emit(HealthWatchChanged(f"nvmlEventSetWait failed: {first}; retrying with backoff"))
         retrying = Retrying(
-            wait=wait_random_exponential(multiplier=0.1, max=self._max_backoff),
+            wait=WAIT_BACKOFF.wait(),
             retry=retry_if_exception_type(pynvml.NVMLError),
             sleep=self._sleep,
             before_sleep=_log_retry,

@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from nvplug.base.backoff import sleep_unless
+from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.device_nodes import host_path
-from nvplug.core.events import Event, InventoryFound, NvmlFailed, ProbeResult
+from nvplug.core.events import InventoryFound, NvmlFailed, ProbeResult
 from nvplug.core.readiness import unready
+from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
@@ -31,24 +32,30 @@ log = logging.getLogger("nvplug.events.scanner")
 T = TypeVar("T")
 
 # NVML may come up long after us (a driver loading at boot); don't hammer it.
-BACKOFF_MAX = 300.0
-# The first rescan for GPUs left without event subscriptions; doubling up to BACKOFF_MAX.
-RESUBSCRIBE_FIRST = 1.0
+RESCAN_BACKOFF = Backoff(first=1.0, maximum=300.0, jitter=True)
+# Rescans for GPUs left without event subscriptions.
+RESUBSCRIBE_BACKOFF = Backoff(first=1.0, maximum=300.0)
 
 
 class Scanner:
+    """NVML's one worker thread: scans, probes and resets; and the event watch of the GPUs it found."""
+
+    name = "NVML"
+    blocking: BlockingRunsOn = "own thread"
+    without: str | None = None
+
     def __init__(
         self,
         nvml: Nvml,
-        publish: Callable[[Event], None],
-        publish_threadsafe: Callable[[Event], None],
+        publish: Publish,
         wait_ms: int = DEFAULT_WAIT_MS,
         dev_root: Path = Path("/"),
     ) -> None:
         self._nvml = nvml
         self._dev_root = dev_root
         self._publish = publish
-        self._publish_threadsafe = publish_threadsafe
+        self._running: asyncio.Task[None] | None = None
+        self._stopped = False
         self._wait_ms = wait_ms
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
         self._watch: NvmlEventWatch | None = None
@@ -56,7 +63,7 @@ class Scanner:
         self.scans = 0
         # A scan that left GPUs without event subscriptions is retried, with backoff, until none is left.
         self._resubscribe: asyncio.TimerHandle | None = None
-        self._resubscribe_delay = RESUBSCRIBE_FIRST
+        self._resubscribing = RESUBSCRIBE_BACKOFF.schedule()
 
     def request(self, why: str) -> None:
         """Rescan soon; requests that arrive during a scan fold into one more."""
@@ -79,12 +86,11 @@ class Scanner:
         subscribed = self._watch.subscriptions if self._watch is not None else {}
         unwatched = [g.label for g in found.gpus if g.uuid not in subscribed]
         if not unwatched and not found.lost:
-            if self._resubscribe_delay > RESUBSCRIBE_FIRST:
+            if self._resubscribing.failures:
                 log.info("every GPU is subscribed to NVML events again")
-            self._resubscribe_delay = RESUBSCRIBE_FIRST
+            self._resubscribing.reset()
             return
-        delay = self._resubscribe_delay
-        self._resubscribe_delay = min(delay * 2, BACKOFF_MAX)
+        delay = self._resubscribing.next()
         lost = [f"{found.lost} that NVML cannot read"] if found.lost else []
         log.warning(
             "no NVML events from %s: rescanning in %.0f s to subscribe them", ", ".join(unwatched + lost), delay
@@ -116,12 +122,18 @@ class Scanner:
             command, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
         )
 
-    async def run(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Serve rescan requests from now on; the first scan is the caller's, so that it can act on it."""
+        if self._running is None:
+            self._running = asyncio.create_task(self._serve_requests(), name="scanner")
+        return self._running
+
+    async def _serve_requests(self) -> None:
         """Serve rescan requests, retrying with backoff while NVML is unusable."""
         while True:
             await self._wanted.wait()
             retrying = AsyncRetrying(
-                wait=wait_random_exponential(multiplier=1.0, max=BACKOFF_MAX),
+                wait=RESCAN_BACKOFF.wait(),
                 retry=retry_if_exception_type(NvmlUnavailable),
                 # A udev bind (the driver loading) cuts the backoff short.
                 sleep=functools.partial(sleep_unless, self._wanted),
@@ -135,7 +147,13 @@ class Scanner:
                     if isinstance(result, NvmlFailed):
                         raise NvmlUnavailable(result.reason)
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
+            await asyncio.gather(self._running, return_exceptions=True)
+        if self._stopped:
+            return
+        self._stopped = True
         if self._resubscribe is not None:
             self._resubscribe.cancel()
         await self._call(self._release_watch)
@@ -165,7 +183,7 @@ class Scanner:
         log.info("scan %d: %d GPUs (driver %s)", self.scans, len(found.gpus), found.driver_version or "unknown")
         # Subscribe before the result is published: no XID may slip past an advertised GPU.
         if found.gpus:
-            watch = NvmlEventWatch(found.gpus, self._publish_threadsafe, self._wait_ms)
+            watch = NvmlEventWatch(found.gpus, self._publish, self._wait_ms)
             watch.start()
             self._watch = watch
         problems = unready(found.gpus, found.cap_minors, self._node_exists)

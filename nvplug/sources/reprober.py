@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception_type
 
-from nvplug.base.backoff import sleep_unless
+from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.config import Config
 from nvplug.core.events import Event, ProbeResult
 from nvplug.core.node_state import Snapshot
+from nvplug.edges.edge_protocols import BlockingRunsOn, Commit, Publish, Sink, StateUpdate
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.recovery")
@@ -28,8 +30,14 @@ class _StillUnhealthy(Exception):
     pass
 
 
-class Reprober:
-    def __init__(self, probe: Probe, publish: Callable[[Event], None], initial: float, maximum: float) -> None:
+class Reprober(Sink):
+    """A source of probe results, and a sink of snapshots: it follows which GPUs a probe could heal."""
+
+    name = "reprober"
+    blocking: BlockingRunsOn = "nothing blocks"  # each probe runs on the scanner's NVML thread
+    without: str | None = None
+
+    def __init__(self, probe: Probe, publish: Publish, initial: float, maximum: float) -> None:
         self._probe = probe
         self._publish = publish
         self._initial = initial
@@ -58,7 +66,32 @@ class Reprober:
         if wake is not None:
             wake.set()
 
-    def close(self) -> None:
+    def start(self) -> None:
+        """Nothing to open: re-probes start as snapshots come (`update`)."""
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if not update.changes:
+            return ()
+        # Evidence starts re-probes of a GPU, and a probe at once.
+        self.follow(update.snapshot)
+        for change in update.changes:
+            if change.what == "recovery evidence" and change.gpu is not None:
+                self.now(change.gpu.uuid)
+        return ()
+
+    def prepare(self, cfg: Config) -> Commit:
+        health = cfg.health
+
+        async def commit() -> None:
+            self.set_backoff(health.reprobe_initial_seconds, health.reprobe_max_seconds)
+
+        return commit
+
+    async def stop(self) -> None:
+        """As a source: no more probes. (As a sink, `close` does the same.)"""
+        await self.close()
+
+    async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
@@ -67,7 +100,7 @@ class Reprober:
     async def _reprobe(self, uuid: str) -> None:
         wake = self._wake[uuid]
         retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=self._initial, min=self._initial, max=self._maximum),
+            wait=Backoff(self._initial, self._maximum).wait(),
             retry=retry_if_exception_type(_StillUnhealthy),
             sleep=functools.partial(sleep_unless, wake),
         )

@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 import pyudev  # type: ignore[import-untyped]
 
-from nvplug.core.events import Event, PciChanged
+from nvplug.core.events import PciChanged
 from nvplug.core.gpu import normalize_bus_id
+from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.events.udev")
@@ -97,15 +98,18 @@ class UdevSource:
     `MIN_RECEIVE_BUFFER` and never lowered.
     """
 
+    name = "udev hotplug events"
+    blocking: BlockingRunsOn = "loop reader"
+    without: str | None = "new GPUs are found only by rescans"
+
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
-        emit: Callable[[Event], None],
+        emit: Publish,
         on_overflow: Callable[[], None] | None = None,
         *,
         receive_buffer_size: int | None = None,
     ) -> None:
-        self._loop = loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._emit = emit
         self._on_overflow = on_overflow
         self._receive_buffer_size = receive_buffer_size
@@ -127,14 +131,15 @@ class UdevSource:
         self._set_buffer(monitor)
         self._monitor = monitor
         self._fd = int(monitor.fileno())
+        self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._on_readable)
         log.info("listening for udev pci events")
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
-        if self._monitor is None:
+        if self._monitor is None or self._loop is None:
             return
         self._loop.remove_reader(self._fd)
         # pyudev has no close(): dropping the last reference unrefs the libudev
@@ -199,13 +204,14 @@ class UdevSource:
             self._handle(device)
 
     def _pause(self) -> None:
-        self._loop.remove_reader(self._fd)
-        self._resume = self._loop.call_later(ERROR_PAUSE_S, self._resume_reading)
+        loop = asyncio.get_running_loop()  # a reader's callback runs on the loop
+        loop.remove_reader(self._fd)
+        self._resume = loop.call_later(ERROR_PAUSE_S, self._resume_reading)
 
     def _resume_reading(self) -> None:
         self._resume = None
         if self._monitor is not None:
-            self._loop.add_reader(self._fd, self._on_readable)
+            asyncio.get_running_loop().add_reader(self._fd, self._on_readable)
 
     def _overflowed(self) -> None:
         self._warnings.warn("overflow", "udev receive buffer overflowed: events were lost, asking for a full rescan")

@@ -31,8 +31,8 @@ from prometheus_client.registry import Collector
 
 from nvplug import __version__
 from nvplug.core.node_state import Snapshot
+from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.kubelet.pod_holders import Holder
-from nvplug.shaping.resource_plan import Resource
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.status")
@@ -40,17 +40,6 @@ log = logging.getLogger("nvplug.status")
 MAX_REQUEST = 8192
 READ_TIMEOUT = 5.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-@dataclass(frozen=True)
-class ResourceView:
-    """One advertised resource as the status page shows it."""
-
-    resource: Resource
-    endpoint: str
-    registered: bool
-    registrations: int
-    registration_failures: int
 
 
 def reason_class(reason: str) -> str:

@@ -1,23 +1,27 @@
 """The CDI sink: the spec for the node's state, written before the list that needs it.
 
-The daemon calls `update` right after each new revision, before any ListAndWatch
-stream can run, so a new device is defined before it is advertised. A device
-that leaves the inventory keeps its entry until every resource has delivered a
-list without it (`delivered`): the kubelet may allocate what it last saw.
+The dispatcher runs `CdiSink` first of the sinks that lists depend on, right after each new
+revision and before any ListAndWatch stream can run, so a new device is defined before it is
+advertised. A device that leaves the inventory keeps its entry until every resource has
+delivered a list without it (`delivered`): the kubelet may allocate what it last saw.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nvplug.base.backoff import Backoff, Schedule
 from nvplug.config import Config
 from nvplug.config.selectors import DeviceFilter
+from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.node_state import Snapshot
+from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate, no_change
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
@@ -216,3 +220,94 @@ class SpecPublisher:
             for uuid, unit in held.items():
                 units.setdefault(uuid, unit)
         return list(units.values())
+
+
+# Retrying a spec that could not be written: nothing else may change for hours.
+RETRY_BACKOFF = Backoff(first=1.0, maximum=300.0)
+
+
+class CdiSink(Sink):
+    """The spec kept equal to the node: written at each revision, retried on a timer while it cannot be.
+
+    Devices whose CDI names would not resolve are fed back as `CdiChecked`, applied before any
+    list goes out, so that they are not offered Healthy.
+    """
+
+    name = "cdi"
+
+    def __init__(
+        self,
+        settings: Callable[[Config], CdiSettings],
+        cfg: Config,
+        feed: Publish,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._settings = settings
+        self.publisher = SpecPublisher(settings(cfg))
+        # Applies an event at once, as the dispatcher does with what `update` returns.
+        self._feed = feed
+        self._on_change = on_change
+        self._snapshot: Snapshot | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._retrying: Schedule = RETRY_BACKOFF.schedule()
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if not update.revised:
+            return ()
+        return self._publish(update.snapshot)
+
+    def delivered(self, resource: str, units: Iterable[Unit]) -> None:
+        """A list went out: entries of devices it no longer holds may leave the spec now."""
+        self.publisher.delivered(resource, units)
+        self._republish()
+
+    def forget(self, resource: str) -> None:
+        """A resource stopped: what it last delivered no longer holds CDI entries in place."""
+        self.publisher.forget(resource)
+
+    @property
+    def extra_names(self) -> tuple[str, ...]:
+        return self.publisher.extra_names
+
+    def prepare(self, cfg: Config) -> Commit:
+        settings = self._settings(cfg)
+
+        async def commit() -> None:
+            # The spec for the new names first, then the Allocate that hands them out.
+            if self.publisher.configure(settings):
+                self._republish()
+
+        return commit if settings != self.publisher.settings else no_change
+
+    def notes(self) -> list[str]:
+        error = self.publisher.error
+        return [f"CDI spec not written: {error}"] if error else []
+
+    def status(self) -> dict[str, object]:
+        return self.publisher.status()
+
+    async def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+
+    def _publish(self, snap: Snapshot) -> list[Event]:
+        self._snapshot = snap
+        unresolved = self.publisher.update(snap)
+        if self.publisher.error is None:
+            self._retrying.reset()
+        elif self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(self._retrying.next(), self._retry_due)
+        return [CdiChecked(unresolved)] if unresolved != snap.unresolved else []
+
+    def _republish(self) -> None:
+        """Outside a dispatch (a timer, a delivered list): what it finds is fed to the state at once."""
+        if self._snapshot is None:
+            return
+        for event in self._publish(self._snapshot):
+            self._feed(event)
+
+    def _retry_due(self) -> None:
+        self._retry = None
+        self._republish()
+        self._on_change()

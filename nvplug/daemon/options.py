@@ -1,0 +1,29 @@
+"""What `nvplug run` hands the daemon: the paths of this node, and the config it loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nvplug.config import Config
+
+
+@dataclass(frozen=True)
+class Options:
+    plugin_dir: Path
+    dev_root: Path
+    sysfs_root: Path
+    config: Config
+    # Where SIGHUP re-reads the config from; None is the default path.
+    config_path: Path | None = None
+    proc_root: Path = Path("/proc")
+    # Overrides the config's nvplug.status.listen.
+    status_listen: str | None = None
+    # --state-dir: where the health state file lives, unless systemd says ($STATE_DIRECTORY).
+    state_dir: Path | None = None
+    # --cdi-spec-dir: overrides the config's nvplug.cdi.specDir.
+    cdi_spec_dir: Path | None = None
+    # --nfd-feature-file: overrides the config's nvplug.labels.featureFile.
+    feature_file: Path | None = None
+    # --pod-resources-socket: overrides the config's nvplug.podResources.socket.
+    pod_resources_socket: Path | None = None

@@ -1,0 +1,115 @@
+"""The wiring: which sources feed the bus, and which sinks react to each snapshot, in which order.
+
+A new source or sink is one line here (and its module, its config declaration, its doctor step).
+The order of `sinks` is the order the dispatcher calls them in, and the order of a reload's commits:
+the CDI spec comes before the device-plugin fleet, whose Allocate hands out the spec's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nvplug.config import Config
+from nvplug.core.node_state import NodeState
+from nvplug.daemon.dispatch import Dispatcher
+from nvplug.daemon.options import Options
+from nvplug.daemon.sd_notify import Notifier
+from nvplug.dra.dra_driver import DraDriver
+from nvplug.edges.edge_protocols import Sink, Source
+from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
+from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
+from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
+from nvplug.sinks.health_state_file import StateFile, read_boot_id
+from nvplug.sinks.health_state_sink import HealthStateSink
+from nvplug.sinks.nfd_feature_file import FeatureFile
+from nvplug.sources.event_bus import EventBus
+from nvplug.sources.kubelet_dir_watch import KubeletDirWatch
+from nvplug.sources.nvml_discovery import Nvml
+from nvplug.sources.nvml_scanner import Scanner
+from nvplug.sources.reprober import Reprober
+from nvplug.sources.udev_monitor import UdevSource
+from nvplug.status.change_log import ChangeLog
+from nvplug.status.status_report import StatusReport
+
+
+@dataclass(frozen=True)
+class Wiring:
+    sources: tuple[Source, ...]
+    sinks: tuple[Sink, ...]
+    dispatcher: Dispatcher
+    scanner: Scanner
+    fleet: PluginFleet
+    report: StatusReport
+    pods: PodView
+    dra: DraDriver | None
+
+
+def wire(
+    options: Options,
+    cfg: Config,
+    state: NodeState,
+    state_file: StateFile,
+    bus: EventBus,
+    notifier: Notifier,
+    request_stop: Callable[[str], None],
+) -> Wiring:
+    """Every part, built from the options and the config, and joined to its neighbours."""
+    scanner = Scanner(Nvml(options.sysfs_root, options.proc_root), bus.publish, dev_root=options.dev_root)
+    health = cfg.health
+    reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
+    boot_id = read_boot_id(options.proc_root)
+    dra = DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), boot_id) if cfg.dra.enabled else None
+    dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
+    kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
+    socket = options.pod_resources_socket or _off_or_path(cfg.pod_resources_socket)
+    pods = PodView(PodResourcesClient(socket) if socket is not None else None)
+    cdi = CdiSink(
+        lambda c: CdiSettings.from_config(c, options.dev_root, options.cdi_spec_dir),
+        cfg,
+        lambda event: dispatcher.apply(event),
+        lambda: report.refresh(),
+    )
+    dra_sockets = list(dra.sockets.sockets) if dra is not None else []
+    fleet = PluginFleet(
+        state,
+        cfg,
+        options.plugin_dir,
+        options.dev_root,
+        FleetHooks(
+            cdi_extra=lambda: cdi.extra_names,
+            sent=lambda resource, revision: dispatcher.sent(resource, revision),
+            delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
+            retired=cdi.forget,
+            allocated=pods.after_allocate,
+            own_sockets=lambda paths: kubelet_dir.set_own([*paths, *dra_sockets]),
+            changed=lambda: report.refresh(),
+            failed=request_stop,
+        ),
+    )
+    report = StatusReport(state, fleet, pods, cdi, dra, notifier.status)
+    dispatcher = Dispatcher(state, report.metrics, fleet, scanner, dra)
+    sinks: tuple[Sink, ...] = (
+        reprober,
+        ChangeLog(pods, report.holders, report.metrics),
+        cdi,  # before anything that lists or hands out devices
+        fleet,
+        HealthStateSink(state_file, state),
+        FeatureFile(cfg, options.sysfs_root, options.feature_file),
+        *((dra,) if dra is not None else ()),
+        report,  # last: the status line says what the others did
+    )
+    dispatcher.sinks = report.sinks = sinks
+    # The sources open before the first scan and the first look at kubelet.sock: nothing slips between.
+    sources: tuple[Source, ...] = (
+        scanner,
+        UdevSource(bus.publish, on_overflow=lambda: scanner.request("udev events were lost")),
+        kubelet_dir,
+        reprober,
+    )
+    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra)
+
+
+def _off_or_path(value: str) -> Path | None:
+    return None if value == "off" else Path(value)

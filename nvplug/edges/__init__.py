@@ -1,0 +1,1 @@
+"""The two protocols that every source and every sink follows."""

@@ -1,0 +1,87 @@
+"""Source and Sink: how the edges meet the core.
+
+A source turns the world (netlink, inotify, NVML) into typed events and hands them to the bus;
+a sink turns each new snapshot into something outside (a file, a socket, a log line). The
+daemon starts, stops and calls every one of them the same way, in the order its wiring lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from nvplug.config import Config
+from nvplug.core.events import Event
+from nvplug.core.node_state import Change, Snapshot
+
+Publish = Callable[[Event], None]
+"""The bus's publish: safe from any thread."""
+
+BlockingRunsOn = Literal["loop reader", "own thread", "nothing blocks"]
+"""Where a source's blocking call runs; never on the loop itself."""
+
+Commit = Callable[[], Awaitable[None]]
+"""What a prepared reload does once every part has accepted the new config."""
+
+
+async def no_change() -> None:
+    """The commit of a part that a config does not touch."""
+
+
+class Source(Protocol):
+    """Something that feeds the bus. Built with the bus's `Publish`; `start` opens it and returns at
+    once (its blocking call runs where `blocking` says), `stop` closes it and is safe to repeat.
+
+    `start` returns the task that runs the source, if it has one: the daemon fails if it ends.
+    An OSError from `start` means the source cannot run here: the daemon goes on without it,
+    saying `without` (what is lost), unless `without` is None.
+    """
+
+    name: str
+    blocking: BlockingRunsOn
+    without: str | None
+
+    def start(self) -> asyncio.Task[None] | None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StateUpdate:
+    """What one event did: the snapshot after it, the changes it meant, and whether the picture moved
+    on (a new revision). A sink acts on what it depends on and skips the rest."""
+
+    snapshot: Snapshot
+    changes: tuple[Change, ...]
+    revised: bool
+
+
+class Sink(Protocol):
+    """Something that reacts to each new snapshot. Subclass it for the defaults.
+
+    `update` runs on the loop with no await between the state change and the last sink: whatever
+    it returns is applied at once, before any ListAndWatch stream runs again. `prepare` checks a
+    reloaded config and raises (ValueError, ConfigError) to refuse it; nothing changes until every
+    part accepted and the commits run.
+    """
+
+    name: str
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        return ()
+
+    def prepare(self, cfg: Config) -> Commit:
+        return no_change
+
+    def notes(self) -> list[str]:
+        """What the status line says of it; nothing when all is well."""
+        return []
+
+    def status(self) -> object:
+        """Its part of /status, under its name; None leaves it out."""
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,394 @@
+"""The device-plugin fleet: one endpoint (server, socket, registration) per resource name.
+
+As the kubelet's devicemanager keeps one endpoint object per plugin, the fleet keeps one per
+resource it serves. It makes, rebinds and retires them as the plan changes: the plan is the
+config applied to the GPUs present, so a MIG layout or a hot-added model can add or remove
+whole resources. Every change of what is served goes through one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from nvplug.config import Config, ConfigError
+from nvplug.core.events import Event
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.kubelet.allocation import AllocationPolicy
+from nvplug.kubelet.device_plugin import MAX_MESSAGE, PLUGIN_OPTIONS, DevicePluginService, PluginServer, list_size
+from nvplug.kubelet.registrar import Registrar
+from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
+
+log = logging.getLogger("nvplug")
+
+# How long a stop lets a rebind under way finish: the kubelet may keep wiping the socket.
+REBIND_GRACE = 2.0
+
+
+@dataclass(frozen=True)
+class FleetHooks:
+    """What the fleet tells the rest of the daemon, and asks of it."""
+
+    # The CDI names every container also gets (optional classes, IMEX channels).
+    cdi_extra: Callable[[], tuple[str, ...]] = tuple
+    # A ListAndWatch message went out: (resource, revision), for the latency metric.
+    sent: Callable[[str, int], None] = lambda resource, revision: None
+    # A list was delivered: the CDI entries of devices it no longer holds may go.
+    delivered: Callable[[str, Resource], None] = lambda resource, devices: None
+    # A resource stopped being served: what it last delivered holds no CDI entry any more.
+    retired: Callable[[str], None] = lambda resource: None
+    # An Allocate was answered: the kubelet records the pod just after.
+    allocated: Callable[[], None] = lambda: None
+    # Our sockets changed (the kubelet-directory watch tells a wipe of ours from others' files).
+    own_sockets: Callable[[list[Path]], None] = lambda paths: None
+    # A registration flipped, for the status line.
+    changed: Callable[[], None] = lambda: None
+    # A registrar failed (a bug): the daemon stops so that systemd restarts it.
+    failed: Callable[[str], None] = lambda why: None
+
+
+@dataclass
+class PluginEndpoint:
+    """One resource as served: its spec, its gRPC server and socket, and its registration."""
+
+    spec: ResourceSpec
+    server: PluginServer
+    registrar: Registrar
+    registering: asyncio.Task[None] | None = None
+    rebinding: asyncio.Task[None] | None = None
+    # Our socket vanished again while a rebind was under way: bind once more.
+    rebind_again: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ResourceView:
+    """One advertised resource as the status page and the metrics show it."""
+
+    resource: Resource
+    endpoint: str
+    registered: bool
+    registrations: int
+    registration_failures: int
+
+
+def allocation_policy(cfg: Config) -> AllocationPolicy:
+    """How Allocate names devices: NVIDIA's flags.plugin settings."""
+    plugin = cfg.flags.plugin
+    return AllocationPolicy(
+        list_strategies=tuple(plugin.device_list_strategy),
+        id_strategy=plugin.device_id_strategy,
+        pass_device_specs=plugin.pass_device_specs,
+        cdi_annotation_prefix=plugin.cdi_annotation_prefix,
+        packed=cfg.shared_policy == "packed",
+    )
+
+
+def oversized(specs: Iterable[ResourceSpec], snapshot: Snapshot) -> dict[str, str]:
+    """Resources whose ListAndWatch message would pass the kubelet's limit, with the count and size."""
+    out = {}
+    for spec in specs:
+        devices = spec.project(snapshot).devices
+        size = list_size(devices)
+        if size > MAX_MESSAGE:
+            out[spec.name] = (
+                f"{spec.name} would advertise {len(devices):,} devices in a {size:,}-byte ListAndWatch message, "
+                f"over the kubelet's {MAX_MESSAGE:,}-byte limit (fewer replicas, or fewer GPUs per resource)"
+            )
+    return out
+
+
+def socket_name(resource_name: str) -> str:
+    """nvidia.com/gpu -> nvplug-nvidia.com-gpu.sock"""
+    return "nvplug-" + resource_name.replace("/", "-") + ".sock"
+
+
+def unready_note(snap: Snapshot) -> list[str]:
+    """What the status line and /healthz say of devices Allocate could not hand out (nothing if none)."""
+    out = {**snap.unresolved, **snap.unready}
+    if not out:
+        return []
+    uuid, problem = next(iter(out.items()))
+    return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
+
+
+def _same_list(spec: ResourceSpec, other: ResourceSpec, snapshot: Snapshot) -> bool:
+    """Whether two specs advertise the same device IDs, and Allocate treats them alike."""
+    if spec.fail_requests_greater_than_one != other.fail_requests_greater_than_one:
+        return False
+    return [d.id for d in spec.project(snapshot).devices] == [d.id for d in other.project(snapshot).devices]
+
+
+class PluginFleet(Sink):
+    """Every device-plugin endpoint, kept to the plan. Its lists follow the state by themselves
+    (each ListAndWatch stream waits for a newer revision); as a sink it keeps Allocate's CDI names
+    current, and a new inventory may change which resources exist."""
+
+    name = "device plugins"
+
+    def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, dev_root: Path, hooks: FleetHooks) -> None:
+        self._state = state
+        self._cfg = cfg
+        self._plugin_dir = plugin_dir
+        self._dev_root = dev_root
+        self._hooks = hooks
+        self.endpoints: list[PluginEndpoint] = []
+        self._lock = asyncio.Lock()
+        # What the plan last said, so that each problem is logged once.
+        self.plan_error: str | None = None
+        # Resources left out (a list past the kubelet's message limit, a device shared twice), and why.
+        self.refused: Mapping[str, str] = {}
+        # GPUs nvplug.devices leaves out, and why; and its selectors that pick no GPU.
+        self.excluded: Mapping[str, str] = {}
+        self._unmatched: tuple[str, ...] = ()
+
+    # The plan.
+
+    def plan(self, cfg: Config) -> Plan:
+        """The resources this config asks for on the GPUs present; those whose list would pass the
+        kubelet's message limit are refused too."""
+        found = plan(cfg, self._state.current)
+        too_big = oversized(found.specs, self._state.current)
+        return replace(found, refused={**found.refused, **too_big}) if too_big else found
+
+    def planned(self, cfg: Config, found: Plan | None = None) -> list[ResourceSpec]:
+        """The resources to serve for this config and the GPUs present; a misfit is said once.
+
+        A refused resource is not advertised: a list past the kubelet's message limit would be
+        refused by the kubelet, and the resource would vanish from the node all the same.
+        """
+        found = found or self.plan(cfg)
+        if found.error != self.plan_error:
+            if found.error:
+                log.error("advertising nothing: %s", found.error)
+            elif self.plan_error:
+                log.info("the MIG layout fits %s again", cfg.flags.mig_strategy)
+            self.plan_error = found.error
+        if found.refused != self.refused:
+            for problem in found.refused.values():
+                log.error("not advertised: %s", problem)
+            self.refused = found.refused
+        if found.excluded != self.excluded or found.unmatched != self._unmatched:
+            for gpu in self._state.current.gpus:
+                why = found.excluded.get(gpu.uuid)
+                if why is not None and self.excluded.get(gpu.uuid) != why:
+                    log.info("%s excluded (%s): not advertised, still health-watched", gpu.label, why)
+                elif why is None and gpu.uuid in self.excluded:
+                    log.info("%s no longer excluded by nvplug.devices", gpu.label)
+            for selector in set(found.unmatched) - set(self._unmatched):
+                log.warning("nvplug.devices.%s picks no GPU on this node", selector)
+            self.excluded, self._unmatched = found.excluded, found.unmatched
+        return found.served
+
+    def policy(self, cfg: Config) -> AllocationPolicy:
+        return replace(allocation_policy(cfg), cdi_extra=self._hooks.cdi_extra())
+
+    async def start(self) -> None:
+        """Serve what the config asks for on the first scan's GPUs."""
+        await self.apply(self.planned(self._cfg), self.policy(self._cfg))
+
+    async def follow_inventory(self) -> None:
+        """A new inventory: a MIG layout change or a new model can add or remove whole resources."""
+        specs = self.planned(self._cfg)
+        if specs != self.specs:
+            await self.apply(specs, self.policy(self._cfg))
+
+    # As a sink.
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if update.revised:
+            extra = self._hooks.cdi_extra()
+            for plugin in self.endpoints:
+                service = plugin.server.service
+                if service.policy.cdi_extra != extra:
+                    service.policy = replace(service.policy, cdi_extra=extra)
+        return ()
+
+    def prepare(self, cfg: Config) -> Commit:
+        found = self.plan(cfg)
+        if found.refused:
+            raise ConfigError(f"{cfg.source}: " + "; ".join(found.refused.values()))
+
+        async def commit() -> None:
+            specs = self.planned(cfg, found)
+            allocation = self.policy(cfg)
+            for plugin in self.endpoints:
+                plugin.server.service.policy = allocation
+            if specs != self.specs:
+                await self.apply(specs, allocation)
+            self._cfg = cfg
+
+        return commit
+
+    def notes(self) -> list[str]:
+        notes = [f"advertising nothing: {self.plan_error}"] if self.plan_error else []
+        notes += [f"not advertised: {problem}" for problem in self.refused.values()]
+        return notes + unready_note(self._state.current)
+
+    async def close(self) -> None:
+        """SIGTERM: stop serving and close the sockets. Never an empty list: the kubelet would
+        take the capacity away at once, when a restart is seconds."""
+        # The registrars before the rebinds that would wake them.
+        registering = [p.registering for p in self.endpoints if p.registering is not None]
+        for task in registering:
+            task.cancel()
+        await asyncio.gather(*registering, return_exceptions=True)
+        # A rebind is a task of its own: left running, it serves again after the closes below, and
+        # its server dies with the loop. Let it finish (bounded: the kubelet may keep wiping the
+        # socket), since one cancelled inside gRPC's start() makes a server that no close can reach.
+        rebinds = [p.rebinding for p in self.endpoints if p.rebinding is not None]
+        if rebinds:
+            _, late = await asyncio.wait(rebinds, timeout=REBIND_GRACE)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*rebinds, return_exceptions=True)
+        for plugin in self.endpoints:
+            await self._close(plugin)
+
+    # What operators see.
+
+    def views(self) -> list[ResourceView]:
+        return [
+            ResourceView(
+                p.server.service.resource(),
+                p.server.endpoint,
+                p.registrar.registered.is_set(),
+                p.registrar.registrations,
+                p.registrar.failures,
+            )
+            for p in self.endpoints
+        ]
+
+    @property
+    def registered(self) -> bool:
+        """Serving something, and all of it registered."""
+        return bool(self.endpoints) and all(p.registrar.registered.is_set() for p in self.endpoints)
+
+    def registrations(self) -> list[str]:
+        """The status line's lead: each resource, whether it is registered, and its devices."""
+        parts = []
+        for plugin in self.endpoints:
+            resource = plugin.server.service.resource()
+            if plugin.registrar.registered.is_set():
+                how = "registered"
+            elif plugin.registrar.kubelet_socket.exists():
+                how = "registering"
+            else:
+                how = "waiting for kubelet.sock"
+            parts.append(f"{resource.name} {how}: {len(resource.devices)} devices, {resource.healthy_count} healthy")
+        return parts
+
+    @property
+    def specs(self) -> list[ResourceSpec]:
+        return [p.spec for p in self.endpoints]
+
+    @property
+    def sockets(self) -> list[Path]:
+        return [p.server.socket_path for p in self.endpoints]
+
+    # The kubelet's side.
+
+    def kubelet_started(self) -> None:
+        """A (new) kubelet.sock: register everything again, rebinding any socket it wiped."""
+        for plugin in self.endpoints:
+            self._reconnect(plugin, registered_again=True)
+
+    async def socket_removed(self, path: Path) -> None:
+        """One of our sockets vanished, as when the kubelet restarts."""
+        # After a change of resources under way: a server it stops removes its socket, and a new
+        # one of the same name serves at that path once it is done (then nothing is to rebind).
+        async with self._lock:
+            for plugin in self.endpoints:
+                if plugin.server.socket_path == path:
+                    self._reconnect(plugin, registered_again=False)
+
+    async def apply(self, specs: list[ResourceSpec], policy: AllocationPolicy) -> None:
+        """A change of what is advertised: new servers register, gone ones stop, changed ones
+        register again so that the kubelet reads their new device lists. Unchanged ones are left alone;
+        so is one whose spec changed but whose devices did not (a filter that left out another model)."""
+        # One at a time: a rescan (a heal's, say) and a reload may both change what is served.
+        async with self._lock:
+            wanted = {spec.name: spec for spec in specs}
+            keep: list[PluginEndpoint] = []
+            snap = self._state.current
+            for plugin in self.endpoints:
+                spec = wanted.get(plugin.spec.name)
+                if spec is not None and (spec == plugin.spec or _same_list(spec, plugin.spec, snap)):
+                    if spec != plugin.spec:
+                        log.info("%s: advertised devices unchanged, no re-registration", spec.name)
+                        plugin.spec = spec
+                        plugin.server.service.reproject(spec.project)
+                    keep.append(plugin)
+                    del wanted[plugin.spec.name]
+                else:
+                    gone = plugin.spec.name not in wanted
+                    how = "no longer served: sending an empty list" if gone else "advertised differently now"
+                    log.info("%s: %s, stopping its server", plugin.spec.name, how)
+                    await self._close(plugin, retire=gone)
+            fresh = [self._make(spec, policy) for spec in wanted.values()]
+            self.endpoints = keep + fresh
+            self._hooks.own_sockets(self.sockets)
+            for plugin in fresh:
+                await self._open(plugin)
+
+    def _make(self, spec: ResourceSpec, policy: AllocationPolicy) -> PluginEndpoint:
+        hooks = self._hooks
+        service = DevicePluginService(
+            spec.name, self._state, spec.project, self._dev_root, policy, hooks.sent, hooks.delivered, hooks.allocated
+        )
+        server = PluginServer(service, self._plugin_dir / socket_name(spec.name))
+        registrar = Registrar(self._plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=hooks.changed)
+        return PluginEndpoint(spec, server, registrar)
+
+    async def _open(self, plugin: PluginEndpoint) -> None:
+        """Serve first, then register: the kubelet dials back inside Register."""
+        await plugin.server.start()
+        plugin.registering = asyncio.create_task(plugin.registrar.run(), name=f"register {plugin.spec.name}")
+        plugin.registering.add_done_callback(self._registrar_ended)
+
+    async def _close(self, plugin: PluginEndpoint, retire: bool = False) -> None:
+        """`retire`: the resource stops being served, so the kubelet gets an empty list first;
+        otherwise it would keep the stale capacity for its endpoint grace period. Never at SIGTERM."""
+        if plugin.registering is not None:
+            plugin.registering.cancel()
+            await asyncio.gather(plugin.registering, return_exceptions=True)
+        if retire:
+            await plugin.server.service.retire()
+        await plugin.server.stop()
+        self._hooks.retired(plugin.spec.name)
+
+    def _registrar_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended: %r; stopping so that systemd restarts us", task.get_name(), task.exception())
+            self._hooks.failed("a registrar failed")
+
+    def _reconnect(self, plugin: PluginEndpoint, registered_again: bool) -> None:
+        """Rebind a wiped socket before registering: the kubelet dials back inside Register."""
+        if plugin.rebinding is not None and not plugin.rebinding.done():
+            # The rebind under way registers when it is done, and binds again if the
+            # socket it made was wiped meanwhile (a kubelet restarting twice in a row).
+            plugin.rebind_again = plugin.rebind_again or not registered_again
+            return
+        if plugin.server.socket_path.exists():
+            # Our own rebind removes the old socket too; only a new kubelet needs a new Register.
+            if registered_again:
+                plugin.registrar.wake()
+            return
+        log.warning("%s was removed (kubelet restart?): rebinding", plugin.server.socket_path)
+        plugin.rebinding = asyncio.create_task(self._rebind(plugin))
+
+    async def _rebind(self, plugin: PluginEndpoint) -> None:
+        while True:
+            plugin.rebind_again = False
+            await plugin.server.rebind()
+            if not plugin.rebind_again and plugin.server.socket_path.exists():
+                break
+            log.warning("%s was removed again while rebinding: rebinding", plugin.server.socket_path)
+        plugin.registrar.wake()

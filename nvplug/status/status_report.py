@@ -1,0 +1,113 @@
+"""What the daemon says of itself: the systemd status line, /healthz, /status and /metrics.
+
+Everything here is read from the state, the device-plugin fleet and each sink's own notes and
+status; nothing is kept twice. The status line goes to systemd whenever it changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from nvplug.core.events import Event
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.dra.dra_driver import DraDriver
+from nvplug.edges.edge_protocols import Sink, StateUpdate
+from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
+from nvplug.kubelet.pod_holders import Holder, holders
+from nvplug.kubelet.podresources_client import PodView
+from nvplug.sinks.cdi.cdi_publisher import CdiSink
+from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
+
+# How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
+PODS_READER_WAIT = 0.5
+
+
+def node_notes(snap: Snapshot) -> list[str]:
+    """What the status line says of NVML itself."""
+    notes = [f"NVML unavailable: {snap.nvml_error}"] if snap.nvml_error else []
+    return notes + ([f"health events unavailable: {snap.health_watch_error}"] if snap.health_watch_error else [])
+
+
+class StatusReport(Sink):
+    """The status line as a sink (sent to systemd when it changes), and the status routes."""
+
+    name = "status line"
+
+    def __init__(
+        self,
+        state: NodeState,
+        fleet: PluginFleet,
+        pods: PodView,
+        cdi: CdiSink,
+        dra: DraDriver | None,
+        push: Callable[[str], None],
+    ) -> None:
+        self._state = state
+        self._fleet = fleet
+        self._pods = pods
+        self._cdi = cdi
+        self._dra = dra
+        self._push = push
+        # Every sink, in the dispatcher's order: their notes and their parts of /status.
+        self.sinks: Sequence[Sink] = ()
+        self._said = ""
+        self.metrics = Metrics(
+            fleet.views, lambda: self.holders() or {}, dra.status if dra is not None else lambda: None
+        )
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        if update.changes:
+            self.refresh()
+        return ()
+
+    def refresh(self) -> None:
+        line = self.line()
+        if line != self._said:
+            self._said = line
+            self._push(line)
+
+    def line(self) -> str:
+        # The fleet leads: what the kubelet is offered, then why it may be less than the node has.
+        parts = [*self._fleet.registrations(), *node_notes(self._state.current), *self._fleet.notes()]
+        parts += [note for sink in self.sinks if sink is not self._fleet for note in sink.notes()]
+        return "; ".join(parts)
+
+    def holders(self) -> dict[str, list[Holder]] | None:
+        """Who holds each device (GPU or MIG UUID), from the last PodResources answer; None if unknown."""
+        entries = self._pods.answer.entries
+        if entries is None:
+            return None
+        return holders(entries, self._state.current, [p.name for p in self._fleet.endpoints])
+
+    def healthz(self) -> Answer:
+        """200 when the loop answers (it does, or nothing would) and everything is registered."""
+        fleet, cdi = self._fleet, self._cdi.publisher
+        refused = fleet.plan_error or fleet.refused or (cdi.error and cdi.settings.enforce)
+        if fleet.registered and not refused:
+            # Serving; but say which devices are out because Allocate could not hand them out.
+            notes = [*unready_note(self._state.current), *self._cdi.notes()]
+            return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"
+        return 503, "text/plain", (self.line() or "nothing to advertise").encode() + b"\n"
+
+    async def status_page(self) -> Answer:
+        answer = await self._pods.fresh(wait=PODS_READER_WAIT)
+        doc = status_document(
+            self._state.current,
+            self._fleet.views(),
+            self._fleet.plan_error,
+            self.holders(),
+            answer.error,
+            self._fleet.excluded,
+            self._dra.by_gpu() if self._dra is not None else None,
+        )
+        for sink in self.sinks:
+            part = sink.status()
+            if part is not None:
+                doc[sink.name] = part
+        if self._dra is None:
+            doc["dra"] = None  # DRA off: the document still says so
+        return json_answer(doc)
+
+    async def metrics_page(self) -> Answer:
+        await self._pods.fresh(wait=PODS_READER_WAIT)
+        return 200, PROMETHEUS_TEXT, self.metrics.render()
