@@ -28,9 +28,9 @@ install -D -m 0644 systemd/nvplug.service "$stage/unit/nvplug.service"
 install -D -m 0644 packaging/tmpfiles/nvplug.conf "$stage/usr/lib/tmpfiles.d/nvplug.conf"
 install -D -m 0644 packaging/config.yaml "$stage/etc/nvplug/config.yaml"
 install -D -m 0644 README.md "$stage/usr/share/doc/nvplug/README.md"
-# Node Problem Detector's custom-plugin config: operators point NPD at it (README.md).
+# Node Problem Detector's custom-plugin config: operators point NPD at it (docs/npd.md).
 install -D -m 0644 packaging/npd/nvplug-gpu-health.json "$stage/usr/share/nvplug/npd/nvplug-gpu-health.json"
-# The unit's drop-in for the DRA plugin: operators install it when they turn DRA on (README.md).
+# The unit's drop-in for the DRA plugin: operators install it when they turn DRA on (docs/dra.md).
 install -D -m 0644 packaging/systemd/nvplug-dra.conf "$stage/usr/share/nvplug/systemd/nvplug-dra.conf"
 mkdir -p "$stage/usr/bin"
 ln -s /opt/nvplug/venv/bin/nvplug "$stage/usr/bin/nvplug"

@@ -132,7 +132,7 @@ def test_xid_94_keeps_the_gpu_but_reads_the_recovery_action(node: SimulatedNode)
 
 
 def test_xid_109_needs_a_reset(node: SimulatedNode) -> None:
-    # The catalog says RESET_GPU; NVIDIA's plugin ignores it. nvplug follows the catalog (README).
+    # The catalog says RESET_GPU; NVIDIA's plugin ignores it. nvplug follows the catalog (docs/health.md).
     uuids = start(node)
     node.control.xid(4, 109)
     node.kubelet.wait_for(device_health(uuids[4], healthy=False), TIMEOUT)

@@ -3,7 +3,7 @@
 Pure: the snapshot, the config and two facts of the machine (its DMI product name and
 the GPUs' PCI classes) go in; a dict of labels comes out. Where GFD's output is
 undefined (two GPU models: a random one wins) or breaks Kubernetes' rules (values
-over 63 characters), nvplug picks one defined answer; the README lists each.
+over 63 characters), nvplug picks one defined answer; docs/labels.md lists each.
 """
 
 from __future__ import annotations

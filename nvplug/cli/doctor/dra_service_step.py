@@ -24,7 +24,7 @@ def check_dra(ctx: DoctorContext) -> Check:
     if not cfg.dra.enabled:
         return Check("PASS", "DRA is off (nvplug.dra.enabled: false)")
     driver, node = cfg.dra.driver_name, node_name(cfg)
-    fix = "check the kubeconfig's server and credentials, and the RBAC the README's DRA section lists"
+    fix = "check the kubeconfig's server and credentials, and the RBAC that docs/dra.md lists"
     try:
         kubeconfig = KubeConfig.load(Path(cfg.dra.kubeconfig))
     except KubeConfigError as err:
