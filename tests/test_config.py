@@ -451,3 +451,24 @@ def test_config_show_defaults_and_errors(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert f"{bad}, line 2: flags.migStrategy: must be one of none, single, mixed" in captured.err
+
+
+def test_a_large_file_is_read_by_libyaml_with_pyyamls_errors_and_nodes() -> None:
+    """Past FAST_FROM_BYTES libyaml scans (PyYAML's scanner takes seconds); what it reads is the same
+    node tree, and a file it refuses is refused in PyYAML's words, as a small file is."""
+    from nvplug.config import yaml_reader
+
+    xids = ", ".join(["79"] * (yaml_reader.FAST_FROM_BYTES // 3))
+    text = f"version: v1\nnvplug:\n  health:\n    fatalXids: [{xids}]\n"
+    assert len(text) >= yaml_reader.FAST_FROM_BYTES
+    assert config.parse(text, "big.yaml").health.fatal_xids == frozenset({79})
+    fast = yaml.compose(text, Loader=yaml_reader._LOADERS[0])
+    exact = yaml.compose(text, Loader=yaml_reader._LOADERS[-1])
+    assert yaml.serialize(fast) == yaml.serialize(exact)
+    broken = text.replace("fatalXids: [", "fatalXids: [[", 1)
+    with pytest.raises(config.ConfigError) as big:
+        config.parse(broken, "big.yaml")
+    with pytest.raises(config.ConfigError) as small:
+        config.parse("version: v1\nnvplug:\n  health:\n    fatalXids: [[79]\n", "big.yaml")
+    assert "not valid YAML: while parsing a flow sequence" in str(big.value)
+    assert str(big.value).splitlines()[:2] == str(small.value).splitlines()[:2]

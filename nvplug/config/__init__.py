@@ -1,7 +1,7 @@
-"""The YAML config: its model, its loader and the selectors of nvplug.devices. Import from here."""
+"""The YAML config: its model (keys declared once), its loader and the selectors of nvplug.devices. Import from here."""
 
-from nvplug.config.loader import (
-    ANNOTATION_KEY_LENGTH,
+from nvplug.config.loader import as_dict, load, parse, to_yaml
+from nvplug.config.model import (
     DEFAULT_CDI_SPEC_DIR,
     DEFAULT_DRA_DRIVER,
     DEFAULT_DRA_KUBECONFIG,
@@ -12,22 +12,12 @@ from nvplug.config.loader import (
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_STATUS_LISTEN,
     GPU_RESOURCE,
-    MAX_ANNOTATION_NAME,
-    MAX_BYTES,
-    MAX_DEPTH,
-    MAX_DEVICES,
-    MAX_NODES,
-    MAX_REPLICAS,
-    MAX_XID,
-    RESOURCE_DOMAIN,
     SECTIONS,
     SHARED_SUFFIX,
     Config,
-    ConfigError,
     DeviceDiscoveryStrategy,
     DeviceIDStrategy,
     DeviceListStrategy,
-    Devices,
     DraConfig,
     Flags,
     HealthConfig,
@@ -41,11 +31,17 @@ from nvplug.config.loader import (
     SharedPolicy,
     Sharing,
     SharingStrategy,
-    as_dict,
-    load,
-    parse,
-    to_yaml,
 )
+from nvplug.config.value_readers import (
+    ANNOTATION_KEY_LENGTH,
+    MAX_ANNOTATION_NAME,
+    MAX_DEVICES,
+    MAX_REPLICAS,
+    MAX_XID,
+    RESOURCE_DOMAIN,
+    Devices,
+)
+from nvplug.config.yaml_reader import MAX_BYTES, MAX_DEPTH, MAX_NODES, ConfigError
 
 __all__ = [
     "ANNOTATION_KEY_LENGTH",

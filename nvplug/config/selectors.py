@@ -8,10 +8,15 @@ expression), so `A100` matches `NVIDIA A100-SXM4-80GB` and `1g.10gb` matches `1g
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
+import yaml
+
+from nvplug.config.schema import key
+from nvplug.config.value_readers import GPU_UUID, MAX_DEVICES, MIG_INDEX, integer, string
+from nvplug.config.yaml_reader import INT_TAG, ReadContext, sequence
 from nvplug.core.gpu import Gpu, normalize_bus_id
 
 SelectorKind = Literal["index", "uuid", "bus id", "product"]
@@ -99,12 +104,49 @@ class Selector:
         return f"{self.kind} {self.value}"
 
 
+def read_selectors(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[Selector, ...]:
+    """GPU indices, GPU UUIDs, PCI bus ids and product patterns; each names whole GPUs."""
+    out: list[Selector] = []
+    for item, item_path in sequence(ctx, node, path):
+        if isinstance(item, yaml.ScalarNode) and item.tag == INT_TAG:
+            index = integer(ctx, item, item_path, "a GPU index")
+            if not 0 <= index < MAX_DEVICES:
+                raise ctx.error(item, item_path, f"GPU index {index} is out of range 0-{MAX_DEVICES - 1}")
+            text = str(index)
+        else:
+            text = string(ctx, item, item_path)
+        if text.startswith("MIG-") or MIG_INDEX.fullmatch(text):
+            raise ctx.error(item, item_path, f"{text!r} is a MIG device; nvplug.devices picks whole GPUs")
+        if text.startswith("GPU-") and not GPU_UUID.fullmatch(text):
+            raise ctx.error(item, item_path, f"{text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        selector = Selector.parse(text)
+        if selector.kind == "index" and int(selector.value) >= MAX_DEVICES:
+            raise ctx.error(item, item_path, f"GPU index {selector.value} is out of range 0-{MAX_DEVICES - 1}")
+        if selector in out:
+            raise ctx.error(item, item_path, f"{selector} is listed twice")
+        out.append(selector)
+    return tuple(out)
+
+
+def selector_texts(selectors: tuple[Selector, ...]) -> list[str]:
+    """How `config show` writes selectors."""
+    return [s.value for s in selectors]
+
+
 @dataclass(frozen=True)
 class DeviceFilter:
     """nvplug.devices: the GPUs nvplug hands out. An excluded GPU is still health-watched and shown."""
 
-    include: tuple[Selector, ...] = ()  # none: every GPU
-    exclude: tuple[Selector, ...] = ()
+    include: tuple[Selector, ...] = field(
+        default=(),
+        metadata=key("include", "the GPUs handed out; none listed: every GPU", read_selectors, show=selector_texts),
+    )
+    exclude: tuple[Selector, ...] = field(
+        default=(),
+        metadata=key(
+            "exclude", "GPUs not handed out, though still health-watched", read_selectors, show=selector_texts
+        ),
+    )
 
     def excludes(self, gpu: Gpu) -> bool:
         return self.why(gpu) is not None

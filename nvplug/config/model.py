@@ -1,0 +1,372 @@
+"""The config's model: frozen dataclasses whose fields declare the file's keys (see schema.py).
+
+Every section of NVIDIA's k8s-device-plugin config v1 has NVIDIA's defaults (`flags`, `resources`,
+`sharing`, `imex`; `flags.gfd` is checked and dropped, it configures GPU Feature Discovery).
+nvplug's own settings live under `nvplug:`; Config keeps them as flat fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from nvplug.config.schema import Key, key
+from nvplug.config.selectors import DeviceFilter, Selector, read_selectors, selector_texts
+from nvplug.config.value_readers import (
+    MAX_REPLICAS,
+    Devices,
+    absolute_path,
+    annotation_prefix,
+    any_string,
+    boolean,
+    channel_ids,
+    choice,
+    choices,
+    dns_subdomain,
+    driver_name,
+    file_path,
+    go_duration,
+    int_range,
+    listen_address,
+    off_or_absolute,
+    positive_seconds,
+    resource_name,
+    shared_devices,
+    string,
+    string_list,
+    xid_list,
+)
+
+DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
+# Root-only by default: a unix socket in the unit's RuntimeDirectory.
+DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
+# Where runtimes read generated CDI specs; cleared at boot, as a generated spec should be.
+DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+# Node Feature Discovery's worker reads every file here; GFD's is `gfd`, ours `nvplug`.
+DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
+# The kubelet's PodResources API: which pod holds which device.
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# DRA: NVIDIA's driver name, and where the kubelet looks for plugins.
+DEFAULT_DRA_DRIVER = "gpu.nvidia.com"
+DEFAULT_DRA_KUBECONFIG = "/etc/nvplug/kubeconfig"
+DEFAULT_PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
+DEFAULT_KUBELET_PLUGINS = "/var/lib/kubelet/plugins"
+# NVIDIA's v1 sections, plus our own under `nvplug:`.
+SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
+
+MigStrategy = Literal["none", "single", "mixed"]
+DeviceListStrategy = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
+DeviceIDStrategy = Literal["uuid", "index"]
+SharedPolicy = Literal["distributed", "packed"]
+DeviceDiscoveryStrategy = Literal["auto", "nvml", "tegra"]
+SharingStrategy = Literal["none", "time-slicing", "mps"]
+
+GPU_RESOURCE = "nvidia.com/gpu"
+SHARED_SUFFIX = ".shared"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """nvplug.health: which XIDs count, and how Unhealthy GPUs are re-probed."""
+
+    ignore_xids: frozenset[int] = field(
+        default=frozenset(), metadata=key("ignoreXids", "XIDs that keep the GPU Healthy (logged only)", xid_list)
+    )
+    fatal_xids: frozenset[int] = field(
+        default=frozenset(), metadata=key("fatalXids", "XIDs that make the GPU Unhealthy", xid_list)
+    )
+    # Re-probes of Unhealthy GPUs only: first after this long, doubling up to the maximum.
+    reprobe_initial_seconds: float = field(
+        default=30.0,
+        metadata=key("reprobeInitialSeconds", "seconds to the first re-probe of an Unhealthy GPU", positive_seconds),
+    )
+    reprobe_max_seconds: float = field(
+        default=600.0, metadata=key("reprobeMaxSeconds", "the longest wait between re-probes", positive_seconds)
+    )
+
+
+@dataclass(frozen=True)
+class PluginFlags:
+    """`flags.plugin`: NVIDIA's device-plugin-only options."""
+
+    # NVIDIA's default is off; a host service hands out the device nodes itself.
+    pass_device_specs: bool = field(
+        default=True, metadata=key("passDeviceSpecs", "hand out the GPUs' device nodes with each allocation", boolean)
+    )
+    device_list_strategy: tuple[DeviceListStrategy, ...] = field(
+        default=("envvar",),
+        metadata=key("deviceListStrategy", "how containers are told their devices", choices(DeviceListStrategy)),
+    )
+    device_id_strategy: DeviceIDStrategy = field(
+        default="uuid", metadata=key("deviceIDStrategy", "name devices by UUID or index", choice(DeviceIDStrategy))
+    )
+    cdi_annotation_prefix: str = field(
+        default="cdi.k8s.io/",
+        metadata=key("cdiAnnotationPrefix", "the prefix of CDI annotation keys", annotation_prefix),
+    )
+    nvidia_ctk_path: str = field(
+        default="/usr/bin/nvidia-ctk", metadata=key("nvidiaCTKPath", "the nvidia-ctk binary", file_path)
+    )
+    container_driver_root: str = field(
+        default="/driver-root",
+        metadata=key("containerDriverRoot", "where the driver root is inside NVIDIA's container", file_path),
+    )
+    # Newer NVIDIA releases; None/empty: not set.
+    kubelet_socket: str | None = field(
+        default=None, metadata=key("kubeletSocket", "the kubelet's device plugin socket", file_path)
+    )
+    cdi_feature_flags: tuple[str, ...] = field(
+        default=(), metadata=key("cdiFeatureFlags", "NVIDIA's feature flags for generating CDI specs", string_list)
+    )
+    # How GetPreferredAllocation places replicas: spread over the least-used GPUs, or packed onto few.
+    # None: not set (Config.shared_policy says what is in force).
+    shared_devices_allocation_policy: SharedPolicy | None = field(
+        default=None,
+        metadata=key("sharedDevicesAllocationPolicy", "spread replicas over GPUs or pack them", choice(SharedPolicy)),
+    )
+
+
+@dataclass(frozen=True)
+class GfdOptions:
+    """`flags.gfd`: GPU Feature Discovery's options, checked so typos show, then dropped."""
+
+    oneshot: bool = field(default=False, metadata=key("oneshot", "label once and exit", boolean))
+    no_timestamp: bool = field(default=False, metadata=key("noTimestamp", "leave out the timestamp label", boolean))
+    sleep_interval: str | None = field(
+        default=None, metadata=key("sleepInterval", "time between labellings", go_duration)
+    )
+    output_file: str | None = field(default=None, metadata=key("outputFile", "where GFD writes its labels", any_string))
+    machine_type_file: str | None = field(
+        default=None, metadata=key("machineTypeFile", "where the machine type is read", any_string)
+    )
+
+
+@dataclass(frozen=True)
+class Flags:
+    """`flags`: options NVIDIA shares between the device plugin and GPU Feature Discovery."""
+
+    mig_strategy: MigStrategy = field(
+        default="none", metadata=key("migStrategy", "how MIG devices are offered", choice(MigStrategy))
+    )
+    fail_on_init_error: bool = field(
+        default=True, metadata=key("failOnInitError", "NVIDIA's exit when NVML fails; nvplug always retries", boolean)
+    )
+    mps_root: str | None = field(
+        default=None, metadata=key("mpsRoot", "NVIDIA's: where MPS control daemons keep their state", file_path)
+    )
+    nvidia_driver_root: str = field(
+        default="/", metadata=key("nvidiaDriverRoot", "where the driver is installed", file_path)
+    )
+    # When the file leaves it out: the driver root, as NVIDIA does.
+    nvidia_dev_root: str = field(
+        default="/", metadata=key("nvidiaDevRoot", "where the driver's /dev nodes are", file_path)
+    )
+    gdrcopy_enabled: bool = field(default=False, metadata=key("gdrcopyEnabled", "hand out the GDRCopy device", boolean))
+    gds_enabled: bool = field(default=False, metadata=key("gdsEnabled", "hand out GPUDirect Storage", boolean))
+    mofed_enabled: bool = field(
+        default=False, metadata=key("mofedEnabled", "hand out the MOFED (RDMA) devices", boolean)
+    )
+    use_node_feature_api: bool = field(
+        default=False, metadata=key("useNodeFeatureAPI", "NVIDIA's: publish labels as NodeFeature objects", boolean)
+    )
+    device_discovery_strategy: DeviceDiscoveryStrategy = field(
+        default="auto",
+        metadata=key("deviceDiscoveryStrategy", "NVIDIA's: how GPUs are found", choice(DeviceDiscoveryStrategy)),
+    )
+    plugin: PluginFlags = field(
+        default_factory=PluginFlags, metadata=key("plugin", "device-plugin-only options", section=PluginFlags)
+    )
+
+    dropped_keys: ClassVar[tuple[Key, ...]] = (
+        Key("gfd", "GPU Feature Discovery's options, checked and dropped", section=GfdOptions),
+    )
+
+
+@dataclass(frozen=True)
+class ResourcePattern:
+    """Devices whose product name (MIG: profile) matches `pattern` are advertised as `name`; first match wins.
+    The pattern is NVIDIA's: `*` is any text, and it may match anywhere in the name (see selection.py)."""
+
+    pattern: str = field(metadata=key("pattern", "the product name or MIG profile to match", string, required=True))
+    name: str = field(metadata=key("name", "the resource the devices are advertised as", resource_name, required=True))
+    # Where the entry is in the file, for messages about it.
+    where: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpus: tuple[ResourcePattern, ...] = field(
+        default=(ResourcePattern("*", GPU_RESOURCE),),
+        metadata=key("gpus", "resource names of whole GPUs", entries=ResourcePattern),
+    )
+    # Empty: MIG devices get NVIDIA's names from their profile (nvidia.com/mig-1g.10gb).
+    mig: tuple[ResourcePattern, ...] = field(
+        default=(), metadata=key("mig", "resource names of MIG devices", entries=ResourcePattern)
+    )
+
+
+@dataclass(frozen=True)
+class ReplicatedResource:
+    # NVIDIA's order in the file is name, rename, devices, replicas; the fields keep theirs for callers.
+    name: str = field(metadata=key("name", "the resource to share", resource_name, required=True))
+    replicas: int = field(
+        metadata=key(
+            "replicas",
+            "how many replicas of each device",
+            int_range(1, MAX_REPLICAS, "a number of replicas"),
+            required=True,
+            last=True,
+        )
+    )
+    # Filled in as `<name>.shared` when renameByDefault is on and no rename is given.
+    rename: str | None = field(
+        default=None, metadata=key("rename", "the name the replicas are advertised as", resource_name)
+    )
+    devices: Devices = field(default="all", metadata=key("devices", "which devices are shared", shared_devices))
+    # Where the entry is in the file, for messages about it.
+    where: str = field(default="", compare=False)
+
+    @property
+    def advertised_name(self) -> str:
+        return self.rename or self.name
+
+
+@dataclass(frozen=True)
+class ReplicatedResources:
+    """`sharing.timeSlicing` or `sharing.mps`."""
+
+    rename_by_default: bool = field(
+        default=False, metadata=key("renameByDefault", "advertise replicas as <name>.shared", boolean)
+    )
+    fail_requests_greater_than_one: bool = field(
+        default=False, metadata=key("failRequestsGreaterThanOne", "refuse requests for more than one replica", boolean)
+    )
+    # Read after the other keys, as they always were; config show writes them last.
+    resources: tuple[ReplicatedResource, ...] = field(
+        default=(),
+        metadata=key("resources", "the shared resources", entries=ReplicatedResource, late=True, shown_last=True),
+    )
+    # Also accepted here, beside NVIDIA's flags.plugin.sharedDevicesAllocationPolicy; None: not set.
+    shared_devices_allocation_policy: SharedPolicy | None = field(
+        default=None,
+        metadata=key("sharedDevicesAllocationPolicy", "spread replicas over GPUs or pack them", choice(SharedPolicy)),
+    )
+
+
+@dataclass(frozen=True)
+class Sharing:
+    time_slicing: ReplicatedResources = field(
+        default_factory=ReplicatedResources,
+        metadata=key("timeSlicing", "GPUs shared by time-slicing", section=ReplicatedResources),
+    )
+    mps: ReplicatedResources = field(
+        default_factory=ReplicatedResources, metadata=key("mps", "GPUs shared through MPS", section=ReplicatedResources)
+    )
+
+    @property
+    def strategy(self) -> SharingStrategy:
+        if self.mps.resources:
+            return "mps"
+        if self.time_slicing.resources:
+            return "time-slicing"
+        return "none"
+
+    @property
+    def replicated(self) -> ReplicatedResources:
+        """The settings of the strategy in force (time-slicing's when none is)."""
+        return self.mps if self.strategy == "mps" else self.time_slicing
+
+
+@dataclass(frozen=True)
+class Imex:
+    channel_ids: tuple[int, ...] = field(
+        default=(), metadata=key("channelIDs", "the IMEX channels handed out", channel_ids)
+    )
+    required: bool = field(default=False, metadata=key("required", "fail when the IMEX channels are missing", boolean))
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    """nvplug.dra: the DRA kubelet plugin, off by default."""
+
+    enabled: bool = field(default=False, metadata=key("enabled", "run the DRA kubelet plugin", boolean))
+    # NVIDIA's DRA driver's name, so that DeviceClasses written for it select nvplug's devices.
+    driver_name: str = field(
+        default=DEFAULT_DRA_DRIVER, metadata=key("driverName", "the DRA driver's name", driver_name)
+    )
+    # The Node object's name; None: this host's name, as the kubelet takes it.
+    node_name: str | None = field(default=None, metadata=key("nodeName", "the Node object's name", dns_subdomain))
+    kubeconfig: str = field(
+        default=DEFAULT_DRA_KUBECONFIG,
+        metadata=key("kubeconfig", "credentials for publishing ResourceSlices", absolute_path),
+    )
+    # The GPUs offered through DRA (none listed: every GPU); the device plugin offers the others.
+    devices: tuple[Selector, ...] = field(
+        default=(), metadata=key("devices", "the GPUs offered through DRA", read_selectors, show=selector_texts)
+    )
+    registry_dir: str = field(
+        default=DEFAULT_PLUGINS_REGISTRY,
+        metadata=key("registryDir", "where the kubelet finds plugins to register", absolute_path),
+    )
+    plugins_dir: str = field(
+        default=DEFAULT_KUBELET_PLUGINS, metadata=key("pluginsDir", "where plugins' sockets live", absolute_path)
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole config. Dotted keys sit in groups of the file; groups and sections are read in field order."""
+
+    source: str = "built-in defaults"
+    resource_name: str = GPU_RESOURCE
+    # config show has always written nvplug.health after nvplug's other keys.
+    health: HealthConfig = field(
+        default_factory=HealthConfig,
+        metadata=key("nvplug.health", "how XIDs and re-probes judge GPUs", section=HealthConfig, shown_last=True),
+    )
+    flags: Flags = field(default_factory=Flags, metadata=key("flags", "NVIDIA's flags", section=Flags))
+    # Null is refused here, as it always was; the other keys take null for their default.
+    status_listen: str = field(
+        default=DEFAULT_STATUS_LISTEN,
+        metadata=key(
+            "nvplug.status.listen", "where /healthz, /status and /metrics are served", listen_address, direct=True
+        ),
+    )
+    cdi_spec_dir: str = field(
+        default=DEFAULT_CDI_SPEC_DIR,
+        metadata=key("nvplug.cdi.specDir", "where the CDI spec is written; off: not at all", off_or_absolute),
+    )
+    feature_file: str = field(
+        default=DEFAULT_FEATURE_FILE,
+        metadata=key("nvplug.labels.featureFile", "the NFD feature file; off: none", off_or_absolute),
+    )
+    unhealthy_count_label: bool = field(
+        default=False, metadata=key("nvplug.labels.unhealthyCount", "label the count of Unhealthy GPUs", boolean)
+    )
+    pod_resources_socket: str = field(
+        default=DEFAULT_POD_RESOURCES_SOCKET,
+        metadata=key(
+            "nvplug.podResources.socket", "where the kubelet serves PodResources; off: never ask", off_or_absolute
+        ),
+    )
+    devices: DeviceFilter = field(
+        default_factory=DeviceFilter,
+        metadata=key("nvplug.devices", "which GPUs are handed out at all", section=DeviceFilter),
+    )
+    dra: DraConfig = field(
+        default_factory=DraConfig, metadata=key("nvplug.dra", "the DRA kubelet plugin", section=DraConfig)
+    )
+    resources: Resources = field(
+        default_factory=Resources, metadata=key("resources", "the resource names devices get", section=Resources)
+    )
+    sharing: Sharing = field(
+        default_factory=Sharing, metadata=key("sharing", "replicas of shared devices", section=Sharing)
+    )
+    imex: Imex = field(default_factory=Imex, metadata=key("imex", "IMEX channels", section=Imex))
+
+    @property
+    def shared_policy(self) -> SharedPolicy:
+        """NVIDIA's flags.plugin.sharedDevicesAllocationPolicy, or sharing.timeSlicing's; distributed if neither."""
+        plugin = self.flags.plugin.shared_devices_allocation_policy
+        return plugin or self.sharing.time_slicing.shared_devices_allocation_policy or "distributed"
