@@ -21,7 +21,7 @@ from nvplug.edges.edge_protocols import Sink, Source
 from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
 from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
-from nvplug.sinks.health_state_file import StateFile, read_boot_id
+from nvplug.sinks.health_state_file import StateFile
 from nvplug.sinks.health_state_sink import HealthStateSink
 from nvplug.sinks.nfd_feature_file import FeatureFile
 from nvplug.sources.event_bus import EventBus
@@ -55,12 +55,19 @@ def wire(
     notifier: Notifier,
     request_stop: Callable[[str], None],
 ) -> Wiring:
-    """Every part, built from the options and the config, and joined to its neighbours."""
+    """Every part, built from the options and the config, and joined to its neighbours.
+
+    The lambdas name parts made further down (the report, the dispatcher): they are called only
+    once the daemon runs, when every part exists.
+    """
     scanner = Scanner(Nvml(options.sysfs_root, options.proc_root), bus.publish, dev_root=options.dev_root)
     health = cfg.health
     reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
-    boot_id = read_boot_id(options.proc_root)
-    dra = DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), boot_id) if cfg.dra.enabled else None
+    dra = (
+        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id)
+        if cfg.dra.enabled
+        else None
+    )
     dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
     kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
     socket = options.pod_resources_socket or _off_or_path(cfg.pod_resources_socket)

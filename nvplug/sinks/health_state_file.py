@@ -140,6 +140,10 @@ class StateFile:
         self._records: Callable[[], Mapping[str, Recorded]] | None = None
         self._closed = False
 
+    @property
+    def boot_id(self) -> str | None:
+        return self._boot_id
+
     def load(self) -> dict[str, Recorded]:
         """The faults recorded in this boot; nothing (and a log line saying why) otherwise."""
         try:
