@@ -72,11 +72,17 @@ def wire(
     kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
     socket = options.pod_resources_socket or _off_or_path(cfg.pod_resources_socket)
     pods = PodView(PodResourcesClient(socket) if socket is not None else None)
+
+    def cdi_retried() -> None:
+        """A retry wrote the spec: its optional names may be new, and its error gone."""
+        fleet.sync_cdi_extra()
+        report.refresh()
+
     cdi = CdiSink(
         lambda c: CdiSettings.from_config(c, options.dev_root, options.cdi_spec_dir),
         cfg,
         lambda event: dispatcher.apply(event),
-        lambda: report.refresh(),
+        cdi_retried,
     )
     dra_sockets = list(dra.sockets.sockets) if dra is not None else []
     fleet = PluginFleet(

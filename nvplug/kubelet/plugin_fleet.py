@@ -204,12 +204,16 @@ class PluginFleet(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         if update.revised:
-            extra = self._hooks.cdi_extra()
-            for plugin in self.endpoints:
-                service = plugin.server.service
-                if service.policy.cdi_extra != extra:
-                    service.policy = replace(service.policy, cdi_extra=extra)
+            self.sync_cdi_extra()
         return ()
+
+    def sync_cdi_extra(self) -> None:
+        """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
+        extra = self._hooks.cdi_extra()
+        for plugin in self.endpoints:
+            service = plugin.server.service
+            if service.policy.cdi_extra != extra:
+                service.policy = replace(service.policy, cdi_extra=extra)
 
     def prepare(self, cfg: Config) -> Commit:
         found = self.plan(cfg)
