@@ -154,7 +154,7 @@ class Daemon:
         self.state.set_xid_policy(policy)
         before = parts.fleet.specs
         for commit in commits:
-            await commit()
+            await commit(self.state.current)
         after = parts.fleet.specs
         if after != before:
             log.info("reloaded the config from %s; resources now: %s", source, [s.name for s in after])

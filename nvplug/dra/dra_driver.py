@@ -49,7 +49,6 @@ class DraDriver(Sink):
         boot_id: str | None = None,
     ) -> None:
         dra = cfg.dra
-        self._snapshot: Snapshot | None = None
         self.driver = dra.driver_name
         self.node = node_name(cfg)
         self.naming = Naming.from_config(cfg)
@@ -106,11 +105,10 @@ class DraDriver(Sink):
         MIG strategy and the ID strategy shape the pool too."""
         naming = Naming.from_config(cfg)
 
-        async def commit() -> None:
+        async def commit(snapshot: Snapshot) -> None:
             self.naming = naming
             self.id_strategy = cfg.flags.plugin.device_id_strategy
-            if self._snapshot is not None:
-                self.offer(self._snapshot)
+            self.offer(snapshot)
 
         return commit
 
@@ -132,7 +130,6 @@ class DraDriver(Sink):
 
     def offer(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed."""
-        self._snapshot = snapshot
         devices = offered(snapshot, self.naming)
         if devices != self.devices:
             self.devices = devices

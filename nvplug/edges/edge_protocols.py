@@ -22,11 +22,11 @@ Publish = Callable[[Event], None]
 BlockingRunsOn = Literal["loop reader", "own thread", "nothing blocks"]
 """Where a source's blocking call runs; never on the loop itself."""
 
-Commit = Callable[[], Awaitable[None]]
-"""What a prepared reload does once every part has accepted the new config."""
+Commit = Callable[[Snapshot], Awaitable[None]]
+"""What a prepared reload does, with the node as it is then, once every part has accepted the new config."""
 
 
-async def no_change() -> None:
+async def no_change(snapshot: Snapshot) -> None:
     """The commit of a part that a config does not touch."""
 
 

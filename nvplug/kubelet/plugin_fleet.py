@@ -220,7 +220,7 @@ class PluginFleet(Sink):
         if found.refused:
             raise ConfigError(f"{cfg.source}: " + "; ".join(found.refused.values()))
 
-        async def commit() -> None:
+        async def commit(snapshot: Snapshot) -> None:
             specs = self.planned(cfg, found)
             allocation = self.policy(cfg)
             for plugin in self.endpoints:

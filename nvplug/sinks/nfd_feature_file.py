@@ -56,7 +56,6 @@ class FeatureFile(Sink):
     def __init__(self, cfg: Config, sysfs_root: Path, override: Path | None = None) -> None:
         self._override = override
         self._cfg = cfg
-        self._snapshot: Snapshot | None = None
         self.path = feature_file_path(cfg, override)
         self._sysfs_root = sysfs_root
         self._machine: Machine | None = None
@@ -67,19 +66,17 @@ class FeatureFile(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         if update.revised:
-            self._snapshot = update.snapshot
             self.write(update.snapshot, self._cfg)
         return ()
 
     def prepare(self, cfg: Config) -> Commit:
         path = feature_file_path(cfg, self._override)
 
-        async def commit() -> None:
+        async def commit(snapshot: Snapshot) -> None:
             # Strategy and sharing are in the labels.
             self._cfg = cfg
             self.configure(path)
-            if self._snapshot is not None:
-                self.write(self._snapshot, cfg)
+            self.write(snapshot, cfg)
 
         return commit
 

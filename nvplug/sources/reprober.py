@@ -82,7 +82,7 @@ class Reprober(Sink):
     def prepare(self, cfg: Config) -> Commit:
         health = cfg.health
 
-        async def commit() -> None:
+        async def commit(snapshot: Snapshot) -> None:
             self.set_backoff(health.reprobe_initial_seconds, health.reprobe_max_seconds)
 
         return commit

@@ -21,7 +21,7 @@ from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.node_state import Snapshot
-from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate, no_change
+from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
@@ -272,12 +272,13 @@ class CdiSink(Sink):
     def prepare(self, cfg: Config) -> Commit:
         settings = self._settings(cfg)
 
-        async def commit() -> None:
+        async def commit(snapshot: Snapshot) -> None:
             # The spec for the new names first, then the Allocate that hands them out.
             if self.publisher.configure(settings):
-                self._republish()
+                for event in self._publish(snapshot):
+                    self._feed(event)
 
-        return commit if settings != self.publisher.settings else no_change
+        return commit
 
     def notes(self) -> list[str]:
         error = self.publisher.error
