@@ -1,6 +1,6 @@
 """The YAML config: its model (keys declared once), its loader and the selectors of nvplug.devices. Import from here."""
 
-from nvplug.config.loader import as_dict, load, parse, to_yaml
+from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml
 from nvplug.config.model import (
     DEFAULT_CDI_SPEC_DIR,
     DEFAULT_DRA_DRIVER,
@@ -86,6 +86,7 @@ __all__ = [
     "SharingStrategy",
     "as_dict",
     "load",
+    "off_or_path",
     "parse",
     "to_yaml",
 ]

@@ -33,6 +33,11 @@ from nvplug.config.value_readers import Devices, resource_name_problem
 from nvplug.config.yaml_reader import MAX_BYTES, ConfigError, NodeMap, ReadContext, compose, is_null, scalar
 
 
+def off_or_path(value: str) -> Path | None:
+    """A path key that may be `off` (nvplug.cdi.specDir, labels.featureFile, podResources.socket)."""
+    return None if value == "off" else Path(value)
+
+
 def load(path: Path | None) -> Config:
     """`None` means the default path, which may be absent; an explicit path must exist."""
     explicit = path is not None

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from nvplug.config import Config
+from nvplug.config import Config, off_or_path
 from nvplug.core.node_state import NodeState
 from nvplug.daemon.dispatch import Dispatcher
 from nvplug.daemon.options import Options
@@ -70,7 +69,7 @@ def wire(
     )
     dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
     kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
-    socket = options.pod_resources_socket or _off_or_path(cfg.pod_resources_socket)
+    socket = options.pod_resources_socket or off_or_path(cfg.pod_resources_socket)
     pods = PodView(PodResourcesClient(socket) if socket is not None else None)
 
     def cdi_retried() -> None:
@@ -122,7 +121,3 @@ def wire(
         reprober,
     )
     return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra)
-
-
-def _off_or_path(value: str) -> Path | None:
-    return None if value == "off" else Path(value)

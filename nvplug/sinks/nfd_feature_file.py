@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from nvplug.base.atomic_write import write_atomically
-from nvplug.config import Config
+from nvplug.config import Config, off_or_path
 from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
@@ -43,9 +43,7 @@ def read_machine(sysfs_root: Path, bus_ids: Iterable[str]) -> Machine:
 
 def feature_file_path(cfg: Config, override: Path | None = None) -> Path | None:
     """--nfd-feature-file, else the config's nvplug.labels.featureFile; None when off."""
-    if override is not None:
-        return override
-    return None if cfg.feature_file == "off" else Path(cfg.feature_file)
+    return override if override is not None else off_or_path(cfg.feature_file)
 
 
 class FeatureFile(Sink):

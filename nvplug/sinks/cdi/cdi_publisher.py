@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, Schedule
-from nvplug.config import Config
+from nvplug.config import Config, off_or_path
 from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
@@ -61,7 +61,7 @@ class CdiSettings:
     @classmethod
     def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
         flags, plugin = cfg.flags, cfg.flags.plugin
-        directory = spec_dir or (None if cfg.cdi_spec_dir == "off" else Path(cfg.cdi_spec_dir))
+        directory = spec_dir or off_or_path(cfg.cdi_spec_dir)
         # As NVIDIA's plugin: files are read through containerDriverRoot where this process has it.
         container_root = Path(plugin.container_driver_root)
         read_root = container_root if container_root.is_dir() else Path(flags.nvidia_driver_root)
