@@ -162,6 +162,108 @@ class CdiChecked:
     unresolved: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DeviceNodesChanged:
+    """The NVIDIA device nodes under the dev root changed: these exist now, as a container names them."""
+
+    source: ClassVar[str] = "dev"
+
+    present: frozenset[str]  # e.g. /dev/nvidia3, /dev/nvidia-caps/nvidia-cap21
+
+
+@dataclass(frozen=True)
+class WatchedDirChanged:
+    """A directory we serve sockets in (device plugins, plugins_registry, the DRA plugin's) went or came back."""
+
+    source: ClassVar[str] = "kubelet_dir"
+
+    path: str
+    exists: bool
+
+
+@dataclass(frozen=True)
+class KernelXid:
+    """An Xid the driver printed to the kernel log (`NVRM: Xid (PCI:0000:18:00): 79, ...`)."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    bus_id: str  # normalised, with the function the line leaves out: 0000:18:00.0
+    code: int
+    message: str  # the record's text after "NVRM: "
+    seq: int
+    # From the log as it stood when we started: before this start, perhaps before this driver load.
+    replayed: bool = False
+    # Xid 154: the recovery action it changed to; None for other codes or where it cannot be read.
+    recovery_action: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuFellOffBus:
+    """`NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.`, which may come with no Xid 79 and no NVML event."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    bus_id: str
+    seq: int
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class DriverLoaded:
+    """`NVRM: loading NVIDIA UNIX ... Kernel Module ...`: faults printed before it were of the previous load."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    version: str
+    seq: int
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class GpuNamedInLog:
+    """`NVRM: GPU at PCI:0000:03:00: GPU-<uuid>`: the driver ties an address to a UUID."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    bus_id: str
+    uuid: str
+    seq: int
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class SwitchXid:
+    """An NVSwitch SXid (`nvidia-nvswitch3: SXid (PCI:0000:c5:00.0): 12028, ...`): a fabric signal, no GPU fault."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    switch: str  # nvidia-nvswitch3
+    bus_id: str
+    code: int
+    message: str
+    seq: int
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class KernelLogLost:
+    """Records the reader never saw: the ring buffer overran it (EPIPE), or `seq` jumped."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    count: int | None  # None where unknown
+    why: str
+
+
+@dataclass(frozen=True)
+class KernelLogState:
+    """Whether the kernel log can be read; `error` None means it can."""
+
+    source: ClassVar[str] = "kernel_log"
+
+    error: str | None
+
+
 Event = (
     InventoryFound
     | ProbeResult
@@ -176,6 +278,15 @@ Event = (
     | PluginSocketRemoved
     | PciChanged
     | CdiChecked
+    | DeviceNodesChanged
+    | WatchedDirChanged
+    | KernelXid
+    | GpuFellOffBus
+    | DriverLoaded
+    | GpuNamedInLog
+    | SwitchXid
+    | KernelLogLost
+    | KernelLogState
 )
 
 

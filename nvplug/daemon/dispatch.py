@@ -15,11 +15,18 @@ from pathlib import Path
 
 from nvplug.core.events import (
     CdiChecked,
+    DeviceNodesChanged,
+    DriverLoaded,
     Event,
     EvidenceFound,
+    GpuFellOffBus,
+    GpuNamedInLog,
     HealthReported,
     HealthWatchChanged,
     InventoryFound,
+    KernelLogLost,
+    KernelLogState,
+    KernelXid,
     KubeletSocketCreated,
     MigConfigChanged,
     NvmlFailed,
@@ -27,6 +34,8 @@ from nvplug.core.events import (
     PluginSocketRemoved,
     ProbeResult,
     RecoveryActionChanged,
+    SwitchXid,
+    WatchedDirChanged,
     XidOccurred,
     assert_never,
 )
@@ -111,6 +120,15 @@ class Dispatcher:
                 | RecoveryActionChanged()
                 | HealthWatchChanged()
                 | CdiChecked()
+                | DeviceNodesChanged()
+                | WatchedDirChanged()
+                | KernelXid()
+                | GpuFellOffBus()
+                | DriverLoaded()
+                | GpuNamedInLog()
+                | SwitchXid()
+                | KernelLogLost()
+                | KernelLogState()
             ):
                 self.apply(event)
             case _:
