@@ -21,6 +21,7 @@ from nvplug.cli.cli_arguments import (
     CONFIG_OR_BUILT_IN,
     DEV_ROOT,
     DEVICE_PLUGIN_DIR,
+    HIDDEN,
     LOG_LEVEL,
     NFD_FEATURE_FILE,
     POD_RESOURCES_SOCKET,
@@ -83,6 +84,7 @@ COMMANDS: tuple[Command, ...] = (
                 "the kubelet's PodResources socket (default: the config's nvplug.podResources)"
             ),
             CDI_SPEC_DIR.worded("write the CDI spec here (default: the config's nvplug.cdi.specDir)"),
+            Argument("--kernel-log", HIDDEN, Path, Path("/dev/kmsg")),
         ),
         run_command.run,
     ),

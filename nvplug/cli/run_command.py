@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         cdi_spec_dir=args.cdi_spec_dir,
         feature_file=args.nfd_feature_file,
         pod_resources_socket=args.pod_resources_socket,
+        kernel_log=args.kernel_log,
     )
     try:
         asyncio.run(serve(options))

@@ -122,6 +122,8 @@ def _health(found: Found, values: dict[str, Any]) -> HealthConfig:
         raise found.error(f"XIDs {sorted(both)} are both in ignoreXids and fatalXids")
     if cfg.reprobe_max_seconds < cfg.reprobe_initial_seconds:
         raise found.error("reprobeMaxSeconds is below reprobeInitialSeconds")
+    if cfg.driver_hang_seconds < cfg.nvml_call_deadline_seconds:
+        raise found.error("driverHangSeconds is below nvmlCallDeadlineSeconds")
     return cfg
 
 

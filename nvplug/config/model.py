@@ -84,6 +84,18 @@ class HealthConfig:
     reprobe_max_seconds: float = field(
         default=600.0, metadata=key("reprobeMaxSeconds", "the longest wait between re-probes", positive_seconds)
     )
+    # The driver prints every Xid there, also those NVML drops or fires before we start.
+    kernel_log: bool = field(
+        default=True, metadata=key("kernelLog", "read the driver's faults from the kernel log (/dev/kmsg)", boolean)
+    )
+    nvml_call_deadline_seconds: float = field(
+        default=10.0,
+        metadata=key("nvmlCallDeadlineSeconds", "an NVML call running longer is reported as hung", positive_seconds),
+    )
+    driver_hang_seconds: float = field(
+        default=60.0,
+        metadata=key("driverHangSeconds", "a GPU whose NVML call hangs this long turns Unhealthy", positive_seconds),
+    )
 
 
 @dataclass(frozen=True)

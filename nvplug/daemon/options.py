@@ -27,3 +27,5 @@ class Options:
     feature_file: Path | None = None
     # --pod-resources-socket: overrides the config's nvplug.podResources.socket.
     pod_resources_socket: Path | None = None
+    # --kernel-log: the kernel's record interface; tests point it at a FIFO of records in its format.
+    kernel_log: Path = Path("/dev/kmsg")
