@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 from nvplug.core.events import (
     CdiChecked,
+    DeviceNodesChanged,
     Event,
     EvidenceFound,
     HealthReported,
@@ -37,6 +38,7 @@ from nvplug.core.events import (
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.health import Clears, Health, HealthState, Recorded
 from nvplug.core.mig import CapMinors
+from nvplug.core.readiness import unready
 from nvplug.core.topology import Topology
 from nvplug.core.xid_policy import Verdict, XidPolicy
 
@@ -84,6 +86,8 @@ class Snapshot:
     cuda_version: int | None = None
     # Faults from the state file for devices not seen yet in this run, by UUID.
     restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
+    # The NVIDIA device nodes the dev watch listed last; None while nothing watches them.
+    device_nodes: frozenset[str] | None = None
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -168,6 +172,11 @@ class NodeState:
         elif isinstance(event, CdiChecked):
             draft.unresolved = MappingProxyType(dict(event.unresolved))
             draft.recheck()
+        elif isinstance(event, DeviceNodesChanged):
+            # The same check a scan makes, from the nodes the watch listed: no NVML call needed.
+            draft.device_nodes = event.present
+            draft.unready = MappingProxyType(unready(draft.gpus, draft.cap_minors, event.present.__contains__))
+            draft.recheck()
         elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
             draft.health_watch_error = event.error
             what = "health watch failed" if event.error else "health watch running"
@@ -229,7 +238,10 @@ class NodeState:
             draft.driver_version = event.driver_version
         if event.cuda_version is not None:
             draft.cuda_version = event.cuda_version
-        draft.unready = MappingProxyType(dict(event.unready))
+        nodes = draft.device_nodes
+        # The watch's listing is newer than a scan's look at /dev that it may have overtaken on the bus.
+        found = unready(draft.gpus, draft.cap_minors, nodes.__contains__) if nodes is not None else event.unready
+        draft.unready = MappingProxyType(dict(found))
         draft.recheck()
         for probe in event.probes:
             self._probe(draft, probe)
@@ -343,6 +355,7 @@ class _Draft:
         self.driver_version = base.driver_version
         self.cuda_version = base.cuda_version
         self.restored = dict(base.restored)
+        self.device_nodes = base.device_nodes
         self.changes: list[Change] = []
 
     def gpu(self, uuid: str) -> Gpu | None:
@@ -457,6 +470,7 @@ class _Draft:
             and self.driver_version == base.driver_version
             and self.cuda_version == base.cuda_version
             and self.restored == base.restored
+            and self.device_nodes == base.device_nodes
         )
         if unchanged:
             return None
@@ -475,4 +489,5 @@ class _Draft:
             driver_version=self.driver_version,
             cuda_version=self.cuda_version,
             restored=MappingProxyType(self.restored),
+            device_nodes=self.device_nodes,
         )

@@ -23,6 +23,7 @@ from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
 from nvplug.sinks.health_state_file import StateFile
 from nvplug.sinks.health_state_sink import HealthStateSink
 from nvplug.sinks.nfd_feature_file import FeatureFile
+from nvplug.sources.dev_node_watch import DevNodeWatch
 from nvplug.sources.event_bus import EventBus
 from nvplug.sources.kubelet_dir_watch import KubeletDirWatch
 from nvplug.sources.nvml_discovery import Nvml
@@ -118,6 +119,7 @@ def wire(
         scanner,
         UdevSource(bus.publish, on_overflow=lambda: scanner.request("udev events were lost")),
         kubelet_dir,
+        DevNodeWatch(options.dev_root, bus.publish),
         reprober,
     )
     return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra)
