@@ -1716,3 +1716,360 @@ def test_gpu_process_spec_and_checks() -> None:
         control.procs(0, "123")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         control.procs(0, list(range(1, 66)))
+
+
+# ---- blocked calls: a hung driver -------------------------------------------------------
+
+# Child helpers: `hang(fn, *args)` runs a pynvml call on a daemon thread (a stuck one must not
+# keep the child from exiting) and returns a dict that gets "rc" and "value" when it returns;
+# `gpu_field(key, i)` reads one key=value of GPU index i's part of the state reply.
+HANG = """
+def hang(fn, *args):
+    res = {}
+    def run():
+        try:
+            res["value"] = fn(*args)
+            res["rc"] = 0
+        except N.NVMLError as e:
+            res["rc"] = e.value
+    res["thread"] = th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return res
+def finish(res, timeout=5):
+    res.pop("thread").join(timeout)
+    return res
+def gpu_field(key, i):
+    part = CTL.state().split(" | ")[1 + i].split()
+    return next((w.partition("=")[2] for w in part if w.startswith(key + "=")), None)
+def header(key):
+    return next(w.partition("=")[2] for w in CTL.state().split(" | ")[0].split() if w.startswith(key + "="))
+"""
+
+
+def with_hang(body: str) -> str:
+    """A child body with the HANG helpers in front."""
+    return HANG + textwrap.dedent(body)
+
+
+def test_block_holds_one_gpu_and_function_until_released(rig: Rig) -> None:
+    out = rig.run(
+        with_hang(
+            """
+            N.nvmlInit()
+            h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            CTL.reset_calls()
+            out["block"] = CTL.block(0, "nvmlDeviceGetPciInfo_v3")
+            first = hang(N.nvmlDeviceGetPciInfo, h0)
+            CTL.wait_blocked(1)
+            # The same call on another GPU, other calls on this one and the control socket all answer.
+            t = time.monotonic()
+            out["other_gpu"] = txt(N.nvmlDeviceGetPciInfo(h1).busId)
+            out["other_fn"] = [txt(N.nvmlDeviceGetUUID(h0)), N.nvmlDeviceGetMinorNumber(h0), N.nvmlDeviceGetCount()]
+            out["others_s"] = time.monotonic() - t
+            out["ping"] = CTL.ping()
+            second = hang(N.nvmlDeviceGetPciInfo, h0)  # entering while blocked blocks too
+            CTL.wait_blocked(2)
+            time.sleep(0.2)
+            out["still_blocked"] = [first["thread"].is_alive(), "rc" in first, "rc" in second]
+            out["waiting"] = [header("blocked_waiting"), header("blocked_calls"), header("any_blocks"),
+                              gpu_field("blocks", 0), gpu_field("waiting", 0), gpu_field("blocks", 1),
+                              gpu_field("waiting", 1)]
+            out["calls"] = CTL.calls()
+            out["release"] = CTL.release(0, "nvmlDeviceGetPciInfo_v3")
+            out["released"] = [finish(r) for r in (first, second)]
+            out["bus"] = [txt(r["value"].busId) for r in out["released"]]
+            out["after"] = [header("blocked_waiting"), header("blocked_calls"), gpu_field("blocks", 0),
+                            gpu_field("waiting", 0)]
+            out["direct"] = txt(N.nvmlDeviceGetPciInfo(h0).busId)
+            out["release_again"] = ctl_error(CTL.release, 0, "nvmlDeviceGetPciInfo_v3")
+            for r in out["released"]:
+                del r["value"]
+            """
+        )
+    )
+    bus0 = "00000000:18:00.0"
+    assert out["block"] == "ok"
+    assert out["other_gpu"] == "00000000:2A:00.0"
+    assert out["other_fn"] == [GPUS[0]["uuid"], 0, 8]
+    assert out["others_s"] < 1.0
+    assert out["ping"] == "ok"
+    assert out["still_blocked"] == [True, False, False]
+    assert out["waiting"] == ["2", "2", "-", "nvmlDeviceGetPciInfo_v3", "2", None, None]
+    assert out["calls"]["nvmlDeviceGetPciInfo_v3"] == 3  # blocked calls are counted on entry
+    assert out["release"] == "ok"
+    assert out["released"] == [{"rc": 0}, {"rc": 0}]
+    assert out["bus"] == [bus0, bus0] and out["direct"] == bus0
+    assert out["after"] == ["0", "2", None, None]
+    assert out["release_again"] == "error: release: 0 nvmlDeviceGetPciInfo_v3 is not blocked"
+
+
+def test_block_by_uuid_any_gpu_and_lookups(rig: Rig) -> None:
+    out = rig.run(
+        with_hang(
+            f"""
+            N.nvmlInit()
+            h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(8)]
+            uuid1 = "{GPUS[1]["uuid"]}"
+            CTL.block(uuid1, "nvmlDeviceGetUUID")
+            one = hang(N.nvmlDeviceGetUUID, h[1])
+            CTL.wait_blocked(1)
+            out["gpu0"] = txt(N.nvmlDeviceGetUUID(h[0]))
+            out["by_uuid"] = [gpu_field("blocks", 1), gpu_field("waiting", 1), gpu_field("blocks", 0)]
+            out["release_by_index"] = CTL.release(1, "nvmlDeviceGetUUID")  # the same GPU
+            out["one"] = txt(finish(one)["value"])
+
+            # "*" blocks a per-device call on every GPU.
+            CTL.block("*", "nvmlDeviceGetMinorNumber")
+            any_gpu = [hang(N.nvmlDeviceGetMinorNumber, h[i]) for i in (0, 5)]
+            CTL.wait_blocked(2)
+            out["any"] = [header("any_blocks"), gpu_field("waiting", 0), gpu_field("waiting", 5)]
+            CTL.release("*", "nvmlDeviceGetMinorNumber")
+            out["minors"] = [finish(r)["value"] for r in any_gpu]
+
+            # A lookup blocks for the GPU it finds: by index, by UUID; one that finds nothing does not.
+            CTL.block(2, "nvmlDeviceGetHandleByIndex_v2")
+            CTL.block(uuid1, "nvmlDeviceGetHandleByUUID")
+            by_index = hang(N.nvmlDeviceGetHandleByIndex, 2)
+            by_uuid = hang(N.nvmlDeviceGetHandleByUUID, uuid1.encode())
+            CTL.wait_blocked(2)
+            out["lookups_free"] = [N.nvmlDeviceGetIndex(N.nvmlDeviceGetHandleByIndex(3)),
+                                   code(N.nvmlDeviceGetHandleByIndex, 99),
+                                   N.nvmlDeviceGetIndex(N.nvmlDeviceGetHandleByUUID(b"{GPUS[0]["uuid"]}")),
+                                   code(N.nvmlDeviceGetHandleByUUID, b"GPU-nope")]
+            out["release_all"] = CTL.release_all()
+            out["lookups"] = [N.nvmlDeviceGetIndex(finish(r)["value"]) for r in (by_index, by_uuid)]
+            out["release_none"] = CTL.release_all()
+
+            # With both a GPU and a "*" block set, releasing one leaves the caller blocked by the other.
+            CTL.block(0, "nvmlDeviceGetName")
+            CTL.block("*", "nvmlDeviceGetName")
+            both = hang(N.nvmlDeviceGetName, h[0])
+            CTL.wait_blocked(1)
+            CTL.release(0, "nvmlDeviceGetName")
+            time.sleep(0.2)
+            out["both"] = ["rc" in both, CTL.blocked_waiting()]
+            with CTL.blocked(0, "nvmlDeviceGetSerial"):
+                out["in_with"] = gpu_field("blocks", 0)
+            out["after_with"] = gpu_field("blocks", 0)
+            CTL.release("*", "nvmlDeviceGetName")
+            out["name"] = txt(finish(both)["value"])
+            """
+        )
+    )
+    assert out["gpu0"] == GPUS[0]["uuid"]
+    assert out["by_uuid"] == ["nvmlDeviceGetUUID", "1", None]
+    assert out["release_by_index"] == "ok"
+    assert out["one"] == GPUS[1]["uuid"]
+    assert out["any"] == ["nvmlDeviceGetMinorNumber", "1", "1"]
+    assert out["minors"] == [0, 5]
+    assert out["lookups_free"] == [3, 2, 0, 6]
+    assert out["release_all"] == "ok released=2"
+    assert out["lookups"] == [2, 1]
+    assert out["release_none"] == "ok released=0"
+    assert out["both"] == [False, 1]
+    assert out["in_with"] == "nvmlDeviceGetSerial" and out["after_with"] is None
+    assert out["name"] == GPUS[0]["name"]
+
+
+def test_bad_block_commands_get_errors(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        bad = ["block", "block 0", "block 0 nvmlDeviceGetUUID extra", "block 0 nvmlDeviceGetFrobnicate",
+               "block 0 nvmlDeviceGetPciInfo_v4", "block 0 nvmlErrorString", "block 0 nvmldevicegetuuid",
+               "block 8 nvmlDeviceGetUUID", "block GPU-nope nvmlDeviceGetUUID", "block 0 nvmlInit_v2",
+               "block 0 nvmlShutdown", "block 0 nvmlDeviceGetCount_v2", "release 0 nvmlDeviceGetUUID",
+               "release * nvmlInit_v2", "release", "release everything"]
+        out["errors"] = {c: ctl_error(CTL.send, c) for c in bad}
+        out["python"] = [ctl_error(CTL.block, 0, "nvmlDeviceGetFrobnicate")]
+        for args in [(0, "two words"), ("", "nvmlDeviceGetUUID"), (0, '"q"')]:
+            try:
+                CTL.block(*args)
+            except ValueError:
+                out["python"].append("ValueError")
+        out["state"] = CTL.state().split(" | ")[0]
+        out["alive"] = txt(N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(0)))
+        """
+    )
+    errors = out["errors"]
+    assert all(e is not None and e.startswith("error: ") for e in errors.values()), errors
+    assert errors["block 0 nvmlDeviceGetFrobnicate"] == (
+        "error: block: unknown function 'nvmlDeviceGetFrobnicate' (an NVML entry point this fake exports)"
+    )
+    assert errors["block 0 nvmlErrorString"].startswith("error: block: unknown function")
+    assert errors["block 8 nvmlDeviceGetUUID"] == "error: block: unknown gpu '8'"
+    assert errors["block 0 nvmlInit_v2"] == "error: block: nvmlInit_v2 takes no device: use '*'"
+    assert errors["release 0 nvmlDeviceGetUUID"] == "error: release: 0 nvmlDeviceGetUUID is not blocked"
+    assert out["python"][0].startswith("error: block: unknown function")
+    assert out["python"][1:] == ["ValueError"] * 3
+    assert "blocked_waiting=0 blocked_calls=0 any_blocks=-" in out["state"]
+    assert out["alive"] == GPUS[0]["uuid"]
+
+
+def test_shutdown_under_a_blocked_call_and_blocked_init_shutdown_wait(rig: Rig) -> None:
+    out = rig.run(
+        with_hang(
+            """
+            N.nvmlInit()
+            h0 = N.nvmlDeviceGetHandleByIndex(0)
+            s = N.nvmlEventSetCreate()
+            N.nvmlDeviceRegisterEvents(h0, N.nvmlEventTypeXidCriticalError, s)
+            CTL.block(0, "nvmlDeviceGetUUID")
+            CTL.block("*", "nvmlEventSetWait_v2")
+            uuid = hang(N.nvmlDeviceGetUUID, h0)
+            wait = hang(N.nvmlEventSetWait_v2, s, 10000)
+            CTL.wait_blocked(2)
+            t = time.monotonic()
+            N.nvmlShutdown()  # the last reference: NVML is down under both callers
+            out["shutdown_s"] = time.monotonic() - t
+            out["down"] = [code(N.nvmlDeviceGetCount), header("refcount"), header("blocked_waiting")]
+            CTL.release_all()
+            out["after_shutdown"] = [finish(uuid), finish(wait)]
+
+            # Blocked nvmlInit / nvmlShutdown themselves: released, they do their work.
+            CTL.block("*", "nvmlInitWithFlags")
+            init = hang(N.nvmlInit)
+            CTL.wait_blocked(1)
+            out["init_blocked"] = [header("refcount"), header("any_blocks"), CTL.calls().get("nvmlInitWithFlags")]
+            CTL.release("*", "nvmlInitWithFlags")
+            out["init"] = [finish(init), header("refcount")]
+            N.nvmlInit()
+            CTL.block("*", "nvmlShutdown")
+            shut = hang(N.nvmlShutdown)
+            CTL.wait_blocked(1)
+            out["shutdown_blocked"] = [header("refcount"), N.nvmlDeviceGetCount()]
+            CTL.release("*", "nvmlShutdown")
+            out["shutdown"] = [finish(shut), header("refcount")]
+
+            # A block released after nvmlShutdown and a new nvmlInit answers normally again.
+            CTL.block(0, "nvmlDeviceGetUUID")
+            again = hang(N.nvmlDeviceGetUUID, h0)
+            CTL.wait_blocked(1)
+            N.nvmlShutdown()
+            N.nvmlInit()
+            CTL.release(0, "nvmlDeviceGetUUID")
+            out["reinit"] = [finish(again)["rc"], txt(again.get("value"))]
+            out["total"] = header("blocked_calls")
+            """
+        )
+    )
+    assert out["shutdown_s"] < 1.0
+    assert out["down"] == [1, "0", "2"]
+    assert out["after_shutdown"] == [{"rc": 1}, {"rc": 1}]  # NVML_ERROR_UNINITIALIZED
+    assert out["init_blocked"] == ["0", "nvmlInitWithFlags", 2]  # the child's first nvmlInit and this one
+    assert out["init"] == [{"rc": 0, "value": None}, "1"]
+    assert out["shutdown_blocked"] == ["2", 8]
+    assert out["shutdown"] == [{"rc": 0, "value": None}, "1"]
+    assert out["reinit"] == [0, GPUS[0]["uuid"]]
+    assert out["total"] == "5"
+
+
+def test_lost_gpu_under_a_blocked_call_and_fork(rig: Rig) -> None:
+    out = rig.run(
+        with_hang(
+            """
+            import os
+            N.nvmlInit()
+            h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            CTL.block(0, "nvmlDeviceGetRemappedRows")
+            rows = hang(N.nvmlDeviceGetRemappedRows, h0)
+            CTL.wait_blocked(1)
+            CTL.lose(0)
+            # A fork child has none of the parent's blocked callers; its NVML still answers.
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if N.nvmlDeviceGetRemappedRows(h1) == (0, 0, 0, 0) else 3)
+            out["child"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            out["lost_now"] = code(N.nvmlDeviceGetRemappedRows, h0)  # fails at once, does not block
+            CTL.release(0, "nvmlDeviceGetRemappedRows")
+            out["rows"] = finish(rows)
+            """
+        )
+    )
+    assert out["child"] == 0
+    assert out["lost_now"] == 15
+    assert out["rows"] == {"rc": 15}  # GPU_IS_LOST: validated again once released
+
+
+# Child body: nvplug's own probe, scan, process-listing and event-watch paths, each run once to
+# learn which entry points it uses, then once per entry point with that one blocked on GPU 0 (by
+# "*" for calls without a device), which they all use; blocked, the path must hang, and released,
+# return what it returned unblocked.
+NVPLUG_PATHS = """
+from nvplug.sources import nvml_discovery as D
+N.nvmlInit()
+uuid0 = txt(N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(0)))
+nvml = D.Nvml(Path("/nonexistent"), Path("/nonexistent"))
+def watch():  # the calls of nvml_events.py's subscribe and wait loop
+    s = N.nvmlEventSetCreate()
+    h = N.nvmlDeviceGetHandleByUUID(uuid0)
+    N.nvmlDeviceRegisterEvents(h, N.nvmlDeviceGetSupportedEventTypes(h) & N.nvmlEventTypeXidCriticalError, s)
+    rc = code(N.nvmlEventSetWait_v2, s, 0)
+    N.nvmlEventSetFree(s)
+    return rc
+paths = [("probe", lambda: D.probe_gpu(uuid0, "test")), ("scan", nvml.scan),
+         ("processes", lambda: nvml.processes(uuid0)), ("watch", watch)]
+out["paths"] = {}
+for name, path in paths:
+    CTL.reset_calls()
+    normal = path()
+    used = sorted(CTL.calls())
+    held = {}
+    for fn in used:
+        try:
+            CTL.block(0, fn)
+        except ControlError:  # no device to name it by
+            CTL.block("*", fn)
+        res = {}
+        th = threading.Thread(target=lambda: res.setdefault("r", path()), daemon=True)
+        th.start()
+        CTL.wait_blocked(1)
+        time.sleep(0.02)
+        stuck = th.is_alive()
+        CTL.release_all()
+        th.join(10)
+        held[fn] = [stuck, res.get("r") == normal]
+    out["paths"][name] = held
+out["mig"] = [len(g.mig) for g in nvml.scan().discovery.gpus]
+out["pids"] = nvml.processes(uuid0)
+"""
+
+
+@pytest.mark.parametrize("mig", [False, True], ids=["default", "mig"])
+def test_every_call_of_nvplugs_paths_can_block(rig: Rig, mig: bool) -> None:
+    scenario = None
+    if mig:  # a MIG GPU 0, so that the scan reads MIG handles: they block as their parent GPU
+        scenario = rig.scenario(
+            """
+            gpu uuid=GPU-m0 bus=0000:01:00.0 minor=0 mig=1 procs=100,200:graphics@2/0
+            gpu uuid=GPU-m1 bus=0000:02:00.0 minor=1
+            link 0 1 nvlink=4 pcie=NODE
+            mig 0 3g.40gb gi=2
+            mig 0 1g.10gb
+            """
+        )
+    out = rig.run(NVPLUG_PATHS, scenario)
+    paths = out["paths"]
+    # What these paths call today; a new call there shows up here and is checked the same way.
+    assert {
+        "nvmlDeviceGetHandleByUUID",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetPciInfo_v3",
+        "nvmlDeviceGetFieldValues",
+        "nvmlDeviceGetRetiredPagesPendingStatus",
+        "nvmlDeviceGetRemappedRows",
+    } <= set(paths["probe"])
+    assert {"nvmlInitWithFlags", "nvmlShutdown", "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2"} <= set(
+        paths["scan"]
+    )
+    assert {"nvmlEventSetCreate", "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetFree"} <= set(
+        paths["watch"]
+    )
+    assert len(paths["processes"]) >= 3
+    if mig:
+        assert out["mig"] == [2, 0] and out["pids"] == [100, 200]
+        assert {"nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetAttributes_v2", "nvmlDeviceGetGpuInstanceId"} <= (
+            set(paths["scan"])
+        )
+    for name, held in paths.items():
+        assert held == {fn: [True, True] for fn in held}, (name, held)

@@ -13,7 +13,8 @@
  * first nvmlInit call (successful or not).  One command per datagram; a bound
  * sender gets "ok[ details]" or "error: <reason>".  <gpu> is an index in the
  * current enumeration or a UUID.
- *   ping | state                        state: " | idx uuid flags ra=N[ mig=prof/gi/ci/uuid,...|-]"
+ *   ping | state                        state: "ok key=value ... | idx uuid flags ra=N[ mig=prof/gi/ci/uuid,...|-]
+ *                                       [ procs=...][ blocks=fn,...][ waiting=N] | ..." (blocks: below)
  *   xid <gpu> <code> [gi ci]            event 0x8, eventData = code
  *   ecc <gpu> sbe|dbe                   event 0x1 / 0x2
  *   event <gpu> <hex type> <data> [gi ci]
@@ -40,6 +41,36 @@
  *                                       and the processes on them are dropped
  *   procs <gpu> <proc>[,<proc>...] | -  replace the GPU's running processes (syntax below); "-"
  *                                       clears.  At once, no event; restore keeps them
+ *   block <gpu>|* <function>            calls of that entry point (exact exported name) on that
+ *                                       GPU hang until released, like a GPU wedged in the driver
+ *   release <gpu>|* <function>          undo one block (error if not set); they return normally
+ *   release all                         "ok released=N": clear every block
+ *
+ * Blocks.  <function> is any entry point this fake exports but nvmlErrorString
+ * (NVML_FUNCS below), e.g. nvmlDeviceGetUUID, nvmlDeviceGetPciInfo_v3; others
+ * are an error.  "*" blocks it whatever the GPU, and is the only choice for
+ * the calls that take no device (nvmlInit*, nvmlShutdown, nvmlSystemGet*,
+ * nvmlDeviceGetCount*, nvmlEventSet*).  A per-device call blocks once its
+ * handle checks out (calls that fail at once, uninitialized or a bad or lost
+ * handle, fail without blocking); a MIG handle counts as its parent GPU.  A
+ * handle lookup (nvmlDeviceGetHandleBy{Index,UUID,Serial,PciBusId}*) blocks
+ * for the GPU it finds, so "block 3 nvmlDeviceGetHandleByIndex_v2" hangs the
+ * lookup of index 3 (the GPU at index 3 when the command ran); lookups that
+ * find nothing block only for "*".  <gpu> is resolved when the command runs
+ * and the block stays with that GPU; restore leaves it, a slot reused by add
+ * drops it.  A blocked call waits on a condition variable without the global
+ * lock: the control thread, other GPUs and the GPU's other functions keep
+ * working, and calls entering meanwhile block too.  Released, it starts over
+ * as if entering now and returns what that call returns then: its normal
+ * result, or NVML_ERROR_UNINITIALIZED if NVML was shut down meanwhile (real
+ * NVML leaves a shutdown under a running call undefined; here nvmlShutdown
+ * returns normally at once, unless blocked itself), GPU_IS_LOST if the GPU was
+ * lost, etc.  state shows "blocked_waiting=N" (callers asleep now),
+ * "blocked_calls=N" (calls that have blocked since the library loaded),
+ * "any_blocks=fn,...|-" ("*" blocks) and, per GPU, " blocks=fn,..." and
+ * " waiting=N" (callers asleep on it).  Blocks need no scenario: "*" ones can
+ * be set before the first successful nvmlInit.  A forked child keeps the
+ * blocks but none of the parent's blocked callers.
  *
  * A gpu line (scenario or add) may describe a GPU already broken when first
  * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1
@@ -364,46 +395,116 @@ static long g_wait_left;            /* -1: every wait until cleared */
  * call for any message), so that tests can see what a client does while idle.
  * Every exported function starts with COUNT(itself); wrappers call static
  * helpers, never each other, so that one client call counts once.
+ *
+ * The second column says what a "block" (see block_point) can name it by:
+ * SYS takes no device ("*" only), LOOKUP finds a device (the GPU it finds, or
+ * "*"), DEV takes a device handle (its GPU, or "*" for any GPU).
  */
-#define NVML_FUNCS(X)                                                                              \
-    X(nvmlInit) X(nvmlInit_v2) X(nvmlInitWithFlags) X(nvmlShutdown)                                \
-    X(nvmlSystemGetDriverVersion) X(nvmlSystemGetNVMLVersion) X(nvmlSystemGetCudaDriverVersion)    \
-    X(nvmlSystemGetCudaDriverVersion_v2) X(nvmlDeviceGetCount) X(nvmlDeviceGetCount_v2)            \
-    X(nvmlDeviceGetHandleByIndex) X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetHandleByUUID)    \
-    X(nvmlDeviceGetHandleBySerial) X(nvmlDeviceGetHandleByPciBusId)                                \
-    X(nvmlDeviceGetHandleByPciBusId_v2) X(nvmlDeviceGetIndex) X(nvmlDeviceGetUUID)                 \
-    X(nvmlDeviceGetName) X(nvmlDeviceGetSerial) X(nvmlDeviceGetMinorNumber) X(nvmlDeviceGetBrand)  \
-    X(nvmlDeviceGetArchitecture) X(nvmlDeviceGetPersistenceMode) X(nvmlDeviceGetComputeMode)       \
-    X(nvmlDeviceGetPciInfo) X(nvmlDeviceGetPciInfo_v2) X(nvmlDeviceGetPciInfo_v3)                  \
-    X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) X(nvmlDeviceGetCudaComputeCapability) \
-    X(nvmlDeviceGetNumaNodeId) X(nvmlDeviceGetMigMode) X(nvmlDeviceGetMaxMigDeviceCount)           \
-    X(nvmlDeviceIsMigDeviceHandle) X(nvmlDeviceGetMigDeviceHandleByIndex)                          \
-    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle) X(nvmlDeviceGetGpuInstanceId)                  \
-    X(nvmlDeviceGetComputeInstanceId) X(nvmlDeviceGetAttributes) X(nvmlDeviceGetAttributes_v2)     \
-    X(nvmlDeviceGetTopologyCommonAncestor) X(nvmlDeviceGetP2PStatus) X(nvmlDeviceGetNvLinkState)   \
-    X(nvmlDeviceGetNvLinkVersion) X(nvmlDeviceGetNvLinkRemoteDeviceType)                           \
-    X(nvmlDeviceGetNvLinkRemotePciInfo) X(nvmlDeviceGetNvLinkRemotePciInfo_v2)                     \
-    X(nvmlDeviceGetRetiredPagesPendingStatus) X(nvmlDeviceGetRemappedRows)                         \
-    X(nvmlDeviceGetFieldValues) X(nvmlDeviceGetSupportedEventTypes) X(nvmlEventSetCreate)          \
-    X(nvmlDeviceRegisterEvents) X(nvmlEventSetFree) X(nvmlEventSetWait) X(nvmlEventSetWait_v2)     \
-    X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)             \
-    X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)            \
-    X(nvmlDeviceGetGraphicsRunningProcesses_v2) X(nvmlDeviceGetGraphicsRunningProcesses_v3)        \
-    X(nvmlDeviceGetMPSComputeRunningProcesses) X(nvmlDeviceGetMPSComputeRunningProcesses_v2)       \
-    X(nvmlDeviceGetMPSComputeRunningProcesses_v3)
+#define NVML_FUNCS(X)                                                                                    \
+    X(nvmlInit, SYS) X(nvmlInit_v2, SYS) X(nvmlInitWithFlags, SYS) X(nvmlShutdown, SYS)                  \
+    X(nvmlSystemGetDriverVersion, SYS) X(nvmlSystemGetNVMLVersion, SYS)                                  \
+    X(nvmlSystemGetCudaDriverVersion, SYS) X(nvmlSystemGetCudaDriverVersion_v2, SYS)                     \
+    X(nvmlDeviceGetCount, SYS) X(nvmlDeviceGetCount_v2, SYS) X(nvmlDeviceGetHandleByIndex, LOOKUP)       \
+    X(nvmlDeviceGetHandleByIndex_v2, LOOKUP) X(nvmlDeviceGetHandleByUUID, LOOKUP)                        \
+    X(nvmlDeviceGetHandleBySerial, LOOKUP) X(nvmlDeviceGetHandleByPciBusId, LOOKUP)                      \
+    X(nvmlDeviceGetHandleByPciBusId_v2, LOOKUP) X(nvmlDeviceGetIndex, DEV) X(nvmlDeviceGetUUID, DEV)     \
+    X(nvmlDeviceGetName, DEV) X(nvmlDeviceGetSerial, DEV) X(nvmlDeviceGetMinorNumber, DEV)               \
+    X(nvmlDeviceGetBrand, DEV) X(nvmlDeviceGetArchitecture, DEV) X(nvmlDeviceGetPersistenceMode, DEV)    \
+    X(nvmlDeviceGetComputeMode, DEV) X(nvmlDeviceGetPciInfo, DEV) X(nvmlDeviceGetPciInfo_v2, DEV)        \
+    X(nvmlDeviceGetPciInfo_v3, DEV) X(nvmlDeviceGetMemoryInfo, DEV) X(nvmlDeviceGetMemoryInfo_v2, DEV)   \
+    X(nvmlDeviceGetCudaComputeCapability, DEV) X(nvmlDeviceGetNumaNodeId, DEV)                           \
+    X(nvmlDeviceGetMigMode, DEV) X(nvmlDeviceGetMaxMigDeviceCount, DEV)                                  \
+    X(nvmlDeviceIsMigDeviceHandle, DEV) X(nvmlDeviceGetMigDeviceHandleByIndex, DEV)                      \
+    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle, DEV) X(nvmlDeviceGetGpuInstanceId, DEV)              \
+    X(nvmlDeviceGetComputeInstanceId, DEV) X(nvmlDeviceGetAttributes, DEV)                               \
+    X(nvmlDeviceGetAttributes_v2, DEV) X(nvmlDeviceGetTopologyCommonAncestor, DEV)                       \
+    X(nvmlDeviceGetP2PStatus, DEV) X(nvmlDeviceGetNvLinkState, DEV) X(nvmlDeviceGetNvLinkVersion, DEV)   \
+    X(nvmlDeviceGetNvLinkRemoteDeviceType, DEV) X(nvmlDeviceGetNvLinkRemotePciInfo, DEV)                 \
+    X(nvmlDeviceGetNvLinkRemotePciInfo_v2, DEV) X(nvmlDeviceGetRetiredPagesPendingStatus, DEV)           \
+    X(nvmlDeviceGetRemappedRows, DEV) X(nvmlDeviceGetFieldValues, DEV)                                   \
+    X(nvmlDeviceGetSupportedEventTypes, DEV) X(nvmlEventSetCreate, SYS) X(nvmlDeviceRegisterEvents, DEV) \
+    X(nvmlEventSetFree, SYS) X(nvmlEventSetWait, SYS) X(nvmlEventSetWait_v2, SYS)                        \
+    X(nvmlDeviceGetComputeRunningProcesses, DEV) X(nvmlDeviceGetComputeRunningProcesses_v2, DEV)         \
+    X(nvmlDeviceGetComputeRunningProcesses_v3, DEV) X(nvmlDeviceGetGraphicsRunningProcesses, DEV)        \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v2, DEV) X(nvmlDeviceGetGraphicsRunningProcesses_v3, DEV)    \
+    X(nvmlDeviceGetMPSComputeRunningProcesses, DEV) X(nvmlDeviceGetMPSComputeRunningProcesses_v2, DEV)   \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, DEV)
 
-#define FN_ENUM(f) FN_##f,
-#define FN_NAME(f) #f,
+enum fn_kind { FK_SYS, FK_LOOKUP, FK_DEV };
+#define FN_ENUM(f, k) FN_##f,
+#define FN_NAME(f, k) #f,
+#define FN_KIND(f, k) FK_##k,
 enum { NVML_FUNCS(FN_ENUM) N_FUNCS };
 static const char *const fn_names[N_FUNCS] = {NVML_FUNCS(FN_NAME)};
+static const unsigned char fn_kinds[N_FUNCS] = {NVML_FUNCS(FN_KIND)};
 static atomic_ullong g_calls[N_FUNCS];
 
-#define COUNT(f) atomic_fetch_add_explicit(&g_calls[FN_##f], 1, memory_order_relaxed)
+/*
+ * The entry point this thread is in, for block_point: the begin helpers are
+ * shared by many entry points (and wrappers reach them through static
+ * helpers), so COUNT, which every entry point starts with, records it rather
+ * than every helper taking one more argument.  -1: not in an entry point.
+ */
+static _Thread_local int t_fn = -1;
+
+#define COUNT(f) (t_fn = FN_##f, atomic_fetch_add_explicit(&g_calls[FN_##f], 1, memory_order_relaxed))
 
 static nvmlReturn_t done(nvmlReturn_t rc)
 {
     pthread_mutex_unlock(&g_lock);
     return rc;
+}
+
+/*
+ * Blocks ("block <gpu> <function>"): a hung driver, where a call on a wedged
+ * GPU never returns.  g_blocks[slot][fn] is set per GPU slot, row ANY_GPU for
+ * "*" (any GPU, and the only row the SYS functions look at).  Guarded by
+ * g_lock like all state.  A blocked caller sleeps on g_block_cond, which gives
+ * g_lock up for the wait: the control thread, the other GPUs and the GPU's
+ * other functions carry on, and "release" can reach it.
+ */
+#define ANY_GPU MAX_GPUS
+static unsigned char g_blocks[MAX_GPUS + 1][N_FUNCS];
+static pthread_cond_t g_block_cond = PTHREAD_COND_INITIALIZER;
+static int g_block_waiters[MAX_GPUS + 1];   /* callers asleep now, per GPU slot (ANY_GPU: no GPU) */
+static unsigned long long g_block_calls;    /* calls that have blocked, since the library loaded */
+
+static int block_matches(int slot)
+{
+    return t_fn >= 0 && (g_blocks[ANY_GPU][t_fn] || (slot >= 0 && g_blocks[slot][t_fn]));
+}
+
+/*
+ * The hang point: every entry point calls it (through the begin helpers)
+ * with g_lock held once it knows which GPU slot the call is about (-1: none),
+ * after the checks that fail a call at once (uninitialized, bad or lost
+ * handle), as a driver validates before it talks to the GPU.  A MIG handle
+ * counts as its parent GPU.  Returns 0 at once when no block matches.
+ * Otherwise sleeps until none does and returns 1, g_lock held again: anything
+ * may have happened meanwhile (nvmlShutdown, a lost GPU, a new MIG layout,
+ * even a new GPU in the slot), so the caller validates again from the start,
+ * as a call entering now would, and may block again.
+ */
+static int block_point(int slot)
+{
+    int row = slot >= 0 ? slot : ANY_GPU;
+    if (!block_matches(slot))
+        return 0;
+    g_block_calls++;
+    g_block_waiters[row]++;
+    while (block_matches(slot))
+        pthread_cond_wait(&g_block_cond, &g_lock);
+    g_block_waiters[row]--;
+    return 1;
+}
+
+/* For the lookups, which start over from sys_begin: it waited, so give g_lock back first. */
+static int lookup_blocked(int slot)
+{
+    if (!block_point(slot))
+        return 0;
+    pthread_mutex_unlock(&g_lock);
+    return 1;
 }
 
 /* ---- small parsing helpers ------------------------------------------------ */
@@ -985,6 +1086,10 @@ static int add_gpu(char **tok, int n, int final, char *err, size_t errlen)
         g_pcie[slot][j] = g_pcie[j][slot] = NVML_TOPOLOGY_SYSTEM;
     }
     mig_clear(&g_devs[slot]);   /* the old GPU's MIG handles go stale */
+    if (slot < g_nslots) {   /* nor do its blocks carry over; callers asleep on it start over */
+        memset(g_blocks[slot], 0, sizeof g_blocks[slot]);
+        pthread_cond_broadcast(&g_block_cond);
+    }
     g_devs[slot] = d;
     if (slot == g_nslots)
         g_nslots++;
@@ -1230,18 +1335,45 @@ static size_t proc_format(const struct fake_proc *p, const char *sep, char *out,
     return (size_t)snprintf(out, cap, "%s%u%s%s%s", sep, p->pid, mem, kinds, mig);
 }
 
+static int row_blocked(int row)
+{
+    int f;
+    for (f = 0; f < N_FUNCS; f++)
+        if (g_blocks[row][f])
+            return 1;
+    return 0;
+}
+
+/* The functions blocked in one g_blocks row, comma separated, or "-"; returns what snprintf does. */
+static size_t block_list(int row, char *out, size_t cap)
+{
+    size_t used = 0;
+    int f;
+    if (!row_blocked(row))
+        return (size_t)snprintf(out, cap, "-");
+    for (f = 0; f < N_FUNCS && used < cap; f++)
+        if (g_blocks[row][f])
+            used += (size_t)snprintf(out + used, cap - used, "%s%s", used ? "," : "", fn_names[f]);
+    return used;
+}
+
 static void ctl_state(char *out, size_t cap)
 {
     size_t used;
     unsigned long long dropped = 0;
-    int s, nsets = 0;
+    int s, nsets = 0, waiting = 0;
     struct fake_evset *es;
     for (es = g_sets; es; es = es->next, nsets++)
         dropped += es->dropped;
+    for (s = 0; s <= MAX_GPUS; s++)
+        waiting += g_block_waiters[s];
     used = (size_t)snprintf(out, cap,
                             "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu wait_error=%d"
-                            " wait_left=%ld",
-                            g_loaded, g_refcount, g_count, g_init_error, nsets, dropped, g_wait_error, g_wait_left);
+                            " wait_left=%ld blocked_waiting=%d blocked_calls=%llu any_blocks=",
+                            g_loaded, g_refcount, g_count, g_init_error, nsets, dropped, g_wait_error, g_wait_left,
+                            waiting, g_block_calls);
+    if (used < cap)
+        used += block_list(ANY_GPU, out + used, cap - used);
     for (s = 0; s < g_nslots && used < cap; s++) {
         const struct fake_dev *d = &g_devs[s];
         int idx = index_of(s);
@@ -1276,6 +1408,13 @@ static void ctl_state(char *out, size_t cap)
             for (k = 0; k < d->nprocs && used < cap; k++)
                 used += proc_format(&d->procs[k], k ? "," : "", out + used, cap - used);
         }
+        if (row_blocked(s) && used < cap) {   /* blocks=<function>,... */
+            used += (size_t)snprintf(out + used, cap - used, " blocks=");
+            if (used < cap)
+                used += block_list(s, out + used, cap - used);
+        }
+        if (g_block_waiters[s] && used < cap)
+            used += (size_t)snprintf(out + used, cap - used, " waiting=%d", g_block_waiters[s]);
     }
 }
 
@@ -1308,6 +1447,61 @@ static int need_args(int n, int want, const char *usage, char *out, size_t cap)
         return 0;
     snprintf(out, cap, "error: usage: %s", usage);
     return -1;
+}
+
+/*
+ * "block <gpu>|* <function>", "release <gpu>|* <function>", "release all"
+ * (caller holds g_lock).  A GPU is resolved now, like every command's: the
+ * block stays with that GPU whatever the enumeration does later.  Releasing
+ * wakes every blocked caller; those that some other block still matches
+ * (a "*" one, say) go back to sleep.
+ */
+static void ctl_block(int set, char **tok, int n, char *out, size_t cap)
+{
+    const char *cmd = set ? "block" : "release";
+    int f, row;
+    if (!set && n == 2 && !strcmp(tok[1], "all")) {
+        int cleared = 0;
+        for (row = 0; row <= MAX_GPUS; row++)
+            for (f = 0; f < N_FUNCS; f++) {
+                cleared += g_blocks[row][f];
+                g_blocks[row][f] = 0;
+            }
+        pthread_cond_broadcast(&g_block_cond);
+        snprintf(out, cap, "ok released=%d", cleared);
+        return;
+    }
+    if (n != 3) {
+        snprintf(out, cap, "error: usage: %s <gpu>|* <function>%s", cmd, set ? "" : " | release all");
+        return;
+    }
+    for (f = 0; f < N_FUNCS && strcmp(fn_names[f], tok[2]); f++)
+        ;
+    if (f == N_FUNCS) {
+        snprintf(out, cap, "error: %s: unknown function '%s' (an NVML entry point this fake exports)", cmd, tok[2]);
+        return;
+    }
+    if (!strcmp(tok[1], "*")) {
+        row = ANY_GPU;
+    } else if (fn_kinds[f] == FK_SYS) {
+        snprintf(out, cap, "error: %s: %s takes no device: use '*'", cmd, fn_names[f]);
+        return;
+    } else if ((row = resolve_gpu(tok[1])) < 0) {
+        snprintf(out, cap, "error: %s: unknown gpu '%s'", cmd, tok[1]);
+        return;
+    }
+    if (set) {
+        g_blocks[row][f] = 1;
+        snprintf(out, cap, "ok");
+        return;
+    }
+    if (!g_blocks[row][f]) {
+        snprintf(out, cap, "error: release: %s %s is not blocked", tok[1], fn_names[f]);
+        return;
+    }
+    g_blocks[row][f] = 0;
+    pthread_cond_broadcast(&g_block_cond);
+    snprintf(out, cap, "ok");
 }
 
 /* Parses and runs one command (caller holds g_lock); writes the reply to out. */
@@ -1370,6 +1564,10 @@ static void ctl_command(char *line, char *out, size_t cap)
         for (s = g_sets; s; s = s->next)
             pthread_cond_broadcast(&s->cond);
         snprintf(out, cap, "ok");
+        return;
+    }
+    if (!strcmp(cmd, "block") || !strcmp(cmd, "release")) {
+        ctl_block(!strcmp(cmd, "block"), tok, n, out, cap);
         return;
     }
     if (!g_loaded) {
@@ -1657,10 +1855,22 @@ static void ctl_start(void)
 static void fork_prepare(void) { pthread_mutex_lock(&g_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&g_lock); }
 
+/*
+ * The child has only the forking thread: callers blocked in the parent are
+ * not there, and a condition variable that still counts them could stall a
+ * broadcast, so it starts afresh.  The blocks themselves stay set.
+ */
+static void fork_child(void)
+{
+    pthread_cond_init(&g_block_cond, NULL);
+    memset(g_block_waiters, 0, sizeof g_block_waiters);
+    pthread_mutex_unlock(&g_lock);
+}
+
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void once_init(void)
 {
-    pthread_atfork(fork_prepare, fork_release, fork_release);
+    pthread_atfork(fork_prepare, fork_release, fork_child);
     ctl_start();
 }
 
@@ -1668,8 +1878,9 @@ static void once_init(void)
 
 static nvmlReturn_t init_common(void)
 {
-    pthread_once(&g_once, once_init);
+    pthread_once(&g_once, once_init);   /* before any block: "release" needs the control thread */
     pthread_mutex_lock(&g_lock);
+    block_point(-1);
     if (!g_loaded) {
         if (load_scenario())
             return done(NVML_ERROR_UNKNOWN);
@@ -1708,6 +1919,7 @@ nvmlReturn_t nvmlShutdown(void)
     struct fake_evset *s;
     COUNT(nvmlShutdown);
     pthread_mutex_lock(&g_lock);
+    block_point(-1);
     if (g_refcount == 0)
         return done(NVML_ERROR_UNINITIALIZED);
     if (--g_refcount == 0) {
@@ -1765,9 +1977,11 @@ const char *nvmlErrorString(nvmlReturn_t result)
     }
 }
 
+/* Locks for a call that takes no device; a "*" block holds it here, before the refcount check. */
 static nvmlReturn_t sys_begin(void)
 {
     pthread_mutex_lock(&g_lock);
+    block_point(-1);
     return g_refcount ? NVML_SUCCESS : done(NVML_ERROR_UNINITIALIZED);
 }
 
@@ -1844,14 +2058,20 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *count)
     return device_count(count);
 }
 
-/* Lookups hand out handles of lost GPUs too: the caller learns of the loss on first use. */
+/*
+ * Lookups hand out handles of lost GPUs too: the caller learns of the loss on
+ * first use.  A block on the GPU a lookup finds holds it (lookup_blocked);
+ * released, the lookup starts over, so it answers for the enumeration of then.
+ */
 static nvmlReturn_t handle_by_index(unsigned int index, nvmlDevice_t *device)
 {
-    nvmlReturn_t rc = sys_begin();
-    if (rc)
-        return rc;
-    if (!device || index >= (unsigned)g_count)
-        return done(NVML_ERROR_INVALID_ARGUMENT);
+    nvmlReturn_t rc;
+    do {
+        if ((rc = sys_begin()))
+            return rc;
+        if (!device || index >= (unsigned)g_count)
+            return done(NVML_ERROR_INVALID_ARGUMENT);
+    } while (lookup_blocked(g_order[index]));
     *device = &g_devs[g_order[index]];
     return done(NVML_SUCCESS);
 }
@@ -1870,60 +2090,72 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device
 
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 {
+    nvmlDevice_t found;
+    nvmlReturn_t rc;
+    int i, slot;
     COUNT(nvmlDeviceGetHandleByUUID);
-    nvmlReturn_t rc = sys_begin();
-    int i;
-    if (rc)
-        return rc;
-    if (!uuid || !device)
-        return done(NVML_ERROR_INVALID_ARGUMENT);
-    for (i = 0; i < g_count; i++)
-        if (!strcmp(g_devs[g_order[i]].uuid, uuid)) {
-            *device = &g_devs[g_order[i]];
-            return done(NVML_SUCCESS);
-        }
-    for (i = 0; i < MIG_SLOTS; i++)   /* MIG devices of the GPUs enumerated now */
-        if (g_migs[i].used && g_devs[g_migs[i].parent].visible && !strcmp(g_migs[i].uuid, uuid)) {
-            *device = (nvmlDevice_t)(void *)&g_migs[i];
-            return done(NVML_SUCCESS);
-        }
-    return done(NVML_ERROR_NOT_FOUND);
+    do {
+        if ((rc = sys_begin()))
+            return rc;
+        if (!uuid || !device)
+            return done(NVML_ERROR_INVALID_ARGUMENT);
+        found = NULL;
+        slot = -1;
+        for (i = 0; i < g_count && !found; i++)
+            if (!strcmp(g_devs[g_order[i]].uuid, uuid))
+                found = &g_devs[slot = g_order[i]];
+        for (i = 0; i < MIG_SLOTS && !found; i++)   /* MIG devices of the GPUs enumerated now */
+            if (g_migs[i].used && g_devs[g_migs[i].parent].visible && !strcmp(g_migs[i].uuid, uuid)) {
+                found = (nvmlDevice_t)(void *)&g_migs[i];
+                slot = g_migs[i].parent;
+            }
+    } while (lookup_blocked(slot));
+    if (!found)
+        return done(NVML_ERROR_NOT_FOUND);
+    *device = found;
+    return done(NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceGetHandleBySerial(const char *serial, nvmlDevice_t *device)
 {
+    nvmlReturn_t rc;
+    int i, slot;
     COUNT(nvmlDeviceGetHandleBySerial);
-    nvmlReturn_t rc = sys_begin();
-    int i;
-    if (rc)
-        return rc;
-    if (!serial || !device)
-        return done(NVML_ERROR_INVALID_ARGUMENT);
-    for (i = 0; i < g_count; i++)
-        if (!strcmp(g_devs[g_order[i]].serial, serial)) {
-            *device = &g_devs[g_order[i]];
-            return done(NVML_SUCCESS);
-        }
-    return done(NVML_ERROR_NOT_FOUND);
+    do {
+        if ((rc = sys_begin()))
+            return rc;
+        if (!serial || !device)
+            return done(NVML_ERROR_INVALID_ARGUMENT);
+        for (i = 0, slot = -1; i < g_count && slot < 0; i++)
+            if (!strcmp(g_devs[g_order[i]].serial, serial))
+                slot = g_order[i];
+    } while (lookup_blocked(slot));
+    if (slot < 0)
+        return done(NVML_ERROR_NOT_FOUND);
+    *device = &g_devs[slot];
+    return done(NVML_SUCCESS);
 }
 
 static nvmlReturn_t handle_by_bus(const char *pciBusId, nvmlDevice_t *device)
 {
-    nvmlReturn_t rc = sys_begin();
+    nvmlReturn_t rc;
     unsigned dom, bus, dev, fn;
-    int i;
-    if (rc)
-        return rc;
-    if (!pciBusId || !device || parse_busid(pciBusId, &dom, &bus, &dev, &fn))
-        return done(NVML_ERROR_INVALID_ARGUMENT);
-    for (i = 0; i < g_count; i++) {
-        struct fake_dev *d = &g_devs[g_order[i]];
-        if (d->domain == dom && d->bus == bus && d->devno == dev && d->func == fn) {
-            *device = d;
-            return done(NVML_SUCCESS);
+    int i, slot;
+    do {
+        if ((rc = sys_begin()))
+            return rc;
+        if (!pciBusId || !device || parse_busid(pciBusId, &dom, &bus, &dev, &fn))
+            return done(NVML_ERROR_INVALID_ARGUMENT);
+        for (i = 0, slot = -1; i < g_count && slot < 0; i++) {
+            const struct fake_dev *d = &g_devs[g_order[i]];
+            if (d->domain == dom && d->bus == bus && d->devno == dev && d->func == fn)
+                slot = g_order[i];
         }
-    }
-    return done(NVML_ERROR_NOT_FOUND);
+    } while (lookup_blocked(slot));
+    if (slot < 0)
+        return done(NVML_ERROR_NOT_FOUND);
+    *device = &g_devs[slot];
+    return done(NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
@@ -1965,24 +2197,26 @@ static int gone(const struct fake_dev *d)
  * Locks and validates a handle, a GPU's or a MIG device's.  On success
  * returns NVML_SUCCESS with g_lock held (release it with done()), *out the
  * GPU (a MIG device's parent) and *mig the MIG device or NULL; on failure
- * g_lock is already released.
+ * g_lock is already released.  A block on the parent GPU holds it here.
  */
 static nvmlReturn_t any_begin(nvmlDevice_t h, struct fake_dev **out, struct fake_mig **mig)
 {
     int m;
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount)
-        return done(NVML_ERROR_UNINITIALIZED);
-    m = mig_of(h);
-    if (m < 0) {
-        *mig = NULL;
-        pthread_mutex_unlock(&g_lock);
-        return NVML_ERROR_NOT_FOUND;   /* internal: not a MIG handle, caller goes on with dev_begin */
-    }
-    if (!g_migs[m].used)
-        return done(NVML_ERROR_INVALID_ARGUMENT);   /* removed by a layout change */
-    if (gone(&g_devs[g_migs[m].parent]))
-        return done(NVML_ERROR_GPU_IS_LOST);
+    do {
+        if (!g_refcount)
+            return done(NVML_ERROR_UNINITIALIZED);
+        m = mig_of(h);
+        if (m < 0) {
+            *mig = NULL;
+            pthread_mutex_unlock(&g_lock);
+            return NVML_ERROR_NOT_FOUND;   /* internal: not a MIG handle, caller goes on with dev_begin */
+        }
+        if (!g_migs[m].used)
+            return done(NVML_ERROR_INVALID_ARGUMENT);   /* removed by a layout change */
+        if (gone(&g_devs[g_migs[m].parent]))
+            return done(NVML_ERROR_GPU_IS_LOST);
+    } while (block_point(g_migs[m].parent));
     *out = &g_devs[g_migs[m].parent];
     *mig = &g_migs[m];
     return NVML_SUCCESS;
@@ -1991,24 +2225,27 @@ static nvmlReturn_t any_begin(nvmlDevice_t h, struct fake_dev **out, struct fake
 /*
  * Locks and validates a GPU handle.  On success returns NVML_SUCCESS with
  * g_lock held (release it with done()); on failure g_lock is already
- * released.  MIG handles get NOT_SUPPORTED (or their own errors).
+ * released.  MIG handles get NOT_SUPPORTED (or their own errors).  A block on
+ * the GPU holds it here, once the handle checks out.
  */
 static nvmlReturn_t dev_begin(nvmlDevice_t h, struct fake_dev **out)
 {
     int s;
     pthread_mutex_lock(&g_lock);
-    if (!g_refcount)
-        return done(NVML_ERROR_UNINITIALIZED);
-    if ((s = mig_of(h)) >= 0) {
-        if (!g_migs[s].used)
+    do {
+        if (!g_refcount)
+            return done(NVML_ERROR_UNINITIALIZED);
+        if ((s = mig_of(h)) >= 0) {
+            if (!g_migs[s].used)
+                return done(NVML_ERROR_INVALID_ARGUMENT);
+            return done(gone(&g_devs[g_migs[s].parent]) ? NVML_ERROR_GPU_IS_LOST : NVML_ERROR_NOT_SUPPORTED);
+        }
+        s = slot_of(h);
+        if (s < 0 || s >= g_nslots || !g_devs[s].ever_visible)
             return done(NVML_ERROR_INVALID_ARGUMENT);
-        return done(gone(&g_devs[g_migs[s].parent]) ? NVML_ERROR_GPU_IS_LOST : NVML_ERROR_NOT_SUPPORTED);
-    }
-    s = slot_of(h);
-    if (s < 0 || s >= g_nslots || !g_devs[s].ever_visible)
-        return done(NVML_ERROR_INVALID_ARGUMENT);
-    if (gone(&g_devs[s]))
-        return done(NVML_ERROR_GPU_IS_LOST);
+        if (gone(&g_devs[s]))
+            return done(NVML_ERROR_GPU_IS_LOST);
+    } while (block_point(s));
     *out = &g_devs[s];
     return NVML_SUCCESS;
 }

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, TypeAlias
 
 __all__ = [
+    "ANY_GPU",
     "DEFAULT_SCENARIO",
     "LIB_NAME",
     "MIG_PROFILES",
@@ -46,6 +47,8 @@ _CFLAGS = ("-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-pthread")
 
 # A GPU as the control socket names it: an index in the current enumeration or a UUID.
 GpuRef: TypeAlias = "int | str"
+# The GPU of a block that matches every GPU, and the only one for calls that take no device.
+ANY_GPU = "*"
 
 MigProfile: TypeAlias = Literal["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
 # The H100 80GB MIG profiles the fake knows, in its table order.
@@ -361,6 +364,87 @@ class Control:
 
     def reset_calls(self) -> None:
         self.send("calls reset")
+
+    def block(self, gpu: GpuRef, function: str) -> str:
+        """Make calls of ``function`` on ``gpu`` hang until released, like a GPU wedged in the driver.
+
+        ``function`` is the exported entry point's exact name (``nvmlDeviceGetPciInfo_v3``,
+        not pynvml's ``nvmlDeviceGetPciInfo``; :meth:`calls` shows which ones a client
+        uses); one the fake lacks is a :class:`ControlError`.  ``gpu`` is an index, a UUID
+        or :data:`ANY_GPU` (every GPU; the only choice for calls without a device, such as
+        ``nvmlInit_v2`` or ``nvmlShutdown``).  A handle lookup blocks for the GPU it finds,
+        so ``block(3, "nvmlDeviceGetHandleByIndex_v2")`` hangs the lookup of index 3.
+
+        A blocked call holds none of the fake's locks: the control socket, other GPUs and
+        other functions keep answering.  :meth:`release` lets it go on as a call entering
+        then would: its normal result, or NVML_ERROR_UNINITIALIZED after an nvmlShutdown
+        (which itself returns at once).  Release every block before the process under test
+        exits, or a thread stuck in one may keep it from exiting; :meth:`blocked` does that.
+        """
+        return self.send(f"block {_word(gpu)} {_word(function)}")
+
+    def release(self, gpu: GpuRef, function: str) -> str:
+        """Undo :meth:`block` for the same ``gpu`` and ``function``; not blocked is a :class:`ControlError`.
+
+        Callers it held return; those another block still matches (an :data:`ANY_GPU`
+        one, say) keep waiting.
+        """
+        return self.send(f"release {_word(gpu)} {_word(function)}")
+
+    def release_all(self) -> str:
+        """Clear every block (reply ``ok released=N``, N the blocks cleared); all blocked callers go on."""
+        return self.send("release all")
+
+    @contextlib.contextmanager
+    def blocked(self, gpu: GpuRef, function: str) -> Iterator[None]:
+        """:meth:`block` for the ``with`` body, released on the way out (even if the body failed).
+
+        A block the body released itself is fine; a failure to release after a body that
+        raised is dropped in favour of the body's exception.
+        """
+        self.block(gpu, function)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            try:
+                self.release(gpu, function)
+            except ControlError as exc:
+                if not failed and not str(exc).endswith("is not blocked"):
+                    raise
+            except TimeoutError:
+                if not failed:
+                    raise
+
+    def blocked_waiting(self) -> int:
+        """How many callers are asleep in a block right now (``blocked_waiting=`` of ``state``)."""
+        return int(self._state_field("blocked_waiting"))
+
+    def wait_blocked(self, count: int = 1, timeout: float = 5.0) -> None:
+        """Wait until at least ``count`` callers are asleep in blocks; :class:`TimeoutError` if they never are."""
+        deadline = time.monotonic() + timeout
+        while (waiting := self.blocked_waiting()) < count:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{waiting} caller(s) blocked after {timeout}s, wanted {count}")
+            time.sleep(0.01)
+
+    def _state_field(self, key: str) -> str:
+        """One ``key=value`` of the ``state`` reply's header (before the first GPU)."""
+        header = self.state().partition(" | ")[0].split()
+        for word in header[1:]:
+            name, sep, value = word.partition("=")
+            if sep and name == key:
+                return value
+        raise ControlError(f"no {key}= in the state reply: {' '.join(header)!r}")
+
+
+def _word(value: object) -> str:
+    """One token of a control command: the C side splits on whitespace and groups on quotes."""
+    text = str(value)
+    if not text or text.split() != [text] or '"' in text or text.startswith("#"):
+        raise ValueError(f"not a single control-command word: {value!r}")
+    return text
 
 
 def _read_text(path: Path) -> str | None:
