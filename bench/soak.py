@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Invariant-checked soak of the real daemon: random faults, checks after every step.
 
-Random interleavings of XIDs, lost and restored GPUs, hot add and remove
-(udev, as root), kubelet restarts and config reloads, against `nvplug run` on
-the fake NVML library with the kubelet stand-in. After each step:
+Random interleavings of XIDs (through NVML, the kernel log, or both, as a real
+driver reports them), lost and restored GPUs, device nodes removed and made
+again, hot add and remove (udev, as root), kubelet restarts and config reloads,
+against `nvplug run` on the fake NVML library with the kubelet stand-in and the
+simulated node's kernel log. After each step:
 
 - every GPU the daemon knows is advertised exactly once (whole GPUs),
 - no device the daemon holds Unhealthy is offered as Healthy,
 - the kubelet stand-in's view converges to the daemon's state within 100 ms,
 - no GPU is Healthy while its last reset-class fault (XID 48 or 79) has no
   evidence of a repair after it (udev unbind and bind, NVML's recovery action
-  back to none, `nvplug heal`). An XID counts once the daemon shows it: one
-  sent while a rescan re-subscribes to NVML events is lost, as with a real
-  driver, and is counted apart,
+  back to none, `nvplug heal`). An XID counts once the daemon shows it taken
+  in (its per-GPU `xids` count in /status, and for one both sources reported,
+  the count of matched ones). One sent through NVML alone while a rescan
+  re-subscribes to NVML events is lost, as with a real driver, and is counted
+  apart; one the kernel log also has must never be lost,
 and at the end memory and file descriptors must be flat.
 
     python bench/soak.py [--seconds 600] [--seed N]
@@ -50,6 +54,15 @@ RESET_XIDS = (48, 79)
 XID_ARRIVES = 1.0
 
 
+def soon(done: Callable[[], bool], within: float = XID_ARRIVES) -> bool:
+    deadline = time.monotonic() + within
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def daemon_status(node: SimulatedNode) -> dict[str, Any]:
     return statusclient.status(f"unix:{node.status_socket}", timeout=5)
 
@@ -75,11 +88,15 @@ class Soak:
         self.udev = UdevSender() if os.geteuid() == 0 else None
         # GPUs whose last reset-class fault has had no repair since: they must stay Unhealthy.
         self.broken: set[str] = set()
-        # Reset-class XIDs the daemon never showed: sent while a rescan re-subscribed.
-        self.lost_xids = 0
+        # Reset-class XIDs the daemon never showed, by how they were sent: through NVML alone,
+        # one sent while a rescan re-subscribed is lost; with the kernel log, none may be.
+        self.lost_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
+        self.sent_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
+        self.nvml_copies_lost = 0
 
     def step(self) -> None:
         actions = [self.xid, self.xid, self.repair, self.lose_and_restore, self.kubelet_restart, self.reload]
+        actions += [self.node_churn]
         if self.udev is not None:
             actions += [self.hot_add, self.hot_remove]
         action = self.rng.choice(actions)
@@ -91,18 +108,54 @@ class Soak:
         return [g["uuid"] for g in daemon_status(self.node)["gpus"]]
 
     def xid(self) -> None:
-        gpu = self.rng.choice(self.gpus())
+        """An XID, counted once the daemon has taken it in: not merely once the GPU shows Unhealthy,
+        which it may be already, with the XID still on its way (and then behind the next repair)."""
+        status = daemon_status(self.node)
+        gpu = self.rng.choice(status["gpus"])
         code = self.rng.choice([13, 31, 43, 48, 79, 94])
-        self.node.control.xid(gpu, code)
-        if code not in RESET_XIDS:
+        # A real driver prints every Xid; NVML drops some, and a ring buffer overrun loses a line.
+        how = self.rng.choice(["both", "both", "kernel log", "nvml"])
+        xids, matched = gpu["xids"], status["kernel_log"]["matched"]
+        if how != "kernel log":
+            self.node.control.xid(gpu["uuid"], code)
+        if how != "nvml":
+            address = gpu["bus_id"].lower()[:-2]  # the driver prints no function
+            self.node.kernel_log(f"NVRM: Xid (PCI:{address}): {code}, pid='<unknown>', name=<unknown>, soak")
+        self.sent_xids[how] += code in RESET_XIDS
+
+        def taken(reports: int) -> Callable[[], bool]:
+            """That many reports taken in: counted for the GPU, or matched with the other source's
+            (a kernel report may match an NVML-only one of the same fault, before any repair)."""
+
+            def check() -> bool:
+                doc = daemon_status(self.node)
+                count = next((g["xids"] for g in doc["gpus"] if g["uuid"] == gpu["uuid"]), None)
+                return count is not None and (count - xids) + (doc["kernel_log"]["matched"] - matched) >= reports
+
+            return check
+
+        if not soon(taken(1)):
+            self.lost_xids[how] += code in RESET_XIDS
             return
-        deadline = time.monotonic() + XID_ARRIVES
-        while not any(g["uuid"] == gpu and g["clears"] == "reset" for g in daemon_status(self.node)["gpus"]):
-            if time.monotonic() > deadline:
-                self.lost_xids += 1
-                return
-            time.sleep(0.01)
-        self.broken.add(gpu)
+        if how == "both" and not soon(taken(2)):
+            self.nvml_copies_lost += 1  # the kernel's copy counted; NVML's fell in a rescan's window
+        if code in RESET_XIDS:
+            self.broken.add(gpu["uuid"])
+
+    def node_churn(self) -> bool:
+        """A GPU's /dev/nvidiaN removed and made again, as a udev rule or nvidia-persistenced does."""
+        gpus = [g for g in daemon_status(self.node)["gpus"] if g["minor"] is not None and g["minor"] < 100]
+        if not gpus:
+            return False
+        gpu = self.rng.choice(gpus)
+        path = self.node.dev_root / "dev" / f"nvidia{gpu['minor']}"
+        missing = f"its device node /dev/nvidia{gpu['minor']} is missing"
+        path.unlink()
+        if gpu["health"] == "Healthy":
+            self.until(gpu["uuid"], lambda g: missing in g["reason"])
+        path.touch()
+        self.until(gpu["uuid"], lambda g: missing not in g["reason"])
+        return True
 
     def repair(self) -> bool:
         """Evidence of a repair for a broken GPU, of a random kind; done once the daemon has it."""
@@ -264,7 +317,12 @@ def main() -> int:
             print(f"soak: seed {seed}, {args.seconds:g} s, {steps} steps")
             print("faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())))
             print(f"invariant checks passed: {soak.checks}")
-            print(f"reset-class XIDs lost while a rescan re-subscribed (not checked): {soak.lost_xids}")
+            for how, sent in sorted(soak.sent_xids.items()):
+                print(f"reset-class XIDs through {how}: {sent} sent, {soak.lost_xids[how]} lost")
+            print(f"XIDs sent through both whose NVML copy was lost (the kernel's counted): {soak.nvml_copies_lost}")
+            if soak.lost_xids["kernel log"] or soak.lost_xids["both"]:
+                print("a reset-class XID the kernel log had was lost", file=sys.stderr)
+                return 1
             print(f"file descriptors: {fds0} -> {fds1}; RSS: {rss0:.1f} -> {rss1:.1f} MiB")
             if fds1 > fds0 + 2 or rss1 > rss0 + 20:
                 print("resources are not flat", file=sys.stderr)

@@ -28,7 +28,7 @@ from nvplug.core.health import Clears, Health, HealthState, Recorded
 from nvplug.dra import claims
 from nvplug.dra.claims import ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.sinks import health_state_file
-from nvplug.sinks.health_state_file import StateFile, decode, encode
+from nvplug.sinks.health_state_file import Saved, StateFile, decode, encode
 
 UUID = "GPU-00000000"
 BUS = "0000:18:00.0"
@@ -89,6 +89,10 @@ CLAIMS_VERSION_1 = b"""{
 def records(n: int) -> dict[str, Recorded]:
     """n Unhealthy GPUs, told apart by their reasons."""
     return {f"GPU-{i:08d}": Recorded(f"0000:{0x18 + i:02x}:00.0", FAULT) for i in range(n)}
+
+
+def saved(n: int) -> Saved:
+    return Saved(records(n))
 
 
 def edited(path: Path, **changes: Any) -> None:
@@ -199,7 +203,7 @@ def test_a_file_without_the_envelope_goes_to_the_kinds_older_reader() -> None:
 
 def test_the_health_state_file_is_sealed_and_keeps_its_devices_at_the_top(tmp_path: Path) -> None:
     file = StateFile(tmp_path, "boot-a")
-    file.save(records(1))
+    file.save(Saved(records(1)))
     doc = json.loads(file.path.read_bytes())
     assert (doc["kind"], doc["version"], doc["boot_id"]) == ("nvplug.health", health_state_file.FORMAT, "boot-a")
     assert [d["uuid"] for d in doc["devices"]] == [UUID]  # where jq, and operators, look for them
@@ -213,7 +217,7 @@ def test_a_health_state_file_of_format_1_is_still_read(tmp_path: Path, caplog: p
     assert file.load() == {UUID: Recorded(BUS, FAULT)}
     assert f"{UUID} ({BUS}) was Unhealthy before this start" in caplog.text
     # The daemon's save at start rewrites it in the envelope, with the same devices.
-    file.save(file.load())
+    file.save(Saved(file.load()))
     assert json.loads(file.path.read_bytes())["kind"] == "nvplug.health"
     assert decode(file.path.read_bytes()) == decode(HEALTH_FORMAT_1)
     caplog.set_level(logging.INFO)
@@ -234,7 +238,7 @@ def test_a_health_state_file_of_format_1_is_still_read(tmp_path: Path, caplog: p
 def test_a_damaged_or_foreign_health_state_file_is_logged_and_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: dict[str, Any], why: str
 ) -> None:
-    StateFile(tmp_path, "boot-a").save(records(1))
+    StateFile(tmp_path, "boot-a").save(Saved(records(1)))
     edited(tmp_path / "health.json", **damage)
     assert StateFile(tmp_path, "boot-a").load() == {}
     assert f"health state file {tmp_path / 'health.json'} {why}" in caplog.text
@@ -352,11 +356,11 @@ def test_save_soon_makes_one_write_per_loop_turn_with_the_records_at_its_end(tmp
     async def scenario() -> None:
         current: dict[str, Recorded] = {}
 
-        def take() -> dict[str, Recorded]:
+        def take() -> Saved:
             taken.append(threading.current_thread().name)
-            return dict(current)
+            return Saved(dict(current))
 
-        file.save_soon(lambda: records(3))  # a later call in the turn replaces it
+        file.save_soon(lambda: Saved(records(3)))  # a later call in the turn replaces it
         current.update(records(1))
         file.save_soon(take)
         file.save_soon(take)
@@ -364,7 +368,7 @@ def test_save_soon_makes_one_write_per_loop_turn_with_the_records_at_its_end(tmp
         assert taken == []  # taken when the turn ends, not now
         await asyncio.sleep(0)
         assert taken == [threading.current_thread().name]  # once, on the loop
-        file.close(records(2))
+        file.close(Saved(records(2)))
 
     asyncio.run(scenario())
     assert len(file.writes) == 1
@@ -379,12 +383,12 @@ def test_saves_land_in_order_on_the_saver_while_the_loop_goes_on(tmp_path: Path)
 
     async def scenario() -> None:
         for n in (1, 2, 3):
-            file.save_soon(functools.partial(records, n))
+            file.save_soon(functools.partial(saved, n))
             await asyncio.sleep(0)  # the loop turns on while the saver waits
         await asyncio.sleep(0.05)
         assert file.writes == []
         file.gate.set()
-        file.close(records(3))
+        file.close(Saved(records(3)))
 
     asyncio.run(scenario())
     assert [len(written) for _, written in file.writes] == [1, 2, 3]
@@ -396,15 +400,15 @@ def test_close_waits_for_queued_saves_then_writes_the_final_records(tmp_path: Pa
     file = RecordingStateFile(tmp_path, "boot-a")
 
     async def scenario() -> None:
-        file.save_soon(lambda: records(1))
+        file.save_soon(lambda: Saved(records(1)))
         await asyncio.sleep(0)  # queued on the saver
-        file.save_soon(lambda: records(2))  # not taken yet: close's records supersede it
-        file.close(records(3))
+        file.save_soon(lambda: Saved(records(2)))  # not taken yet: close's records supersede it
+        file.close(Saved(records(3)))
         assert decode(file.path.read_bytes())[1] == records(3)
         await asyncio.sleep(0)
-        file.close(records(3))  # again: nothing changed, nothing written
+        file.close(Saved(records(3)))  # again: nothing changed, nothing written
         # A change after close is still saved, on the loop: no saver is left to wait for it.
-        file.save_soon(lambda: records(4))
+        file.save_soon(lambda: Saved(records(4)))
         await asyncio.sleep(0)
 
     asyncio.run(scenario())
@@ -416,6 +420,6 @@ def test_close_waits_for_queued_saves_then_writes_the_final_records(tmp_path: Pa
 
 def test_close_without_a_loop_or_any_save_soon_writes_the_records(tmp_path: Path) -> None:
     file = StateFile(tmp_path / "state", "boot-a")
-    file.close(records(1))
-    file.close(records(1))
+    file.close(Saved(records(1)))
+    file.close(Saved(records(1)))
     assert StateFile(tmp_path / "state", "boot-a").load() == records(1)

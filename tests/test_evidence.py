@@ -22,7 +22,7 @@ from nvplug.core.health import Clears, Health, HealthState, Recorded
 from nvplug.core.mig import CapMinors
 from nvplug.core.node_state import DRIVER_RELOADED, NodeState
 from nvplug.core.readiness import unready
-from nvplug.sinks.health_state_file import StateFile, decode, encode, state_dir
+from nvplug.sinks.health_state_file import Saved, StateFile, decode, encode, state_dir
 
 UUID = "GPU-00000000"
 BUS = "0000:18:00.0"
@@ -207,7 +207,7 @@ def test_the_state_file_round_trips_and_knows_its_boot(tmp_path: Path, caplog: p
     fault = HealthState(Health.UNHEALTHY, "XID 79 x (RESTART_BM)", 5.5, Clears.RESET, "udev", 2, "12")
     records = {UUID: Recorded(BUS, fault)}
     assert decode(encode(records, "boot-a")) == ("boot-a", records)
-    StateFile(tmp_path, "boot-a").save(records)
+    StateFile(tmp_path, "boot-a").save(Saved(records))
     assert StateFile(tmp_path, "boot-a").load() == records
     caplog.set_level(logging.INFO)
     assert StateFile(tmp_path, "boot-b").load() == {}
@@ -236,16 +236,16 @@ def test_the_state_file_is_written_only_when_it_changes_and_a_failure_is_not_fat
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     file = StateFile(tmp_path / "state", "b")
-    file.save({})
+    file.save(Saved({}))
     first = file.path.stat().st_mtime_ns
     file.path.write_bytes(file.path.read_bytes())  # same content, new mtime
     touched = file.path.stat().st_mtime_ns
-    file.save({})
+    file.save(Saved({}))
     assert file.path.stat().st_mtime_ns == touched != 0 and first != 0
     blocked = StateFile(tmp_path / "file-not-dir" / "x", "b")
     (tmp_path / "file-not-dir").write_text("")
-    blocked.save({})
-    blocked.save({})
+    blocked.save(Saved({}))
+    blocked.save(Saved({}))
     assert caplog.text.count("cannot write the health state file") == 1
 
 

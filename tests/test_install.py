@@ -87,6 +87,13 @@ class Node:
     plugin_dir: Path  # the host's side of PLUGIN_DIR
     uuids: list[str]
     host: Path  # the host's directory of the bound ones
+    # The host's end of the container's /dev/kmsg: a FIFO of records in the kernel's format.
+    kmsg: int = -1
+    kmsg_seq: int = 0
+
+    def kernel_log(self, message: str) -> None:
+        os.write(self.kmsg, f"3,{self.kmsg_seq},{time.monotonic_ns() // 1000},-;{message}\n".encode())
+        self.kmsg_seq += 1
 
     def diagnose(self) -> str:
         """What an assertion message needs: the unit's state, its journal, what the stand-in saw."""
@@ -172,6 +179,11 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
     registry_dir, plugins_dir = host / "reg", host / "plugins"
     for d in (plugin_dir, control_dir, registry_dir, plugins_dir):
         d.mkdir()
+    # The container's /dev/kmsg: what nvplug reads there, the test writes (the host's real
+    # kernel log stays untouched). Held open here, so the FIFO never reads as closed.
+    kmsg = host / "kmsg"
+    os.mkfifo(kmsg)
+    kmsg_fd = os.open(kmsg, os.O_RDWR | os.O_NONBLOCK)
     fakenvml.build(nvml_dir)
     shutil.copyfile(fakenvml.DEFAULT_SCENARIO, nvml_dir / "node.scenario")
     uuids = re.findall(r"^gpu .*?\buuid=(\S+)", fakenvml.DEFAULT_SCENARIO.read_text(), re.MULTILINE)
@@ -189,6 +201,7 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
             # The kubelet's DRA directories, for the DRA stand-in here.
             nspawn.Bind(registry_dir, REGISTRY_DIR),
             nspawn.Bind(plugins_dir, KUBELET_PLUGINS_DIR),
+            nspawn.Bind(kmsg, "/dev/kmsg"),
         ],
         log=say,
     )
@@ -198,6 +211,9 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         TIMINGS.add("snapshot + boot to running", ctr.timings["snapshot"] + ctr.timings["boot"])
 
         started = time.monotonic()
+        # journald would read the FIFO too (a pipe has one reader per record): leave it to nvplug.
+        ctr.write_file("/etc/systemd/journald.conf.d/no-kmsg.conf", "[Journal]\nReadKMsg=no\n")
+        ctr.run("systemctl", "restart", "systemd-journald")
         # The driver's nodes, as on a GPU node (Allocate hands them out, so nvplug checks they exist).
         ctr.sh(
             "for i in 0 1 2 3 4 5 6 7; do mknod -m 0666 /dev/nvidia$i c 195 $i 2>/dev/null || touch /dev/nvidia$i; done"
@@ -219,8 +235,9 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         _install(ctr, f"/var/tmp/{deb.name}", say)
         _timed("install the deb (apt-get, postinst)", started)
 
-        yield Node(ctr, kubelet, fakenvml.Control(control_dir / "nvml.ctl"), plugin_dir, uuids, host)
+        yield Node(ctr, kubelet, fakenvml.Control(control_dir / "nvml.ctl"), plugin_dir, uuids, host, kmsg_fd)
     finally:
+        os.close(kmsg_fd)
         try:
             ctr.close()
             TIMINGS.add("poweroff + cleanup", ctr.timings.get("poweroff", 0.0))
@@ -432,6 +449,53 @@ def test_an_unhealthy_gpu_stays_unhealthy_across_a_restart_and_heals_by_reset(no
     errors = node.ctr.journal(UNIT, "-p", "err", "-o", "cat")
     assert "reload refused" in errors and "health state" not in errors, errors
     _timed("check 5: health across a restart, heal --reset", started)
+
+
+def test_the_hardened_unit_reads_the_kernel_log(node: Node) -> None:
+    """Without ProtectKernelLogs=, /dev/kmsg is the unit's to read: an Xid there takes its GPU out,
+    and a driver load line there is the evidence that brings it back."""
+    started = time.monotonic()
+    scenario = fakenvml.DEFAULT_SCENARIO.read_text()
+    bus = re.findall(r"^gpu .*?\bbus=(\S+)", scenario, re.MULTILINE)[7].lower()
+    gpu7 = node.uuids[7]
+    node.kernel_log(f"NVRM: Xid (PCI:{bus[:-2]}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    try:
+        node.kubelet.wait_for(device_health(gpu7, healthy=False), TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"an Xid in /dev/kmsg did not reach the kubelet\n{node.diagnose()}") from err
+    node.ctr.wait_journal(UNIT, "(from the kernel log)", "-o", "cat", timeout=TIMEOUT)
+    node.kernel_log("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024")
+    node.kubelet.wait_for(device_health(gpu7, healthy=True), TIMEOUT)
+    assert "kernel log unread" not in node.show("StatusText")["StatusText"]
+    _timed("check 5b: the kernel log under the hardened unit", started)
+
+
+def test_the_hardened_unit_resets_an_idle_gpu_itself_and_runs_its_check(node: Node) -> None:
+    """nvplug.health.autoReset: idle, from a reload: the unit runs nvidia-smi (check 5's stand-in)
+    and the validation command, a child process of the hardened unit, before the GPU is Healthy."""
+    started = time.monotonic()
+    gpu5 = node.uuids[5]
+    node.ctr.write_file(
+        "/usr/local/bin/gpu-check", f'#!/bin/sh\necho "$NVPLUG_GPU_BUS_ID" >> {CONTROL_DIR}/gpu-check.calls\n', 0o755
+    )
+    node.ctr.write_file(
+        CONFIG,
+        "version: v1\nnvplug:\n  health:\n    fatalXids: [13]\n    autoReset: idle\n"
+        "    autoResetQuietSeconds: 0.5\n    allowFabricReset: true\n    validateCommand: /usr/local/bin/gpu-check\n",
+    )
+    _reload(node)
+    node.ctr.wait_journal(UNIT, f"reloaded the config from {CONFIG}", "-o", "cat", timeout=TIMEOUT)
+    node.control.xid(5, 109)  # the catalog asks for a GPU reset and nothing more
+    node.kubelet.wait_for(device_health(gpu5, healthy=False), TIMEOUT)
+    try:
+        node.kubelet.wait_for(device_health(gpu5, healthy=True), TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"the idle GPU was not reset and checked\n{node.diagnose()}") from err
+    calls = node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.split()
+    assert calls[-3:] == ["-r", "-i", "0000:ab:00.0"], calls
+    assert node.ctr.run("cat", f"{CONTROL_DIR}/gpu-check.calls").stdout.split() == ["0000:ab:00.0"]
+    node.ctr.wait_journal(UNIT, "auto-reset checked", "-o", "cat", timeout=TIMEOUT)
+    _timed("check 5c: auto-reset under the hardened unit", started)
 
 
 def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> None:

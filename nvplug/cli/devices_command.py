@@ -82,6 +82,14 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
     for key in ("nvml_error", "health_watch_error", "plan_error"):
         if doc.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {doc[key]}")
+    kernel_log = doc.get("kernel_log") or {}
+    if kernel_log.get("error"):
+        lines.append(f"  kernel log unread: {kernel_log['error']}")
+    if kernel_log.get("lost"):
+        lines.append(f"  kernel log records lost: {kernel_log['lost']}")
+    for switch in doc.get("nvswitches") or []:
+        lines.append(f"  NVSwitch {switch.get('switch')} ({switch.get('bus_id')}): {switch.get('sxids')} SXids, "
+                     f"last {switch.get('last_code')} (no GPU is Unhealthy for these)")  # fmt: skip
     return lines
 
 

@@ -23,6 +23,7 @@ from nvplug.config.value_readers import (
     channel_ids,
     choice,
     choices,
+    command_line,
     dns_subdomain,
     driver_name,
     file_path,
@@ -61,6 +62,7 @@ DeviceIDStrategy = Literal["uuid", "index"]
 SharedPolicy = Literal["distributed", "packed"]
 DeviceDiscoveryStrategy = Literal["auto", "nvml", "tegra"]
 SharingStrategy = Literal["none", "time-slicing", "mps"]
+AutoResetMode = Literal["off", "idle"]
 
 GPU_RESOURCE = "nvidia.com/gpu"
 SHARED_SUFFIX = ".shared"
@@ -95,6 +97,30 @@ class HealthConfig:
     driver_hang_seconds: float = field(
         default=60.0,
         metadata=key("driverHangSeconds", "a GPU whose NVML call hangs this long turns Unhealthy", positive_seconds),
+    )
+    # Opt-in: a GPU whose faults ask only for a reset, and that nothing uses, is reset by nvplug.
+    auto_reset: AutoResetMode = field(
+        default="off",
+        metadata=key("autoReset", "reset idle GPUs whose faults ask for a GPU reset", choice(AutoResetMode)),
+    )
+    auto_reset_quiet_seconds: float = field(
+        default=60.0,
+        metadata=key("autoResetQuietSeconds", "how long a GPU stays unused before nvplug resets it", positive_seconds),
+    )
+    allow_fabric_reset: bool = field(
+        default=False,
+        metadata=key("allowFabricReset", "also reset GPUs with NVLinks (Fabric Manager may need to act)", boolean),
+    )
+    validate_command: tuple[str, ...] = field(
+        default=(),
+        metadata=key("validateCommand", "a check that must pass after a reset (none by default)", command_line),
+    )
+    validate_timeout_seconds: float = field(
+        default=600.0,
+        metadata=key("validateTimeoutSeconds", "how long the check after a reset may run", positive_seconds),
+    )
+    resets_per_hour: int = field(
+        default=3, metadata=key("resetsPerHour", "nvplug's own resets of one GPU per hour", int_range(1, 60, "a count"))
     )
 
 

@@ -7,6 +7,7 @@ or raises a ConfigError that names the file, the line and the key.
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -182,6 +183,20 @@ def xid_list(ctx: ReadContext, node: yaml.Node, path: str) -> frozenset[int]:
             raise ctx.error(item, item_path, f"{code} is not an XID number")
         codes.add(code)
     return frozenset(codes)
+
+
+def command_line(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:
+    """A command: a list of its arguments (empty: none), or one string split as a shell would (no
+    shell runs it)."""
+    if not isinstance(node, yaml.ScalarNode):
+        return string_list(ctx, node, path)
+    try:
+        argv = tuple(shlex.split(string(ctx, node, path)))
+    except ValueError as err:
+        raise ctx.error(node, path, f"is not a command line: {err}") from err
+    if not argv:
+        raise ctx.error(node, path, "names no command")
+    return argv
 
 
 def string_list(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:

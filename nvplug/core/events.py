@@ -264,6 +264,35 @@ class KernelLogState:
     error: str | None
 
 
+@dataclass(frozen=True)
+class NvmlCallHung:
+    """An NVML call past its deadline (reported), past the hang limit (its GPU Unhealthy), or returned."""
+
+    source: ClassVar[str] = "nvml"
+
+    number: int  # tells one hung call from another
+    call: str  # scan, probe, processes
+    uuid: str | None  # the GPU it is for, where known
+    index: int | None  # the GPU a scan was reading, where its UUID is not known
+    since: float  # wall-clock seconds
+    seconds: float
+    past_limit: bool  # past nvplug.health.driverHangSeconds
+    returned: bool = False
+
+
+@dataclass(frozen=True)
+class AutoResetStep:
+    """A step of nvplug's own reset of a GPU (nvplug.health.autoReset), taken or refused."""
+
+    source: ClassVar[str] = "auto_reset"
+
+    uuid: str
+    # waiting, refused, reset, checked, failed, budget spent
+    step: str
+    detail: str
+    at: float  # wall-clock seconds
+
+
 Event = (
     InventoryFound
     | ProbeResult
@@ -287,6 +316,8 @@ Event = (
     | SwitchXid
     | KernelLogLost
     | KernelLogState
+    | NvmlCallHung
+    | AutoResetStep
 )
 
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+RESET_GPU = "RESET_GPU"
+
+
+def merged_remedy(current: str | None, new: str | None) -> str | None:
+    """Two faults of one device: a reset is all they ask for only if both ask only for that."""
+    return new if current == RESET_GPU else current
+
 
 class Health(str, enum.Enum):
     # The kubelet compares these strings exactly.
@@ -45,6 +52,14 @@ class HealthState:
     recovery_action: int = 0
     # The driver instance the fault happened under: a reloaded driver has reset the GPU.
     driver_instance: str | None = None
+    # What the faults ask for, in the XID catalog's words: RESET_GPU is one nvplug may do itself
+    # (nvplug.health.autoReset); None where no fault said (or they disagree with RESET_GPU).
+    remedy: str | None = None
+
+    @property
+    def resettable(self) -> bool:
+        """Whether a GPU reset is all the faults ask for."""
+        return self.clears is Clears.RESET and self.evidence is None and self.remedy == RESET_GPU
 
     @property
     def healthy(self) -> bool:

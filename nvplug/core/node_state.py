@@ -17,33 +17,87 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 
 from nvplug.core.events import (
+    AutoResetStep,
     CdiChecked,
     DeviceNodesChanged,
+    DriverLoaded,
     Event,
     EvidenceFound,
+    GpuFellOffBus,
+    GpuNamedInLog,
     HealthReported,
     HealthWatchChanged,
     InventoryFound,
+    KernelLogLost,
+    KernelLogState,
+    KernelXid,
+    NvmlCallHung,
     NvmlFailed,
     PciChanged,
     ProbeResult,
     RecoveryActionChanged,
+    SwitchXid,
     XidOccurred,
 )
 from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.health import RESET_GPU, Clears, Health, HealthState, Recorded, merged_remedy
 from nvplug.core.mig import CapMinors
 from nvplug.core.readiness import unready
 from nvplug.core.topology import Topology
 from nvplug.core.xid_policy import Verdict, XidPolicy
 
 RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
+GPU_RESET_ACTION = 1  # the driver asks for a GPU reset and nothing more
 DRIVER_RELOADED = "the NVIDIA driver was reloaded"
+DRIVER_LOADED = "the NVIDIA driver was loaded again (kernel log)"
+# The same Xid from NVML and from the kernel log within this long is one fault, not two.
+SAME_XID_SECONDS = 5.0
+# The sources that report Xids, and how many unmatched reports of one Xid each keeps.
+XID_SOURCES = (XidOccurred.source, KernelXid.source)
+MAX_WAITING_REPORTS = 256
+# Snapshot fields that are counts for operators, not the node's picture: they bump no revision.
+COUNTERS = frozenset({"xids", "xids_matched", "kernel_log_seq", "kernel_log_lost", "switch_errors"})
+FELL_OFF_THE_BUS = 79  # the kernel's "fallen off the bus" line is Xid 79's fault, with or without the Xid
+
+
+@dataclass(frozen=True)
+class SwitchErrors:
+    """The SXids of one NVSwitch this boot: counted and shown, no GPU fault."""
+
+    switch: str
+    count: int
+    last_code: int
+    last_message: str
+
+
+@dataclass(frozen=True)
+class LoggedFault:
+    """A fault the kernel log printed for a GPU that no scan has found yet."""
+
+    reason: str
+    seq: int
+    remedy: str | None = None
+
+
+@dataclass(frozen=True)
+class HungCall:
+    """An NVML call past its deadline that has not returned."""
+
+    call: str
+    uuid: str | None
+    index: int | None
+    since: float  # wall-clock seconds
+
+    def describe(self) -> str:
+        gpu = self.uuid or (f"gpu {self.index}" if self.index is not None else "no GPU yet")
+        since = time.strftime("%H:%M:%S", time.localtime(self.since))
+        return f"NVML has not returned from {self.call} ({gpu}) since {since}"
 
 
 def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None = None) -> Gpu | None:
@@ -88,6 +142,24 @@ class Snapshot:
     restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
     # The NVIDIA device nodes the dev watch listed last; None while nothing watches them.
     device_nodes: frozenset[str] | None = None
+    # Why the kernel log cannot be read; None while it can (or is not read).
+    kernel_log_error: str | None = None
+    # The newest kernel log record taken in, and how many the reader is known to have missed.
+    kernel_log_seq: int | None = None
+    kernel_log_lost: int = 0
+    # Faults the kernel log printed for GPUs not found yet, by bus id.
+    logged: Mapping[str, LoggedFault] = field(default_factory=lambda: MappingProxyType({}))
+    # NVSwitch SXids by the switch's bus id.
+    switch_errors: Mapping[str, SwitchErrors] = field(default_factory=lambda: MappingProxyType({}))
+    # NVML calls past their deadline, by the call's number.
+    hung_calls: Mapping[int, HungCall] = field(default_factory=lambda: MappingProxyType({}))
+    # Xids taken in per GPU this run, each once however many sources reported it.
+    xids: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Xids that both NVML and the kernel log reported, taken in once.
+    xids_matched: int = 0
+    # nvplug's own resets: the last step per GPU UUID, and the times of the resets this boot.
+    auto_reset: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -105,6 +177,13 @@ class Snapshot:
     def reprobe_due(self) -> tuple[Gpu, ...]:
         """GPUs a passing probe could heal: unreachable ones, and those whose reset evidence is in."""
         return tuple(g for g in self.gpus if any(not s.healthy and s.probe_clears for _, s in self.devices_of(g)))
+
+    @property
+    def kernel_log_cursor(self) -> int | None:
+        """The last kernel log record a restart need not read again: none a fault still waits on."""
+        if self.logged:
+            return min(f.seq for f in self.logged.values()) - 1
+        return self.kernel_log_seq
 
     def records(self) -> dict[str, Recorded]:
         """Every Unhealthy device with its fault, and the restored ones not seen yet: the state file's content."""
@@ -129,10 +208,20 @@ class NodeState:
         xid_policy: XidPolicy | None = None,
         clock: Callable[[], float] = time.time,
         restored: Mapping[str, Recorded] | None = None,
+        kernel_log_seq: int | None = None,
+        auto_resets: Mapping[str, tuple[float, ...]] | None = None,
     ) -> None:
         self._clock = clock
         self._xid = xid_policy or XidPolicy()
-        self._current = Snapshot(revision=0, restored=MappingProxyType(dict(restored or {})))
+        self._current = Snapshot(
+            revision=0,
+            restored=MappingProxyType(dict(restored or {})),
+            kernel_log_seq=kernel_log_seq,
+            auto_resets=MappingProxyType(dict(auto_resets or {})),
+        )
+        # When each source reported Xids the other source has not yet, by (bus id, code, source),
+        # oldest first: a flood of one code costs O(1) per report, not a scan of every report.
+        self._reports: dict[tuple[str, int, str], deque[float]] = {}
         # Replaced on every revision; waiters hold the one they saw.
         self._bumped = asyncio.Event()
 
@@ -177,13 +266,37 @@ class NodeState:
             draft.device_nodes = event.present
             draft.unready = MappingProxyType(unready(draft.gpus, draft.cap_minors, event.present.__contains__))
             draft.recheck()
+        elif isinstance(event, (KernelXid, GpuFellOffBus, DriverLoaded, GpuNamedInLog, SwitchXid)):
+            self._kernel_record(draft, event)
+        elif isinstance(event, AutoResetStep):
+            self._auto_reset(draft, event)
+        elif isinstance(event, NvmlCallHung):
+            self._hung_call(draft, event)
+        elif isinstance(event, KernelLogLost):
+            draft.kernel_log_lost += event.count or 0
+            draft.note(Change("kernel log records lost", reason=event.why))
+        elif isinstance(event, KernelLogState) and draft.kernel_log_error != event.error:
+            draft.kernel_log_error = event.error
+            draft.note(Change("kernel log unreadable" if event.error else "kernel log read", reason=event.error or ""))
         elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
             draft.health_watch_error = event.error
             what = "health watch failed" if event.error else "health watch running"
             draft.note(Change(what, reason=event.error or ""))
-        snap = draft.build()
-        if snap is not None:
-            self._publish(snap)
+        # A report from before a repair cannot be the other source's word on a fault after it.
+        repaired = {c.gpu.bus_id for c in draft.changes if c.gpu and c.what in ("healthy", "recovery evidence")}
+        if repaired:
+            for key in [k for k in self._reports if k[0] in repaired]:
+                del self._reports[key]
+            healed = {g.uuid for g in draft.gpus if g.bus_id in repaired and draft.health[g.uuid].healthy}
+            if healed & set(draft.auto_reset):
+                draft.auto_reset = MappingProxyType({u: s for u, s in draft.auto_reset.items() if u not in healed})
+        built = draft.build()
+        if built is not None:
+            snap, bumped = built
+            if bumped:
+                self._publish(snap)
+            else:
+                self._current = snap  # same revision: nobody waits on counters
         return draft.changes
 
     async def wait_past(self, revision: int) -> Snapshot:
@@ -225,6 +338,13 @@ class NodeState:
                 draft.health[uuid] = self._first_health(draft, uuid, gpu)
         for gpu in kept:
             draft.fault(gpu.uuid, "GPU is lost: NVML counts it but cannot read it", Clears.PROBE)
+        if draft.logged:
+            logged = dict(draft.logged)
+            for gpu in draft.gpus:
+                fault = logged.pop(gpu.bus_id, None)
+                if fault is not None:
+                    draft.fault(gpu.uuid, fault.reason, Clears.RESET, remedy=fault.remedy)
+            draft.logged = MappingProxyType(logged)
         draft.topology = event.topology
         draft.cap_minors = event.cap_minors
         if draft.nvml_error is not None:
@@ -285,6 +405,9 @@ class NodeState:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
+        if self._seen_before(gpu, event.code, event.source, draft):
+            return
+        draft.count_xid(gpu)
         decision = self._xid.decide(event.code)
         # An XID that names a GPU and compute instance belongs to that MIG device alone.
         mig = next(
@@ -296,7 +419,7 @@ class NodeState:
             None,
         )
         if decision.verdict is Verdict.UNHEALTHY:
-            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET)
+            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET, remedy=decision.action)
         elif decision.verdict is Verdict.HEALTHY:
             # Worth a log line even though the picture does not change.
             draft.note(Change("xid, stays healthy", gpu, decision.reason))
@@ -305,13 +428,124 @@ class NodeState:
         else:
             draft.note(Change("xid, reading the recovery action", gpu, decision.reason))
 
+    def _auto_reset(self, draft: _Draft, event: AutoResetStep) -> None:
+        gpu = draft.gpu(event.uuid)
+        if gpu is None:
+            return
+        draft.auto_reset = MappingProxyType({**draft.auto_reset, gpu.uuid: f"{event.step}: {event.detail}"})
+        if event.step == "reset":
+            resets = (*draft.auto_resets.get(gpu.uuid, ()), event.at)
+            draft.auto_resets = MappingProxyType({**draft.auto_resets, gpu.uuid: resets})
+        if event.step in ("failed", "budget spent"):
+            # A person must look now: the reason says why, and nvplug does not try again by itself.
+            for uuid, state in list(draft.devices_of(gpu)):
+                if state.clears is Clears.RESET and state.evidence is None:
+                    draft.health[uuid] = replace(state, reason=f"{event.detail}; {state.reason}", remedy=None)
+        draft.note(Change(f"auto-reset {event.step}", gpu, event.detail))
+
+    def _hung_call(self, draft: _Draft, event: NvmlCallHung) -> None:
+        hung = dict(draft.hung_calls)
+        gpu = draft.gpu(event.uuid) if event.uuid is not None else None
+        if gpu is None and event.index is not None:
+            gpu = next((g for g in draft.gpus if g.index == event.index), None)
+        if event.returned:
+            hung.pop(event.number, None)
+            if gpu is not None:
+                # Answering again is the evidence a hang needs; the re-probe that confirms it runs at once.
+                draft.note(Change("nvml answered again", gpu, f"{event.call} returned after {event.seconds:.0f} s"))
+        else:
+            hung[event.number] = HungCall(event.call, gpu.uuid if gpu else event.uuid, event.index, event.since)
+            if event.past_limit and gpu is not None:
+                draft.fault(
+                    gpu.uuid, f"the driver has not answered for {event.seconds:.0f} s ({event.call})", Clears.PROBE
+                )
+            elif not event.past_limit:
+                draft.note(Change("nvml call hung", gpu, hung[event.number].describe()))
+        draft.hung_calls = MappingProxyType(hung)
+
+    def _seen_before(self, gpu: Gpu, code: int, source: str, draft: _Draft) -> bool:
+        """Whether the other source reported this Xid already; if not, it waits for that report.
+
+        One report matches one earlier report of the other source (same GPU, same code, within
+        SAME_XID_SECONDS), so an Xid that really happens twice, reported twice by both, counts twice.
+        """
+        now = draft.now
+        for other in XID_SOURCES:
+            waiting = self._reports.get((gpu.bus_id, code, other)) if other != source else None
+            while waiting and now - waiting[0] > SAME_XID_SECONDS:
+                waiting.popleft()
+            if waiting:
+                waiting.popleft()
+                draft.xids_matched += 1
+                draft.note(Change("xid reported by NVML and the kernel log", gpu, self._xid.name(code)))
+                return True
+        own = self._reports.setdefault((gpu.bus_id, code, source), deque(maxlen=MAX_WAITING_REPORTS))
+        while own and now - own[0] > SAME_XID_SECONDS:
+            own.popleft()
+        own.append(now)
+        return False
+
+    def _kernel_record(
+        self, draft: _Draft, event: KernelXid | GpuFellOffBus | DriverLoaded | GpuNamedInLog | SwitchXid
+    ) -> None:
+        draft.kernel_log_seq = max(event.seq, draft.kernel_log_seq or event.seq)
+        if isinstance(event, SwitchXid):
+            before = draft.switch_errors.get(event.bus_id)
+            count = before.count + 1 if before is not None else 1
+            errors = dict(draft.switch_errors)
+            errors[event.bus_id] = SwitchErrors(event.switch, count, event.code, event.message)
+            draft.switch_errors = MappingProxyType(errors)
+            draft.note(Change("nvswitch sxid", reason=f"{event.switch} ({event.bus_id}): SXid {event.code}"))
+            return
+        if isinstance(event, DriverLoaded):
+            if not event.replayed:
+                for each in draft.gpus:
+                    draft.evidence(each, DRIVER_LOADED)
+            return
+        gpu = draft.by_bus_id(event.bus_id)
+        if isinstance(event, GpuNamedInLog):
+            if gpu is not None and gpu.uuid != event.uuid:
+                why = f"the kernel log names {event.uuid} at {event.bus_id}, NVML {gpu.uuid}"
+                draft.note(Change("kernel log disagrees with NVML", gpu, why))
+            return
+        code = event.code if isinstance(event, KernelXid) else FELL_OFF_THE_BUS
+        when = "in the kernel log before this start" if event.replayed else "from the kernel log"
+        if gpu is not None:
+            # A replayed record was never NVML's to report; the live one may have been.
+            live_xid = isinstance(event, KernelXid) and not event.replayed
+            if live_xid and self._seen_before(gpu, code, event.source, draft):
+                return
+            draft.count_xid(gpu)
+        if isinstance(event, GpuFellOffBus):
+            reason = f"{self._xid.name(code)}: GPU has fallen off the bus ({when})"
+            remedy = self._xid.decide(code).action or None
+        else:
+            if event.recovery_action is not None:
+                if gpu is not None:
+                    self._recovery_action(draft, RecoveryActionChanged(gpu.uuid, event.recovery_action))
+                return
+            decision = self._xid.decide(code)
+            if decision.verdict is not Verdict.UNHEALTHY:
+                draft.note(Change("xid in the kernel log, stays healthy", gpu, f"{decision.reason} ({when})"))
+                return
+            reason, remedy = f"{decision.reason} ({when})", decision.action or None
+        if gpu is None:
+            # Kept by bus id until a scan finds the GPU (NVML down at the start, say).
+            logged = dict(draft.logged)
+            logged[event.bus_id] = LoggedFault(reason, event.seq, remedy)
+            draft.logged = MappingProxyType(logged)
+            draft.note(Change("kernel log fault of a GPU not found yet", reason=f"{event.bus_id}: {reason}"))
+            return
+        draft.fault(gpu.uuid, reason, Clears.RESET, remedy=remedy)
+
     def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
         if event.action != 0:
             name = RECOVERY_ACTIONS.get(event.action, f"action {event.action}")
-            draft.fault(event.uuid, f"NVML recovery action: {name}", Clears.RESET, event.action)
+            remedy = RESET_GPU if event.action == GPU_RESET_ACTION else name
+            draft.fault(event.uuid, f"NVML recovery action: {name}", Clears.RESET, event.action, remedy)
         else:
             # The driver says nothing is needed any more, having asked for something: a probe must still confirm it.
             draft.evidence(gpu, "NVML recovery action back to none", after_recovery_action=True)
@@ -356,6 +590,16 @@ class _Draft:
         self.cuda_version = base.cuda_version
         self.restored = dict(base.restored)
         self.device_nodes = base.device_nodes
+        self.kernel_log_error = base.kernel_log_error
+        self.kernel_log_seq = base.kernel_log_seq
+        self.kernel_log_lost = base.kernel_log_lost
+        self.logged = base.logged
+        self.switch_errors = base.switch_errors
+        self.hung_calls = base.hung_calls
+        self.xids = base.xids
+        self.xids_matched = base.xids_matched
+        self.auto_reset = base.auto_reset
+        self.auto_resets = base.auto_resets
         self.changes: list[Change] = []
 
     def gpu(self, uuid: str) -> Gpu | None:
@@ -370,7 +614,14 @@ class _Draft:
     def note(self, change: Change) -> None:
         self.changes.append(change)
 
-    def fault(self, uuid: str, reason: str, clears: Clears, recovery_action: int = 0) -> None:
+    def count_xid(self, gpu: Gpu) -> None:
+        xids = dict(self.xids)
+        xids[gpu.uuid] = xids.get(gpu.uuid, 0) + 1
+        self.xids = MappingProxyType(xids)
+
+    def fault(
+        self, uuid: str, reason: str, clears: Clears, recovery_action: int = 0, remedy: str | None = None
+    ) -> None:
         """A fault of a GPU or MIG device (logged under its GPU, the MIG device named first).
 
         It replaces the fault a device already has only when it needs more to clear, or when it
@@ -388,12 +639,25 @@ class _Draft:
             or (clears is Clears.RESET and current.evidence is not None)
         )
         if not replaces:
-            if recovery_action and recovery_action != current.recovery_action:
-                self.health[uuid] = replace(current, recovery_action=recovery_action)
+            kept = replace(
+                current,
+                recovery_action=recovery_action or current.recovery_action,
+                # A second fault that needs a reset too may ask for more than a reset.
+                remedy=merged_remedy(current.remedy, remedy) if clears is Clears.RESET else current.remedy,
+            )
+            if kept != current:
+                self.health[uuid] = kept
             return
         instance = self.driver_instance if clears is Clears.RESET else None
         self.health[uuid] = HealthState(
-            Health.UNHEALTHY, reason, self.now, clears, None, recovery_action or current.recovery_action, instance
+            Health.UNHEALTHY,
+            reason,
+            self.now,
+            clears,
+            None,
+            recovery_action or current.recovery_action,
+            instance,
+            remedy if clears is Clears.RESET else None,
         )
         self.note(Change("unhealthy" if current.healthy else "fault while unhealthy", gpu, subject + reason))
 
@@ -455,39 +719,17 @@ class _Draft:
     def mig_owner(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
         return next(((g, m) for g in self.gpus for m in g.mig if m.uuid == uuid), None)
 
-    def build(self) -> Snapshot | None:
+    def build(self) -> tuple[Snapshot, bool] | None:
+        """The next snapshot, and whether it is a new revision; None when nothing changed.
+
+        Counters alone (COUNTERS) change the snapshot, not its revision: a flood of harmless Xids
+        or kernel log records must not wake every ListAndWatch stream and sink for each one."""
         base = self.base
-        unchanged = (
-            self.gpus == base.gpus
-            and self.health == base.health
-            and self.nvml_error == base.nvml_error
-            and self.health_watch_error == base.health_watch_error
-            and self.topology == base.topology
-            and self.cap_minors == base.cap_minors
-            and self.driver_instance == base.driver_instance
-            and self.unready == base.unready
-            and self.unresolved == base.unresolved
-            and self.driver_version == base.driver_version
-            and self.cuda_version == base.cuda_version
-            and self.restored == base.restored
-            and self.device_nodes == base.device_nodes
-        )
-        if unchanged:
+        values = {f.name: getattr(self, f.name) for f in fields(Snapshot) if f.name != "revision"}
+        values["health"] = MappingProxyType(self.health)
+        values["restored"] = MappingProxyType(self.restored)
+        changed = {name for name, value in values.items() if value != getattr(base, name)}
+        if not changed:
             return None
-        return replace(
-            base,
-            revision=base.revision + 1,
-            gpus=self.gpus,
-            health=MappingProxyType(self.health),
-            nvml_error=self.nvml_error,
-            health_watch_error=self.health_watch_error,
-            topology=self.topology,
-            cap_minors=self.cap_minors,
-            driver_instance=self.driver_instance,
-            unready=self.unready,
-            unresolved=self.unresolved,
-            driver_version=self.driver_version,
-            cuda_version=self.cuda_version,
-            restored=MappingProxyType(self.restored),
-            device_nodes=self.device_nodes,
-        )
+        bumped = bool(changed - COUNTERS)
+        return replace(base, revision=base.revision + bumped, **values), bumped

@@ -54,6 +54,8 @@ class XidInfo:
 class Decision:
     verdict: Verdict
     reason: str
+    # The catalog's immediate action (RESET_GPU, RESTART_BM, ...); "" where the config decided, or none.
+    action: str = ""
 
 
 def load_catalog(text: str | None = None) -> dict[int, XidInfo]:
@@ -98,5 +100,5 @@ class XidPolicy:
         if code in _APP_LEVEL_CODES or action in _APP_LEVEL:
             return Decision(Verdict.HEALTHY, f"{name} ({action or 'application-level'})")
         if action in _FATAL:
-            return Decision(Verdict.UNHEALTHY, f"{name} ({action})")
+            return Decision(Verdict.UNHEALTHY, f"{name} ({action})", action)
         return Decision(Verdict.INFORMATIONAL, f"{name} (no catalog action)")

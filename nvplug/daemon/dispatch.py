@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nvplug.core.events import (
+    AutoResetStep,
     CdiChecked,
     DeviceNodesChanged,
     DriverLoaded,
@@ -29,6 +30,7 @@ from nvplug.core.events import (
     KernelXid,
     KubeletSocketCreated,
     MigConfigChanged,
+    NvmlCallHung,
     NvmlFailed,
     PciChanged,
     PluginSocketRemoved,
@@ -64,6 +66,8 @@ def failed_call(event: Event) -> str | None:
             return "nvmlEventSetWait"
         case ProbeResult() if not event.passed:
             return "probe"
+        case NvmlCallHung(returned=False, past_limit=False, call=call):
+            return f"{call} (hung)"
         case _:
             return None
 
@@ -103,6 +107,12 @@ class Dispatcher:
                 if self._dra is not None:
                     self._dra.socket_removed(Path(path))
                 await self._fleet.socket_removed(Path(path))
+            case WatchedDirChanged(path=path, exists=exists):
+                # Work, not state: the sockets in a directory that came back are served again.
+                self._count(event)
+                if self._dra is not None:
+                    self._dra.dir_changed(Path(path), exists)
+                await self._fleet.dir_changed(Path(path), exists)
             case PciChanged(action=action, bus_id=bus_id, driver=driver):
                 log.info("udev: %s %s %s", action, bus_id, driver or "")
                 if action in RESCAN_ACTIONS:
@@ -121,7 +131,6 @@ class Dispatcher:
                 | HealthWatchChanged()
                 | CdiChecked()
                 | DeviceNodesChanged()
-                | WatchedDirChanged()
                 | KernelXid()
                 | GpuFellOffBus()
                 | DriverLoaded()
@@ -129,6 +138,8 @@ class Dispatcher:
                 | SwitchXid()
                 | KernelLogLost()
                 | KernelLogState()
+                | NvmlCallHung()
+                | AutoResetStep()
             ):
                 self.apply(event)
             case _:
@@ -165,6 +176,8 @@ class Dispatcher:
 
     def _count(self, event: Event) -> None:
         self._metrics.events.labels(event.source, type(event).__name__).inc()
+        if isinstance(event, AutoResetStep):
+            self._metrics.auto_reset.labels(event.step).inc()
         failed = failed_call(event)
         if failed:
             self._metrics.nvml_errors.labels(failed).inc()

@@ -15,14 +15,15 @@ import signal
 from nvplug import config
 from nvplug.config import Config
 from nvplug.core.events import NvmlFailed
+from nvplug.core.kernel_log_backlog import settle
 from nvplug.core.node_state import NodeState
 from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
+from nvplug.sinks.health_state_sink import saved
 from nvplug.sources.event_bus import EventBus
-from nvplug.status.heal_route import Healer
 from nvplug.status.status_server import StatusServer
 
 log = logging.getLogger("nvplug")
@@ -34,8 +35,12 @@ class Daemon:
         self.config: Config = options.config
         health = options.config.health
         self.state_file = StateFile(state_dir(options.state_dir, os.environ), read_boot_id(options.proc_root))
+        restored = self.state_file.load()
         self.state = NodeState(
-            XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids), restored=self.state_file.load()
+            XidPolicy.with_overrides(health.ignore_xids, health.fatal_xids),
+            restored=restored,
+            kernel_log_seq=self.state_file.loaded.kernel_log_seq,
+            auto_resets=self.state_file.loaded.auto_resets,
         )
         self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
@@ -74,10 +79,15 @@ class Daemon:
                     tasks.append(running)
             # Applied before serving, so the kubelet's first list is the real one.
             first = await parts.scanner.scan()
-            parts.dispatcher.apply(first)
+            if first is not None:
+                parts.dispatcher.apply(first)
+            if parts.kernel_log is not None:
+                # What the log said before we started counts from the first list on.
+                for event in settle(parts.kernel_log.backlog, self.state.current.kernel_log_seq):
+                    parts.dispatcher.apply(event)
             # Also when nothing changed: a file from an earlier boot is replaced by this boot's.
-            self.state_file.save(self.state.current.records())
-            if isinstance(first, NvmlFailed):
+            self.state_file.save(saved(self.state.current))
+            if first is None or isinstance(first, NvmlFailed):
                 parts.scanner.request("NVML unavailable at start")
             # One server, socket and registration per resource name; which ones depends on the
             # GPUs found (MIG profiles), so they are made after the first scan.
@@ -88,7 +98,7 @@ class Daemon:
             status = StatusServer(
                 opts.status_listen or self.config.status_listen,
                 {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
-                {"/heal": Healer(self.state, parts.scanner, parts.dispatcher.handle).route},
+                {"/heal": parts.healer.route},
             )
             try:
                 await status.start()
@@ -152,6 +162,7 @@ class Daemon:
             log.error("reload refused, the config in force stays: %s", err)
             return
         self.state.set_xid_policy(policy)
+        parts.scanner.calls.set_limits(new.health.nvml_call_deadline_seconds, new.health.driver_hang_seconds)
         before = parts.fleet.specs
         for commit in commits:
             await commit(self.state.current)

@@ -7,17 +7,19 @@ the CDI spec comes before the device-plugin fleet, whose Allocate hands out the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from nvplug.config import Config, off_or_path
 from nvplug.core.node_state import NodeState
+from nvplug.daemon.auto_reset import AutoReset
 from nvplug.daemon.dispatch import Dispatcher
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, Source
 from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
+from nvplug.kubelet.pod_holders import Holder
 from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
 from nvplug.sinks.health_state_file import StateFile
@@ -25,13 +27,15 @@ from nvplug.sinks.health_state_sink import HealthStateSink
 from nvplug.sinks.nfd_feature_file import FeatureFile
 from nvplug.sources.dev_node_watch import DevNodeWatch
 from nvplug.sources.event_bus import EventBus
+from nvplug.sources.kernel_log import KernelLogSource
 from nvplug.sources.kubelet_dir_watch import KubeletDirWatch
 from nvplug.sources.nvml_discovery import Nvml
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.sources.reprober import Reprober
 from nvplug.sources.udev_monitor import UdevSource
 from nvplug.status.change_log import ChangeLog
-from nvplug.status.status_report import StatusReport
+from nvplug.status.heal_route import Healer
+from nvplug.status.status_report import PODS_READER_WAIT, StatusReport
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class Wiring:
     report: StatusReport
     pods: PodView
     dra: DraDriver | None
+    # None where nvplug.health.kernelLog is off.
+    kernel_log: KernelLogSource | None
+    healer: Healer
 
 
 def wire(
@@ -60,8 +67,14 @@ def wire(
     The lambdas name parts made further down (the report, the dispatcher): they are called only
     once the daemon runs, when every part exists.
     """
-    scanner = Scanner(Nvml(options.sysfs_root, options.proc_root), bus.publish, dev_root=options.dev_root)
     health = cfg.health
+    scanner = Scanner(
+        Nvml(options.sysfs_root, options.proc_root),
+        bus.publish,
+        dev_root=options.dev_root,
+        deadline=health.nvml_call_deadline_seconds,
+        hang_limit=health.driver_hang_seconds,
+    )
     reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
     dra = (
         DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id)
@@ -103,6 +116,12 @@ def wire(
     )
     report = StatusReport(state, fleet, pods, cdi, dra, notifier.status)
     dispatcher = Dispatcher(state, report.metrics, fleet, scanner, dra)
+    healer = Healer(state, scanner, dispatcher.handle)
+
+    async def holders_now() -> Mapping[str, list[Holder]] | None:
+        await pods.fresh(wait=PODS_READER_WAIT)
+        return report.holders()
+
     sinks: tuple[Sink, ...] = (
         reprober,
         ChangeLog(pods, report.holders, report.metrics),
@@ -110,10 +129,12 @@ def wire(
         fleet,
         HealthStateSink(state_file, state),
         FeatureFile(cfg, options.sysfs_root, options.feature_file),
+        AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.handle),
         *((dra,) if dra is not None else ()),
         report,  # last: the status line says what the others did
     )
     dispatcher.sinks = report.sinks = sinks
+    kernel_log = KernelLogSource(options.kernel_log, bus.publish) if health.kernel_log else None
     # The sources open before the first scan and the first look at kubelet.sock: nothing slips between.
     sources: tuple[Source, ...] = (
         scanner,
@@ -121,5 +142,6 @@ def wire(
         kubelet_dir,
         DevNodeWatch(options.dev_root, bus.publish),
         reprober,
+        *((kernel_log,) if kernel_log is not None else ()),
     )
-    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra)
+    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra, kernel_log, healer)

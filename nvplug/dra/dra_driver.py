@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
@@ -29,6 +30,10 @@ from nvplug.shaping.resource_plan import Naming
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
 log = logging.getLogger("nvplug.dra")
+
+# A DRA socket that cannot be served again (its directory gone with the kubelet's): retried, never left
+# undone. The directory made again cuts the wait short, so the cap can be long.
+DRA_REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 
 def node_name(cfg: Config) -> str:
@@ -70,29 +75,89 @@ class DraDriver(Sink):
         self.registration_error: str | None = None
         self.devices: list[DraDevice] = []
         self._task: asyncio.Task[None] | None = None
-        self._rebinding: set[asyncio.Task[None]] = set()
+        # Our sockets to serve again, why they cannot be now (naming the directory or the socket),
+        # and the one task that serves them, backing off while it cannot.
+        self._lost: set[Path] = set()
+        self.not_served: str | None = None
+        self._restoring: asyncio.Task[None] | None = None
+        self._retry_now = asyncio.Event()
+        self._closing = False
 
     async def start(self) -> None:
         self.claims.load()
         try:
             await self.sockets.start()
         except (OSError, RuntimeError) as err:
-            # The device plugin goes on; the status line and doctor say why DRA does not.
-            self.registration_error = f"cannot serve the DRA sockets: {err}"
+            # The device plugin goes on; the status line and doctor say why DRA does not, and it is retried.
+            self.not_served = f"cannot serve the DRA sockets: {err}"
             log.error("%s: %s (is the directory writable? see the unit's DRA drop-in)", self.driver, err)
+            for path in self.sockets.sockets:
+                if not self.sockets.serving(path):
+                    self._lose(path)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
 
     def socket_removed(self, path: Path) -> None:
         """One of the sockets in the watched directories vanished: serve it again if it is ours."""
         # Only if it is still gone: the stop inside a rebind removes the old socket too.
-        if path in self.sockets.sockets and not path.exists():
+        if path in self.sockets.sockets and not path.exists() and path not in self._lost:
             log.warning("%s was removed: serving it again", path)
-            task = asyncio.create_task(self.sockets.rebind(path))
-            self._rebinding.add(task)
-            task.add_done_callback(self._rebinding.discard)
+            if path == self.sockets.registration_socket:
+                # The kubelet deregisters a plugin whose registration socket is gone, until it finds a new one.
+                self.registered = False
+                self._on_change()
+            self._lose(path)
+
+    def dir_changed(self, path: Path, exists: bool) -> None:
+        """A watched directory went (with the kubelet's) or came back: serve our sockets in it again."""
+        ours = [s for s in self.sockets.sockets if s.parent == path]
+        if not ours:
+            return
+        if exists:
+            self._retry_now.set()  # a bind backing off tries again now
+        else:
+            self.not_served = f"{path} is missing (served again once it is made again)"
+            if self.sockets.registration_socket in ours:
+                self.registered = False  # its socket went with it
+            self._on_change()
+        for socket_path in ours:
+            if not socket_path.exists():
+                self._lose(socket_path)
+
+    def _lose(self, path: Path) -> None:
+        self._lost.add(path)
+        self._retry_now.set()
+        if not self._closing and (self._restoring is None or self._restoring.done()):
+            self._restoring = asyncio.create_task(self._restore(), name="dra sockets")
+
+    async def _restore(self) -> None:
+        """Serve every lost socket again, the plugin's first (the kubelet dials it inside registration);
+        a bind that fails is retried with backoff, never left undone."""
+        retries = DRA_REBIND_BACKOFF.schedule()
+        failed = None  # the last failure logged: each is said once
+        while self._lost and not self._closing:
+            self._retry_now.clear()
+            try:
+                for path in self.sockets.sockets:
+                    if path in self._lost:
+                        await self.sockets.rebind(path)
+                        self._lost.discard(path)
+            except (OSError, RuntimeError) as err:
+                delay = retries.next()
+                if str(err) != failed:
+                    log.warning("%s: %s; retrying (next in %.2fs)", self.driver, err, delay)
+                failed = self.not_served = str(err)
+                self._on_change()
+                await sleep_unless(self._retry_now, delay)
+        if not self._lost and self.not_served is not None:
+            log.info("%s: serving the DRA sockets again", self.driver)
+            self.not_served = None
+            self._on_change()
 
     async def close(self) -> None:
-        await asyncio.gather(*self._rebinding, return_exceptions=True)
+        self._closing = True
+        self._retry_now.set()
+        if self._restoring is not None:
+            await asyncio.gather(self._restoring, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -118,6 +183,8 @@ class DraDriver(Sink):
         return ()
 
     def notes(self) -> list[str]:
+        if self.not_served:
+            return [f"DRA {self.driver} not served: {self.not_served}"]
         if self.publisher.error:
             return [f"DRA {self.driver}: {self.publisher.error}"]
         how = (
@@ -196,6 +263,7 @@ class DraDriver(Sink):
             **self.publisher.status(),
             "registered": self.registered,
             "registration_error": self.registration_error,
+            "not_served": self.not_served,
             "registry_socket": str(self.sockets.registration_socket),
             "plugin_socket": str(self.sockets.plugin_socket),
             "devices": [

@@ -58,8 +58,12 @@ class DraSockets:
         return self.plugin_socket, self.registration_socket
 
     async def start(self) -> None:
-        await self._serve(self.plugin_socket)
-        await self._serve(self.registration_socket)
+        # At start the directories are made, as the unit's first run on a node may need.
+        await self._serve(self.plugin_socket, make_dir=True)
+        await self._serve(self.registration_socket, make_dir=True)
+
+    def serving(self, path: Path) -> bool:
+        return path in self._servers
 
     async def stop(self) -> None:
         # Registration first: once its socket is gone the kubelet deregisters us.
@@ -70,19 +74,23 @@ class DraSockets:
                 remove_stale_socket(path)
 
     async def rebind(self, path: Path) -> None:
-        """One of our sockets was removed: serve it again (the registration one re-registers us)."""
+        """One of our sockets was removed: serve it again (the registration one re-registers us).
+
+        Its directory is not made here: one that went with the kubelet's is made again by the kubelet
+        (or, ours, by the directory watch once its parent is back), never in the middle of a wipe."""
         server = self._servers.pop(path, None)
         if server is not None:
             await server.stop(0)
-        await self._serve(path)
+        await self._serve(path, make_dir=False)
 
-    async def _serve(self, path: Path) -> None:
+    async def _serve(self, path: Path, make_dir: bool) -> None:
         """One of the two sockets, with its services: DRA in each version, or registration."""
         if path == self.plugin_socket:
             handlers = [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS]
         else:
             handlers = [self._registration_handler()]
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if make_dir:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self._servers[path] = await serve_unix(path, handlers)
         log.info("%s: serving on %s", self.driver, path)
 

@@ -402,15 +402,26 @@ def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[A
     }
 
 
+class SocketBindFailed(RuntimeError):
+    """A socket could not be served: its directory is missing, or gRPC refused the bind."""
+
+
 async def serve_unix(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
     """A gRPC server on a unix socket at `path` (a stale socket there is replaced), root's only."""
+    if not path.parent.is_dir():
+        # Said here, in words: gRPC would log its own bind error at ERROR on every retry.
+        raise SocketBindFailed(f"cannot serve on {path}: the directory {path.parent} does not exist")
     remove_stale_socket(path)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(handlers)
     # Nobody but root may talk to the plugin.
     old_umask = os.umask(0o077)
     try:
-        server.add_insecure_port(f"unix://{path}")
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError as err:
+            where = "" if path.parent.is_dir() else f": the directory {path.parent} is gone"
+            raise SocketBindFailed(f"cannot serve on {path}{where} ({err})") from err
         await server.start()
     finally:
         os.umask(old_umask)

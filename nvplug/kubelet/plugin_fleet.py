@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState, Snapshot
@@ -27,6 +28,9 @@ log = logging.getLogger("nvplug")
 
 # How long a stop lets a rebind under way finish: the kubelet may keep wiping the socket.
 REBIND_GRACE = 2.0
+# A socket that cannot be bound again (its directory gone with the kubelet's, a file in its place):
+# retried, never left undone. The directory made again cuts the wait short, so the cap can be long.
+REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,11 @@ class PluginEndpoint:
     registrar: Registrar
     registering: asyncio.Task[None] | None = None
     rebinding: asyncio.Task[None] | None = None
-    # Our socket vanished again while a rebind was under way: bind once more.
-    rebind_again: bool = False
+    # Why the last bind failed, while the rebind backs off (for the status line and /healthz).
+    serve_error: str | None = None
+    # Set when a bind backing off should try again now (its directory is back), or give up (closed).
+    retry_now: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
 
     @property
     def name(self) -> str:
@@ -148,6 +155,8 @@ class PluginFleet(Sink):
         # GPUs nvplug.devices leaves out, and why; and its selectors that pick no GPU.
         self.excluded: Mapping[str, str] = {}
         self._unmatched: tuple[str, ...] = ()
+        # The device-plugin directory went (with the kubelet's) and is not back yet.
+        self.dir_missing = False
 
     # The plan.
 
@@ -236,9 +245,21 @@ class PluginFleet(Sink):
         notes += [f"not advertised: {problem}" for problem in self.refused.values()]
         return notes + unready_note(self._state.current)
 
+    def status(self) -> dict[str, object]:
+        """Why a resource is not served now (its directory gone, a bind failing), for /status and doctor."""
+        return {
+            "plugin_dir": str(self._plugin_dir),
+            "plugin_dir_missing": self.dir_missing,
+            "not_served": {p.name: why for p in self.endpoints if (why := self._not_served(p)) is not None},
+        }
+
     async def close(self) -> None:
         """SIGTERM: stop serving and close the sockets. Never an empty list: the kubelet would
         take the capacity away at once, when a restart is seconds."""
+        # A rebind backing off (a directory still missing) gives up at once.
+        for plugin in self.endpoints:
+            plugin.closed = True
+            plugin.retry_now.set()
         # The registrars before the rebinds that would wake them.
         registering = [p.registering for p in self.endpoints if p.registering is not None]
         for task in registering:
@@ -272,15 +293,27 @@ class PluginFleet(Sink):
 
     @property
     def registered(self) -> bool:
-        """Serving something, and all of it registered."""
-        return bool(self.endpoints) and all(p.registrar.registered.is_set() for p in self.endpoints)
+        """Serving something, and all of it served and registered."""
+        return bool(self.endpoints) and all(
+            p.registrar.registered.is_set() and self._not_served(p) is None for p in self.endpoints
+        )
+
+    def _not_served(self, plugin: PluginEndpoint) -> str | None:
+        """Why the resource's socket is not served now, naming the directory or the socket; None if it is."""
+        if self.dir_missing:
+            return f"the device-plugin directory {self._plugin_dir} is missing (served again once it is made again)"
+        if plugin.serve_error is not None:
+            return f"{plugin.serve_error} (retrying)"
+        return None
 
     def registrations(self) -> list[str]:
         """The status line's lead: each resource, whether it is registered, and its devices."""
         parts = []
         for plugin in self.endpoints:
             resource = plugin.server.service.resource()
-            if plugin.registrar.registered.is_set():
+            if (why := self._not_served(plugin)) is not None:
+                how = f"not served: {why}"
+            elif plugin.registrar.registered.is_set():
                 how = "registered"
             elif plugin.registrar.kubelet_socket.exists():
                 how = "registering"
@@ -303,6 +336,26 @@ class PluginFleet(Sink):
         """A (new) kubelet.sock: register everything again, rebinding any socket it wiped."""
         for plugin in self.endpoints:
             self._reconnect(plugin, registered_again=True)
+
+    async def dir_changed(self, path: Path, exists: bool) -> None:
+        """A watched directory went or came back: ours is the device-plugin directory (a re-join or a
+        kubelet reinstall wipes /var/lib/kubelet and makes it again)."""
+        if path != self._plugin_dir:
+            return
+        async with self._lock:
+            self.dir_missing = not exists
+            for plugin in self.endpoints:
+                if not exists:
+                    # The kubelet went with its directory: whatever the last Register said, it is gone.
+                    plugin.registrar.wake()
+                if plugin.rebinding is not None and not plugin.rebinding.done():
+                    plugin.retry_now.set()  # a bind backing off tries again now
+                else:
+                    # Gone: our socket went with it (its own removal event may never come). Back: bound
+                    # again in the new directory, registered once kubelet.sock is there (now, or on its
+                    # KubeletSocketCreated).
+                    self._reconnect(plugin, registered_again=False)
+            self._hooks.changed()
 
     async def socket_removed(self, path: Path) -> None:
         """One of our sockets vanished, as when the kubelet restarts."""
@@ -360,6 +413,11 @@ class PluginFleet(Sink):
     async def _close(self, plugin: PluginEndpoint, retire: bool = False) -> None:
         """`retire`: the resource stops being served, so the kubelet gets an empty list first;
         otherwise it would keep the stale capacity for its endpoint grace period. Never at SIGTERM."""
+        plugin.closed = True
+        if plugin.rebinding is not None:
+            # One backing off gives up; one in a bind finishes it first, so that the stop below ends it.
+            plugin.retry_now.set()
+            await asyncio.gather(plugin.rebinding, return_exceptions=True)
         if plugin.registering is not None:
             plugin.registering.cancel()
             await asyncio.gather(plugin.registering, return_exceptions=True)
@@ -378,7 +436,6 @@ class PluginFleet(Sink):
         if plugin.rebinding is not None and not plugin.rebinding.done():
             # The rebind under way registers when it is done, and binds again if the
             # socket it made was wiped meanwhile (a kubelet restarting twice in a row).
-            plugin.rebind_again = plugin.rebind_again or not registered_again
             return
         if plugin.server.socket_path.exists():
             # Our own rebind removes the old socket too; only a new kubelet needs a new Register.
@@ -389,10 +446,28 @@ class PluginFleet(Sink):
         plugin.rebinding = asyncio.create_task(self._rebind(plugin))
 
     async def _rebind(self, plugin: PluginEndpoint) -> None:
-        while True:
-            plugin.rebind_again = False
-            await plugin.server.rebind()
-            if not plugin.rebind_again and plugin.server.socket_path.exists():
+        retries = REBIND_BACKOFF.schedule()
+        while not plugin.closed:
+            plugin.retry_now.clear()
+            try:
+                await plugin.server.rebind()
+            except (OSError, RuntimeError) as err:
+                # Never left undone (the directory gone with the kubelet's): said once, then retried.
+                delay = retries.next()
+                if str(err) != plugin.serve_error:
+                    log.warning("%s: %s; retrying (next in %.2fs)", plugin.name, err, delay)
+                plugin.serve_error = str(err)
+                self._hooks.changed()
+                await sleep_unless(plugin.retry_now, delay)
+                continue
+            # Looked at, not told: a removal event that comes meanwhile may be of the socket our own
+            # stop unlinked, and binding again for it would unlink the new one, and so on.
+            if plugin.server.socket_path.exists():
                 break
             log.warning("%s was removed again while rebinding: rebinding", plugin.server.socket_path)
-        plugin.registrar.wake()
+        if plugin.closed:
+            return
+        if plugin.serve_error is not None:
+            log.info("%s: serving again after %d failed binds", plugin.name, retries.failures)
+            plugin.serve_error = None
+        plugin.registrar.wake()  # which refreshes the status line too

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ def read_boot_id(proc_root: Path) -> str | None:
         return None
 
 
-def encode(records: Mapping[str, Recorded], boot_id: str | None) -> bytes:
+def encode(records: Mapping[str, Recorded], boot_id: str | None, saved: Saved | None = None) -> bytes:
+    """The file's bytes; `saved` adds the kernel log cursor and nvplug's own resets."""
     devices = [
         {
             "uuid": uuid,
@@ -61,14 +63,27 @@ def encode(records: Mapping[str, Recorded], boot_id: str | None) -> bytes:
             "evidence": r.state.evidence,
             "recovery_action": r.state.recovery_action,
             "driver_instance": r.state.driver_instance,
+            "remedy": r.state.remedy,
         }
         for uuid, r in sorted(records.items())
     ]
-    return seal(KIND, FORMAT, {"devices": devices}, boot_id)
+    body: dict[str, Any] = {"devices": devices}
+    # Keys an older nvplug reads the file without, and ignores.
+    if saved is not None and saved.kernel_log_seq is not None:
+        body["kernel_log_seq"] = saved.kernel_log_seq
+    if saved is not None and saved.auto_resets:
+        body["auto_resets"] = {uuid: list(times) for uuid, times in sorted(saved.auto_resets.items())}
+    return seal(KIND, FORMAT, body, boot_id)
 
 
 def decode(data: bytes, path: Path | None = None) -> tuple[str | None, dict[str, Recorded]]:
     """(boot id, records). Raises CheckpointError for anything but a well-formed file of a known format."""
+    boot, saved = decode_all(data, path)
+    return boot, dict(saved.records)
+
+
+def decode_all(data: bytes, path: Path | None = None) -> tuple[str | None, Saved]:
+    """(boot id, everything the file holds), as decode()."""
     where = path or Path(FILE_NAME)
     found = unseal(data, where, KIND, FORMAT, legacy=_format_1)
     devices = found.body.get("devices")
@@ -81,7 +96,17 @@ def decode(data: bytes, path: Path | None = None) -> tuple[str | None, dict[str,
         except (KeyError, TypeError, ValueError) as err:
             raise StateFileError(where, f"device {n}: {type(err).__name__}: {err}") from err
         records[uuid] = record
-    return found.boot_id, records
+    seq = found.body.get("kernel_log_seq")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+        raise StateFileError(where, f"kernel_log_seq is {seq!r}, not a record number")
+    resets = found.body.get("auto_resets", {})
+    if not isinstance(resets, dict) or not all(
+        isinstance(times, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times)
+        for times in resets.values()
+    ):
+        raise StateFileError(where, "auto_resets must map GPU UUIDs to lists of times")
+    auto_resets = {str(uuid): tuple(float(t) for t in times) for uuid, times in resets.items()}
+    return found.boot_id, Saved(records, seq, auto_resets)
 
 
 def _format_1(doc: dict[str, Any]) -> Checkpoint:
@@ -110,9 +135,9 @@ def _record(entry: Any) -> tuple[str, Recorded]:
         raise TypeError(f"since is {since!r}")
     if not isinstance(action, int) or isinstance(action, bool):
         raise TypeError(f"recovery_action is {action!r}")
-    optional = {k: entry.get(k) for k in ("evidence", "driver_instance")}
+    optional = {k: entry.get(k) for k in ("evidence", "driver_instance", "remedy")}
     if not all(isinstance(v, (str, type(None))) for v in optional.values()):
-        raise TypeError("evidence and driver_instance must be strings or null")
+        raise TypeError("evidence, driver_instance and remedy must be strings or null")
     state = HealthState(
         Health.UNHEALTHY,
         text["reason"],
@@ -121,8 +146,19 @@ def _record(entry: Any) -> tuple[str, Recorded]:
         optional["evidence"],
         action,
         optional["driver_instance"],
+        optional["remedy"],
     )
     return text["uuid"], Recorded(text["bus_id"], state)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What the file holds: the Unhealthy devices, and the last kernel log record they take in."""
+
+    records: Mapping[str, Recorded]
+    kernel_log_seq: int | None = None
+    # nvplug's own resets of each GPU this boot (wall-clock times): their budget holds across restarts.
+    auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 class StateFile:
@@ -137,8 +173,11 @@ class StateFile:
         # One thread, so saves land in the order they were taken.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state file")
         self._pending: asyncio.Handle | None = None
-        self._records: Callable[[], Mapping[str, Recorded]] | None = None
+        self._records: Callable[[], Saved] | None = None
         self._closed = False
+        # What the loaded file held beside the records: the kernel log record it had taken in (a
+        # restart reads only the records after it), and nvplug's own resets.
+        self.loaded = Saved({})
 
     @property
     def boot_id(self) -> str | None:
@@ -155,7 +194,8 @@ class StateFile:
             log.warning("health state file %s unreadable, ignored: %s", self.path, err)
             return {}
         try:
-            boot, records = decode(data, self.path)
+            boot, saved = decode_all(data, self.path)
+            records = dict(saved.records)
         except CheckpointError as err:
             log.warning("health state file %s ignored: %s", self.path, err.reason)
             return {}
@@ -168,13 +208,14 @@ class StateFile:
             return {}
         for uuid, r in records.items():
             log.warning("%s (%s) was Unhealthy before this start: %s", uuid, r.bus_id, r.state.reason)
+        self.loaded = saved
         return records
 
-    def save(self, records: Mapping[str, Recorded]) -> None:
+    def save(self, saved: Saved) -> None:
         """Write the records if they changed; a failure is logged (once) and retried at the next change.
 
         Synchronous, on the caller's thread: for when no save_soon() is under way (the start)."""
-        data = encode(records, self._boot_id)
+        data = encode(saved.records, self._boot_id, saved)
         if data == self._written:
             return
         try:
@@ -190,14 +231,14 @@ class StateFile:
             self._failing = None
         self._written = data
 
-    def save_soon(self, records: Callable[[], Mapping[str, Recorded]]) -> None:
+    def save_soon(self, records: Callable[[], Saved]) -> None:
         """From the loop thread: the records as they are at the end of this loop turn, written by the
         saver thread. Calls within one turn make one write (the last call's callable is the one called)."""
         self._records = records
         if self._pending is None:
             self._pending = asyncio.get_running_loop().call_soon(self._queue_save)
 
-    def close(self, records: Mapping[str, Recorded]) -> None:
+    def close(self, records: Saved) -> None:
         """At the end: once the queued saves are written, these records (whatever a last event changed).
         Idempotent; a later save_soon() writes on the loop thread, as nothing is left to wait for it."""
         if self._pending is not None:

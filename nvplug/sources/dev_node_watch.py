@@ -40,7 +40,7 @@ def list_nodes(dev_root: Path) -> frozenset[str]:
     return frozenset(present)
 
 
-class _Handler(FileSystemEventHandler):
+class _NodeEvents(FileSystemEventHandler):
     def __init__(self, watch: DevNodeWatch) -> None:
         self._watch = watch
 
@@ -64,7 +64,7 @@ class DevNodeWatch:
         self.caps_dir = dev_root / CAPS_DIR.lstrip("/")
         self._dev_root = dev_root
         self._publish = publish
-        self._handler = _Handler(self)
+        self._handler = _NodeEvents(self)
         self._observer: InotifyObserver | None = None
         self._caps_watch: ObservedWatch | None = None
         self._lock = threading.Lock()

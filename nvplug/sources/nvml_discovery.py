@@ -216,13 +216,21 @@ class Nvml:
     def __init__(self, sysfs_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) -> None:
         self._sysfs_root = sysfs_root
         self._proc_root = proc_root
+        # Which GPU a scan is reading now (index, UUID once read): what a hung scan waits on.
+        self.reading: tuple[int | None, str | None] = (None, None)
 
     def scan(self) -> Scan:
         """Read every GPU and probe each once, in one NVML session. Raises NvmlUnavailable."""
-        with session():
-            discovery = self._read_all()
-            probes = tuple(probe_gpu(g.uuid, "scan") for g in discovery.gpus)
-        return Scan(discovery, probes)
+        try:
+            with session():
+                discovery = self._read_all()
+                probes = []
+                for gpu in discovery.gpus:
+                    self.reading = (gpu.index, gpu.uuid)
+                    probes.append(probe_gpu(gpu.uuid, "scan"))
+        finally:
+            self.reading = (None, None)
+        return Scan(discovery, tuple(probes))
 
     def probe(self, uuid: str, evidence: str) -> ProbeResult:
         with session():
@@ -252,6 +260,7 @@ class Nvml:
         found: list[tuple[Gpu, Any]] = []
         lost = 0
         for index in range(count):
+            self.reading = (index, None)
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 found.append((self._read_gpu(index, handle, notes), handle))

@@ -1,20 +1,18 @@
-"""NVML scans and probes, and the event watch, on one worker thread.
+"""NVML scans, probes and resets, and the event watch of the GPUs found.
 
-Everything that calls NVML from the loop's side goes through one thread, so
-a rescan can take NVML's init count to zero (only then does NVML enumerate
-GPUs again) without racing a probe that holds a reference.
+Everything that calls NVML from the loop's side goes through NvmlCalls: one worker thread, so a
+rescan can take NVML's init count to zero without racing a probe, and a deadline on each call, so
+a hung driver is reported and never waited on (see nvml_calls.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
@@ -23,13 +21,12 @@ from nvplug.core.device_nodes import host_path
 from nvplug.core.events import InventoryFound, NvmlFailed, ProbeResult
 from nvplug.core.readiness import unready
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
+from nvplug.sources.nvml_calls import NvmlCalls, NvmlHung
 from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.events.scanner")
-
-T = TypeVar("T")
 
 # NVML may come up long after us (a driver loading at boot); don't hammer it.
 RESCAN_BACKOFF = Backoff(first=1.0, maximum=300.0, jitter=True)
@@ -50,6 +47,8 @@ class Scanner:
         publish: Publish,
         wait_ms: int = DEFAULT_WAIT_MS,
         dev_root: Path = Path("/"),
+        deadline: float = 10.0,
+        hang_limit: float = 60.0,
     ) -> None:
         self._nvml = nvml
         self._dev_root = dev_root
@@ -57,7 +56,7 @@ class Scanner:
         self._running: asyncio.Task[None] | None = None
         self._stopped = False
         self._wait_ms = wait_ms
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self.calls = NvmlCalls(publish, deadline, hang_limit, lambda: nvml.reading)
         self._watch: NvmlEventWatch | None = None
         self._wanted = asyncio.Event()
         self.scans = 0
@@ -70,9 +69,15 @@ class Scanner:
         log.debug("rescan requested: %s", why)
         self._wanted.set()
 
-    async def scan(self) -> InventoryFound | NvmlFailed:
-        """Hand the watch over, scan at init count zero, subscribe the new set of GPUs."""
-        result = await self._call(self._scan_blocking)
+    async def scan(self) -> InventoryFound | NvmlFailed | None:
+        """Hand the watch over, scan at init count zero, subscribe the new set of GPUs.
+
+        None: the scan hung, or waits for a hung call (published as NvmlCallHung); scan again once clear."""
+        try:
+            result = await self.calls.run("scan", None, self._scan_blocking)
+        except NvmlHung as err:
+            log.warning("no scan now: %s", err)
+            return None
         if isinstance(result, InventoryFound):
             self._check_subscriptions(result)
         return result
@@ -101,20 +106,21 @@ class Scanner:
 
     async def probe(self, uuid: str, evidence: str) -> ProbeResult:
         try:
-            return await self._call(self._nvml.probe, uuid, evidence)
-        except NvmlUnavailable as err:
+            return await self.calls.run("probe", uuid, self._nvml.probe, uuid, evidence)
+        except NvmlUnavailable as err:  # a hung call too: not answering is what a probe finds
             return ProbeResult(uuid, str(err), evidence)
 
     async def processes(self, uuid: str) -> tuple[int, ...]:
-        """Pids on the GPU. Raises NvmlUnavailable."""
-        return await self._call(self._nvml.processes, uuid)
+        """Pids on the GPU. Raises NvmlUnavailable (NvmlHung too)."""
+        return await self.calls.run("processes", uuid, self._nvml.processes, uuid)
 
     async def reset(self, command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         """Run a GPU reset with our NVML reference dropped: a client holding the GPU blocks its reset.
 
-        The event watch is gone afterwards; the caller's next scan subscribes again.
+        The event watch is gone afterwards; the caller's next scan subscribes again. Raises NvmlHung
+        while an NVML call hangs: the reset would need the driver that does not answer.
         """
-        return await self._call(self._reset_blocking, tuple(command), timeout)
+        return await self.calls.run("reset", None, self._reset_blocking, tuple(command), timeout, deadline=None)
 
     def _reset_blocking(self, command: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
         self._release_watch()
@@ -143,6 +149,10 @@ class Scanner:
                 with attempt:
                     self._wanted.clear()
                     result = await self.scan()
+                    if result is None:
+                        await self.calls.until_clear()
+                        self._wanted.set()  # the scan asked for is still owed
+                        break
                     self._publish(result)
                     if isinstance(result, NvmlFailed):
                         raise NvmlUnavailable(result.reason)
@@ -156,11 +166,11 @@ class Scanner:
         self._stopped = True
         if self._resubscribe is not None:
             self._resubscribe.cancel()
-        await self._call(self._release_watch)
-        self._worker.shutdown(wait=False, cancel_futures=True)
-
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
+        try:
+            await self.calls.run("release of the event watch", None, self._release_watch)
+        except NvmlHung as err:
+            log.warning("stopping with the NVML event watch held: %s", err)
+        self.calls.shutdown()
 
     def _release_watch(self) -> None:
         """On the worker, like every other use of the watch."""

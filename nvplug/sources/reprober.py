@@ -75,7 +75,7 @@ class Reprober(Sink):
         # Evidence starts re-probes of a GPU, and a probe at once.
         self.follow(update.snapshot)
         for change in update.changes:
-            if change.what == "recovery evidence" and change.gpu is not None:
+            if change.what in ("recovery evidence", "nvml answered again") and change.gpu is not None:
                 self.now(change.gpu.uuid)
         return ()
 

@@ -31,7 +31,16 @@ _NODE_CHANGES = {
     "health watch failed": (logging.ERROR, "NVML health events cannot be received: {}; GPU faults go unseen"),
     "health watch running": (logging.INFO, "NVML health events are being received{}"),
 }
-_GPU_WARNINGS = {"unhealthy", "fault while unhealthy", "restored unhealthy", "removed", "xid without catalog action"}
+_GPU_WARNINGS = {
+    "unhealthy",
+    "fault while unhealthy",
+    "restored unhealthy",
+    "removed",
+    "xid without catalog action",
+    "auto-reset failed",
+    "auto-reset budget spent",
+    "kernel log disagrees with NVML",
+}
 
 
 def log_change(change: Change, snap: Snapshot, suffix: str = "") -> None:

@@ -33,6 +33,9 @@ log = logging.getLogger("nvplug.heal")
 # nvidia-smi -r takes seconds, more on GPUs behind NVSwitches; past this it is stuck.
 RESET_TIMEOUT = 120.0
 
+# A check of a reset GPU: None when it passed, else what failed.
+Validate = Callable[[Gpu], Awaitable[str | None]]
+
 
 @dataclass(frozen=True)
 class HealRequest:
@@ -110,12 +113,19 @@ class Healer:
         await self._handle(EvidenceFound(gpu.uuid, f"the operator's word (nvplug heal by {who})"))
         if any(s.clears is Clears.CHECK for _, s in self._state.current.devices_of(gpu)):
             # What Allocate needs is checked by a scan, not a probe.
-            await self._handle(await self._scanner.scan())
+            await self._scan()
         else:
             await self._handle(await self._scanner.probe(gpu.uuid, "the operator's heal"))
         return 200, self._outcome(gpu)
 
-    async def _reset(self, gpu: Gpu, who: str) -> tuple[int, dict[str, Any]]:
+    async def reset(self, gpu: Gpu, who: str, validate: Validate | None = None) -> tuple[int, dict[str, Any]]:
+        """nvplug's own reset (nvplug.health.autoReset), through the same path as an operator's,
+        one at a time with theirs. `validate` runs after a reset that worked: the evidence of the
+        reset counts only once it passes, so the GPU is Healthy only then."""
+        async with self._lock:
+            return await self._reset(gpu, who, validate)
+
+    async def _reset(self, gpu: Gpu, who: str, validate: Validate | None = None) -> tuple[int, dict[str, Any]]:
         command = shutil.which(self._nvidia_smi)
         if command is None:
             return 503, self._outcome(gpu, f"not reset: {self._nvidia_smi} is not on PATH", "failed")
@@ -131,18 +141,30 @@ class Healer:
         argv = [command, "-r", "-i", gpu.bus_id]
         try:
             done = await self._scanner.reset(argv, RESET_TIMEOUT)
-        except (OSError, subprocess.TimeoutExpired) as err:
+        except (OSError, subprocess.TimeoutExpired, NvmlUnavailable) as err:
             failure: str | None = f"{' '.join(argv)} failed: {err}"
         else:
             output = " ".join((done.stdout + done.stderr).split())[:500]
             failure = f"{' '.join(argv)} exited {done.returncode}: {output}" if done.returncode else None
+        evidence = f"GPU reset by nvidia-smi at the request of {who}"
+        if failure is None and validate is not None:
+            await self._scan()  # events subscribed again while the check runs; no evidence yet, so no heal
+            failure = await validate(gpu)
+            if failure is not None:
+                return 500, self._outcome(gpu, f"reset, then the check failed: {failure}", "failed")
+            evidence += ", and checked"
         if failure is None:
-            await self._handle(EvidenceFound(gpu.uuid, f"GPU reset by nvidia-smi at the request of {who}"))
+            await self._handle(EvidenceFound(gpu.uuid, evidence))
         # The reset dropped our NVML events: a scan subscribes again, and probes the reset GPU.
-        await self._handle(await self._scanner.scan())
+        await self._scan()
         if failure is not None:
             return 500, self._outcome(gpu, failure, "failed")
         return 200, self._outcome(gpu)
+
+    async def _scan(self) -> None:
+        found = await self._scanner.scan()
+        if found is not None:  # None: it waits for a hung NVML call, which the status says
+            await self._handle(found)
 
     def _outcome(self, gpu: Gpu, message: str | None = None, outcome: str | None = None) -> dict[str, Any]:
         """The GPU's health now, and what it still waits for."""

@@ -25,7 +25,9 @@ PODS_READER_WAIT = 0.5
 def node_notes(snap: Snapshot) -> list[str]:
     """What the status line says of NVML itself."""
     notes = [f"NVML unavailable: {snap.nvml_error}"] if snap.nvml_error else []
-    return notes + ([f"health events unavailable: {snap.health_watch_error}"] if snap.health_watch_error else [])
+    notes += [f"health events unavailable: {snap.health_watch_error}"] if snap.health_watch_error else []
+    notes += [call.describe() for call in snap.hung_calls.values()]
+    return notes + ([f"kernel log unread: {snap.kernel_log_error}"] if snap.kernel_log_error else [])
 
 
 class StatusReport(Sink):
@@ -52,7 +54,10 @@ class StatusReport(Sink):
         self.sinks: Sequence[Sink] = ()
         self._said = ""
         self.metrics = Metrics(
-            fleet.views, lambda: self.holders() or {}, dra.status if dra is not None else lambda: None
+            fleet.views,
+            lambda: self.holders() or {},
+            dra.status if dra is not None else lambda: None,
+            lambda: self._state.current,
         )
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
@@ -81,9 +86,12 @@ class StatusReport(Sink):
 
     def healthz(self) -> Answer:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
-        fleet, cdi = self._fleet, self._cdi.publisher
-        refused = fleet.plan_error or fleet.refused or (cdi.error and cdi.settings.enforce)
-        if fleet.registered and not refused:
+        fleet, cdi, snap = self._fleet, self._cdi.publisher, self._state.current
+        # A hung NVML call: serving goes on from the state, but the node needs a person.
+        refused = fleet.plan_error or fleet.refused or (cdi.error and cdi.settings.enforce) or snap.hung_calls
+        # DRA sockets that cannot be served (a directory gone with the kubelet's): the line names it.
+        dra_unserved = self._dra is not None and self._dra.not_served
+        if fleet.registered and not refused and not dra_unserved:
             # Serving; but say which devices are out because Allocate could not hand them out.
             notes = [*unready_note(self._state.current), *self._cdi.notes()]
             return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"

@@ -115,6 +115,11 @@ def status_document(
                 "evidence": health.evidence,
                 # NVML's recovery action last read during the fault (0: none, or never asked for).
                 "recovery_action": health.recovery_action,
+                # Xids taken in this run, each once whether NVML, the kernel log or both reported it.
+                "xids": snapshot.xids.get(gpu.uuid, 0),
+                # nvplug's own resets (nvplug.health.autoReset): the last step, and how many this boot.
+                "auto_reset": snapshot.auto_reset.get(gpu.uuid),
+                "auto_resets": len(snapshot.auto_resets.get(gpu.uuid, ())),
                 "waiting_for": health.waiting_for(gpu.bus_id, gpu.index),
                 "advertised": advertised.get(gpu.uuid, {}),
                 "excluded": excluded.get(gpu.uuid),
@@ -130,6 +135,18 @@ def status_document(
         "revision": snapshot.revision,
         "nvml_error": snapshot.nvml_error,
         "health_watch_error": snapshot.health_watch_error,
+        "kernel_log": {
+            "error": snapshot.kernel_log_error,
+            "seq": snapshot.kernel_log_seq,
+            "lost": snapshot.kernel_log_lost,
+            # Xids both NVML and the kernel log reported, taken in once.
+            "matched": snapshot.xids_matched,
+        },
+        # SXids of the NVSwitches: a fabric signal, no GPU is Unhealthy for them.
+        "nvswitches": [
+            {"bus_id": bus, "switch": e.switch, "sxids": e.count, "last_code": e.last_code, "last": e.last_message}
+            for bus, e in sorted(snapshot.switch_errors.items())
+        ],
         "plan_error": plan_error,
         "pods_error": pods_error,
         "resources": [
@@ -154,6 +171,7 @@ class Metrics:
         resources: Callable[[], Sequence[ResourceView]],
         holders: Callable[[], Mapping[str, list[Holder]]] = dict,
         dra: Callable[[], Mapping[str, Any] | None] = lambda: None,
+        snapshot: Callable[[], Snapshot] | None = None,
     ) -> None:
         self.registry = reg = CollectorRegistry()
         self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
@@ -162,6 +180,9 @@ class Metrics:
         )
         self.nvml_errors = Counter(
             "nvplug_nvml_errors", "NVML failures, by the call that failed", ["function"], registry=reg
+        )
+        self.auto_reset = Counter(
+            "nvplug_auto_reset_steps", "Steps of nvplug's own GPU resets, taken or refused", ["step"], registry=reg
         )
         self.latency = Histogram(
             "nvplug_event_to_list_and_watch_seconds",
@@ -174,6 +195,8 @@ class Metrics:
         build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
         reg.register(_ResourceCollector(resources, holders))
         reg.register(_DraCollector(dra))
+        if snapshot is not None:
+            reg.register(_NodeCollector(snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -220,6 +243,28 @@ class _ResourceCollector(Collector):
         for labels in sorted(series):
             allocated.add_metric(list(labels), 1.0)
         yield from (devices, registered, ok, failed, allocated)
+
+
+class _NodeCollector(Collector):
+    """What the state counts beside the devices: the kernel log reader's losses, NVSwitch SXids."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        lost = CounterMetricFamily(
+            "nvplug_kernel_log_records_lost", "Kernel log records the reader missed (ring buffer overrun, seq jump)"
+        )
+        lost.add_metric([], snap.kernel_log_lost)
+        readable = GaugeMetricFamily("nvplug_kernel_log_readable", "1 while the kernel log is read for GPU faults")
+        readable.add_metric([], 0.0 if snap.kernel_log_error else 1.0)
+        sxids = CounterMetricFamily(
+            "nvplug_nvswitch_sxids", "NVSwitch SXids in the kernel log this boot", labels=["switch", "bus_id"]
+        )
+        for bus, errors in sorted(snap.switch_errors.items()):
+            sxids.add_metric([errors.switch, bus], errors.count)
+        yield from (lost, readable, sxids)
 
 
 class _DraCollector(Collector):

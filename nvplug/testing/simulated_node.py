@@ -3,7 +3,11 @@ daemon as a child process, all in one directory. Used by the tests and the demo.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -18,6 +22,7 @@ from types import TracebackType
 from typing import IO, Literal
 
 from nvplug.core.gpu import normalize_bus_id
+from nvplug.core.kernel_log_records import format_record
 from nvplug.testing import fakenvml
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
@@ -28,6 +33,10 @@ MACHINE = "NVIDIA DGX H100"
 # The fake library; whatever the host's loader finds (a real driver); or no library at all.
 NvmlSource = Literal["fake", "host", "none"]
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+# What a pipe holds where F_GETPIPE_SZ cannot tell (Linux's default).
+PIPE_BYTES = 64 * 1024
+# How long kernel_log waits for a running daemon to read a full pipe.
+KERNEL_LOG_WRITE_TIMEOUT_S = 5.0
 
 
 def registered_with(count: int, resource: str = GPU_RESOURCE) -> Callable[[FakeKubelet], bool]:
@@ -101,9 +110,20 @@ class SimulatedNode:
             self.add_device_node(gpu.get("minor"))
             self.add_pci_device(gpu.get("bus"))
         nvidia_smi.install(self.bin_dir, self.nvidia_smi_log)
+        # The kernel log stand-in: a FIFO of /dev/kmsg records. The node holds it open for reading
+        # and writing, so writes never block and the pipe keeps its records while no daemon reads.
+        self.kernel_log_path = root / "kmsg"
+        with contextlib.suppress(FileExistsError):
+            os.mkfifo(self.kernel_log_path)
+        self._kernel_log_fd = os.open(self.kernel_log_path, os.O_RDWR | os.O_NONBLOCK)
+        # Every record written (as formatted), oldest first: a (re)started daemon reads them all.
+        self.kernel_log_history: list[str] = []
+        self._kernel_log_seq = 0
 
     def new_boot(self) -> str:
-        """A fresh boot id, as after a reboot."""
+        """A fresh boot id, as after a reboot: the kernel log starts empty again."""
+        self.kernel_log_history = []
+        self._kernel_log_seq = 0
         self.boot_id_file.parent.mkdir(parents=True, exist_ok=True)
         boot = str(uuid.uuid4())
         self.boot_id_file.write_text(boot + "\n")
@@ -135,6 +155,69 @@ class SimulatedNode:
         self.add_device_node(words.get("minor"))
         self.add_pci_device(words.get("bus"))
         return self.control.add(spec)
+
+    def kernel_log(self, message: str, prio: int = 3) -> int:
+        """Adds a record to the kernel log stand-in (prio 3: the kernel's KERN_ERR); returns its seq."""
+        seq = self._kernel_log_seq
+        self._kernel_log_seq += 1
+        record = format_record(prio, seq, time.monotonic_ns() // 1000, message)
+        self.kernel_log_history.append(record)
+        self._write_kernel_log(record.encode())
+        return seq
+
+    def kernel_log_gap(self, n: int) -> None:
+        """Skips `n` seq numbers, as records the ring buffer dropped before a reader saw them."""
+        if n < 0:
+            raise ValueError(f"a gap of {n} records")
+        self._kernel_log_seq += n
+
+    def _write_kernel_log(self, data: bytes) -> None:
+        view = memoryview(data)
+        deadline = time.monotonic() + KERNEL_LOG_WRITE_TIMEOUT_S
+        while view:
+            try:
+                view = view[os.write(self._kernel_log_fd, view) :]
+            except BlockingIOError:
+                if self.daemon is None or self.daemon.poll() is not None:
+                    # Nobody reads: the pipe is the whole ring buffer, so the oldest records go.
+                    self.replay_kernel_log()
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the daemon has not read the kernel log stand-in {self.kernel_log_path} "
+                        f"for {KERNEL_LOG_WRITE_TIMEOUT_S:.0f}s"
+                    ) from None
+                select.select([], [self._kernel_log_fd], [], 0.05)
+
+    def replay_kernel_log(self) -> None:
+        """Empties the pipe and writes the history again, as much of it as fits, oldest first:
+        what a reader that opens /dev/kmsg anew sees. `start_daemon` does it."""
+        while True:
+            try:
+                if not os.read(self._kernel_log_fd, PIPE_BYTES):
+                    break
+            except BlockingIOError:
+                break
+        try:
+            capacity = fcntl.fcntl(self._kernel_log_fd, fcntl.F_GETPIPE_SZ)
+        except (AttributeError, OSError):
+            capacity = PIPE_BYTES
+        # A page of room: the pipe counts pages, and the last one may not be filled.
+        budget = capacity - 4096
+        keep = 0
+        for record in reversed(self.kernel_log_history):
+            budget -= len(record.encode())
+            if budget < 0:
+                break
+            keep += 1
+        del self.kernel_log_history[: len(self.kernel_log_history) - keep]
+        data = "".join(self.kernel_log_history).encode()
+        try:
+            written = os.write(self._kernel_log_fd, data) if data else 0
+        except BlockingIOError:
+            written = 0
+        if written != len(data):
+            raise OSError(errno.EAGAIN, f"the kernel log stand-in took {written} of {len(data)} bytes")
 
     def build_library(self) -> Path:
         return fakenvml.build(self.lib_dir)
@@ -168,6 +251,8 @@ class SimulatedNode:
         """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`."""
         if nvml == "fake":
             self.build_library()
+        # A real /dev/kmsg shows each reader the log from its oldest record: a restarted daemon sees it all again.
+        self.replay_kernel_log()
         argv: Sequence[str] = [
             sys.executable, "-m", "nvplug", "run",
             "--device-plugin-dir", str(self.plugin_dir),
@@ -181,6 +266,7 @@ class SimulatedNode:
             "--nfd-feature-file", str(self.feature_file),
             "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
             "--log-level", log_level,
+            "--kernel-log", str(self.kernel_log_path),
             *extra,
         ]  # fmt: skip
         full_env = self.daemon_env(nvml)
@@ -237,6 +323,9 @@ class SimulatedNode:
         if self.daemon is not None and self.daemon.poll() is None:
             self.stop_daemon(signal.SIGKILL)
         self.kubelet.stop()
+        if self._kernel_log_fd >= 0:
+            os.close(self._kernel_log_fd)
+            self._kernel_log_fd = -1
 
     def __enter__(self) -> SimulatedNode:
         return self

@@ -23,6 +23,12 @@ def check_daemon(ctx: DoctorContext) -> Check:
     for key in ("nvml_error", "plan_error"):
         if doc.get(key):
             failures.append(f"{key.replace('_', ' ')}: {doc[key]}")
+    # Why the daemon cannot serve now (a directory the kubelet's wipe took, a bind failing), naming it.
+    not_served = [f"{name} is not served: {why}" for name, why in _fleet_part(doc).items()]
+    dra = doc.get("dra") or {}
+    if dra.get("not_served"):
+        not_served.append(f"DRA {dra.get('driver')} is not served: {dra['not_served']}")
+    failures += not_served
     resources = doc.get("resources") or []
     if not resources:
         failures.append("no resource is advertised")
@@ -45,13 +51,17 @@ def check_daemon(ctx: DoctorContext) -> Check:
     if doc.get("health_watch_error"):
         warnings.append(f"health watch error: {doc['health_watch_error']}")
     if failures:
-        return Check(
-            "FAIL",
-            "the daemon runs but does not serve every resource",
-            failures + evidence + unhealthy + warnings,
-            "`journalctl -u nvplug -p warning` says why; registration waits for kubelet.sock (step 6) "
-            "and NVML (step 3)",
+        fix = (
+            "`journalctl -u nvplug -p warning` says why; registration waits for kubelet.sock (step 6) and NVML (step 3)"
         )
+        if not_served:
+            fix = (
+                "a directory nvplug serves its sockets in is gone (a node re-join or a kubelet reinstall wipes "
+                "/var/lib/kubelet): the kubelet makes it again when it starts, and nvplug serves and registers "
+                "again at once, without a restart; `journalctl -u nvplug -p warning` says what it waits for"
+            )
+        return Check("FAIL", "the daemon runs but does not serve every resource",
+                     failures + evidence + unhealthy + warnings, fix)  # fmt: skip
     total = sum(int(r.get("devices", 0)) for r in resources)
     healthy = sum(int(r.get("healthy", 0)) for r in resources)
     if unhealthy or warnings:
@@ -66,3 +76,10 @@ def check_daemon(ctx: DoctorContext) -> Check:
             "was fixed and probes it",
         )
     return Check("PASS", f"the daemon is registered: {total} devices advertised, all healthy", evidence)
+
+
+def _fleet_part(doc: dict[str, object]) -> dict[str, str]:
+    """The device plugins' part of /status: each resource not served now, and why (a daemon before it: none)."""
+    part = doc.get("device plugins")
+    found = part.get("not_served") if isinstance(part, dict) else None
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
