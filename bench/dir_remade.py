@@ -16,7 +16,6 @@ ratio to the target; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import random
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
-from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0
 # The issue's bound: registered again within 1 s of the directory and kubelet.sock being back.
@@ -40,22 +39,10 @@ def percentile(samples: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-def remove(path: Path) -> None:
-    """shutil.rmtree; again if the daemon's rebind landed a socket between its unlinks and its rmdir."""
-    for _ in range(5):
-        try:
-            shutil.rmtree(path)
-            return
-        except OSError as err:
-            if err.errno != errno.ENOTEMPTY:
-                raise
-    shutil.rmtree(path)
-
-
 def one_round(kubelet: KubeletThread, plugin_dir: Path, wiped: Path, gone: float) -> tuple[float, float, float]:
     """(made again -> Register accepted, made again -> first list, kubelet.sock -> Register accepted)."""
     # Wiped under the running kubelet, which restarts once its directory is back (a reinstall).
-    remove(wiped)
+    remove_tree(wiped)
     time.sleep(gone)
     made = time.monotonic()
     plugin_dir.mkdir(parents=True)

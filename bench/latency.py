@@ -24,6 +24,7 @@ from pathlib import Path
 # The stand-in's client side logs every GOAWAY of a restart at info level otherwise.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, Update
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import UdevSender, pci_event
@@ -74,7 +75,9 @@ def bench_xid(node: SimulatedNode, samples: int) -> list[float]:
         t0 = time.monotonic()
         node.control.xid(gpu, 79)
         out.append(first_update(node, t0, unhealthy(uuids[gpu])) - t0)
-        # A re-probe shortly after heals it (the fake GPU is fine), ready for the next sample.
+        # XID 79 waits for evidence of a reset: the operator's word, then the probe it starts.
+        body = f'{{"gpu": "{uuids[gpu]}", "operator": "bench"}}'.encode()
+        statusclient.fetch(f"unix:{node.status_socket}", "/heal", TIMEOUT, body)
         node.kubelet.wait_for(device_health(uuids[gpu], healthy=True), TIMEOUT)
     return out
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.notify_socket import NotifySocket
 
 from nvplug.testing import fakenvml
 from nvplug.testing.simulated_node import SimulatedNode
@@ -38,3 +39,11 @@ def node(short_tmp: Path, nvml_lib_dir: Path) -> Iterator[SimulatedNode]:
         sim.close()
         # Shown by pytest only when the test failed.
         print(f"--- daemon log ({sim.log_path}) ---\n{sim.log_text()}")
+
+
+@pytest.fixture
+def notify(short_tmp: Path) -> Iterator[NotifySocket]:
+    """A socket where the daemon's sd_notify messages land, as systemd's NOTIFY_SOCKET."""
+    sock = NotifySocket(short_tmp / "notify.sock")
+    yield sock
+    sock.close()

@@ -6,16 +6,15 @@ doctor say why, naming the directory. Real inotify, real sockets, the real daemo
 from __future__ import annotations
 
 import asyncio
-import errno
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from support.notify_socket import NotifySocket
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -24,7 +23,7 @@ from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved,
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
-from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0
 # From the directory and kubelet.sock being back to Register accepted at the kubelet stand-in.
@@ -37,18 +36,6 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -
         assert time.monotonic() - began < timeout, f"timed out waiting for {what}"
         time.sleep(0.005)
     return time.monotonic() - began
-
-
-def rmtree(path: Path) -> None:
-    """shutil.rmtree; once more if our own rebind landed a socket between its unlinks and its rmdir."""
-    for _ in range(5):
-        try:
-            shutil.rmtree(path)
-            return
-        except OSError as err:
-            if err.errno != errno.ENOTEMPTY:
-                raise
-    shutil.rmtree(path)
 
 
 # ---------------------------------------------------------------------------
@@ -182,41 +169,6 @@ def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
 # The daemon on the simulated node
 
 
-class NotifySocket:
-    """What systemd listens on: the status lines the daemon sends (sd_notify STATUS=)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.1)
-        self.lines: list[str] = []
-
-    def status_with(self, *parts: str, timeout: float = TIMEOUT) -> str:
-        """The first status line (received so far or next) that holds every part."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.lines:
-                if all(p in line for p in parts):
-                    return line
-            assert time.monotonic() < deadline, f"no status line with {parts}: {self.lines[-5:]}"
-            try:
-                data = self.sock.recv(65536).decode()
-            except TimeoutError:
-                continue
-            self.lines += [f[len("STATUS=") :] for f in data.splitlines() if f.startswith("STATUS=")]
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def notify(short_tmp: Path) -> Iterator[NotifySocket]:
-    sock = NotifySocket(short_tmp / "notify.sock")
-    yield sock
-    sock.close()
-
-
 def healthz(node: SimulatedNode) -> tuple[int, str]:
     return statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=5)
 
@@ -247,7 +199,7 @@ def test_the_device_plugin_dir_removed_and_made_again(node: SimulatedNode, notif
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
 
     # Wiped under the running kubelet, which then restarts (a reinstall): kubelet.sock goes with it.
-    rmtree(node.plugin_dir)
+    remove_tree(node.plugin_dir)
     where = str(node.plugin_dir)
     missing = f"{GPU_RESOURCE} not served: the device-plugin directory {where} is missing"
     # First the failed bind says so (the socket's removal comes first), then the directory's own removal.
@@ -289,7 +241,7 @@ def test_var_lib_kubelet_wiped_and_made_again_with_mkdir_p(node: SimulatedNode, 
         kubelet.wait_for(registered_with(8), TIMEOUT)
         times = []
         for n in range(3):
-            rmtree(kubelet_root)
+            remove_tree(kubelet_root)
             wait_until(lambda: str(plugin_dir) in healthz(node)[1], "/healthz naming the directory")
             assert healthz(node)[0] == 503
             time.sleep(0.2 * n)  # at varying points of the bind's backoff
@@ -314,8 +266,8 @@ def test_the_dra_directories_removed_and_made_again(dra: Dra) -> None:  # noqa: 
 
     # The DRA kubelet stand-in scans plugins_registry: it goes with it, as the kubelet would.
     dra.kubelet.stop()
-    rmtree(registry)
-    rmtree(plugins)
+    remove_tree(registry)
+    remove_tree(plugins)
     wait_until(lambda: healthz(node)[0] == 503 and "DRA gpu.nvidia.com not served" in healthz(node)[1], "503")
     body = healthz(node)[1]
     print(f"/healthz while gone: {body.strip()}")

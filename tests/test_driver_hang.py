@@ -57,6 +57,25 @@ def test_a_hung_call_is_left_behind_and_nothing_queues_behind_it() -> None:
     asyncio.run(scenario())
 
 
+def test_a_call_queued_behind_a_hung_one_is_not_called_hung_and_runs_on_the_fresh_worker() -> None:
+    published: list[Event] = []
+    release = threading.Event()
+
+    async def scenario() -> None:
+        calls = NvmlCalls(published.append, deadline=0.1, hang_limit=5.0)
+        hung = asyncio.ensure_future(calls.run("probe", "GPU-2", lambda: release.wait(10)))
+        await asyncio.sleep(0.01)  # GPU-2's call has the worker
+        assert await calls.run("probe", "GPU-1", lambda: "answered") == "answered"
+        with pytest.raises(NvmlHung):
+            await hung
+        assert [(e.uuid, e.returned) for e in published if isinstance(e, NvmlCallHung)] == [("GPU-2", False)]
+        release.set()
+        await asyncio.wait_for(calls.until_clear(), 5)
+        calls.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_the_state_faults_a_hung_gpu_only_past_the_limit_and_lets_a_probe_heal_it() -> None:
     state = NodeState()
     gpu = Gpu("GPU-2", 2, "0000:2a:00.0")

@@ -190,3 +190,13 @@ def test_a_report_from_before_a_repair_is_not_the_same_fault_as_one_after() -> N
     assert not state.current.health[gpu.uuid].healthy and state.current.xids[gpu.uuid] == 2
     state.apply(KernelXid(gpu.bus_id, 79, "Xid 79", 2))  # and the kernel's word on that same new one
     assert state.current.xids[gpu.uuid] == 2
+
+
+def test_a_gpu_hot_added_where_another_was_does_not_match_that_ones_reports() -> None:
+    old, new = Gpu("GPU-old", 0, "0002:05:00.0"), Gpu("GPU-new", 0, "0002:05:00.0")
+    state = NodeState(clock=lambda: 100.0)
+    state.apply(InventoryFound((old,)))
+    state.apply(XidOccurred(old.uuid, 48))  # NVML's report, whose kernel copy never came
+    state.apply(InventoryFound((new,)))  # removed, and another GPU in its slot
+    state.apply(KernelXid(new.bus_id, 48, "Xid 48", 1))
+    assert not state.current.health[new.uuid].healthy and state.current.xids_matched == 0

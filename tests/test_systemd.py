@@ -12,51 +12,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.notify_socket import NotifySocket
 
 from nvplug.cli.journal_logging import JournalFormatter, journal_stream
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
-
-
-class NotifySocket:
-    """What systemd listens on: one datagram per sd_notify call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.messages: list[tuple[float, dict[str, str]]] = []
-
-    def receive(self, until: str, timeout: float = TIMEOUT) -> dict[str, str]:
-        """Collect messages until one carries `until` (KEY or KEY=VALUE); return it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"no {until} among {self.messages}")
-            self.sock.settimeout(remaining)
-            data = self.sock.recv(4096).decode()
-            fields = dict(line.split("=", 1) for line in data.splitlines())
-            self.messages.append((time.monotonic(), fields))
-            key, _, value = until.partition("=")
-            if key in fields and (not value or fields[key] == value):
-                return fields
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def notify(short_tmp: Path) -> Iterator[NotifySocket]:
-    sock = NotifySocket(short_tmp / "notify.sock")
-    yield sock
-    sock.close()
 
 
 def test_notifier_sends_each_message(notify: NotifySocket) -> None:

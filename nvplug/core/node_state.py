@@ -61,6 +61,8 @@ SAME_XID_SECONDS = 5.0
 # The sources that report Xids, and how many unmatched reports of one Xid each keeps.
 XID_SOURCES = (XidOccurred.source, KernelXid.source)
 MAX_WAITING_REPORTS = 256
+# Changes after which a GPU's earlier Xid reports are no one's word on a later fault.
+ENDS_A_FAULT = ("healthy", "recovery evidence", "removed")
 # Snapshot fields that are counts for operators, not the node's picture: they bump no revision.
 COUNTERS = frozenset({"xids", "xids_matched", "kernel_log_seq", "kernel_log_lost", "switch_errors"})
 FELL_OFF_THE_BUS = 79  # the kernel's "fallen off the bus" line is Xid 79's fault, with or without the Xid
@@ -219,8 +221,9 @@ class NodeState:
             kernel_log_seq=kernel_log_seq,
             auto_resets=MappingProxyType(dict(auto_resets or {})),
         )
-        # When each source reported Xids the other source has not yet, by (bus id, code, source),
-        # oldest first: a flood of one code costs O(1) per report, not a scan of every report.
+        # When each source reported Xids the other source has not yet, by (GPU UUID, code, source),
+        # oldest first: a flood of one code costs O(1) per report, not a scan of every report. By
+        # UUID, not bus id: a GPU hot-added where another was must not match that one's reports.
         self._reports: dict[tuple[str, int, str], deque[float]] = {}
         # Replaced on every revision; waiters hold the one they saw.
         self._bumped = asyncio.Event()
@@ -283,11 +286,11 @@ class NodeState:
             what = "health watch failed" if event.error else "health watch running"
             draft.note(Change(what, reason=event.error or ""))
         # A report from before a repair cannot be the other source's word on a fault after it.
-        repaired = {c.gpu.bus_id for c in draft.changes if c.gpu and c.what in ("healthy", "recovery evidence")}
+        repaired = {c.gpu.uuid for c in draft.changes if c.gpu and c.what in ENDS_A_FAULT}
         if repaired:
             for key in [k for k in self._reports if k[0] in repaired]:
                 del self._reports[key]
-            healed = {g.uuid for g in draft.gpus if g.bus_id in repaired and draft.health[g.uuid].healthy}
+            healed = {u for u in repaired if u in draft.health and draft.health[u].healthy}
             if healed & set(draft.auto_reset):
                 draft.auto_reset = MappingProxyType({u: s for u, s in draft.auto_reset.items() if u not in healed})
         built = draft.build()
@@ -471,7 +474,7 @@ class NodeState:
         """
         now = draft.now
         for other in XID_SOURCES:
-            waiting = self._reports.get((gpu.bus_id, code, other)) if other != source else None
+            waiting = self._reports.get((gpu.uuid, code, other)) if other != source else None
             while waiting and now - waiting[0] > SAME_XID_SECONDS:
                 waiting.popleft()
             if waiting:
@@ -479,7 +482,7 @@ class NodeState:
                 draft.xids_matched += 1
                 draft.note(Change("xid reported by NVML and the kernel log", gpu, self._xid.name(code)))
                 return True
-        own = self._reports.setdefault((gpu.bus_id, code, source), deque(maxlen=MAX_WAITING_REPORTS))
+        own = self._reports.setdefault((gpu.uuid, code, source), deque(maxlen=MAX_WAITING_REPORTS))
         while own and now - own[0] > SAME_XID_SECONDS:
             own.popleft()
         own.append(now)

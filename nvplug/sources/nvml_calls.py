@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,13 +109,23 @@ class NvmlCalls:
             raise NvmlHung(f"NVML has not returned from {blocking.describe()} since {_clock(blocking.since)}")
         loop = asyncio.get_running_loop()
         call = _Call(next(self._numbers), name, uuid, time.monotonic(), time.time())
-        future = loop.run_in_executor(self._worker, functools.partial(fn, *args))
+        began = threading.Event()
+
+        def started() -> T:
+            began.set()
+            return fn(*args)
+
+        future = loop.run_in_executor(self._worker, started)
         limit = self.deadline if deadline == 0.0 else deadline
         # asyncio.wait, not wait_for: before Python 3.12, wait_for swallows a cancel that lands just
         # as the call returns, and a task stopped at shutdown would go on running.
         done, _ = await asyncio.wait({future}, timeout=limit)
         if done:
             return future.result()
+        if not began.is_set() and future.cancel():
+            # Queued behind the call that hangs (left behind before this deadline): not hung itself.
+            # Again on the fresh worker, unless that call is on this one's GPU.
+            return await self.run(name, uuid, fn, *args, deadline=deadline)
         self._left_behind(call, future)
         raise NvmlHung(
             f"NVML has not returned from {call.describe()} for {limit:.0f} s (nvplug.health.nvmlCallDeadlineSeconds)"

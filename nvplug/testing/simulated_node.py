@@ -59,6 +59,19 @@ def device_health(uuid: str, healthy: bool, resource: str = GPU_RESOURCE) -> Cal
     return check
 
 
+def remove_tree(path: Path) -> None:
+    """shutil.rmtree of a directory a running daemon serves in: once more if its rebind landed a
+    socket between rmtree's unlinks and its rmdir (ENOTEMPTY), as a kubelet wipe can race it too."""
+    for _ in range(5):
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as err:
+            if err.errno != errno.ENOTEMPTY:
+                raise
+    shutil.rmtree(path)
+
+
 class SimulatedNode:
     """Keep `root` short: unix socket paths are limited to 107 bytes."""
 
