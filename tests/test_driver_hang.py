@@ -31,7 +31,7 @@ def test_a_hung_call_is_left_behind_and_nothing_queues_behind_it() -> None:
 
     async def scenario() -> None:
         calls = NvmlCalls(published.append, deadline=0.1, hang_limit=0.3)
-        with pytest.raises(NvmlHung, match=r"has not returned from probe \(GPU-2\) for 0 s"):
+        with pytest.raises(NvmlHung, match=r"has not returned from probe \(GPU-2\) for 0.1 s"):
             await calls.run("probe", "GPU-2", hangs)
         assert [type(e) for e in published] == [NvmlCallHung]
         assert calls.hung_on("GPU-2") is not None and calls.hung_on("GPU-1") is None

@@ -128,7 +128,7 @@ class NvmlCalls:
             return await self.run(name, uuid, fn, *args, deadline=deadline)
         self._left_behind(call, future)
         raise NvmlHung(
-            f"NVML has not returned from {call.describe()} for {limit:.0f} s (nvplug.health.nvmlCallDeadlineSeconds)"
+            f"NVML has not returned from {call.describe()} for {limit:g} s (nvplug.health.nvmlCallDeadlineSeconds)"
         )
 
     def _left_behind(self, call: _Call, future: asyncio.Future[Any]) -> None:
@@ -140,10 +140,10 @@ class NvmlCalls:
         self.hung[call.number] = call
         self._clear.clear()
         log.error(
-            "NVML has not returned from %s for %.0f s: serving on from the state; %s",
+            "NVML has not returned from %s for %.1f s: serving on from the state; %s",
             call.describe(),
             time.monotonic() - call.started,
-            f"its GPU turns Unhealthy after {self.hang_limit:.0f} s" if call.gpu or call.index is not None
+            f"its GPU turns Unhealthy after {self.hang_limit:g} s" if call.gpu or call.index is not None
             else "rescans wait for it",
         )  # fmt: skip
         self._publish(call.event(past_limit=False))
@@ -153,7 +153,7 @@ class NvmlCalls:
 
     def _past_limit(self, call: _Call) -> None:
         if call.number in self.hung:
-            log.error("NVML has not returned from %s for %.0f s: its GPU is Unhealthy", call.describe(),
+            log.error("NVML has not returned from %s for %.1f s: its GPU is Unhealthy", call.describe(),
                       time.monotonic() - call.started)  # fmt: skip
             self._publish(call.event(past_limit=True))
 
