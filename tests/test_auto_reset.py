@@ -157,3 +157,20 @@ def test_a_gpu_with_nvlinks_is_not_reset_without_allow_fabric_reset(tmp_path: Pa
         node.wait_log("auto-reset refused: it has NVLinks: a reset may need Fabric Manager")
         time.sleep(0.8)
         assert resets(node) == [] and gpu_doc(node, gpus[6]["uuid"])["health"] == "Unhealthy"
+
+
+def test_a_passing_check_gives_the_evidence_and_the_gpu_is_healthy(tmp_path: Path) -> None:
+    check = tmp_path / "check.sh"
+    check.write_text(f'#!/bin/sh\necho "$NVPLUG_GPU_UUID" >> {tmp_path}/checked\n')
+    check.chmod(0o755)
+    with SimulatedNode(tmp_path) as node:
+        gpus = start(node, config(validateCommand=str(check)))
+        victim = gpus[7]
+        node.control.xid(7, RESET_ONLY)
+        node.kubelet.wait_for(device_health(victim["uuid"], False), TIMEOUT)
+        node.kubelet.wait_for(device_health(victim["uuid"], True), TIMEOUT)
+        assert (tmp_path / "checked").read_text().split() == [victim["uuid"]]
+        doc = gpu_doc(node, victim["uuid"])
+        assert "at the request of nvplug's auto-reset (nvplug.health.autoReset), and checked" in doc["reason"]
+        assert doc["auto_reset"].startswith(f"checked: `{check}` passed")
+        assert resets(node) == [victim["bus"]]

@@ -155,8 +155,12 @@ class Healer:
             evidence += ", and checked"
         if failure is None:
             await self._handle(EvidenceFound(gpu.uuid, evidence))
-        # The reset dropped our NVML events: a scan subscribes again, and probes the reset GPU.
-        await self._scan()
+        if validate is not None and failure is None:
+            # Subscribed again before the check already: the probe its evidence waits for is all.
+            await self._handle(await self._scanner.probe(gpu.uuid, "the check after the reset"))
+        else:
+            # The reset dropped our NVML events: a scan subscribes again, and probes the reset GPU.
+            await self._scan()
         if failure is not None:
             return 500, self._outcome(gpu, failure, "failed")
         return 200, self._outcome(gpu)
