@@ -96,10 +96,15 @@ class HungCall:
     index: int | None
     since: float  # wall-clock seconds
 
-    def describe(self) -> str:
+    @property
+    def subject(self) -> str:
+        """The call and its GPU: `scan (gpu 2)`, `probe (GPU-...)`."""
         gpu = self.uuid or (f"gpu {self.index}" if self.index is not None else "no GPU yet")
+        return f"{self.call} ({gpu})"
+
+    def describe(self) -> str:
         since = time.strftime("%H:%M:%S", time.localtime(self.since))
-        return f"NVML has not returned from {self.call} ({gpu}) since {since}"
+        return f"NVML has not returned from {self.subject} since {since}"
 
 
 def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None = None) -> Gpu | None:
@@ -267,8 +272,7 @@ class NodeState:
         elif isinstance(event, DeviceNodesChanged):
             # The same check a scan makes, from the nodes the watch listed: no NVML call needed.
             draft.device_nodes = event.present
-            draft.unready = MappingProxyType(unready(draft.gpus, draft.cap_minors, event.present.__contains__))
-            draft.recheck()
+            draft.check_ready(draft.unready)
         elif isinstance(event, (KernelXid, GpuFellOffBus, DriverLoaded, GpuNamedInLog, SwitchXid)):
             self._kernel_record(draft, event)
         elif isinstance(event, AutoResetStep):
@@ -361,11 +365,7 @@ class NodeState:
             draft.driver_version = event.driver_version
         if event.cuda_version is not None:
             draft.cuda_version = event.cuda_version
-        nodes = draft.device_nodes
-        # The watch's listing is newer than a scan's look at /dev that it may have overtaken on the bus.
-        found = unready(draft.gpus, draft.cap_minors, nodes.__contains__) if nodes is not None else event.unready
-        draft.unready = MappingProxyType(dict(found))
-        draft.recheck()
+        draft.check_ready(event.unready)
         for probe in event.probes:
             self._probe(draft, probe)
 
@@ -667,6 +667,14 @@ class _Draft:
     def unallocatable(self, uuid: str) -> str | None:
         """Why Allocate could not hand the device out (a node missing, its CDI name unresolved), if so."""
         return self.unready.get(uuid) or self.unresolved.get(uuid)
+
+    def check_ready(self, scanned: Mapping[str, str]) -> None:
+        """What Allocate could not hand out: from the dev watch's listing where it runs (newer than a
+        scan's look at /dev, which it may have overtaken on the bus), else as the scan found it."""
+        nodes = self.device_nodes
+        found = unready(self.gpus, self.cap_minors, nodes.__contains__) if nodes is not None else scanned
+        self.unready = MappingProxyType(dict(found))
+        self.recheck()
 
     def recheck(self) -> None:
         """Fault the devices Allocate could not hand out; heal those it could again."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nvplug.core.events import NvmlCallHung
+from nvplug.core.node_state import HungCall
 from nvplug.edges.edge_protocols import Publish
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 
@@ -57,9 +58,11 @@ class _Call:
         seconds = time.monotonic() - self.started
         return NvmlCallHung(self.number, self.name, self.gpu, self.index, self.since, seconds, past_limit, returned)
 
+    def hung(self) -> HungCall:
+        return HungCall(self.name, self.gpu, self.index, self.since)
+
     def describe(self) -> str:
-        gpu = self.gpu or (f"gpu {self.index}" if self.index is not None else "no GPU yet")
-        return f"{self.name} ({gpu})"
+        return self.hung().subject
 
 
 class NvmlCalls:
@@ -106,7 +109,7 @@ class NvmlCalls:
         None: none, for a call with a timeout of its own), or at once while a call on its GPU hangs."""
         blocking = self.hung_on(uuid)
         if blocking is not None:
-            raise NvmlHung(f"NVML has not returned from {blocking.describe()} since {_clock(blocking.since)}")
+            raise NvmlHung(blocking.hung().describe())
         loop = asyncio.get_running_loop()
         call = _Call(next(self._numbers), name, uuid, time.monotonic(), time.time())
         began = threading.Event()
@@ -174,7 +177,3 @@ class NvmlCalls:
             if call.limit_timer is not None:
                 call.limit_timer.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
-
-
-def _clock(wall: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(wall))
