@@ -283,9 +283,26 @@ TS = "sharing:\n  timeSlicing:\n    resources:\n    - "
             r"line 5: sharing\.mps: time-slicing and MPS are mutually exclusive",
         ),
         (
-            "flags:\n  migStrategy: mixed\nsharing:\n  mps:\n    resources: [{name: gpu, replicas: 2}]\n",
-            r"line 5: sharing\.mps: MPS sharing does not work with flags\.migStrategy: mixed",
+            "sharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources: [{name: gpu, replicas: 2}]\n",
+            r"line 3: sharing\.mps\.failRequestsGreaterThanOne: must be true for MPS",
         ),
+        (
+            MPS + "{name: gpu, replicas: 2}\nnvplug:\n  mps:\n    resources: [{name: gpu.shared}]\n",
+            r"line 7: nvplug\.mps\.resources\[0\]\.name: nvidia\.com/gpu\.shared is no MPS resource",
+        ),
+        (
+            "nvplug:\n  mps:\n    resources: [{name: gpu, pinnedMemoryLimit: 4T}]\n",
+            r"line 3: nvplug\.mps\.resources\[0\]\.pinnedMemoryLimit: must be a size such as 4096M",
+        ),
+        (
+            "nvplug:\n  mps:\n    resources: [{name: gpu, activeThreadPercentage: 0}]\n",
+            r"line 3: nvplug\.mps\.resources\[0\]\.activeThreadPercentage: must be from 1 to 100",
+        ),
+        (
+            "nvplug:\n  mps:\n    resources: [{name: gpu}, {name: gpu}]\n",
+            r"line 3: nvplug\.mps\.resources\[1\]\.name: nvidia\.com/gpu is listed twice",
+        ),
+        ("nvplug:\n  mps:\n    root: run/mps\n", r"line 3: nvplug\.mps\.root: 'run/mps' is not an absolute path"),
         ("imex:\n  channelIDs: [1]\n", r"line 2: imex\.channelIDs: must be \[\] or \[0\], not \[1\]"),
         ("imex:\n  channelIDs: [0, 0]\n", r"line 2: imex\.channelIDs: must be \[\] or \[0\]"),
     ],

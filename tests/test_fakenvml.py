@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,12 +90,15 @@ class Rig:
             del env["FAKE_NVML_SCENARIO"]
         return env
 
-    def argv(self, body: str) -> list[str]:
-        return [sys.executable, "-c", PRELUDE + textwrap.dedent(body) + EPILOGUE, str(self.ctl)]
+    def argv(self, body: str, ctl: Path | None = None) -> list[str]:
+        """`ctl`: the child's CTL, when its env names another control socket than ours."""
+        return [sys.executable, "-c", PRELUDE + textwrap.dedent(body) + EPILOGUE, str(ctl or self.ctl)]
 
-    def run(self, body: str, scenario: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    def run(
+        self, body: str, scenario: Path | None = None, env: dict[str, str] | None = None, ctl: Path | None = None
+    ) -> dict[str, Any]:
         proc = subprocess.run(
-            self.argv(body), env=env or self.env(scenario), capture_output=True, text=True, timeout=60
+            self.argv(body, ctl), env=env or self.env(scenario), capture_output=True, text=True, timeout=60
         )
         assert proc.returncode == 0, proc.stderr
         result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
@@ -139,14 +143,17 @@ def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path,
 
 
 def test_environ_puts_lib_dir_first() -> None:
-    env = fakenvml.environ(Path("/x/lib"), Path("/s"), Path("/c"), {"LD_LIBRARY_PATH": "/old", "A": "1"})
+    env = fakenvml.environ(Path("/x/lib"), Path("/s"), Path("/n/c"), {"LD_LIBRARY_PATH": "/old", "A": "1"})
     assert env == {
         "LD_LIBRARY_PATH": "/x/lib:/old",
         "FAKE_NVML_SCENARIO": "/s",
-        "FAKE_NVML_CONTROL": "/c",
+        "FAKE_NVML_CONTROL": "/n/c",
+        "FAKE_NVML_STATE_DIR": "/n",  # the control socket's directory: one per simulated node
         "A": "1",
     }
     assert fakenvml.environ(Path("/x"), Path("/s"), Path("/c"), {})["LD_LIBRARY_PATH"] == "/x"
+    own = fakenvml.environ(Path("/x"), Path("/s"), Path("/c"), {}, state_dir=Path("/st"))
+    assert own["FAKE_NVML_STATE_DIR"] == "/st"
 
 
 def test_control_times_out_without_a_server(tmp_path: Path) -> None:
@@ -711,11 +718,11 @@ def test_faults_from_scenario_and_add_are_there_at_first_probe(rig: Rig) -> None
         [0, [0, 1], 3],
     ]
     assert out["state"].split(" | ")[1:] == [
-        "0 GPU-a ok ra=0",
-        "1 GPU-b lost ra=0",
-        "2 GPU-c pages ra=0",
-        "3 GPU-d remap ra=0",
-        "4 GPU-e remap ra=3",
+        "0 GPU-a ok ra=0 cm=0",
+        "1 GPU-b lost ra=0 cm=0",
+        "2 GPU-c pages ra=0 cm=0",
+        "3 GPU-d remap ra=0 cm=0",
+        "4 GPU-e remap ra=3 cm=0",
     ]
     assert out["add"] == "ok pending GPU-f" and out["add2"] == "ok pending GPU-g"
     assert out["bad_add"] == "error: add: bad value for remap_failure: '2'"
@@ -1066,9 +1073,9 @@ def test_mig_devices_from_scenario(rig: Rig) -> None:
     assert out["mig_by_index_on_mig"] == 3
     assert out["full_gpu"] == [3, 3, 3, 2, 0, 2]
     gpu0_state = out["state"].split(" | ")[1]
-    assert gpu0_state.startswith("0 GPU-mig0 ok ra=0 mig=3g.40gb/2/0/MIG-")
+    assert gpu0_state.startswith("0 GPU-mig0 ok ra=0 cm=0 mig=3g.40gb/2/0/MIG-")
     assert "1g.10gb+me/9/0/MIG-custom-0009,1g.20gb/1/0/" in gpu0_state
-    assert out["state"].split(" | ")[2] == "1 GPU-full ok ra=0"
+    assert out["state"].split(" | ")[2] == "1 GPU-full ok ra=0 cm=0"
 
 
 def test_mig_layout_changes_apply_at_once_with_an_event(rig: Rig) -> None:
@@ -1386,8 +1393,8 @@ def test_running_processes_none_then_set_over_control(rig: Rig) -> None:
     assert out["lists_v2"] == out["lists"]
     assert out["other_gpu"] == [[], [], []]
     assert out["state"] == [
-        f"0 {GPUS[0]['uuid']} ok ra=0 procs=4242,100:1024,200:0:graphics,300:512:compute+graphics,400:2048:mps",
-        f"1 {GPUS[1]['uuid']} ok ra=0",
+        f"0 {GPUS[0]['uuid']} ok ra=0 cm=0 procs=4242,100:1024,200:0:graphics,300:512:compute+graphics,400:2048:mps",
+        f"1 {GPUS[1]['uuid']} ok ra=0 cm=0",
     ]
     assert out["by_uuid"] == "ok"
     assert out["gpu1"] == [[[7, None, NA, NA]], [], []]
@@ -1541,7 +1548,7 @@ def test_running_processes_on_mig_devices(rig: Rig) -> None:
     assert out["mig_graphics"] == [[], [], []]
     assert out["full"] == [[[601, 2 * mib, NA, NA]], [[600, mib, NA, NA]], [[601, 2 * mib, NA, NA]]]
     assert out["state"][0].endswith(" procs=500:100@2/0,501@5/0,502:300@2/0,503:7")
-    assert out["state"][1] == "1 GPU-full ok ra=0 procs=600:1:graphics,601:2:compute+mps"
+    assert out["state"][1] == "1 GPU-full ok ra=0 cm=0 procs=600:1:graphics,601:2:compute+mps"
     assert out["mig_query"] == [7, 2]
     assert out["set"] == "ok"
     assert out["after_set"] == [
@@ -2073,3 +2080,455 @@ def test_every_call_of_nvplugs_paths_can_block(rig: Rig, mig: bool) -> None:
         )
     for name, held in paths.items():
         assert held == {fn: [True, True] for fn in held}, (name, held)
+
+
+# ---- compute mode --------------------------------------------------------------------------
+
+# pynvml's NVML_COMPUTEMODE_* values and the nvmlReturn_t codes these tests expect.
+DEFAULT, EXCLUSIVE_THREAD, PROHIBITED, EXCLUSIVE_PROCESS = 0, 1, 2, 3
+INVALID_ARGUMENT, NOT_SUPPORTED, NO_PERMISSION, GPU_IS_LOST = 2, 3, 4, 15
+
+CM_HELPERS = """
+def modes(n):
+    return [N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByIndex(i)) for i in range(n)]
+def set_mode(i, mode):
+    return code(N.nvmlDeviceSetComputeMode, N.nvmlDeviceGetHandleByIndex(i), mode)
+"""
+
+
+def cm_body(body: str) -> str:
+    """A child body with the compute-mode helpers in front."""
+    return CM_HELPERS + textwrap.dedent(body)
+
+
+def test_compute_mode_get_set_and_return_codes(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a minor=0 bus=0000:01:00.0
+        gpu uuid=GPU-b minor=1 bus=0000:02:00.0 compute_mode=2
+        gpu uuid=GPU-c minor=2 bus=0000:03:00.0 compute_mode=EXCLUSIVE_PROCESS
+        gpu uuid=GPU-d minor=3 bus=0000:04:00.0 unsupported=compute_mode
+        """
+    )
+    out = rig.run(
+        cm_body(
+            """
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            h0 = ctypes.c_void_p()
+            out["uninit"] = [lib.nvmlDeviceGetComputeMode(h0, ctypes.byref(ctypes.c_int())),
+                             lib.nvmlDeviceSetComputeMode(h0, 3)]
+            N.nvmlInit()
+            out["initial"] = modes(3)
+            CTL.reset_calls()
+            out["set3"] = [set_mode(0, N.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS), modes(3)]
+            out["set2"] = [set_mode(0, N.NVML_COMPUTEMODE_PROHIBITED), modes(1)]
+            out["bad"] = [set_mode(0, m) for m in (N.NVML_COMPUTEMODE_EXCLUSIVE_THREAD, 4, 99, -1)]
+            out["after_bad"] = modes(1)
+            out["set0"] = [set_mode(0, N.NVML_COMPUTEMODE_DEFAULT), set_mode(2, 0), modes(3)]
+            out["null"] = lib.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByIndex(0), None)
+            h3 = N.nvmlDeviceGetHandleByIndex(3)
+            out["unsupported"] = [code(N.nvmlDeviceGetComputeMode, h3), code(N.nvmlDeviceSetComputeMode, h3, 0),
+                                  ctl_error(CTL.compute_mode, 3), ctl_error(CTL.set_compute_mode, 3, 0)]
+            out["calls"] = CTL.calls()
+            set_mode(1, 3)
+            out["state"] = CTL.state().split(" | ")[1:]
+            out["ctl"] = [CTL.compute_mode(i) for i in range(3)] + [CTL.compute_mode("GPU-b")]
+            CTL.lose(1)
+            h1 = N.nvmlDeviceGetHandleByIndex(1)
+            out["lost"] = [code(N.nvmlDeviceGetComputeMode, h1), code(N.nvmlDeviceSetComputeMode, h1, 0),
+                           ctl_error(CTL.set_compute_mode, 1, 0), CTL.compute_mode(1)]
+            CTL.restore(1)
+            N.nvmlShutdown()
+            out["shut"] = [code(N.nvmlDeviceGetComputeMode, h1), code(N.nvmlDeviceSetComputeMode, h1, 0)]
+            """
+        ),
+        scenario,
+    )
+    assert out["uninit"] == [1, 1]
+    assert out["initial"] == [DEFAULT, PROHIBITED, EXCLUSIVE_PROCESS]
+    assert out["set3"] == [0, [EXCLUSIVE_PROCESS, PROHIBITED, EXCLUSIVE_PROCESS]]
+    assert out["set2"] == [0, [PROHIBITED]]
+    # EXCLUSIVE_THREAD's support is removed; the others are no mode at all; nothing changes.
+    assert out["bad"] == [INVALID_ARGUMENT] * 4
+    assert out["after_bad"] == [PROHIBITED]
+    assert out["set0"] == [0, 0, [DEFAULT, PROHIBITED, DEFAULT]]
+    assert out["null"] == INVALID_ARGUMENT
+    assert out["unsupported"] == [
+        NOT_SUPPORTED,
+        NOT_SUPPORTED,
+        "error: compute_mode: the GPU has unsupported=compute_mode",
+        "error: compute_mode: the GPU has unsupported=compute_mode",
+    ]
+    assert out["calls"]["nvmlDeviceSetComputeMode"] == 9
+    assert out["state"] == [
+        "0 GPU-a ok ra=0 cm=0",
+        "1 GPU-b ok ra=0 cm=3",
+        "2 GPU-c ok ra=0 cm=0",
+        "3 GPU-d ok ra=0 cm=0",
+    ]
+    assert out["ctl"] == [DEFAULT, EXCLUSIVE_PROCESS, DEFAULT, EXCLUSIVE_PROCESS]
+    assert out["lost"] == [GPU_IS_LOST, GPU_IS_LOST, "error: compute_mode: the GPU is lost", EXCLUSIVE_PROCESS]
+    assert out["shut"] == [1, 1]
+    # Every successful set went to the state file: the GPUs set since, by UUID, the last mode each.
+    assert fakenvml.persisted_compute_modes(rig.env(scenario)) == {"GPU-a": 0, "GPU-b": 3, "GPU-c": 0}
+    assert fakenvml.persisted_compute_modes(rig.root) == fakenvml.persisted_compute_modes(
+        rig.root / fakenvml.STATE_FILE
+    )
+    assert sorted(p.name for p in rig.root.iterdir()) == [
+        "ctl",
+        "fakenvml.state",
+        "fakenvml.state.lock",
+        "test.scenario",
+    ]
+
+
+def test_compute_mode_is_driver_state_surviving_a_sigkilled_process(rig: Rig) -> None:
+    u = [g["uuid"] for g in GPUS]
+    # A daemon: sets GPU 2 to EXCLUSIVE_PROCESS, then reads all modes when told to, and hangs.
+    daemon_body = cm_body(
+        """
+        N.nvmlInit()
+        out["set"] = set_mode(2, N.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        print("set", flush=True)
+        sys.stdin.readline()
+        out["seen"] = modes(4)
+        print(json.dumps(out), flush=True)
+        sys.stdin.readline()
+        """
+    )
+    daemon = subprocess.Popen(
+        rig.argv(daemon_body),
+        env=rig.env(None),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert daemon.stdout is not None and daemon.stdin is not None
+        assert daemon.stdout.readline() == "set\n"
+        persisted_while_running = fakenvml.persisted_compute_modes(rig.env(None))
+        # Another process of the node, with a control socket of its own beside the daemon's
+        # (as `nvplug doctor` has): it sees the daemon's mode and sets one the daemon then sees.
+        cli_env = rig.env(None)
+        cli_env["FAKE_NVML_CONTROL"] = str(rig.root / "cli.ctl")
+        cli = rig.run(
+            cm_body(
+                """
+                N.nvmlInit()
+                out["modes"] = modes(4)
+                out["set"] = set_mode(3, N.NVML_COMPUTEMODE_PROHIBITED)
+                out["ctl"] = CTL.compute_mode(3)
+                """
+            ),
+            env=cli_env,
+            ctl=rig.root / "cli.ctl",
+        )
+        daemon.stdin.write("go\n")
+        daemon.stdin.flush()
+        seen = json.loads(daemon.stdout.readline())
+        assert fakenvml.Control(rig.ctl).compute_mode(2) == EXCLUSIVE_PROCESS
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(10)
+    finally:
+        daemon.kill()
+        daemon.wait(10)
+    assert daemon.returncode == -signal.SIGKILL
+    assert persisted_while_running == {u[2]: EXCLUSIVE_PROCESS}
+    assert [cli["modes"], cli["set"], cli["ctl"]] == [[DEFAULT, DEFAULT, EXCLUSIVE_PROCESS, DEFAULT], 0, PROHIBITED]
+    assert seen == {"set": 0, "seen": [DEFAULT, DEFAULT, EXCLUSIVE_PROCESS, PROHIBITED]}
+    # Nobody has the library loaded now: the modes are in the state file.
+    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: EXCLUSIVE_PROCESS, u[3]: PROHIBITED}
+
+    # A restarted daemon reads them and restores the old modes, one through NVML, one as an operator.
+    out = rig.run(
+        cm_body(
+            """
+            N.nvmlInit()
+            out["restart"] = modes(8)
+            out["state"] = CTL.state().split(" | ")[3]
+            out["restore"] = [set_mode(2, N.NVML_COMPUTEMODE_DEFAULT), CTL.set_compute_mode(3, 0)]
+            out["after"] = modes(4)
+            """
+        )
+    )
+    assert out["restart"] == [DEFAULT, DEFAULT, EXCLUSIVE_PROCESS, PROHIBITED] + [DEFAULT] * 4
+    assert out["state"] == f"2 {u[2]} ok ra=0 cm=3"
+    assert out["restore"] == [0, "ok"]
+    assert out["after"] == [DEFAULT] * 4
+    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
+    assert not [p.name for p in rig.root.iterdir() if p.name.endswith(".tmp")]
+
+    # Another simulated node (another directory) has driver state of its own.
+    other = rig.root / "other"
+    other.mkdir()
+    other_env = fakenvml.environ(rig.lib_dir, fakenvml.DEFAULT_SCENARIO, other / "ctl", rig.env(None))
+    assert other_env["FAKE_NVML_STATE_DIR"] == str(other)
+    rig.run(
+        cm_body('N.nvmlInit(); set_mode(5, 3); CTL.send("compute_mode 6 EXCLUSIVE_PROCESS")'),
+        env=other_env,
+        ctl=other / "ctl",
+    )
+    assert fakenvml.persisted_compute_modes(other_env) == {u[5]: 3, u[6]: 3}
+    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
+
+
+def test_compute_mode_kept_by_uuid_across_remove_and_add_and_lost_with_the_file(rig: Rig) -> None:
+    u7 = GPUS[7]["uuid"]
+    out = rig.run(
+        cm_body(
+            f"""
+            import os
+            N.nvmlInit()
+            out["set"] = set_mode(7, 3)
+            CTL.remove(7)
+            N.nvmlShutdown(); N.nvmlInit()
+            out["count"] = N.nvmlDeviceGetCount()
+            out["gone"] = CTL.compute_mode("{u7}")
+            out["add"] = CTL.add("uuid={u7} minor=7 bus=0000:DB:00.0 compute_mode=0")
+            out["add2"] = CTL.add("uuid=GPU-new minor=9 bus=0000:E1:00.0 compute_mode=PROHIBITED")
+            N.nvmlShutdown(); N.nvmlInit()
+            out["back"] = [N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByUUID(u)) for u in ("{u7}", "GPU-new")]
+            out["names"] = [CTL.set_compute_mode(0, 1), N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByIndex(0)),
+                            CTL.send("compute_mode 0 exclusive_process"), CTL.compute_mode(0)]
+            # The driver reloaded: every GPU back to its gpu line's mode.
+            os.unlink(os.path.join(os.path.dirname(sys.argv[1]), "{fakenvml.STATE_FILE}"))
+            out["reload"] = [modes(1), N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByUUID("{u7}")),
+                             N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByUUID("GPU-new"))]
+            bad = ["compute_mode", "compute_mode 0 4", "compute_mode 0 -1", "compute_mode 0 x", "compute_mode 0 1 2",
+                   "compute_mode 99", "compute_mode GPU-nope 0"]
+            out["errors"] = {{c: ctl_error(CTL.send, c) for c in bad}}
+            """
+        )
+    )
+    assert out["set"] == 0
+    assert out["count"] == 7
+    assert out["gone"] == EXCLUSIVE_PROCESS
+    assert out["add"] == f"ok pending {u7}" and out["add2"] == "ok pending GPU-new"
+    # The driver state knows the GPU by UUID: its line's compute_mode=0 is what it had before a set.
+    assert out["back"] == [EXCLUSIVE_PROCESS, PROHIBITED]
+    assert out["names"] == ["ok", EXCLUSIVE_THREAD, "ok", EXCLUSIVE_PROCESS]
+    assert out["reload"] == [[DEFAULT], DEFAULT, PROHIBITED]
+    errors = out["errors"]
+    assert errors["compute_mode"] == "error: compute_mode: missing gpu (index or UUID)"
+    assert errors["compute_mode 0 4"] == "error: compute_mode: bad mode '4' (0-3 or a name)"
+    assert errors["compute_mode 0 1 2"].startswith("error: usage: compute_mode <gpu> [0-3|DEFAULT|")
+    assert errors["compute_mode 99"] == "error: compute_mode: unknown gpu '99'"
+    assert all(e is not None and e.startswith("error: ") for e in errors.values()), errors
+
+
+def test_compute_mode_limits_the_processes(rig: Rig) -> None:
+    out = rig.run(
+        PROCS_HELPERS
+        + cm_body(
+            """
+            from nvplug.testing.fakenvml import GpuProcess as P
+            N.nvmlInit()
+            h0, h1, h2 = (N.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+            out["default_two"] = CTL.procs(0, [1, 2])
+            CTL.procs(0, [])
+            out["set"] = CTL.set_compute_mode(0, 3)
+            out["two"] = ctl_error(CTL.procs, 0, [1, P(2, kinds=("compute", "graphics"))])
+            # MPS: the server is the one compute process, its clients are KIND mps.
+            out["mps"] = CTL.procs(0, [P(10, 100), P(11, 5, ("mps",)), P(12, 6, ("mps",)), P(13, kinds=("graphics",))])
+            out["mps_lists"] = lists(h0)
+            out["state"] = CTL.state().split(" | ")[1]
+            CTL.set_compute_mode(0, 1)   # the removed EXCLUSIVE_THREAD: one context too
+            out["thread"] = ctl_error(CTL.procs, 0, [1, 2])
+            CTL.set_compute_mode(1, 2)
+            out["prohibited"] = [ctl_error(CTL.procs, 1, [5]), ctl_error(CTL.procs, 1, [P(6, kinds=("mps",))]),
+                                 CTL.procs(1, [P(7, kinds=("graphics",))])]
+            # Setting a mode over processes that break it: NVML succeeds, they keep running.
+            CTL.procs(2, [20, 21, P(22, kinds=("mps",))])
+            out["over"] = [set_mode(2, 3), set_mode(2, 2), lists(h2)]
+            set_mode(2, 3)
+            out["again"] = [ctl_error(CTL.procs, 2, [20, 21]), CTL.procs(2, [20]), CTL.procs(2, [])]
+            out["add"] = ctl_error(CTL.add, "uuid=GPU-new minor=9 bus=0000:E1:00.0 compute_mode=3 procs=1,2")
+            """
+        )
+    )
+    uuid = GPUS[0]["uuid"]
+    assert out["default_two"] == "ok"
+    assert out["set"] == "ok"
+    assert out["two"] == (
+        f"error: procs: process 2: {uuid} is in compute mode EXCLUSIVE_PROCESS (3): "
+        "one compute process at most (an MPS server; its clients are KIND mps)"
+    )
+    assert out["mps"] == "ok"
+    mib = 1 << 20
+    assert out["mps_lists"] == [
+        [[10, 100 * mib, NA, NA]],
+        [[13, None, NA, NA]],
+        [[11, 5 * mib, NA, NA], [12, 6 * mib, NA, NA]],
+    ]
+    assert out["state"] == f"0 {uuid} ok ra=0 cm=3 procs=10:100,11:5:mps,12:6:mps,13:graphics"
+    assert "is in compute mode EXCLUSIVE_THREAD (1): one compute process at most" in out["thread"]
+    uuid1 = GPUS[1]["uuid"]
+    assert out["prohibited"] == [
+        f"error: procs: process 5: {uuid1} is in compute mode PROHIBITED (2): no compute or MPS processes",
+        f"error: procs: process 6: {uuid1} is in compute mode PROHIBITED (2): no compute or MPS processes",
+        "ok",
+    ]
+    assert out["over"] == [0, 0, [[[20, None, NA, NA], [21, None, NA, NA]], [], [[22, None, NA, NA]]]]
+    assert out["again"][0].startswith("error: procs: process 21: ") and out["again"][1:] == ["ok", "ok"]
+    assert out["add"] == (
+        "error: add: process 2: GPU-new is in compute mode EXCLUSIVE_PROCESS (3): "
+        "one compute process at most (an MPS server; its clients are KIND mps)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 compute_mode=4", "bad value for compute_mode: '4'"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 compute_mode=exclusive", "bad value for compute_mode"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 compute_mode=3 procs=1,2:mps,3", "process 3: GPU-b is in compute"),
+        ("gpu uuid=GPU-b minor=1 bus=0000:02:00.0 procs=1:mps compute_mode=PROHIBITED", "process 1: GPU-b is in"),
+    ],
+)
+def test_bad_compute_mode_scenario_lines(rig: Rig, line: str, message: str) -> None:
+    scenario = rig.scenario(f"gpu uuid=GPU-a minor=0 bus=0000:01:00.0\n{line}\n")
+    out = rig.run('out["init"] = code(N.nvmlInit)', scenario)
+    assert out["init"] == 999
+    assert message in out["_stderr"]
+
+
+def test_compute_mode_of_mig_gpus_and_mig_handles(rig: Rig) -> None:
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-mig0 bus=0000:01:00.0 minor=0 mig=1 compute_mode=3 procs=1@1/0,2@2/0
+        gpu uuid=GPU-full bus=0000:02:00.0 minor=1
+        mig 0 3g.40gb gi=1
+        mig 0 2g.20gb gi=2
+        """
+    )
+    out = rig.run(
+        cm_body(
+            """
+            from nvplug.testing.fakenvml import GpuProcess as P
+            N.nvmlInit()
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            m = N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+            out["gpu"] = [N.nvmlDeviceGetComputeMode(h), set_mode(0, 0), set_mode(0, 3), set_mode(0, 1)]
+            out["mig"] = [code(N.nvmlDeviceGetComputeMode, m), code(N.nvmlDeviceSetComputeMode, m, 0)]
+            out["ctl"] = [CTL.compute_mode(0), ctl_error(CTL.set_compute_mode, 0, 0)]
+            # No compute-mode reservations in MIG mode: one compute process per MIG device and more.
+            out["procs"] = CTL.procs(0, [P(3, mig=(1, 0)), P(4, mig=(1, 0)), P(5, mig=(2, 0))])
+            CTL.mig_mode(0, False)
+            out["mig_off"] = [N.nvmlDeviceGetComputeMode(h), ctl_error(CTL.procs, 0, [6, 7]), set_mode(0, 0),
+                              modes(2)]
+            """
+        ),
+        scenario,
+    )
+    assert out["gpu"] == [EXCLUSIVE_PROCESS, NOT_SUPPORTED, NOT_SUPPORTED, INVALID_ARGUMENT]
+    assert out["mig"] == [NOT_SUPPORTED, NOT_SUPPORTED]
+    assert out["ctl"] == [EXCLUSIVE_PROCESS, "error: compute_mode: not supported on a GPU in MIG mode"]
+    assert out["procs"] == "ok"
+    assert out["mig_off"][0] == EXCLUSIVE_PROCESS
+    assert out["mig_off"][1].startswith("error: procs: process 7: GPU-mig0 is in compute mode EXCLUSIVE_PROCESS (3)")
+    assert out["mig_off"][2:] == [0, [DEFAULT, DEFAULT]]
+
+
+def test_compute_mode_set_can_block(rig: Rig) -> None:
+    out = rig.run(
+        with_hang(
+            """
+            N.nvmlInit()
+            h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            CTL.block(0, "nvmlDeviceSetComputeMode")
+            res = hang(N.nvmlDeviceSetComputeMode, h0, 3)
+            CTL.wait_blocked(1)
+            out["other_gpu"] = code(N.nvmlDeviceSetComputeMode, h1, 3)
+            out["while"] = [N.nvmlDeviceGetComputeMode(h0), gpu_field("blocks", 0), CTL.compute_mode(0)]
+            CTL.release(0, "nvmlDeviceSetComputeMode")
+            out["res"] = finish(res)
+            out["after"] = [N.nvmlDeviceGetComputeMode(h0), N.nvmlDeviceGetComputeMode(h1)]
+            """
+        )
+    )
+    assert out["other_gpu"] == 0
+    assert out["while"] == [DEFAULT, "nvmlDeviceSetComputeMode", DEFAULT]
+    assert out["res"] == {"value": None, "rc": 0}
+    assert out["after"] == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS]
+
+
+def test_compute_mode_set_needs_root(rig: Rig) -> None:
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None:
+        pytest.skip("needs root (to run a child as another user) and a system python3")
+    import pynvml
+
+    # Everything the other user's child needs, readable by it: /tmp/fnv-* and the venv are root's.
+    shared = Path(tempfile.mkdtemp(prefix="fnv-user-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        shutil.copy(rig.lib_dir / fakenvml.LIB_NAME, shared)
+        shutil.copy(pynvml.__file__, shared)
+        shutil.copy(fakenvml.DEFAULT_SCENARIO, shared / "node.scenario")
+        env = fakenvml.environ(shared, shared / "node.scenario", rig.ctl, rig.env(None), state_dir=shared)
+        rig.run(cm_body("N.nvmlInit(); out['set'] = set_mode(1, 3)"), env=env)
+        user_env = {k: env[k] for k in ("LD_LIBRARY_PATH", "FAKE_NVML_SCENARIO", "FAKE_NVML_STATE_DIR")}
+        user_env["PYTHONPATH"] = str(shared)
+        child = textwrap.dedent(
+            """
+            import json, os
+            import pynvml as N
+            def code(fn, *args):
+                try:
+                    fn(*args)
+                except N.NVMLError as e:
+                    return e.value
+                return 0
+            N.nvmlInit()
+            h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            print(json.dumps({
+                "euid": os.geteuid(),
+                "read": [N.nvmlDeviceGetComputeMode(h0), N.nvmlDeviceGetComputeMode(h1)],
+                "set": [code(N.nvmlDeviceSetComputeMode, h0, 3), code(N.nvmlDeviceSetComputeMode, h1, 0)],
+                "bad_mode": code(N.nvmlDeviceSetComputeMode, h0, 7),
+                "after": [N.nvmlDeviceGetComputeMode(h0), N.nvmlDeviceGetComputeMode(h1)],
+            }))
+            """
+        )
+        proc = subprocess.run(
+            [python, "-c", child],
+            env=user_env,
+            cwd=shared,
+            user=1001,
+            group=1001,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.splitlines()[-1])
+        persisted = fakenvml.persisted_compute_modes(shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert result == {
+        "euid": 1001,
+        "read": [DEFAULT, EXCLUSIVE_PROCESS],  # reading needs no root: the mode root set
+        "set": [NO_PERMISSION, NO_PERMISSION],
+        "bad_mode": INVALID_ARGUMENT,
+        "after": [DEFAULT, EXCLUSIVE_PROCESS],
+    }
+    assert persisted == {GPUS[1]["uuid"]: EXCLUSIVE_PROCESS}
+
+
+def test_state_file_and_persisted_compute_modes_helpers(tmp_path: Path) -> None:
+    assert fakenvml.state_file({"FAKE_NVML_STATE_DIR": "/s", "FAKE_NVML_CONTROL": "/n/c"}) == Path("/s/fakenvml.state")
+    assert fakenvml.state_file({"FAKE_NVML_STATE_DIR": "", "FAKE_NVML_CONTROL": "/n/c"}) is None
+    assert fakenvml.state_file({"FAKE_NVML_CONTROL": "/n/c"}) == Path("/n/fakenvml.state")
+    assert fakenvml.state_file({}) is None
+    assert fakenvml.persisted_compute_modes({}) == {}
+    assert fakenvml.persisted_compute_modes(tmp_path) == {}
+    (tmp_path / fakenvml.STATE_FILE).write_text(
+        "# comment\n\nGPU-a compute_mode=3\nGPU-b other=1 compute_mode=2  # note\nGPU-c compute_mode=9\nGPU-d\n"
+    )
+    expected = {"GPU-a": 3, "GPU-b": 2}
+    assert fakenvml.persisted_compute_modes(tmp_path) == expected
+    assert fakenvml.persisted_compute_modes(tmp_path / fakenvml.STATE_FILE) == expected
+    assert fakenvml.persisted_compute_modes({"FAKE_NVML_STATE_DIR": str(tmp_path)}) == expected
+    assert list(fakenvml.ComputeMode) == [0, 1, 2, 3]

@@ -88,16 +88,18 @@ flags:
 
 
 def test_what_nvplug_cannot_serve_is_refused_up_front(node: SimulatedNode) -> None:
+    # NVIDIA forces one MPS replica per container; a file that says otherwise is refused, not overruled.
     node.config.write_text(
-        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+        "version: v1\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 2\n"
     )
     check = subprocess.run(
         [sys.executable, "-m", "nvplug", "config", "check", str(node.config)], capture_output=True, text=True
     )
-    assert check.returncode == 2 and "sharing.mps is not supported by nvplug yet" in check.stderr
+    assert check.returncode == 2 and "failRequestsGreaterThanOne: must be true for MPS" in check.stderr
     daemon = node.start_daemon()
     assert daemon.wait(TIMEOUT) == 2
-    assert "sharing.mps is not supported" in node.log_text()
+    assert "failRequestsGreaterThanOne: must be true for MPS" in node.log_text()
 
 
 def test_reload_that_changes_resources_registers_them_without_a_restart(node: SimulatedNode) -> None:

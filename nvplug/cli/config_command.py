@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nvplug import config
-from nvplug.shaping.resource_plan import check, unserved_sharing
+from nvplug.shaping.resource_plan import unserved_sharing
 
 
 def _stderr(message: str) -> None:
@@ -18,10 +18,13 @@ def _stderr(message: str) -> None:
 def load_checked(path: Path | None, warn: Callable[[str], None] = _stderr) -> config.Config:
     """The config, checked against the schema and against what nvplug can serve."""
     cfg = config.load(path)
-    check(cfg)
     for name in unserved_sharing(cfg):
-        warn(f"{cfg.source}: sharing.timeSlicing for {name} is ignored: no device of this config is named so")
+        warn(f"{cfg.source}: sharing.{_strategy_key(cfg)} for {name} is ignored: no device of this config is named so")
     return cfg
+
+
+def _strategy_key(cfg: config.Config) -> str:
+    return "mps" if cfg.sharing.strategy == "mps" else "timeSlicing"
 
 
 def run_check(args: argparse.Namespace) -> int:

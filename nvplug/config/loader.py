@@ -9,6 +9,7 @@ the file, the key path and the line.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from nvplug.config.model import (
     Config,
     Flags,
     HealthConfig,
+    MpsLimits,
     ReplicatedResource,
+    ReplicatedResources,
     ResourcePattern,
     Resources,
     Sharing,
@@ -91,9 +94,12 @@ def parse(text: str, source: str) -> Config:
             if clash is not None:
                 raise ConfigError(f"{r.where}.name: {r.name} also names whole GPUs ({clash.where}) under "
                                   "flags.migStrategy: mixed; MIG devices need a name of their own")  # fmt: skip
-    if cfg.sharing.mps.resources and cfg.flags.mig_strategy == "mixed":
-        node = _key_node(ctx, found["sharing"], "sharing", known_keys(Sharing), "mps")
-        raise ctx.error(node, "sharing.mps", "MPS sharing does not work with flags.migStrategy: mixed")
+    mps_names = {r.advertised_name for r in cfg.sharing.mps.resources}
+    for limits in cfg.mps.resources:
+        if limits.name not in mps_names:
+            known = ", ".join(sorted(mps_names)) or "none"
+            raise ConfigError(f"{limits.where}.name: {limits.name} is no MPS resource of sharing.mps "
+                              f"(those are: {known})")  # fmt: skip
     return cfg
 
 
@@ -162,12 +168,28 @@ def _resource_pattern(found: Found, values: dict[str, Any]) -> ResourcePattern:
 
 def _sharing(found: Found, values: dict[str, Any]) -> Sharing:
     sharing = Sharing(**values)
-    if sharing.time_slicing.resources and sharing.mps.resources:
-        mps = _key_node(found.ctx, found.node, found.path, known_keys(Sharing), "mps")
+    if not sharing.mps.resources:
+        return sharing
+    mps = _key_node(found.ctx, found.node, found.path, known_keys(Sharing), "mps")
+    if sharing.time_slicing.resources:
         raise found.ctx.error(
             mps, f"{found.path}.mps", "time-slicing and MPS are mutually exclusive; configure one of them"
         )
-    return sharing
+    # NVIDIA forces it: one MPS client per container, whose limits are one replica's share.
+    forced = NodeMap(found.ctx, mps, f"{found.path}.mps").items(known_keys(ReplicatedResources))
+    flag = forced.get("failRequestsGreaterThanOne")
+    if flag is not None and not is_null(flag) and not sharing.mps.fail_requests_greater_than_one:
+        raise found.ctx.error(flag, f"{found.path}.mps.failRequestsGreaterThanOne",
+                              "must be true for MPS: a container gets one replica, and its limits")  # fmt: skip
+    return Sharing(sharing.time_slicing, replace(sharing.mps, fail_requests_greater_than_one=True))
+
+
+def _mps_limits(found: Found, values: dict[str, Any]) -> MpsLimits:
+    limits = MpsLimits(**values, where=found.where)
+    earlier: tuple[MpsLimits, ...] = found.earlier
+    if any(e.name == limits.name for e in earlier):
+        raise found.ctx.error(found.nodes["name"], f"{found.path}.name", f"{limits.name} is listed twice")
+    return limits
 
 
 def _replicated_resource(found: Found, read: dict[str, Any]) -> ReplicatedResource:
@@ -213,4 +235,5 @@ _FINISH: Mapping[type, Finish] = {
     ResourcePattern: _resource_pattern,
     Sharing: _sharing,
     ReplicatedResource: _replicated_resource,
+    MpsLimits: _mps_limits,
 }

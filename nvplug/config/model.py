@@ -30,6 +30,7 @@ from nvplug.config.value_readers import (
     go_duration,
     int_range,
     listen_address,
+    memory_size,
     off_or_absolute,
     positive_seconds,
     resource_name,
@@ -53,6 +54,11 @@ DEFAULT_DRA_DRIVER = "gpu.nvidia.com"
 DEFAULT_DRA_KUBECONFIG = "/etc/nvplug/kubeconfig"
 DEFAULT_PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DEFAULT_KUBELET_PLUGINS = "/var/lib/kubelet/plugins"
+# MPS: each group's pipe and log directories, and the clients' shm, under here; every parent
+# traversable by any UID, since a server runs as its client's UID (NVIDIA's #762).
+DEFAULT_MPS_ROOT = "/run/nvplug/mps"
+# The control binary, under the driver root.
+MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
 # NVIDIA's v1 sections, plus our own under `nvplug:`.
 SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
 
@@ -353,6 +359,58 @@ class DraConfig:
 
 
 @dataclass(frozen=True)
+class MpsLimits:
+    """One entry of nvplug.mps.resources: the defaults an MPS resource's servers start with."""
+
+    # The advertised name (the rename, if the sharing entry has one).
+    name: str = field(metadata=key("name", "the MPS resource these limits are for", resource_name, required=True))
+    # None: the equal split, 100 / replicas.
+    active_thread_percentage: int | None = field(
+        default=None,
+        metadata=key("activeThreadPercentage", "each server's share of the SMs", int_range(1, 100, "a percentage")),
+    )
+    # MiB per device; None: the equal split, the device's memory / replicas.
+    pinned_memory_limit: int | None = field(
+        default=None,
+        metadata=key(
+            "pinnedMemoryLimit",
+            "each server's device memory, e.g. 4096M or 2G",
+            memory_size,
+            show=lambda mib: f"{mib}M",
+        ),
+    )
+    where: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    """nvplug.mps: how nvplug runs the MPS control daemons of sharing.mps."""
+
+    # None: NVIDIA's flags.mpsRoot if given, else DEFAULT_MPS_ROOT (Config.mps_root).
+    root: str | None = field(
+        default=None, metadata=key("root", "where the MPS pipes, logs and shm live", absolute_path)
+    )
+    # None: the driver root's /usr/bin/nvidia-cuda-mps-control.
+    control_path: str | None = field(
+        default=None, metadata=key("controlPath", "the nvidia-cuda-mps-control binary", absolute_path)
+    )
+    client_limits: bool = field(
+        default=False,
+        metadata=key("clientLimits", "also hand each container its limits as CUDA_MPS_* variables", boolean),
+    )
+    restart_with_clients: bool = field(
+        default=False,
+        metadata=key("restartWithClients", "let a reload restart a daemon whose GPUs have clients", boolean),
+    )
+    resources: tuple[MpsLimits, ...] = field(
+        default=(), metadata=key("resources", "limits per MPS resource", entries=MpsLimits)
+    )
+
+    def limits(self, name: str) -> MpsLimits:
+        return next((r for r in self.resources if r.name == name), MpsLimits(name))
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole config. Dotted keys sit in groups of the file; groups and sections are read in field order."""
 
@@ -395,6 +453,9 @@ class Config:
     dra: DraConfig = field(
         default_factory=DraConfig, metadata=key("nvplug.dra", "the DRA kubelet plugin", section=DraConfig)
     )
+    mps: MpsConfig = field(
+        default_factory=MpsConfig, metadata=key("nvplug.mps", "the MPS control daemons", section=MpsConfig)
+    )
     resources: Resources = field(
         default_factory=Resources, metadata=key("resources", "the resource names devices get", section=Resources)
     )
@@ -402,6 +463,14 @@ class Config:
         default_factory=Sharing, metadata=key("sharing", "replicas of shared devices", section=Sharing)
     )
     imex: Imex = field(default_factory=Imex, metadata=key("imex", "IMEX channels", section=Imex))
+
+    @property
+    def mps_root(self) -> str:
+        return self.mps.root or self.flags.mps_root or DEFAULT_MPS_ROOT
+
+    @property
+    def mps_control(self) -> str:
+        return self.mps.control_path or str(Path(self.flags.nvidia_driver_root) / MPS_CONTROL.lstrip("/"))
 
     @property
     def shared_policy(self) -> SharedPolicy:

@@ -156,6 +156,21 @@ def int_range(low: int, high: int, what: str) -> Reader:
     return read
 
 
+_MEMORY_SIZE = re.compile(r"([0-9]{1,9})([MG])")
+
+
+def memory_size(ctx: ReadContext, node: yaml.Node, path: str) -> int:
+    """A size in MiB, written as MPS takes it: `4096M` or `2G`."""
+    text = str(node.value) if isinstance(node, yaml.ScalarNode) else ""
+    found = _MEMORY_SIZE.fullmatch(text)
+    if found is None or not isinstance(node, yaml.ScalarNode) or node.tag != STR_TAG:
+        raise ctx.error(node, path, f"must be a size such as 4096M or 2G, not {describe(node)}")
+    mib = int(found[1]) * (1024 if found[2] == "G" else 1)
+    if mib <= 0:
+        raise ctx.error(node, path, "must be above zero")
+    return mib
+
+
 def positive_seconds(ctx: ReadContext, node: yaml.Node, path: str) -> float:
     value: float | None = None
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG:

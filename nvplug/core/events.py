@@ -293,6 +293,43 @@ class AutoResetStep:
     at: float  # wall-clock seconds
 
 
+@dataclass(frozen=True)
+class MpsGroupChanged:
+    """An MPS group's control daemon: up and answering with its defaults set, or not (and why)."""
+
+    source: ClassVar[str] = "mps"
+
+    group: str
+    resource: str
+    units: tuple[str, ...]  # the UUIDs of its GPUs or its MIG device
+    ready: bool
+    reason: str
+    pid: int | None = None
+    restarts: int = 0
+    # The defaults its servers start with: the SMs' share, and MiB of device memory per unit.
+    thread_percentage: int = 100
+    pinned_mib: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class MpsGroupRemoved:
+    """An MPS group the config or the inventory no longer has, its daemon stopped."""
+
+    source: ClassVar[str] = "mps"
+
+    group: str
+
+
+@dataclass(frozen=True)
+class ComputeModeRecorded:
+    """The compute mode a GPU had before nvplug set it for MPS (to restore it, after a crash too); None: restored."""
+
+    source: ClassVar[str] = "mps"
+
+    uuid: str
+    original: int | None
+
+
 Event = (
     InventoryFound
     | ProbeResult
@@ -318,6 +355,9 @@ Event = (
     | KernelLogState
     | NvmlCallHung
     | AutoResetStep
+    | MpsGroupChanged
+    | MpsGroupRemoved
+    | ComputeModeRecorded
 )
 
 

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from nvplug.core.events import (
     AutoResetStep,
     CdiChecked,
+    ComputeModeRecorded,
     DeviceNodesChanged,
     DriverLoaded,
     Event,
@@ -37,6 +38,8 @@ from nvplug.core.events import (
     KernelLogLost,
     KernelLogState,
     KernelXid,
+    MpsGroupChanged,
+    MpsGroupRemoved,
     NvmlCallHung,
     NvmlFailed,
     PciChanged,
@@ -48,6 +51,7 @@ from nvplug.core.events import (
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.health import RESET_GPU, Clears, Health, HealthState, Recorded, merged_remedy
 from nvplug.core.mig import CapMinors
+from nvplug.core.mps_state import MpsGroupState, apply_group, unit_health
 from nvplug.core.readiness import unready
 from nvplug.core.topology import Topology
 from nvplug.core.xid_policy import Verdict, XidPolicy
@@ -167,6 +171,11 @@ class Snapshot:
     # nvplug's own resets: the last step per GPU UUID, and the times of the resets this boot.
     auto_reset: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    # The MPS groups' daemons by group, and each MPS device's daemon health by its UUID.
+    mps: Mapping[str, MpsGroupState] = field(default_factory=lambda: MappingProxyType({}))
+    mps_units: Mapping[str, HealthState] = field(default_factory=_frozen)
+    # The compute modes GPUs had before nvplug set EXCLUSIVE_PROCESS for MPS, by UUID: restored on stop.
+    compute_modes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -217,6 +226,7 @@ class NodeState:
         restored: Mapping[str, Recorded] | None = None,
         kernel_log_seq: int | None = None,
         auto_resets: Mapping[str, tuple[float, ...]] | None = None,
+        compute_modes: Mapping[str, int] | None = None,
     ) -> None:
         self._clock = clock
         self._xid = xid_policy or XidPolicy()
@@ -225,6 +235,7 @@ class NodeState:
             restored=MappingProxyType(dict(restored or {})),
             kernel_log_seq=kernel_log_seq,
             auto_resets=MappingProxyType(dict(auto_resets or {})),
+            compute_modes=MappingProxyType(dict(compute_modes or {})),
         )
         # When each source reported Xids the other source has not yet, by (GPU UUID, code, source),
         # oldest first: a flood of one code costs O(1) per report, not a scan of every report. By
@@ -279,6 +290,13 @@ class NodeState:
             self._auto_reset(draft, event)
         elif isinstance(event, NvmlCallHung):
             self._hung_call(draft, event)
+        elif isinstance(event, (MpsGroupChanged, MpsGroupRemoved)):
+            self._mps(draft, event)
+        elif isinstance(event, ComputeModeRecorded):
+            modes = {u: m for u, m in draft.compute_modes.items() if u != event.uuid}
+            if event.original is not None:
+                modes[event.uuid] = event.original
+            draft.compute_modes = MappingProxyType(modes)
         elif isinstance(event, KernelLogLost):
             draft.kernel_log_lost += event.count or 0
             draft.note(Change("kernel log records lost", reason=event.why))
@@ -316,6 +334,17 @@ class NodeState:
         self._current = snap
         bumped, self._bumped = self._bumped, asyncio.Event()
         bumped.set()
+
+    def _mps(self, draft: _Draft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
+        before = draft.mps.get(event.group)
+        draft.mps, what = apply_group(draft.mps, event, draft.now)
+        if what is None:
+            return
+        draft.mps_units = unit_health(draft.mps)
+        units = event.units if isinstance(event, MpsGroupChanged) else before.units if before else ()
+        owner = next((s[0] for u in units if (s := draft.subject(u)) is not None), None)
+        reason = event.reason if isinstance(event, MpsGroupChanged) else "no MPS resource has its devices now"
+        draft.note(Change(what, owner, f"MPS group {event.group}: {reason}"))
 
     def _inventory(self, draft: _Draft, event: InventoryFound) -> None:
         before = {g.uuid: g for g in draft.gpus}
@@ -603,6 +632,9 @@ class _Draft:
         self.xids_matched = base.xids_matched
         self.auto_reset = base.auto_reset
         self.auto_resets = base.auto_resets
+        self.mps = base.mps
+        self.mps_units = base.mps_units
+        self.compute_modes = base.compute_modes
         self.changes: list[Change] = []
 
     def gpu(self, uuid: str) -> Gpu | None:
@@ -630,7 +662,7 @@ class _Draft:
         It replaces the fault a device already has only when it needs more to clear, or when it
         comes after the evidence that would have cleared that one: evidence must follow the fault.
         """
-        found = self._subject(uuid)
+        found = self.subject(uuid)
         current = self.health.get(uuid)
         if found is None or current is None:
             return
@@ -686,7 +718,7 @@ class _Draft:
                 self.heal(uuid, "recovered: what Allocate needs is present now")
 
     def heal(self, uuid: str, reason: str) -> None:
-        found = self._subject(uuid)
+        found = self.subject(uuid)
         current = self.health.get(uuid)
         if found is None or current is None or current.healthy:
             return
@@ -716,7 +748,7 @@ class _Draft:
         if noted:
             self.note(Change("recovery evidence", gpu, text))
 
-    def _subject(self, uuid: str) -> tuple[Gpu, str] | None:
+    def subject(self, uuid: str) -> tuple[Gpu, str] | None:
         """The GPU to log a change under, and how the device is named before the reason."""
         gpu = self.gpu(uuid)
         if gpu is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from nvplug.core.events import (
     AutoResetStep,
     CdiChecked,
+    ComputeModeRecorded,
     DeviceNodesChanged,
     DriverLoaded,
     Event,
@@ -30,6 +31,8 @@ from nvplug.core.events import (
     KernelXid,
     KubeletSocketCreated,
     MigConfigChanged,
+    MpsGroupChanged,
+    MpsGroupRemoved,
     NvmlCallHung,
     NvmlFailed,
     PciChanged,
@@ -140,6 +143,9 @@ class Dispatcher:
                 | KernelLogState()
                 | NvmlCallHung()
                 | AutoResetStep()
+                | MpsGroupChanged()
+                | MpsGroupRemoved()
+                | ComputeModeRecorded()
             ):
                 self.apply(event)
             case _:

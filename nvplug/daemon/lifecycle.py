@@ -41,6 +41,7 @@ class Daemon:
             restored=restored,
             kernel_log_seq=self.state_file.loaded.kernel_log_seq,
             auto_resets=self.state_file.loaded.auto_resets,
+            compute_modes=self.state_file.loaded.compute_modes,
         )
         self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
@@ -122,6 +123,8 @@ class Daemon:
             await asyncio.gather(*tasks, return_exceptions=True)
             if status is not None:
                 await status.stop()
+            # The MPS daemons quit and their GPUs' compute modes go back through NVML: before the scanner stops.
+            await parts.mps.close()
             # The sources first, now that nothing reads the bus; then what they fed. The fleet's
             # rebinds and closes remove and make our sockets in the watched directory: nobody needs
             # those events.
@@ -157,6 +160,8 @@ class Daemon:
             if new.dra != self.config.dra:
                 raise config.ConfigError(f"{new.source}: nvplug.dra changed; that takes `systemctl restart nvplug`")
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
+            for sink in parts.sinks:
+                await sink.admit(new)
             commits = [sink.prepare(new) for sink in parts.sinks]
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)

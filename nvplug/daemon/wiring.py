@@ -21,6 +21,7 @@ from nvplug.edges.edge_protocols import Sink, Source
 from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
 from nvplug.kubelet.pod_holders import Holder
 from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
+from nvplug.mps.mps_supervisor import MpsSupervisor
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
 from nvplug.sinks.health_state_file import StateFile
 from nvplug.sinks.health_state_sink import HealthStateSink
@@ -51,6 +52,7 @@ class Wiring:
     # None where nvplug.health.kernelLog is off.
     kernel_log: KernelLogSource | None
     healer: Healer
+    mps: MpsSupervisor
 
 
 def wire(
@@ -98,6 +100,19 @@ def wire(
         cdi_retried,
     )
     dra_sockets = list(dra.sockets.sockets) if dra is not None else []
+    mps = MpsSupervisor(
+        cfg,
+        scanner,
+        state,
+        lambda event: dispatcher.apply(event),
+        state_file.written,
+        options.sysfs_root / "fs/selinux/enforce",
+    )
+
+    def allocated() -> None:
+        pods.after_allocate()
+        mps.probe_all("a container was allocated")  # a hung daemon shows when a client would need it
+
     fleet = PluginFleet(
         state,
         cfg,
@@ -108,7 +123,7 @@ def wire(
             sent=lambda resource, revision: dispatcher.sent(resource, revision),
             delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
             retired=cdi.forget,
-            allocated=pods.after_allocate,
+            allocated=allocated,
             own_sockets=lambda paths: kubelet_dir.set_own([*paths, *dra_sockets]),
             changed=lambda: report.refresh(),
             failed=request_stop,
@@ -125,6 +140,7 @@ def wire(
     sinks: tuple[Sink, ...] = (
         reprober,
         ChangeLog(pods, report.holders, report.metrics),
+        mps,  # before the CDI spec, which holds the groups' directories
         cdi,  # before anything that lists or hands out devices
         fleet,
         HealthStateSink(state_file, state),
@@ -144,4 +160,4 @@ def wire(
         reprober,
         *((kernel_log,) if kernel_log is not None else ()),
     )
-    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra, kernel_log, healer)
+    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra, kernel_log, healer, mps)

@@ -72,6 +72,11 @@ class Sink(Protocol):
     def update(self, update: StateUpdate) -> Sequence[Event]:
         return ()
 
+    async def admit(self, cfg: Config) -> None:
+        """Before `prepare`, what a reload may only be refused for after asking the node (NVML, a
+        daemon): raises to refuse it, as `prepare` does."""
+        return None  # noqa: RET501 (a body: a protocol's method without one is abstract)
+
     def prepare(self, cfg: Config) -> Commit:
         return no_change
 

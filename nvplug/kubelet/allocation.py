@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from nvplug.core.device_nodes import CONTROL_NODES
 from nvplug.core.gpu import Gpu, uuid_of
 from nvplug.core.topology import best_set
+from nvplug.shaping.mps_groups import client_limits, container_view
 from nvplug.shaping.resource_plan import Device, Resource
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
@@ -41,6 +42,9 @@ class AllocationPolicy:
     cdi_extra: tuple[str, ...] = ()
     # Where GetPreferredAllocation puts replicas: distributed over GPUs, or packed onto few.
     packed: bool = False
+    # MPS (nvplug.mps): the root of the groups' directories, and whether clients get their limits too.
+    mps_root: str = ""
+    mps_client_limits: bool = False
 
     @property
     def uses_cdi(self) -> bool:
@@ -139,6 +143,9 @@ def allocate(
         annotations[f"{policy.cdi_annotation_prefix}nvplug_{unique}"] = ",".join(names)
     if "cdi-cri" in strategies:
         cdi_devices = tuple(names)
+    mps_env, mps_mounts = _mps_view(resource, devices, units, policy)
+    envs.update(mps_env)
+    mounts += mps_mounts
     nodes: list[DeviceNode] = []
     if policy.pass_device_specs:
         nodes = [DeviceNode(g.device_node, host_path(g.device_node)) for g in gpus if g.device_node is not None]
@@ -147,6 +154,24 @@ def allocate(
             nodes += [DeviceNode(p, host_path(p)) for p in caps]
         nodes += [DeviceNode(p, host_path(p)) for p in CONTROL_NODES if node_exists(host_path(p))]
     return ContainerAllocation(tuple(devices), gpus, envs, tuple(nodes), mounts, annotations, cdi_devices)
+
+
+def _mps_view(
+    resource: Resource, devices: Sequence[Device], units: Sequence[Device], policy: AllocationPolicy
+) -> tuple[dict[str, str], tuple[Mount, ...]]:
+    """An MPS client's env and mounts: its group's pipe directory, the shm, and its limits if asked."""
+    if not resource.mps_groups:
+        return {}, ()
+    groups = {g.name: g for d in devices if (g := resource.group_of(d)) is not None}
+    if len(groups) != 1:
+        named = ", ".join(sorted(groups)) or "none"
+        raise AllocationError(f"{resource.name}: the devices belong to {len(groups)} MPS groups ({named}); a "
+                              "container can talk to one MPS control daemon only")  # fmt: skip
+    group = next(iter(groups.values()))
+    env, mounts = container_view(group.pipe_dir(policy.mps_root), policy.mps_root)
+    if policy.mps_client_limits:
+        env.update(client_limits(group.thread_percentage, group.pinned_of([uuid_of(d.gpu, d.mig) for d in units])))
+    return env, tuple(Mount(inside, host) for inside, host in mounts)
 
 
 def _cap_nodes(resource: Resource, device: Device) -> tuple[str, ...]:

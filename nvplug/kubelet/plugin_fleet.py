@@ -95,6 +95,8 @@ def allocation_policy(cfg: Config) -> AllocationPolicy:
         pass_device_specs=plugin.pass_device_specs,
         cdi_annotation_prefix=plugin.cdi_annotation_prefix,
         packed=cfg.shared_policy == "packed",
+        mps_root=cfg.mps_root,
+        mps_client_limits=cfg.mps.client_limits,
     )
 
 

@@ -10,13 +10,15 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from nvplug import config
-from nvplug.config import GPU_RESOURCE, RESOURCE_DOMAIN, Config, ConfigError, Devices, MigStrategy
+from nvplug.config import GPU_RESOURCE, RESOURCE_DOMAIN, Config, Devices, MigStrategy
 from nvplug.config.selectors import DeviceFilter, Selector, matches
 from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from nvplug.core.health import HealthState
 from nvplug.core.mig import CapMinors
+from nvplug.core.mps_state import NOT_STARTED
 from nvplug.core.node_state import Snapshot
 from nvplug.core.topology import Topology
+from nvplug.shaping.mps_groups import MpsGroup, MpsShare, groups_of, too_old
 
 # Time-sliced replicas are advertised as <uuid>::<n>, as NVIDIA's plugin does.
 REPLICA_SEPARATOR = "::"
@@ -49,6 +51,8 @@ class Resource:
     fail_requests_greater_than_one: bool = False
     # For MIG devices: the /dev/nvidia-caps minors of their instances.
     cap_minors: CapMinors = field(default_factory=CapMinors)
+    # MPS: the groups whose daemons serve the devices; none for other resources.
+    mps_groups: tuple[MpsGroup, ...] = ()
     # The devices in blocks, one per GPU (its replicas) where the projection made them so: a block
     # whose GPU and health did not change is the same tuple in the next revision's projection.
     blocks: tuple[tuple[Device, ...], ...] = field(default=(), repr=False, compare=False)
@@ -68,6 +72,11 @@ class Resource:
 
     def get(self, device_id: str) -> Device | None:
         return self._by_id.get(device_id)
+
+    def group_of(self, device: Device) -> MpsGroup | None:
+        """The MPS group serving the device; None if the resource is not shared through MPS."""
+        uuid = uuid_of(device.gpu, device.mig)
+        return next((g for g in self.mps_groups if uuid in g.uuids), None)
 
     def known(self, device_ids: Iterable[str]) -> set[str]:
         """The IDs among these that this resource advertises (a set operation in C, not a loop)."""
@@ -176,6 +185,8 @@ class ResourceSpec:
     leave: tuple[Devices, ...] = ()
     # Which of them are replicated, when replicas > 1.
     share: Devices = "all"
+    # Shared through MPS: each device also needs its group's daemon up.
+    mps: MpsShare | None = None
 
     def project(self, snapshot: Snapshot, previous: Resource | None = None) -> Resource:
         """Unshared devices by UUID; replicas as <uuid>::<n>, each with its device's health; index order.
@@ -185,6 +196,7 @@ class ResourceSpec:
         """
         kept = {_key(b): b for b in previous.blocks if b} if previous is not None else {}
         blocks: list[tuple[Device, ...]] = []
+        mps_units: list[tuple[Gpu, MigDevice | None]] = []
         ordinal = -1  # the device's place among those of `base`: what a count of devices picks
         for gpu, mig, name in self.naming.units(snapshot):
             if name != self.base:
@@ -196,6 +208,10 @@ class ResourceSpec:
             if health is None:
                 continue
             uuid = uuid_of(gpu, mig)
+            if self.mps is not None:
+                mps_units.append((gpu, mig))
+                if health.healthy:
+                    health = snapshot.mps_units.get(uuid, NOT_STARTED)
             copies = self.replicas if self.replicas > 1 and picks(self.share, gpu, mig, ordinal) else 0
             old = kept.get(uuid)
             if old is not None and old[0].gpu == gpu and old[0].health == health and _copies(old) == copies:
@@ -227,6 +243,7 @@ class ResourceSpec:
             self.replicas,
             self.fail_requests_greater_than_one,
             cap_minors=snapshot.cap_minors,
+            mps_groups=tuple(groups_of(self.name, self.mps, mps_units)) if self.mps is not None else (),
             blocks=tuple(blocks),
             uniform_blocks=True,
             _by_id=by_id,
@@ -294,7 +311,6 @@ class Plan:
 
 def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     """The resources to serve: each name that has devices now, as many times as sharing says."""
-    check(cfg)
     naming = Naming.from_config(cfg)
     excluded = {g.uuid: why for g in snapshot.gpus if (why := cfg.devices.why(g)) is not None}
     unmatched = tuple(cfg.devices.unmatched(snapshot.gpus))
@@ -305,21 +321,37 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     bases = sorted({name for _, _, name in units}) or [GPU_RESOURCE]
     specs: list[ResourceSpec] = []
     refused: dict[str, str] = {}
-    sharing = cfg.sharing.time_slicing
+    sharing = cfg.sharing.replicated
+    mps = cfg.sharing.strategy == "mps"
+
+    def share(r: config.ReplicatedResource) -> MpsShare | None:
+        if not mps:
+            return None
+        limits = cfg.mps.limits(r.advertised_name)
+        return MpsShare(r.replicas, limits.active_thread_percentage, limits.pinned_memory_limit)
+
     for base in bases:
         entries = [r for r in sharing.resources if r.name == base]
         own = [ResourceSpec(r.advertised_name, r.replicas, sharing.fail_requests_greater_than_one, base, naming,
-                            take=r.devices) for r in entries if r.advertised_name != base]  # fmt: skip
+                            take=r.devices, mps=share(r)) for r in entries if r.advertised_name != base]  # fmt: skip
         in_place = next((r for r in entries if r.advertised_name == base), None)
         rest = ResourceSpec(base, base=base, naming=naming, leave=tuple(s.take for s in own))
         if in_place is not None:
+            if mps and in_place.devices != "all":
+                # The rest would mix MPS devices with whole ones in one resource: one Allocate, two kinds.
+                refused[base] = (f"{in_place.where or base}: an MPS entry without a rename must share all devices "
+                                 f"of {base}; give it a rename to share some of them")  # fmt: skip
             rest = ResourceSpec(base, in_place.replicas, sharing.fail_requests_greater_than_one, base, naming,
-                                leave=rest.leave, share=in_place.devices)  # fmt: skip
+                                leave=rest.leave, share=in_place.devices, mps=share(in_place))  # fmt: skip
         chosen = [s for s in (rest, *own) if s.project(snapshot).devices] or [rest]
         specs += chosen
         twice = _picked_twice(base, entries, units)
         if twice is not None:
             refused.update(dict.fromkeys((s.name for s in chosen), twice))
+        for spec in chosen:
+            old = too_old(spec.project(snapshot).units) if spec.mps is not None else None
+            if old is not None:
+                refused[spec.name] = f"{spec.name}: {old}"
     # A sharing rename may not take the name of another resource: its devices would be in two lists.
     names = [s.name for s in specs]
     for name in {n for n in names if names.count(n) > 1}:
@@ -363,18 +395,20 @@ def _picked_twice(
     return None
 
 
-def check(cfg: Config) -> None:
-    """What the file alone shows nvplug cannot serve."""
-    if cfg.sharing.strategy == "mps":
-        raise ConfigError(f"{cfg.source}: sharing.mps is not supported by nvplug yet; use timeSlicing")
-
-
 def unserved_sharing(cfg: Config) -> list[str]:
     """Sharing entries for names no device of this config can have: a typo, most likely."""
     known = {GPU_RESOURCE, *(r.name for r in cfg.resources.gpus), *(r.name for r in cfg.resources.mig)}
     mig = f"{RESOURCE_DOMAIN}/mig-"
     return [
         r.name
-        for r in cfg.sharing.time_slicing.resources
+        for r in cfg.sharing.replicated.resources
         if r.name not in known and not (r.name.startswith(mig) and cfg.flags.mig_strategy == "mixed")
     ]
+
+
+def mps_groups(cfg: Config, snapshot: Snapshot) -> dict[str, MpsGroup]:
+    """The MPS groups the config makes of the devices present, by name; none without sharing.mps."""
+    if cfg.sharing.strategy != "mps":
+        return {}
+    served = plan(cfg, snapshot).served
+    return {g.name: g for spec in served if spec.mps is not None for g in spec.project(snapshot).mps_groups}

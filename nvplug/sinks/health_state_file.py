@@ -73,6 +73,8 @@ def encode(records: Mapping[str, Recorded], boot_id: str | None, saved: Saved | 
         body["kernel_log_seq"] = saved.kernel_log_seq
     if saved is not None and saved.auto_resets:
         body["auto_resets"] = {uuid: list(times) for uuid, times in sorted(saved.auto_resets.items())}
+    if saved is not None and saved.compute_modes:
+        body["compute_modes"] = dict(sorted(saved.compute_modes.items()))
     return seal(KIND, FORMAT, body, boot_id)
 
 
@@ -106,7 +108,12 @@ def decode_all(data: bytes, path: Path | None = None) -> tuple[str | None, Saved
     ):
         raise StateFileError(where, "auto_resets must map GPU UUIDs to lists of times")
     auto_resets = {str(uuid): tuple(float(t) for t in times) for uuid, times in resets.items()}
-    return found.boot_id, Saved(records, seq, auto_resets)
+    modes = found.body.get("compute_modes", {})
+    if not isinstance(modes, dict) or not all(
+        isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= 3 for m in modes.values()
+    ):
+        raise StateFileError(where, "compute_modes must map GPU UUIDs to compute modes 0-3")
+    return found.boot_id, Saved(records, seq, auto_resets, {str(u): m for u, m in modes.items()})
 
 
 def _format_1(doc: dict[str, Any]) -> Checkpoint:
@@ -159,6 +166,8 @@ class Saved:
     kernel_log_seq: int | None = None
     # nvplug's own resets of each GPU this boot (wall-clock times): their budget holds across restarts.
     auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # The compute modes nvplug changed for MPS, as they were before: restored after a crash too.
+    compute_modes: Mapping[str, int] = field(default_factory=dict)
 
 
 class StateFile:
@@ -237,6 +246,17 @@ class StateFile:
         self._records = records
         if self._pending is None:
             self._pending = asyncio.get_running_loop().call_soon(self._queue_save)
+
+    async def written(self) -> str | None:
+        """Until what the state holds now is on disk: a change nvplug must be able to undo after a
+        crash (a compute mode) is recorded before it is made. Why it could not be written; None: it is."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._queue_save()
+        if not self._closed:
+            # One saver thread, in order: once this runs, every save queued before it is written.
+            await asyncio.get_running_loop().run_in_executor(self._saver, lambda: None)
+        return self._failing
 
     def close(self, records: Saved) -> None:
         """At the end: once the queued saves are written, these records (whatever a last event changed).

@@ -28,4 +28,4 @@ class HealthStateSink(Sink):
 
 
 def saved(snap: Snapshot) -> Saved:
-    return Saved(snap.records(), snap.kernel_log_cursor, snap.auto_resets)
+    return Saved(snap.records(), snap.kernel_log_cursor, snap.auto_resets, snap.compute_modes)

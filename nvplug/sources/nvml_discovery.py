@@ -249,6 +249,32 @@ class Nvml:
                 raise NvmlUnavailable(f"cannot list the processes on {uuid}: {err}") from err
         return tuple(sorted({int(p.pid) for p in found}))
 
+    def mps_clients(self, uuid: str) -> tuple[int, ...]:
+        """The pids of the MPS clients on the GPU (its MIG devices' too). Raises NvmlUnavailable."""
+        with session():
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                found = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
+            except pynvml.NVMLError as err:
+                raise NvmlUnavailable(f"cannot list the MPS clients on {uuid}: {err}") from err
+        return tuple(sorted({int(p.pid) for p in found}))
+
+    def compute_mode(self, uuid: str) -> int:
+        """The GPU's compute mode (0 default, 2 prohibited, 3 exclusive process). Raises NvmlUnavailable."""
+        with session():
+            try:
+                return int(pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
+            except pynvml.NVMLError as err:
+                raise NvmlUnavailable(f"cannot read the compute mode of {uuid}: {err}") from err
+
+    def set_compute_mode(self, uuid: str, mode: int) -> None:
+        """Raises NvmlUnavailable."""
+        with session():
+            try:
+                pynvml.nvmlDeviceSetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid), mode)
+            except pynvml.NVMLError as err:
+                raise NvmlUnavailable(f"cannot set the compute mode of {uuid} to {mode}: {err}") from err
+
     def _read_all(self) -> Discovery:
         try:
             count = int(pynvml.nvmlDeviceGetCount())

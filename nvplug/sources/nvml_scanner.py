@@ -114,6 +114,18 @@ class Scanner:
         """Pids on the GPU. Raises NvmlUnavailable (NvmlHung too)."""
         return await self.calls.run("processes", uuid, self._nvml.processes, uuid)
 
+    async def mps_clients(self, uuid: str) -> tuple[int, ...]:
+        """Pids of MPS clients on the GPU. Raises NvmlUnavailable (NvmlHung too)."""
+        return await self.calls.run("processes", uuid, self._nvml.mps_clients, uuid)
+
+    async def compute_mode(self, uuid: str) -> int:
+        """Raises NvmlUnavailable (NvmlHung too)."""
+        return await self.calls.run("compute mode", uuid, self._nvml.compute_mode, uuid)
+
+    async def set_compute_mode(self, uuid: str, mode: int) -> None:
+        """Raises NvmlUnavailable (NvmlHung too)."""
+        await self.calls.run("compute mode", uuid, self._nvml.set_compute_mode, uuid, mode)
+
     async def reset(self, command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         """Run a GPU reset with our NVML reference dropped: a client holding the GPU blocks its reset.
 

@@ -6,6 +6,8 @@
  * first nvmlInit; afterwards the state lives in memory so that runtime
  * changes made over the control socket (env FAKE_NVML_CONTROL) persist
  * across nvmlShutdown/nvmlInit cycles.  See default.scenario for the syntax.
+ * Compute modes are driver state and outlive the process: they live in a
+ * state file (env FAKE_NVML_STATE_DIR; "Compute mode" below).
  *
  * Build: cc -shared -fPIC -O2 -Wall -Wextra -pthread -o libnvidia-ml.so.1 fakenvml.c
  *
@@ -13,8 +15,9 @@
  * first nvmlInit call (successful or not).  One command per datagram; a bound
  * sender gets "ok[ details]" or "error: <reason>".  <gpu> is an index in the
  * current enumeration or a UUID.
- *   ping | state                        state: "ok key=value ... | idx uuid flags ra=N[ mig=prof/gi/ci/uuid,...|-]
- *                                       [ procs=...][ blocks=fn,...][ waiting=N] | ..." (blocks: below)
+ *   ping | state                        state: "ok key=value ... | idx uuid flags ra=N cm=N
+ *                                       [ mig=prof/gi/ci/uuid,...|-][ procs=...][ blocks=fn,...][ waiting=N]
+ *                                       | ..." (cm: compute mode; blocks: below)
  *   xid <gpu> <code> [gi ci]            event 0x8, eventData = code
  *   ecc <gpu> sbe|dbe                   event 0x1 / 0x2
  *   event <gpu> <hex type> <data> [gi ci]
@@ -40,7 +43,12 @@
  *                                       (MigConfigChange, data 0); replaced devices' handles go stale
  *                                       and the processes on them are dropped
  *   procs <gpu> <proc>[,<proc>...] | -  replace the GPU's running processes (syntax below); "-"
- *                                       clears.  At once, no event; restore keeps them
+ *                                       clears.  At once, no event; restore keeps them.  The
+ *                                       compute mode limits them (below)
+ *   compute_mode <gpu> [<mode>]         "ok N": the GPU's compute mode; with <mode> (0-3, or DEFAULT
+ *                                       EXCLUSIVE_THREAD PROHIBITED EXCLUSIVE_PROCESS) set it, as an
+ *                                       operator's nvidia-smi -c does: no root check, error for a
+ *                                       lost GPU or one in MIG mode; written to the state file
  *   block <gpu>|* <function>            calls of that entry point (exact exported name) on that
  *                                       GPU hang until released, like a GPU wedged in the driver
  *   release <gpu>|* <function>          undo one block (error if not set); they return normally
@@ -90,6 +98,48 @@
  * NVML does for a privileged caller; unsupported=processes makes all nine
  * queries NOT_SUPPORTED.  The state reply shows " procs=<list>".
  *
+ * Compute mode (nvmlDevice{Get,Set}ComputeMode, nvmlComputeMode_t: DEFAULT 0,
+ * EXCLUSIVE_THREAD 1, PROHIBITED 2, EXCLUSIVE_PROCESS 3) is driver state, not
+ * process state: RM keeps the rule "so that it persists even after the last
+ * client disconnects" (subdeviceCtrlCmdGpuSetComputeModeRules in the open GPU
+ * kernel modules), and on Linux it goes back to DEFAULT only at a reboot
+ * (nvml.h).  So each successful set is written at once to the state file
+ * $FAKE_NVML_STATE_DIR/fakenvml.state (unset: the directory of
+ * FAKE_NVML_CONTROL; set but empty, or neither set: no file, the modes live in
+ * this process), one line "<uuid> compute_mode=N" per GPU whose mode was set,
+ * rewritten whole and renamed into place under a lock on fakenvml.state.lock,
+ * and every use reads it again.  All processes of one simulated node (one
+ * directory: the daemon, a restart of it after a SIGKILL, a CLI next to it)
+ * thus see one mode per GPU, and another node its own.  A GPU without a line
+ * has its gpu line's compute_mode=N (0-3 or a name, default 0); the key is the
+ * UUID, so a GPU removed and added again keeps its mode; deleting the file is
+ * a driver reload.  The fake has no GPU reset.  fakenvml.persisted_compute_modes
+ * reads the file.
+ *
+ * nvmlDeviceSetComputeMode, past the handle checks (UNINITIALIZED,
+ * INVALID_ARGUMENT, GPU_IS_LOST, then blocks), returns INVALID_ARGUMENT for a
+ * mode but 0, 2 or 3 (EXCLUSIVE_THREAD's support is removed, nvml.h;
+ * nvidia-smi -c 1 sets 3 instead), NO_PERMISSION unless geteuid() is 0
+ * ("Requires root/admin permissions"), NOT_SUPPORTED for a GPU in MIG mode (RM
+ * refuses while MIG is enabled; nvidia-smi says "not supported on a
+ * MIG-enabled device") or with unsupported=compute_mode (the Get too), UNKNOWN
+ * if the state file cannot be written, else SUCCESS whatever runs on the GPU
+ * (RM only records the rule, which binds contexts made later).  A MIG device
+ * handle gets NOT_SUPPORTED from both, as from the R550 driver this fake
+ * reports; a GPU in MIG mode reads its mode.  (Later nvml.h versions give each
+ * MIG device a mode of its own, "If MIG is enabled on a GPU, device must be
+ * MIG device handle"; not modelled.)
+ *
+ * The mode limits new process lists, of the procs command (checked against the
+ * mode now) and of gpu lines (against their own compute_mode=, not the state
+ * file), outside MIG mode (RM makes no compute-mode reservations then): in
+ * EXCLUSIVE_PROCESS (and EXCLUSIVE_THREAD) a GPU has one context, so at most
+ * one process of KIND compute (under MPS the server; its clients are KIND mps,
+ * listed by nvmlDeviceGetMPSComputeRunningProcesses); in PROHIBITED none, so
+ * no process of KIND compute or mps.  A list breaking the rule is an error
+ * naming it; a mode set over such a list leaves it (contexts that were there
+ * before).
+ *
  * MIG: gpu key mig=0|1 (current mode), and scenario lines
  *   mig <gpu-index> <profile> [gi=N] [ci=N] [uuid=MIG-...]
  * each add one MIG device (one GPU instance holding one compute instance) to
@@ -136,6 +186,7 @@ enum {
     NVML_ERROR_UNINITIALIZED = 1,
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_TIMEOUT = 10,
@@ -145,6 +196,15 @@ enum {
 };
 
 enum { NVML_FEATURE_DISABLED = 0, NVML_FEATURE_ENABLED = 1 };
+
+/* nvmlComputeMode_t; EXCLUSIVE_THREAD is "Support Removed" in nvml.h. */
+enum {
+    NVML_COMPUTEMODE_DEFAULT = 0,
+    NVML_COMPUTEMODE_EXCLUSIVE_THREAD = 1,
+    NVML_COMPUTEMODE_PROHIBITED = 2,
+    NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3,
+    NVML_COMPUTEMODE_COUNT
+};
 
 enum {
     NVML_TOPOLOGY_INTERNAL = 0,
@@ -280,14 +340,15 @@ enum {
     U_NUMA = 1 << 0, U_CC = 1 << 1, U_MEMORY = 1 << 2, U_MINOR = 1 << 3,
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
-    U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14
+    U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14,
+    U_COMPUTE_MODE = 1 << 15
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
     {"serial", U_SERIAL}, {"name", U_NAME}, {"events", U_EVENTS}, {"topology", U_TOPOLOGY},
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
-    {"processes", U_PROCESSES},
+    {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE},
 };
 
 /* Which running-process queries list a process (procs= KIND). */
@@ -331,6 +392,8 @@ struct fake_dev {
     /* running processes ("procs") */
     int nprocs;
     struct fake_proc procs[PROCS_MAX];
+    /* compute mode from the gpu line: the GPU's until the driver state has one (cm_of) */
+    int compute_mode;
 };
 
 /* H100 80GB MIG profiles; a MIG device is one GPU instance with one compute instance. */
@@ -428,7 +491,7 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetComputeRunningProcesses_v3, DEV) X(nvmlDeviceGetGraphicsRunningProcesses, DEV)        \
     X(nvmlDeviceGetGraphicsRunningProcesses_v2, DEV) X(nvmlDeviceGetGraphicsRunningProcesses_v3, DEV)    \
     X(nvmlDeviceGetMPSComputeRunningProcesses, DEV) X(nvmlDeviceGetMPSComputeRunningProcesses_v2, DEV)   \
-    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, DEV)
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, DEV) X(nvmlDeviceSetComputeMode, DEV)
 
 enum fn_kind { FK_SYS, FK_LOOKUP, FK_DEV };
 #define FN_ENUM(f, k) FN_##f,
@@ -603,6 +666,27 @@ static int parse_level(const char *s, int *out)
         return 0;
     }
     return -1;
+}
+
+/* nvidia-smi's names, by nvmlComputeMode_t value. */
+static const char *const cm_names[NVML_COMPUTEMODE_COUNT] = {
+    "DEFAULT", "EXCLUSIVE_THREAD", "PROHIBITED", "EXCLUSIVE_PROCESS",
+};
+
+/* A compute mode, 0-3 or its name (any case), as nvidia-smi -c takes it. */
+static int parse_cm(const char *s, int *out)
+{
+    long v;
+    int i;
+    for (i = 0; i < NVML_COMPUTEMODE_COUNT; i++)
+        if (!strcasecmp(s, cm_names[i])) {
+            *out = i;
+            return 0;
+        }
+    if (parse_int(s, 0, NVML_COMPUTEMODE_COUNT - 1, &v))
+        return -1;
+    *out = (int)v;
+    return 0;
 }
 
 /*
@@ -821,6 +905,8 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
         } else if (!strcmp(k, "mig")) {
             bad = parse_ull(v, 10, 1, &u);
             d->mig_mode = (int)u;
+        } else if (!strcmp(k, "compute_mode")) {
+            bad = parse_cm(v, &d->compute_mode);
         } else if (!strcmp(k, "procs")) {
             int np = parse_procs(v, d->procs, err, errlen);
             if (np < 0)
@@ -938,6 +1024,36 @@ static int procs_check_mig(const struct fake_dev *d, const struct fake_proc *p, 
         if (k == d->nmig) {
             snprintf(err, errlen, "process %u: no MIG device with gi %u ci %u on %s", p[i].pid, p[i].gi, p[i].ci,
                      d->uuid);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/*
+ * The compute mode's rules for a new process list p[n] on d in mode (see
+ * "Compute mode" in the header comment): EXCLUSIVE_PROCESS (and the removed
+ * EXCLUSIVE_THREAD) allow one process of KIND compute, PROHIBITED none of
+ * KIND compute or mps.  Not enforced in MIG mode.  Returns 0 or -1 with err set.
+ */
+static int procs_check_mode(const struct fake_dev *d, int mode, const struct fake_proc *p, int n, char *err,
+                            size_t errlen)
+{
+    int i, compute = 0;
+    if (d->mig_mode)
+        return 0;
+    for (i = 0; i < n; i++) {
+        if (mode == NVML_COMPUTEMODE_PROHIBITED && (p[i].kinds & (K_COMPUTE | K_MPS))) {
+            snprintf(err, errlen, "process %u: %s is in compute mode PROHIBITED (2): no compute or MPS processes",
+                     p[i].pid, d->uuid);
+            return -1;
+        }
+        if ((p[i].kinds & K_COMPUTE) && ++compute > 1 &&
+            (mode == NVML_COMPUTEMODE_EXCLUSIVE_PROCESS || mode == NVML_COMPUTEMODE_EXCLUSIVE_THREAD)) {
+            snprintf(err, errlen,
+                     "process %u: %s is in compute mode %s (%d): one compute process at most "
+                     "(an MPS server; its clients are KIND mps)",
+                     p[i].pid, d->uuid, cm_names[mode], mode);
             return -1;
         }
     }
@@ -1079,7 +1195,8 @@ static int add_gpu(char **tok, int n, int final, char *err, size_t errlen)
     }
     if (parse_gpu(tok, n, slot, &d, err, errlen))
         return -1;
-    if (final && procs_check_mig(&d, d.procs, d.nprocs, err, errlen))
+    if (final && (procs_check_mig(&d, d.procs, d.nprocs, err, errlen) ||
+                  procs_check_mode(&d, d.compute_mode, d.procs, d.nprocs, err, errlen)))
         return -1;
     for (j = 0; j < MAX_GPUS; j++) {   /* no links survive from the slot's last GPU */
         g_nvlink[slot][j] = g_nvlink[j][slot] = 0;
@@ -1231,11 +1348,14 @@ static int load_scenario(void)
     }
     free(line);
     fclose(f);
-    for (slot = 0; rc == 0 && slot < g_nslots; slot++)   /* procs=...@GI/CI needed the mig lines */
-        if (procs_check_mig(&g_devs[slot], g_devs[slot].procs, g_devs[slot].nprocs, err, sizeof err)) {
+    for (slot = 0; rc == 0 && slot < g_nslots; slot++) {   /* procs=...@GI/CI needed the mig lines */
+        const struct fake_dev *d = &g_devs[slot];
+        if (procs_check_mig(d, d->procs, d->nprocs, err, sizeof err) ||
+            procs_check_mode(d, d->compute_mode, d->procs, d->nprocs, err, sizeof err)) {
             fprintf(stderr, "fakenvml: %s: gpu %d: %s\n", path, slot, err);
             rc = -1;
         }
+    }
     if (rc)
         reset_state();
     return rc;
@@ -1254,6 +1374,172 @@ static void apply_pending(void)
             g_order[g_count++] = s;
         }
     }
+}
+
+/* ---- driver state: compute modes ------------------------------------------------ */
+
+/*
+ * The compute modes set since the driver "loaded", by GPU UUID: driver
+ * state, which outlives the processes that set it (see "Compute mode" in the
+ * header comment).  With a state file this table is a copy of it, read again
+ * at each use (cm_sync), so that every process of the node sees what any of
+ * them set; without one it lives in this process only.  Guarded by g_lock.
+ */
+#define CM_MAX 256   /* GPUs with a mode set, per node */
+#define STATE_FILE "fakenvml.state"
+static struct { char uuid[96]; int mode; } g_cm[CM_MAX];
+static int g_ncm;
+static char g_state_path[PATH_MAX];
+static int g_state_resolved;
+
+/* FAKE_NVML_STATE_DIR/fakenvml.state, else beside FAKE_NVML_CONTROL; NULL: no file (empty dir, neither set). */
+static const char *state_path(void)
+{
+    const char *dir, *ctl;
+    if (g_state_resolved)
+        return g_state_path[0] ? g_state_path : NULL;
+    g_state_resolved = 1;
+    dir = getenv("FAKE_NVML_STATE_DIR");
+    ctl = getenv("FAKE_NVML_CONTROL");
+    if (dir) {
+        if (*dir)
+            snprintf(g_state_path, sizeof g_state_path, "%s/%s", dir, STATE_FILE);
+    } else if (ctl && *ctl) {
+        const char *slash = strrchr(ctl, '/');
+        if (slash)
+            snprintf(g_state_path, sizeof g_state_path, "%.*s/%s", (int)(slash - ctl), ctl, STATE_FILE);
+        else
+            snprintf(g_state_path, sizeof g_state_path, "%s", STATE_FILE);
+    }
+    return g_state_path[0] ? g_state_path : NULL;
+}
+
+/*
+ * Reloads g_cm from the state file: lines "<uuid> compute_mode=<n>" ('#'
+ * comments; other keys and bad lines are skipped).  No file is an empty
+ * table (a driver reload: every GPU back to its gpu line's mode); a file
+ * that cannot be read leaves the table as it was.
+ */
+static void cm_sync(void)
+{
+    static int warned;
+    const char *path = state_path();
+    char line[256], *tok[16];
+    FILE *f;
+    if (!path)
+        return;
+    f = fopen(path, "re");
+    if (!f) {
+        if (errno == ENOENT)
+            g_ncm = 0;
+        else if (!warned++)
+            fprintf(stderr, "fakenvml: cannot read %s: %s (compute modes: this process's view)\n", path,
+                    strerror(errno));
+        return;
+    }
+    g_ncm = 0;
+    while (fgets(line, sizeof line, f)) {
+        int n = tokenize(line, tok, 16), i, mode = -1;
+        for (i = 1; i < n; i++)
+            if (!strncmp(tok[i], "compute_mode=", 13) && parse_cm(tok[i] + 13, &mode))
+                mode = -1;
+        if (n < 2 || mode < 0 || g_ncm == CM_MAX || copy_field(g_cm[g_ncm].uuid, sizeof g_cm[0].uuid, tok[0]))
+            continue;
+        g_cm[g_ncm++].mode = mode;
+    }
+    fclose(f);
+}
+
+/* The GPU's compute mode now (after a cm_sync): the driver state's, else its gpu line's. */
+static int cm_of(const struct fake_dev *d)
+{
+    int i;
+    for (i = 0; i < g_ncm; i++)
+        if (!strcmp(g_cm[i].uuid, d->uuid))
+            return g_cm[i].mode;
+    return d->compute_mode;
+}
+
+/* Writes g_cm to path atomically: a temporary file renamed over it. */
+static int cm_write(const char *path)
+{
+    char tmp[PATH_MAX + 32];
+    FILE *f;
+    int i, ok;
+    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+    if (!(f = fopen(tmp, "we")))
+        return -1;
+    fprintf(f, "# fake NVML driver state (fakenvml.c): <gpu uuid> compute_mode=<nvmlComputeMode_t>\n");
+    for (i = 0; i < g_ncm; i++)
+        fprintf(f, "%s compute_mode=%d\n", g_cm[i].uuid, g_cm[i].mode);
+    ok = fflush(f) == 0 && !ferror(f);
+    if (fclose(f) != 0)
+        ok = 0;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * Sets a GPU's compute mode in the driver state: with a state file, under a
+ * lock on <file>.lock (other processes of the node write it too), reread,
+ * changed and written back.  Returns 0, or -1 (a message on stderr) with the
+ * state unchanged.
+ */
+static int cm_store(const char *uuid, int mode)
+{
+    const char *path = state_path();
+    char lockpath[PATH_MAX + 8];
+    struct flock fl;
+    int lock = -1, i, rc = 0;
+    if (path) {
+        snprintf(lockpath, sizeof lockpath, "%s.lock", path);
+        memset(&fl, 0, sizeof fl);
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        if ((lock = open(lockpath, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) >= 0) {
+            while ((rc = fcntl(lock, F_SETLKW, &fl)) < 0 && errno == EINTR)
+                ;
+            if (rc < 0) {
+                int e = errno;
+                close(lock);
+                lock = -1;
+                errno = e;
+            }
+            rc = 0;
+        }
+        if (lock < 0) {
+            fprintf(stderr, "fakenvml: cannot lock %s: %s\n", lockpath, strerror(errno));
+            return -1;
+        }
+        cm_sync();
+    }
+    for (i = 0; i < g_ncm && strcmp(g_cm[i].uuid, uuid); i++)
+        ;
+    if (i == CM_MAX) {
+        fprintf(stderr, "fakenvml: more than %d GPUs with a compute mode set\n", CM_MAX);
+        rc = -1;
+    } else {
+        int old = i < g_ncm ? g_cm[i].mode : -1;
+        if (i == g_ncm)
+            snprintf(g_cm[g_ncm++].uuid, sizeof g_cm[0].uuid, "%s", uuid);
+        g_cm[i].mode = mode;
+        if (path && cm_write(path)) {
+            fprintf(stderr, "fakenvml: cannot write %s: %s\n", path, strerror(errno));
+            if (old < 0)
+                g_ncm--;
+            else
+                g_cm[i].mode = old;
+            rc = -1;
+        }
+    }
+    if (lock >= 0)
+        close(lock);   /* drops the lock */
+    return rc;
 }
 
 /* ---- events ----------------------------------------------------------------- */
@@ -1367,6 +1653,7 @@ static void ctl_state(char *out, size_t cap)
         dropped += es->dropped;
     for (s = 0; s <= MAX_GPUS; s++)
         waiting += g_block_waiters[s];
+    cm_sync();
     used = (size_t)snprintf(out, cap,
                             "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu wait_error=%d"
                             " wait_left=%ld blocked_waiting=%d blocked_calls=%llu any_blocks=",
@@ -1391,8 +1678,8 @@ static void ctl_state(char *out, size_t cap)
             snprintf(flags, sizeof flags, "ok");
         else
             flags[fl - 1] = 0;   /* drop the trailing comma */
-        used += (size_t)snprintf(out + used, cap - used, " | %s %s %s ra=%u", ix, d->uuid, flags,
-                                 d->recovery_action);
+        used += (size_t)snprintf(out + used, cap - used, " | %s %s %s ra=%u cm=%d", ix, d->uuid, flags,
+                                 d->recovery_action, cm_of(d));
         if (d->mig_mode && used < cap) {   /* mig=profile/gi/ci/uuid,... ("-": none) */
             int k;
             used += (size_t)snprintf(out + used, cap - used, " mig=%s", d->nmig ? "" : "-");
@@ -1596,8 +1883,8 @@ static void ctl_command(char *line, char *out, size_t cap)
     }
 
     /* The remaining commands all take a GPU as the first argument. */
-    static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove",
-                                     "pending_pages", "remap", "recovery_action", "mig", "procs"};
+    static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove", "pending_pages",
+                                     "remap", "recovery_action", "mig", "procs", "compute_mode"};
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -1710,12 +1997,47 @@ static void ctl_command(char *line, char *out, size_t cap)
         if (need_args(n, 3, "procs <gpu> <pid>[:<mib>][:<kind>][@<gi>/<ci>][,...] | -", out, cap))
             return;
         np = parse_procs(tok[2], procs, err, sizeof err);
-        if (np < 0 || procs_check_mig(d, procs, np, err, sizeof err)) {
+        cm_sync();
+        if (np < 0 || procs_check_mig(d, procs, np, err, sizeof err) ||
+            procs_check_mode(d, cm_of(d), procs, np, err, sizeof err)) {
             snprintf(out, cap, "error: procs: %s", err);
             return;
         }
         memcpy(d->procs, procs, (size_t)np * sizeof procs[0]);
         d->nprocs = np;
+        snprintf(out, cap, "ok");
+    } else if (!strcmp(cmd, "compute_mode")) {
+        int mode;
+        if (n != 2 && n != 3) {
+            snprintf(out, cap, "error: usage: compute_mode <gpu> "
+                               "[0-3|DEFAULT|EXCLUSIVE_THREAD|PROHIBITED|EXCLUSIVE_PROCESS]");
+            return;
+        }
+        if (d->unsupported & U_COMPUTE_MODE) {
+            snprintf(out, cap, "error: compute_mode: the GPU has unsupported=compute_mode");
+            return;
+        }
+        cm_sync();
+        if (n == 2) {
+            snprintf(out, cap, "ok %d", cm_of(d));
+            return;
+        }
+        if (parse_cm(tok[2], &mode)) {
+            snprintf(out, cap, "error: compute_mode: bad mode '%s' (0-3 or a name)", tok[2]);
+            return;
+        }
+        if (d->lost || d->removed) {   /* what nvidia-smi -c gets from NVML then */
+            snprintf(out, cap, "error: compute_mode: the GPU is lost");
+            return;
+        }
+        if (d->mig_mode) {
+            snprintf(out, cap, "error: compute_mode: not supported on a GPU in MIG mode");
+            return;
+        }
+        if (cm_store(d->uuid, mode)) {
+            snprintf(out, cap, "error: compute_mode: cannot record it in the driver state file");
+            return;
+        }
         snprintf(out, cap, "ok");
     } else if (!strcmp(cmd, "mig")) {
         if (n == 4 && !strcmp(tok[2], "mode")) {
@@ -2370,13 +2692,40 @@ nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode)
     return done(NVML_SUCCESS);
 }
 
+/*
+ * Compute mode: driver state (cm_of), see the header comment.  MIG handles
+ * get NOT_SUPPORTED (dev_begin), as from the R550 driver this fake reports;
+ * a GPU in MIG mode reads its mode but cannot change it.
+ */
 nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode)
 {
     COUNT(nvmlDeviceGetComputeMode);
     DEV_BEGIN(device);
     REQUIRE(mode);
-    *mode = 0;   /* NVML_COMPUTEMODE_DEFAULT */
+    SUPPORTED(U_COMPUTE_MODE);
+    cm_sync();
+    *mode = cm_of(d);
     return done(NVML_SUCCESS);
+}
+
+/*
+ * Checks in the order NVML and RM make them: the mode (EXCLUSIVE_THREAD's
+ * support is removed), root, MIG mode (RM: NV_ERR_NOT_SUPPORTED while MIG is
+ * enabled).  Processes running now do not matter: RM only records the rule,
+ * which applies to contexts created later.
+ */
+nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, int mode)
+{
+    COUNT(nvmlDeviceSetComputeMode);
+    DEV_BEGIN(device);
+    REQUIRE(mode == NVML_COMPUTEMODE_DEFAULT || mode == NVML_COMPUTEMODE_PROHIBITED ||
+            mode == NVML_COMPUTEMODE_EXCLUSIVE_PROCESS);
+    SUPPORTED(U_COMPUTE_MODE);
+    if (geteuid() != 0)
+        return done(NVML_ERROR_NO_PERMISSION);
+    if (d->mig_mode)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    return done(cm_store(d->uuid, mode) ? NVML_ERROR_UNKNOWN : NVML_SUCCESS);
 }
 
 static void fill_pci(const struct fake_dev *d, nvmlPciInfo_t *p)

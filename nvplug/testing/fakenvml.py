@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import os
 import socket
@@ -26,6 +27,8 @@ __all__ = [
     "LIB_NAME",
     "MIG_PROFILES",
     "SOURCE",
+    "STATE_FILE",
+    "ComputeMode",
     "Control",
     "ControlError",
     "FakeNvmlBuildError",
@@ -36,6 +39,8 @@ __all__ = [
     "environ",
     "mig_minor",
     "mig_uuid",
+    "persisted_compute_modes",
+    "state_file",
     "write_mig_minors",
 ]
 
@@ -60,6 +65,18 @@ _PROCESS_KINDS: tuple[ProcessKind, ...] = ("compute", "graphics", "mps")
 _PROCS_MAX = 64  # PROCS_MAX in the C: processes per GPU
 _MIG_MAX_GI = 14
 _MIG_MAX_CI = 7
+
+# The driver state file (compute modes by GPU UUID) in FAKE_NVML_STATE_DIR: STATE_FILE in the C.
+STATE_FILE = "fakenvml.state"
+
+
+class ComputeMode(enum.IntEnum):
+    """nvmlComputeMode_t (pynvml's NVML_COMPUTEMODE_*)."""
+
+    DEFAULT = 0
+    EXCLUSIVE_THREAD = 1  # "Support Removed": nvmlDeviceSetComputeMode refuses it, the driver may still hold it
+    PROHIBITED = 2
+    EXCLUSIVE_PROCESS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,14 +231,58 @@ def environ(
     scenario: Path,
     control: Path,
     base: Mapping[str, str] | None = None,
+    state_dir: Path | None = None,
 ) -> dict[str, str]:
-    """The environment for a child process that should load the fake instead of a real NVML."""
+    """The environment for a child process that should load the fake instead of a real NVML.
+
+    ``state_dir`` (``FAKE_NVML_STATE_DIR``) holds the driver state that outlives the
+    processes, the GPUs' compute modes (:data:`STATE_FILE`); by default the control
+    socket's directory, which is one per simulated node: its processes (a daemon, its
+    restarts, a CLI with a control socket of its own beside it) share the state, other
+    nodes do not.
+    """
     env = dict(os.environ if base is None else base)
     previous = env.get("LD_LIBRARY_PATH")
     env["LD_LIBRARY_PATH"] = str(lib_dir) + (os.pathsep + previous if previous else "")
     env["FAKE_NVML_SCENARIO"] = str(scenario)
     env["FAKE_NVML_CONTROL"] = str(control)
+    env["FAKE_NVML_STATE_DIR"] = str(Path(control).parent if state_dir is None else state_dir)
     return env
+
+
+def state_file(env: Mapping[str, str]) -> Path | None:
+    """The driver state file the library uses in ``env``, as the C resolves it; None: it keeps none.
+
+    ``FAKE_NVML_STATE_DIR``/:data:`STATE_FILE` (an empty value: none), else :data:`STATE_FILE`
+    beside ``FAKE_NVML_CONTROL``, else none (the state then lives in the process).
+    """
+    state_dir = env.get("FAKE_NVML_STATE_DIR")
+    if state_dir is not None:
+        return Path(state_dir) / STATE_FILE if state_dir else None
+    control = env.get("FAKE_NVML_CONTROL")
+    return Path(control).parent / STATE_FILE if control else None
+
+
+def persisted_compute_modes(where: Mapping[str, str] | Path) -> dict[str, int]:
+    """The compute modes in the driver state file, by GPU UUID, read without loading the library.
+
+    ``where`` is an environment (see :func:`state_file`), the state directory or the
+    file itself.  Only GPUs whose mode was set since the file was made are there (the
+    others have their gpu line's ``compute_mode=``); no file is no entries.
+    """
+    if isinstance(where, Path):
+        path: Path | None = where / STATE_FILE if where.is_dir() else where
+    else:
+        path = state_file(where)
+    text = _read_text(path) if path is not None else None
+    modes: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        words = line.split("#", 1)[0].split()
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if sep and key == "compute_mode" and value.isdigit() and int(value) < len(ComputeMode):
+                modes[words[0]] = int(value)
+    return modes
 
 
 class Control:
@@ -327,12 +388,32 @@ class Control:
             raise ValueError(f"bad MIG profile names: {list(profiles)!r}")
         return self.send(f"mig {gpu} layout {','.join(profiles) or '-'}")
 
+    def compute_mode(self, gpu: GpuRef) -> int:
+        """The GPU's compute mode (a :class:`ComputeMode` value), as nvmlDeviceGetComputeMode reads it."""
+        reply = self.send(f"compute_mode {_word(gpu)}").split()
+        if len(reply) != 2 or not reply[1].isdigit():
+            raise ControlError(f"unexpected reply to 'compute_mode': {' '.join(reply)!r}")
+        return int(reply[1])
+
+    def set_compute_mode(self, gpu: GpuRef, mode: int) -> str:
+        """Set the GPU's compute mode as an operator's ``nvidia-smi -c`` does (no root check).
+
+        The mode is driver state: written to the state file, later processes read it.
+        EXCLUSIVE_THREAD is accepted here (a driver can still hold it) though
+        nvmlDeviceSetComputeMode refuses it.  A lost GPU or one in MIG mode is a
+        :class:`ControlError`, as for nvidia-smi; running processes do not matter.
+        """
+        return self.send(f"compute_mode {_word(gpu)} {ComputeMode(mode).value}")
+
     def procs(self, gpu: GpuRef, procs: Sequence[GpuProcess | int]) -> str:
         """Replace the processes running on the GPU (an int is a compute process of unknown memory use).
 
         Takes effect at once, without an event; an empty sequence clears them.
         ``restore`` keeps them; a MIG layout change or MIG mode off ends those
-        on MIG devices.
+        on MIG devices.  The GPU's compute mode limits them (outside MIG mode):
+        EXCLUSIVE_PROCESS allows one of kind compute (an MPS server, its clients
+        being kind mps), PROHIBITED none of kind compute or mps; more is a
+        :class:`ControlError` naming the rule.
         """
         if isinstance(procs, (str, bytes)):
             raise TypeError("procs must be a sequence of GpuProcess or pids, not one string")

@@ -24,6 +24,7 @@ from typing import IO, Literal
 from nvplug.core.gpu import normalize_bus_id
 from nvplug.core.kernel_log_records import format_record
 from nvplug.testing import fakenvml
+from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
 
@@ -102,6 +103,9 @@ class SimulatedNode:
         # A stand-in nvidia-smi on the daemon's PATH, recording its calls here.
         self.bin_dir = root / "bin"
         self.nvidia_smi_log = root / "nvidia-smi.log"
+        # nvplug.mps.root of a test that runs MPS, and the stand-in control binary it names.
+        self.mps_root = root / "mps"
+        self.mps_control = self.bin_dir / mps_control.BINARY_NAME
         self.kubelet = KubeletThread(self.plugin_dir)
         self.daemon: subprocess.Popen[bytes] | None = None
         self._log_pump: threading.Thread | None = None
@@ -232,6 +236,15 @@ class SimulatedNode:
         if written != len(data):
             raise OSError(errno.EAGAIN, f"the kernel log stand-in took {written} of {len(data)} bytes")
 
+    def mps_config(self, resources: str, extra: str = "") -> str:
+        """A config running MPS on this node: `resources` are sharing.mps.resources' entries (YAML lines),
+        `extra` more nvplug.mps keys; the stand-in control binary is installed."""
+        mps_control.install(self.bin_dir, build_dir=self.lib_dir / "mps-control")
+        # A server runs as its client's UID and must pass every parent of the root (mkdtemp's are 0700).
+        self.root.chmod(0o755)
+        return (f"version: v1\nsharing:\n  mps:\n    resources:\n{resources}nvplug:\n  mps:\n"
+                f"    root: {self.mps_root}\n    controlPath: {self.mps_control}\n{extra}")  # fmt: skip
+
     def build_library(self) -> Path:
         return fakenvml.build(self.lib_dir)
 
@@ -336,6 +349,9 @@ class SimulatedNode:
         if self.daemon is not None and self.daemon.poll() is None:
             self.stop_daemon(signal.SIGKILL)
         self.kubelet.stop()
+        shm = self.mps_root / "shm"
+        if shm.is_mount():  # a daemon killed before it unmounted the clients' shm
+            subprocess.run(["umount", "-l", str(shm)], check=False, capture_output=True)
         if self._kernel_log_fd >= 0:
             os.close(self._kernel_log_fd)
             self._kernel_log_fd = -1

@@ -22,12 +22,16 @@ from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
+from nvplug.shaping.mps_groups import client_limits, container_view, pipe_dir
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
     GPU_KIND,
+    WRITABLE,
+    CdiMount,
     CdiSpec,
     DriverFiles,
+    Edits,
     Roots,
     Unit,
     device_name,
@@ -57,6 +61,9 @@ class CdiSettings:
     enforce: bool = False
     # nvplug.devices: a GPU it leaves out is in no spec.
     devices: DeviceFilter = field(default_factory=DeviceFilter)
+    # MPS: the root of the groups' directories, and whether clients get their limits as variables.
+    mps_root: str = ""
+    mps_client_limits: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
@@ -77,6 +84,8 @@ class CdiSettings:
             cfg.imex.channel_ids,
             any(s.startswith("cdi") for s in plugin.device_list_strategy),
             cfg.devices,
+            cfg.mps_root,
+            cfg.mps.client_limits,
         )
 
     def hook(self) -> str | None:
@@ -126,7 +135,7 @@ class SpecPublisher:
         files = self._driver_files(snap)
         hook = s.hook()
         shared = shared_edits(files, s.roots, driverfiles.control_nodes(Path(s.roots.dev)), hook)
-        gpu, skipped = gpu_spec(self._units(snap), s.id_strategy, snap.cap_minors, s.roots, shared)
+        gpu, skipped = gpu_spec(self._units(snap), s.id_strategy, snap.cap_minors, s.roots, shared, self._mps(snap))
         specs = [gpu, *optional_specs(driverfiles.optional_nodes(Path(s.roots.dev), s.optional), s.roots)]
         imex = imex_spec(driverfiles.imex_nodes(Path(s.roots.dev), s.imex_channels), s.roots)
         if imex is not None:
@@ -207,6 +216,21 @@ class SpecPublisher:
                 for problem in self._files.problems:
                     log.warning("CDI spec: %s", problem)
         return self._files
+
+    def _mps(self, snap: Snapshot) -> dict[str, Edits]:
+        """Each MPS device's view of its group, as Allocate hands it out: a CDI-only runtime gets it too."""
+        s = self.settings
+        out = {}
+        for group in snap.mps.values():
+            env, mounts = container_view(pipe_dir(s.mps_root, group.group), s.mps_root)
+            cdi_mounts = tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts)
+            for n, uuid in enumerate(group.units):
+                own = dict(env)
+                if s.mps_client_limits:
+                    pinned = group.pinned_mib[n] if n < len(group.pinned_mib) else None
+                    own.update(client_limits(group.thread_percentage, (pinned,)))
+                out[uuid] = Edits(mounts=cdi_mounts, env=tuple(f"{k}={v}" for k, v in own.items()))
+        return out
 
     def _present(self, snap: Snapshot) -> list[Unit]:
         """The devices present that nvplug hands out."""

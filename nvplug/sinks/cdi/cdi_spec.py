@@ -24,6 +24,7 @@ IMEX_KIND = f"{VENDOR}/imex-channel"
 CDI_VERSION = "0.5.0"
 ALL = "all"
 READ_ONLY = ("ro", "nosuid", "nodev", "bind")
+WRITABLE = ("rw", "nosuid", "nodev", "bind")
 IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"
 # Optional classes NVIDIA's plugin offers, by its flags: each a device "all" of the nodes that exist.
 OPTIONAL_CLASSES: Mapping[str, tuple[str, ...]] = {
@@ -191,9 +192,15 @@ def _hook_args(hook: str) -> tuple[str, ...]:
 
 
 def gpu_spec(
-    units: Sequence[Unit], id_strategy: str, cap_minors: CapMinors, roots: Roots, shared: Edits
+    units: Sequence[Unit],
+    id_strategy: str,
+    cap_minors: CapMinors,
+    roots: Roots,
+    shared: Edits,
+    extra: Mapping[str, Edits] | None = None,
 ) -> tuple[CdiSpec, dict[str, str]]:
-    """One entry per GPU and MIG device, and `all`; the devices left out, by UUID, and why."""
+    """One entry per GPU and MIG device, and `all`; the devices left out, by UUID, and why.
+    `extra`: more edits of some devices, by UUID (an MPS device's pipe directory and shm)."""
     devices: dict[str, Edits] = {}
     skipped: dict[str, str] = {}
     whole: list[Node] = []
@@ -213,7 +220,8 @@ def gpu_spec(
                 skipped[uuid] = f"no capability device minors listed for gpu {gpu.minor} gi {mig.gpu_instance}"
                 continue
             nodes += [Node(p, roots.dev_path(p)) for p in caps]
-        devices[device_name(gpu, mig, id_strategy)] = Edits(tuple(nodes))
+        more = (extra or {}).get(uuid, Edits())
+        devices[device_name(gpu, mig, id_strategy)] = Edits(tuple(nodes), more.mounts, more.hooks, more.env)
     if whole:
         devices[ALL] = Edits(tuple(dict.fromkeys(whole)))
     return CdiSpec(GPU_KIND, devices, shared), skipped

@@ -1,0 +1,104 @@
+"""The compute modes MPS needs: EXCLUSIVE_PROCESS while a group's daemon runs, the old mode back after.
+
+The old mode is in the node state, and so in the health state file, before the new one is set: an
+nvplug killed in between restores it at its next start. A GPU several groups would use gets its old
+mode back when the last of them stops. A GPU in MIG mode has no compute
+mode to set (NVML: NOT_SUPPORTED); its MIG devices' daemons run without one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol, TypeVar
+
+from nvplug.core.events import ComputeModeRecorded, Event
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import NodeState
+from nvplug.mps.control_daemon import ComputeModeError
+from nvplug.shaping.mps_groups import MpsGroup
+from nvplug.sources.nvml_discovery import NvmlUnavailable
+
+log = logging.getLogger("nvplug.mps")
+T = TypeVar("T")
+
+EXCLUSIVE_PROCESS = 3
+MODE_NAMES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
+
+
+class ModeCalls(Protocol):
+    """The NVML calls, through the scanner's worker and deadlines."""
+
+    async def compute_mode(self, uuid: str) -> int: ...
+
+    async def set_compute_mode(self, uuid: str, mode: int) -> None: ...
+
+
+def mode_name(mode: int) -> str:
+    return MODE_NAMES.get(mode, str(mode))
+
+
+class ComputeModes:
+    def __init__(
+        self,
+        nvml: ModeCalls,
+        state: NodeState,
+        apply: Callable[[Event], object],
+        written: Callable[[], Awaitable[str | None]],
+    ) -> None:
+        self._nvml = nvml
+        self._state = state
+        self._apply = apply
+        self._written = written
+        # Which groups hold each GPU in EXCLUSIVE_PROCESS now.
+        self._users: dict[str, set[str]] = {}
+
+    async def exclusive(self, group: MpsGroup) -> None:
+        """Every GPU of the group in EXCLUSIVE_PROCESS, its old mode recorded first. Raises ComputeModeError."""
+        for gpu in group.exclusive_gpus:
+            self._users.setdefault(gpu.uuid, set()).add(group.name)
+            mode = await self._call(gpu, "read", self._nvml.compute_mode(gpu.uuid))
+            if mode == EXCLUSIVE_PROCESS:
+                continue  # ours from before a restart (recorded), or the operator's (nothing to undo)
+            if gpu.uuid not in self._state.current.compute_modes:
+                self._apply(ComputeModeRecorded(gpu.uuid, mode))
+                failing = await self._written()
+                if failing is not None:
+                    self._apply(ComputeModeRecorded(gpu.uuid, None))
+                    raise ComputeModeError(f"{gpu.label}: its compute mode is not changed, since the change could "
+                                           f"not be undone after a crash: {failing}")  # fmt: skip
+            await self._call(gpu, "set", self._nvml.set_compute_mode(gpu.uuid, EXCLUSIVE_PROCESS))
+            log.info("%s: compute mode %s -> EXCLUSIVE_PROCESS for %s", gpu.label, mode_name(mode), group.describe())
+
+    async def release(self, group: MpsGroup) -> None:
+        """The group is stopped: GPUs no other group holds get their old mode back."""
+        for gpu in group.exclusive_gpus:
+            users = self._users.get(gpu.uuid, set())
+            users.discard(group.name)
+            if not users:
+                self._users.pop(gpu.uuid, None)
+                await self.restore(gpu)
+
+    async def restore_unused(self, gpus: Iterable[Gpu]) -> None:
+        """At start: modes an earlier nvplug recorded for GPUs no group holds now (it crashed, or the
+        config changed meanwhile). A GPU not present keeps its record until it is."""
+        for gpu in gpus:
+            if gpu.uuid not in self._users and gpu.uuid in self._state.current.compute_modes:
+                try:
+                    await self.restore(gpu)
+                except ComputeModeError as err:
+                    log.error("%s", err)
+
+    async def restore(self, gpu: Gpu) -> None:
+        original = self._state.current.compute_modes.get(gpu.uuid)
+        if original is None:
+            return
+        await self._call(gpu, "restore", self._nvml.set_compute_mode(gpu.uuid, original))
+        self._apply(ComputeModeRecorded(gpu.uuid, None))
+        log.info("%s: compute mode back to %s", gpu.label, mode_name(original))
+
+    async def _call(self, gpu: Gpu, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except NvmlUnavailable as err:
+            raise ComputeModeError(f"{gpu.label}: cannot {what} its compute mode: {err}") from err

@@ -1,0 +1,151 @@
+"""The MPS root: a pipe and a log directory per group, and one tmpfs for the clients' /dev/shm.
+
+A control daemon starts each client UID's server as that UID, and the server must reach the pipe
+directory: every parent has to be traversable by any UID (NVIDIA's #762 and bottlerocket #4673
+came from a 0700 parent). The root and what is under it stay writable by root alone. Where SELinux
+enforces, containers may only use the directories labelled container_file_t (NVIDIA's #1105).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from nvplug.shaping.mps_groups import LOG, PIPE, MpsGroup, shm_dir
+
+log = logging.getLogger("nvplug.mps")
+
+DIR_MODE = 0o755
+# As /dev/shm: any client UID makes its segments there, and removes only its own.
+SHM_MODE = 0o1777
+CONTAINER_LABEL = "container_file_t"
+
+
+class MpsDirError(OSError):
+    """A directory the daemons need that cannot be made or reached; the message names it."""
+
+
+@dataclass(frozen=True)
+class RootLayout:
+    """Where the MPS files live, and how the host treats them (SELinux from the sysfs root)."""
+
+    root: Path
+    selinux_enforce: Path = Path("/sys/fs/selinux/enforce")
+    proc_mounts: Path = Path("/proc/self/mountinfo")
+
+    @property
+    def shm(self) -> Path:
+        return Path(shm_dir(str(self.root)))
+
+    def prepare_root(self, mount_shm: bool = True) -> list[str]:
+        """The root and the shm tmpfs; what fell short, for the log and status (empty: nothing)."""
+        notes: list[str] = []
+        _make_dir(self.root, DIR_MODE)
+        _check_parents(self.root)
+        if self.shm.is_dir() and self.shm.is_mount():
+            pass  # left by an nvplug that did not stop cleanly: the clients' segments are in it
+        else:
+            self.shm.mkdir(mode=SHM_MODE, exist_ok=True)
+            if mount_shm:
+                failed = _mount_tmpfs(self.shm)
+                if failed:
+                    notes.append(f"{self.shm} is a plain directory: {failed}")
+        self.shm.chmod(SHM_MODE)
+        notes += self._label([self.shm])
+        return notes
+
+    def prepare_group(self, group: MpsGroup) -> list[str]:
+        """A group's pipe and log directories, emptied of what a crashed daemon left."""
+        base = self.root / group.name
+        _make_dir(base, DIR_MODE)
+        pipe, logs = base / PIPE, base / LOG
+        # A dead daemon's socket and pid file would make the next one refuse to start.
+        if pipe.exists():
+            shutil.rmtree(pipe)
+        _make_dir(pipe, DIR_MODE)
+        _make_dir(logs, DIR_MODE)
+        return self._label([pipe])
+
+    def remove_group(self, group: MpsGroup) -> None:
+        shutil.rmtree(self.root / group.name, ignore_errors=True)
+
+    def remove_root(self) -> str | None:
+        """At stop: the tmpfs unmounted and the root removed. Why not; None: done."""
+        if self.shm.is_mount():
+            done = subprocess.run(["umount", str(self.shm)], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                return f"cannot unmount {self.shm}: {done.stderr.strip() or done.returncode}"
+        shutil.rmtree(self.root, ignore_errors=True)
+        return None
+
+    def _label(self, paths: Sequence[Path]) -> list[str]:
+        if not _enforcing(self.selinux_enforce):
+            return []
+        notes = []
+        for path in paths:
+            done = subprocess.run(
+                ["chcon", "-R", "-t", CONTAINER_LABEL, str(path)], capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                notes.append(f"cannot label {path} {CONTAINER_LABEL}: {done.stderr.strip() or done.returncode}")
+        return notes
+
+
+def _make_dir(path: Path, mode: int) -> None:
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+        info = path.lstat()
+        if not stat.S_ISDIR(info.st_mode):
+            raise MpsDirError(f"{path} is not a directory")
+        if info.st_uid != os.geteuid():
+            raise MpsDirError(f"{path} is owned by UID {info.st_uid}, not by nvplug's: refusing to use it")
+        path.chmod(mode)
+    except MpsDirError:
+        raise
+    except OSError as err:
+        raise MpsDirError(f"cannot make {path}: {err.strerror or err}") from err
+
+
+def _check_parents(root: Path) -> None:
+    """Every parent of the root traversable by any UID: a server runs as its client's UID."""
+    for parent in root.parents:
+        try:
+            mode = parent.stat().st_mode
+        except OSError as err:
+            raise MpsDirError(f"cannot read {parent}: {err.strerror or err}") from err
+        if not mode & stat.S_IXOTH:
+            raise MpsDirError(
+                f"{parent} is mode {stat.S_IMODE(mode):04o}: MPS servers run as their clients' UIDs and "
+                f"cannot pass it to reach {root}; make it traversable (chmod o+x) or set nvplug.mps.root elsewhere"
+            )
+
+
+def _mount_tmpfs(path: Path) -> str | None:
+    """A tmpfs half the size of memory, as /dev/shm has by default. Why it failed; None: mounted."""
+    options = f"mode={SHM_MODE:o},nosuid,nodev,size=50%"
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "nvplug-mps-shm", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"cannot mount a tmpfs: {err}"
+    if done.returncode != 0:
+        return f"cannot mount a tmpfs: {done.stderr.strip() or f'mount exited {done.returncode}'}"
+    return None
+
+
+def _enforcing(path: Path) -> bool:
+    try:
+        return path.read_text().strip() == "1"
+    except OSError:
+        return False

@@ -1,0 +1,226 @@
+"""The MPS control daemons as a sink: one supervised daemon per group the config and the inventory make.
+
+Each new inventory or config gives the groups wanted (shaping.resource_plan.mps_groups). A group
+that is new starts; one that is gone stops; one whose devices or limits changed starts again, after
+its old daemon has quit (they share directories). A reload that would restart a group whose GPUs
+have MPS clients is refused, unless nvplug.mps.restartWithClients says otherwise. At stop, every
+daemon quits and every GPU gets its compute mode back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from nvplug.config import Config, ConfigError
+from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.mps.compute_modes import ComputeModes, ModeCalls
+from nvplug.mps.control_daemon import ControlDaemon, DaemonHooks
+from nvplug.mps.control_log_watch import ControlLogWatch
+from nvplug.mps.mps_dirs import RootLayout
+from nvplug.shaping.mps_groups import MpsGroup
+from nvplug.shaping.resource_plan import mps_groups
+from nvplug.sources.nvml_discovery import NvmlUnavailable
+
+log = logging.getLogger("nvplug.mps")
+
+
+class MpsCalls(ModeCalls, Protocol):
+    async def mps_clients(self, uuid: str) -> tuple[int, ...]: ...
+
+
+class MpsSupervisor(Sink):
+    name = "mps"
+
+    def __init__(
+        self,
+        cfg: Config,
+        calls: MpsCalls,
+        state: NodeState,
+        apply: Callable[[Event], None],
+        written: Callable[[], Awaitable[str | None]],
+        selinux_enforce: Path = Path("/sys/fs/selinux/enforce"),
+    ) -> None:
+        self._cfg = cfg
+        self._calls = calls
+        self._state = state
+        self._apply = apply
+        self._modes = ComputeModes(calls, state, apply, written)
+        self._selinux = selinux_enforce
+        self._layout = RootLayout(Path(cfg.mps_root), selinux_enforce)
+        self._daemons: dict[str, ControlDaemon] = {}
+        self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._root_lock = asyncio.Lock()
+        self._root_ready = False
+        self.root_notes: list[str] = []
+        self._logs = ControlLogWatch(self._trouble)
+        self._seen: tuple[tuple[Gpu, ...], Config] | None = None
+        self._chores: set[asyncio.Task[None]] = set()
+
+    @property
+    def daemons(self) -> dict[str, ControlDaemon]:
+        return dict(self._daemons)
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        snap = update.snapshot
+        seen = self._seen
+        if seen is not None and seen[0] is snap.gpus and seen[1] is self._cfg:
+            return ()  # groups follow the inventory and the config alone
+        self._seen = (snap.gpus, self._cfg)
+        return self._sync(snap)
+
+    def probe_all(self, why: str) -> None:
+        for daemon in self._daemons.values():
+            daemon.probe_soon(why)
+
+    async def admit(self, cfg: Config) -> None:
+        if cfg.mps_root != self._cfg.mps_root and (self._daemons or self._retiring):
+            raise ConfigError(f"{cfg.source}: nvplug.mps.root changed while MPS daemons run under "
+                              f"{self._cfg.mps_root}; that takes `systemctl restart nvplug`")  # fmt: skip
+        if cfg.mps.restart_with_clients:
+            return
+        wanted = mps_groups(cfg, self._state.current)
+        for name, daemon in self._daemons.items():
+            new = wanted.get(name)
+            if new is not None and new.settings == daemon.group.settings:
+                continue
+            for gpu in daemon.group.gpus:
+                try:
+                    clients = await self._calls.mps_clients(gpu.uuid)
+                except NvmlUnavailable as err:
+                    raise ConfigError(f"{cfg.source}: {daemon.group.describe()} would restart, and whether "
+                                      f"{gpu.label} has MPS clients cannot be told: {err}") from err  # fmt: skip
+                if clients:
+                    raise ConfigError(
+                        f"{cfg.source}: {daemon.group.describe()} would restart, cutting off the MPS clients "
+                        f"on {gpu.label} (pids {', '.join(map(str, clients))}); wait for them to end, or set "
+                        "nvplug.mps.restartWithClients: true"
+                    )
+
+    def prepare(self, cfg: Config) -> Commit:
+        async def commit(snapshot: Snapshot) -> None:
+            self._cfg = cfg
+            self._layout = RootLayout(Path(cfg.mps_root), self._selinux)
+            self._seen = (snapshot.gpus, cfg)
+            for event in self._sync(snapshot):
+                self._apply(event)
+
+        return commit
+
+    def notes(self) -> list[str]:
+        down = [d for d in self._daemons.values() if d.up_since is None and d.last_error]
+        return [f"MPS group {d.group.name} down: {d.last_error}" for d in down]
+
+    def status(self) -> object:
+        if not self._daemons and not self._cfg.sharing.mps.resources:
+            return None
+        now = time.time()
+        return {
+            "root": str(self._layout.root),
+            "notes": self.root_notes,
+            "groups": [
+                {
+                    "name": d.group.name,
+                    "resource": d.group.resource,
+                    "devices": list(d.group.uuids),
+                    "pid": d.pid,
+                    "up": d.up_since is not None,
+                    "uptime_seconds": round(now - d.up_since, 3) if d.up_since is not None else None,
+                    "restarts": d.restarts,
+                    "active_thread_percentage": d.group.thread_percentage,
+                    "pinned_memory_mib": list(d.group.pinned_mib),
+                    "servers": list(d.servers),
+                    "last_error": d.last_error,
+                }
+                for d in self._daemons.values()
+            ],
+        }
+
+    async def close(self) -> None:
+        """Every daemon quits, every compute mode goes back, the shm tmpfs goes. Again: nothing."""
+        daemons, self._daemons = list(self._daemons.values()), {}
+        await asyncio.gather(*(d.stop() for d in daemons), *self._retiring.values(), return_exceptions=True)
+        for task in list(self._chores):
+            task.cancel()
+        await self._modes.restore_unused(self._state.current.gpus)
+        if self._root_ready:
+            self._root_ready = False
+            failed = await asyncio.to_thread(self._layout.remove_root)
+            if failed:
+                log.warning("MPS: %s", failed)
+        await self._logs.stop()
+
+    def _sync(self, snap: Snapshot) -> list[Event]:
+        wanted = mps_groups(self._cfg, snap)
+        events: list[Event] = []
+        for name, daemon in list(self._daemons.items()):
+            new = wanted.get(name)
+            if new is not None and new.settings == daemon.group.settings:
+                continue
+            del self._daemons[name]
+            self._logs.unwatch(name)
+            why = "its devices or limits changed" if new is not None else "no MPS resource has its devices now"
+            log.info("%s: stopping its control daemon: %s", daemon.group.describe(), why)
+            self._retiring[name] = asyncio.create_task(self._retire(daemon, removed=new is None))
+            if new is not None:
+                events.append(_restarting(new, daemon.restarts))
+        for name, group in wanted.items():
+            if name not in self._daemons:
+                daemon = ControlDaemon(group, self._cfg.mps_control, self._layout, self._hooks())
+                self._daemons[name] = daemon
+                retiring = self._retiring.get(name)
+                daemon.start(after=asyncio.ensure_future(retiring) if retiring is not None else None)
+        held = {g.uuid for group in wanted.values() for g in group.exclusive_gpus}
+        free = [g for g in snap.gpus if g.uuid not in held and g.uuid in snap.compute_modes]
+        if free:
+            self._chore(self._modes.restore_unused(free))
+        return events
+
+    async def _retire(self, daemon: ControlDaemon, removed: bool) -> None:
+        try:
+            await daemon.stop()
+        finally:
+            if self._retiring.get(daemon.group.name) is asyncio.current_task():
+                del self._retiring[daemon.group.name]
+            if removed and daemon.group.name not in self._daemons:
+                self._apply(MpsGroupRemoved(daemon.group.name))
+
+    def _hooks(self) -> DaemonHooks:
+        return DaemonHooks(self._apply, self._modes.exclusive, self._modes.release, self._root, self._prepared)
+
+    async def _root(self) -> None:
+        async with self._root_lock:
+            if not self._root_ready:
+                self.root_notes = await asyncio.to_thread(self._layout.prepare_root)
+                for note in self.root_notes:
+                    log.warning("MPS: %s", note)
+                self._root_ready = True
+
+    def _prepared(self, group: MpsGroup) -> None:
+        self._logs.watch(group.name, group.log_dir(str(self._layout.root)))
+
+    def _trouble(self, group: str, line: str) -> None:
+        daemon = self._daemons.get(group)
+        if daemon is not None:
+            daemon.probe_soon(f"control.log: {line}")
+
+    def _chore(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.create_task(run())
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+
+def _restarting(group: MpsGroup, restarts: int) -> MpsGroupChanged:
+    return MpsGroupChanged(group.name, group.resource, group.uuids, False,
+                           "its MPS control daemon restarts for a new config", None, restarts,
+                           group.thread_percentage, group.pinned_mib)  # fmt: skip

@@ -1,0 +1,248 @@
+"""MPS run by the daemon: the stand-in control binary as its child, the fake NVML's compute modes,
+the kubelet stand-in's view of the groups' devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_mig_e2e import mig_node
+
+from nvplug.status import status_client
+from nvplug.testing import fakenvml
+from nvplug.testing import mps_control_standin as mps
+from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
+
+TIMEOUT = 15.0
+MPS_RESOURCE = "nvidia.com/gpu.mps"
+GROUP = "nvidia.com_gpu.mps"
+FOUR_ON_TWO = f"    - name: nvidia.com/gpu\n      devices: [0, 1]\n      rename: {MPS_RESOURCE}\n      replicas: 4\n"
+EXCLUSIVE_PROCESS = 3
+
+
+def allocatable(count: int, resource: str = MPS_RESOURCE) -> Callable[[FakeKubelet], bool]:
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(resource)
+        return p is not None and p.stream_open and p.capacity > 0 and p.allocatable == count
+
+    return check
+
+
+def status(node: SimulatedNode) -> dict[str, Any]:
+    doc = status_client.status(f"unix:{node.status_socket}", timeout=5)
+    found: dict[str, Any] = doc["mps"]
+    return found
+
+
+def group(node: SimulatedNode, name: str = GROUP) -> dict[str, Any]:
+    found: dict[str, Any] = next(g for g in status(node)["groups"] if g["name"] == name)
+    return found
+
+
+def log_dir(node: SimulatedNode, name: str = GROUP) -> Path:
+    return node.mps_root / name / "log"
+
+
+def pipe_dir(node: SimulatedNode, name: str = GROUP) -> Path:
+    return node.mps_root / name / "pipe"
+
+
+def start(node: SimulatedNode, resources: str = FOUR_ON_TWO, extra: str = "") -> list[str]:
+    node.config.write_text(node.mps_config(resources, extra))
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(allocatable(8), TIMEOUT)
+    return [g["uuid"] for g in node.scenario_gpus()]
+
+
+def wait(predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def modes(node: SimulatedNode) -> dict[str, int]:
+    return fakenvml.persisted_compute_modes(node.root)
+
+
+def test_a_group_starts_with_its_defaults_set_before_its_devices_turn_healthy(node: SimulatedNode) -> None:
+    uuids = start(node)
+    plugin = node.kubelet.plugin(MPS_RESOURCE)
+    assert plugin is not None and plugin.capacity == 8
+    assert sorted(plugin.devices) == sorted(f"{u}::{n}" for u in uuids[:2] for n in range(4))
+    # GPUs 2-7 stay whole, and are not held back by MPS.
+    assert node.kubelet.allocatable("nvidia.com/gpu") == 6
+    sent = mps.commands(log_dir(node))
+    sets = [c for c in sent if c["command"].startswith("set_default")]
+    assert [c["command"] for c in sets] == [
+        "set_default_active_thread_percentage 25",
+        "set_default_device_pinned_mem_limit 0 20389M",  # 81559 MiB / 4
+        "set_default_device_pinned_mem_limit 1 20389M",
+    ]
+    first_healthy = next(u for u in plugin.updates if any(d.healthy for d in u.devices))
+    assert all(c["monotonic"] < first_healthy.at for c in sets)
+    assert all(not d.healthy for u in plugin.updates[: plugin.updates.index(first_healthy)] for d in u.devices)
+    found = group(node)
+    assert found["up"] and found["pid"] > 0 and found["active_thread_percentage"] == 25
+    assert found["devices"] == uuids[:2] and found["pinned_memory_mib"] == [20389, 20389]
+    environ = Path(f"/proc/{found['pid']}/environ").read_bytes().split(b"\0")
+    assert f"CUDA_VISIBLE_DEVICES={uuids[0]},{uuids[1]}".encode() in environ
+    assert f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir(node)}".encode() in environ
+    # The pipe's parents are traversable by any UID; the root writable by root alone.
+    for path in (node.mps_root, node.mps_root / GROUP, pipe_dir(node)):
+        assert path.stat().st_mode & 0o777 == 0o755
+    assert (node.mps_root / "shm").stat().st_mode & 0o7777 == 0o1777
+    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+
+
+def test_a_crashed_daemon_leaves_its_devices_unhealthy_until_it_is_restarted(node: SimulatedNode) -> None:
+    start(node)
+    first = group(node)["pid"]
+    began = time.monotonic()
+    mps.client(pipe_dir(node), "fake_crash", binary=node.mps_control, timeout=5)
+    node.kubelet.wait_for(allocatable(0), TIMEOUT)
+    down = time.monotonic() - began
+    node.kubelet.wait_for(allocatable(8), TIMEOUT)
+    found = group(node)
+    assert found["pid"] != first and found["restarts"] == 1 and found["up"]
+    log = node.log_text()
+    assert "is down: it was killed by SIGABRT" in log and "starting it again in 1 s" in log
+    assert down < 5.0
+
+
+def test_a_hung_daemon_is_caught_by_the_probe_an_allocation_runs(node: SimulatedNode) -> None:
+    uuids = start(node)
+    first = group(node)["pid"]
+    with pytest.raises(subprocess.TimeoutExpired):  # the client would wait for ever
+        mps.client(pipe_dir(node), "fake_hang", binary=node.mps_control, timeout=1)
+    assert Path(f"/proc/{first}").exists()
+    node.kubelet.allocate(MPS_RESOURCE, [f"{uuids[0]}::0"])
+    node.kubelet.wait_for(allocatable(0), TIMEOUT)
+    assert "did not answer 'get_default_active_thread_percentage; get_server_list' within 5 s" in node.log_text()
+    node.kubelet.wait_for(allocatable(8), TIMEOUT)
+    assert group(node)["pid"] != first
+    wait(lambda: not Path(f"/proc/{first}").exists() or _zombie(first), "the hung daemon to be killed")
+
+
+def test_a_reload_that_changes_replicas_restarts_only_that_group(node: SimulatedNode) -> None:
+    two = FOUR_ON_TWO + "    - name: nvidia.com/gpu\n      devices: [2]\n      rename: nvidia.com/gpu.b\n"
+    two += "      replicas: 2\n"
+    start(node, two)
+    node.kubelet.wait_for(allocatable(2, "nvidia.com/gpu.b"), TIMEOUT)
+    before = {g["name"]: g["pid"] for g in status(node)["groups"]}
+    assert set(before) == {GROUP, "nvidia.com_gpu.b"}
+    node.config.write_text(node.mps_config(two.replace("replicas: 4", "replicas: 2")))
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    node.kubelet.wait_for(allocatable(4), TIMEOUT)
+    after = {g["name"]: g for g in status(node)["groups"]}
+    assert after["nvidia.com_gpu.b"]["pid"] == before["nvidia.com_gpu.b"]
+    assert after[GROUP]["pid"] != before[GROUP] and after[GROUP]["active_thread_percentage"] == 50
+
+
+def test_a_reload_is_refused_while_the_group_has_clients(node: SimulatedNode) -> None:
+    uuids = start(node)
+    server = group(node)["pid"]
+    node.control.procs(0, [fakenvml.GpuProcess(server), fakenvml.GpuProcess(4242, kinds=("mps",))])
+    node.config.write_text(node.mps_config(FOUR_ON_TWO.replace("replicas: 4", "replicas: 2")))
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    text = node.wait_log("reload refused")
+    assert f"cutting off the MPS clients on gpu 0 {uuids[0]}" in text and "(pids 4242)" in text
+    assert group(node)["pid"] == server and node.kubelet.capacity(MPS_RESOURCE) == 8
+    node.config.write_text(
+        node.mps_config(FOUR_ON_TWO.replace("replicas: 4", "replicas: 2"), "    restartWithClients: true\n")
+    )
+    node.daemon.send_signal(signal.SIGHUP)
+    node.kubelet.wait_for(allocatable(4), TIMEOUT)
+    assert group(node)["pid"] != server
+
+
+def test_the_compute_mode_is_restored_after_sigterm_and_after_sigkill(node: SimulatedNode) -> None:
+    uuids = start(node)
+    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    assert node.stop_daemon() == 0
+    assert modes(node) == {uuids[0]: 0, uuids[1]: 0}
+    assert not node.mps_root.exists()
+    # SIGKILL: nothing restores it then; the record in the state file does at the next start.
+    node.start_daemon()
+    node.kubelet.wait_for(allocatable(8), TIMEOUT)
+    leftover = group(node)["pid"]
+    saved = json.loads((node.state_dir / "health.json").read_text())
+    assert saved["compute_modes"] == {uuids[0]: 0, uuids[1]: 0}
+    assert node.stop_daemon(signal.SIGKILL) == -signal.SIGKILL
+    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    # Restarted without MPS: the modes go back, and the daemon left behind is not adopted.
+    node.config.write_text("version: v1\n")
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    wait(lambda: modes(node) == {uuids[0]: 0, uuids[1]: 0}, "the compute modes to be restored")
+    saved = json.loads((node.state_dir / "health.json").read_text())
+    assert "compute_modes" not in saved
+    os.killpg(leftover, signal.SIGKILL)
+
+
+def test_a_restart_after_sigkill_replaces_the_daemon_left_behind(node: SimulatedNode) -> None:
+    uuids = start(node)
+    leftover = group(node)["pid"]
+    node.stop_daemon(signal.SIGKILL)
+    node.start_daemon()
+    node.kubelet.wait_for(allocatable(8), TIMEOUT)
+    wait(lambda: not Path(f"/proc/{leftover}").exists() or _zombie(leftover), "the old daemon to be killed")
+    assert group(node)["pid"] != leftover
+    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    assert "that an earlier nvplug left running" in node.log_text()
+    assert node.stop_daemon() == 0
+    assert modes(node) == {uuids[0]: 0, uuids[1]: 0}
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_mps_on_mig_devices_runs_one_daemon_per_mig_device(node: SimulatedNode) -> None:
+    gpus = mig_node(node, "mixed", {1: ["3g.40gb", "3g.40gb"]}, start=False)
+    node.config.write_text(
+        node.mps_config("    - name: nvidia.com/mig-3g.40gb\n      replicas: 2\n").replace(
+            "version: v1\n", "version: v1\nflags:\n  migStrategy: mixed\n"
+        )
+    )
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(allocatable(4, "nvidia.com/mig-3g.40gb"), TIMEOUT)
+    migs = [fakenvml.mig_uuid(gpus[1]["uuid"], gi, 0) for gi in (1, 2)]
+    groups = {g["name"]: g for g in status(node)["groups"]}
+    assert sorted(groups) == sorted(migs)
+    for uuid in migs:
+        environ = Path(f"/proc/{groups[uuid]['pid']}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={uuid}".encode() in environ
+        assert groups[uuid]["active_thread_percentage"] == 50
+    # No compute mode under MIG: NVML has none to set there.
+    assert modes(node) == {}
+    response = node.kubelet.allocate("nvidia.com/mig-3g.40gb", [f"{migs[1]}::1"])
+    envs = response.container_responses[0].envs
+    assert envs["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe_dir(node, migs[1]))
+
+
+def test_time_slicing_and_mps_in_one_config_are_refused(node: SimulatedNode) -> None:
+    node.config.write_text(
+        node.mps_config(FOUR_ON_TWO).replace(
+            "sharing:\n", "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+        )
+    )
+    daemon = node.start_daemon()
+    assert daemon.wait(TIMEOUT) == 2
+    assert "sharing.mps: time-slicing and MPS are mutually exclusive" in node.log_text()
