@@ -26,6 +26,7 @@ umask 022
 bash packaging/stage-wheels.sh "$stage/opt/nvplug/wheels"
 install -m 0755 packaging/setup-venv "$stage/opt/nvplug/setup-venv"
 install -D -m 0644 systemd/nvplug.service "$stage/lib/systemd/system/nvplug.service"
+install -D -m 0644 systemd/nvplug-mps.service "$stage/lib/systemd/system/nvplug-mps.service"
 install -D -m 0644 packaging/tmpfiles/nvplug.conf "$stage/usr/lib/tmpfiles.d/nvplug.conf"
 install -D -m 0644 packaging/config.yaml "$stage/etc/nvplug/config.yaml"
 install -D -m 0644 README.md "$stage/usr/share/doc/nvplug/README.md"

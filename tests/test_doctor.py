@@ -240,7 +240,7 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     write_spec(node)
     d = doctor(node, status_server.listen)
     assert d.rc == 0, d
-    assert [d.verdict(i) for i in range(1, 13)] == ["PASS"] * 12, d
+    assert [d.verdict(i) for i in range(1, 14)] == ["PASS"] * 13, d
     assert "550.54.15" in d.text(1)
     assert f"loaded from {node.lib_dir}/libnvidia-ml.so.1" in d.text(2)
     assert "8 GPUs" in d.text(3) and "driver 550.54.15" in d.text(3)
@@ -251,7 +251,8 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     assert "10. node labels: the 24 node labels match this node" in d.out
     assert "11. kubelet's view: the kubelet's view agrees with nvplug's" in d.out
     assert "12. DRA: DRA is off (nvplug.dra.enabled: false)" in d.out
-    assert "0 failed, 0 warnings, 12 passed" in d.out
+    assert "13. MPS: MPS is off (no sharing.mps resources)" in d.out
+    assert "0 failed, 0 warnings, 13 passed" in d.out
 
 
 def test_node_labels_missing_stale_or_doubled_by_gfd(node: SimulatedNode, status_server: FakeStatusServer) -> None:
@@ -495,14 +496,15 @@ def test_invalid_config(node: SimulatedNode) -> None:
     assert "config.yaml" in d.text(8)
 
 
-def test_mps_config_is_refused(node: SimulatedNode) -> None:
+def test_mps_config_nvplug_cannot_serve_is_refused(node: SimulatedNode) -> None:
     prepare(node)
     node.config.write_text(
-        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+        "version: v1\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 2\n"
     )
     d = doctor(node)
     assert d.verdict(8) == "FAIL", d
-    assert "mps" in d.text(8)
+    assert "sharing.mps.failRequestsGreaterThanOne: must be true for MPS" in d.text(8)
 
 
 def test_end_to_end_with_the_daemon(node: SimulatedNode) -> None:

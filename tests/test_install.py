@@ -31,6 +31,7 @@ from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 
 from nvplug.testing import fakenvml
+from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, device_health, registered_with
 
@@ -50,6 +51,10 @@ DRA_DROPIN = "/usr/share/nvplug/systemd/nvplug-dra.conf"
 UNIT = "nvplug"
 DRIVER = "gpu.nvidia.com"
 WATCHDOG_SEC = 3
+MPS_CONTROL = "/usr/local/bin/nvidia-cuda-mps-control"
+MPS_RESOURCE = "nvidia.com/gpu.mps"
+MPS_PIPE = "/run/nvplug/mps/nvidia.com_gpu.mps/pipe"
+MPS_SHM = "/run/nvplug/mps/shm"
 TIMEOUT = 20.0
 
 _skip = nspawn.missing_requirements()
@@ -496,6 +501,66 @@ def test_the_hardened_unit_resets_an_idle_gpu_itself_and_runs_its_check(node: No
     assert node.ctr.run("cat", f"{CONTROL_DIR}/gpu-check.calls").stdout.split() == ["0000:ab:00.0"]
     node.ctr.wait_journal(UNIT, "auto-reset checked", "-o", "cat", timeout=TIMEOUT)
     _timed("check 5c: auto-reset under the hardened unit", started)
+
+
+def test_the_hardened_unit_runs_mps_for_a_client_that_is_not_root(node: Node) -> None:
+    """sharing.mps under the shipped unit: the tmpfs mounted outside its sandbox, the control daemon
+    its child, a server started as UID 1001 for a client outside the unit, the compute modes set and
+    restored, also across a SIGKILL of nvplug."""
+    started = time.monotonic()
+    node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
+    node.ctr.write_file(
+        CONFIG,
+        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      devices: [0, 1]\n"
+        f"      rename: {MPS_RESOURCE}\n      replicas: 4\nnvplug:\n  mps:\n    controlPath: {MPS_CONTROL}\n",
+    )
+    node.ctr.run("systemctl", "restart", UNIT)
+    try:
+        node.kubelet.wait_for(lambda k: k.allocatable(MPS_RESOURCE) == 8, TIMEOUT)
+    except TimeoutError as err:
+        raise AssertionError(f"the MPS devices did not turn Healthy under the unit\n{node.diagnose()}") from err
+    exclusive = {node.uuids[0]: 3, node.uuids[1]: 3}
+    assert fakenvml.persisted_compute_modes(node.host / "ctl") == exclusive
+    # Mounted by `nvplug mps prepare` where the whole host sees it, not in the unit's namespace.
+    mounted = node.ctr.run("findmnt", "-n", "-o", "FSTYPE", MPS_SHM, check=False).stdout.strip()
+    assert mounted == "tmpfs", f"{MPS_SHM}: {mounted or 'not mounted'}\n{node.ctr.journal(UNIT, '-o', 'cat')}"
+    assert node.ctr.run("stat", "-c", "%a", "/run/nvplug").stdout.strip() == "755"
+    client = node.ctr.run(
+        "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
+        "env", f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE}", MPS_CONTROL, "--fake-cuda-client",
+        check=False,
+    )  # fmt: skip
+    assert client.returncode == 0 and "(user 1001, active thread percentage 25.0" in client.stdout, (
+        f"{client.stdout}{client.stderr}\n{node.diagnose()}"
+    )
+    # SIGKILL: systemd ends the daemon's children and starts it again; its record keeps the old modes.
+    before = node.show("MainPID")["MainPID"]
+    node.ctr.run("systemctl", "kill", "--signal=SIGKILL", UNIT)
+
+    def back() -> bool:
+        return node.show("MainPID")["MainPID"] not in ("0", "", before) and node.kubelet.allocatable(MPS_RESOURCE) == 8
+
+    nspawn.wait_until(
+        back,
+        30,
+        "nvplug restarted after SIGKILL, its MPS devices Healthy again",
+        node.diagnose,
+    )
+    assert fakenvml.persisted_compute_modes(node.host / "ctl") == exclusive
+    node.ctr.run("systemctl", "stop", UNIT)
+    assert fakenvml.persisted_compute_modes(node.host / "ctl") == {node.uuids[0]: 0, node.uuids[1]: 0}
+    # nvplug-mps.service stops after nvplug.service, in the same transaction.
+    nspawn.wait_until(
+        lambda: node.ctr.run("findmnt", MPS_SHM, check=False).returncode != 0,
+        TIMEOUT,
+        "nvplug-mps.service to unmount the shm tmpfs after nvplug stopped",
+        lambda: node.ctr.journal("nvplug-mps", "-o", "cat"),
+    )
+    registrations = node.registrations()
+    node.ctr.write_file(CONFIG, "version: v1\n")
+    node.ctr.run("systemctl", "start", UNIT)
+    node.wait_registered_again(registrations)
+    _timed("check 5d: MPS under the hardened unit", started)
 
 
 def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> None:

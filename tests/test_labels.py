@@ -98,6 +98,14 @@ def test_time_slicing_with_and_without_a_rename() -> None:
     assert (one["gpu.replicas"], one["gpu.sharing-strategy"]) == ("1", "none")
 
 
+def test_mps_says_so_as_gfd_does() -> None:
+    snap = snapshot(*(gpu(i) for i in range(8)))
+    shared = labels(snap, "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n")
+    assert shared["mps.capable"] == "true" and shared["gpu.sharing-strategy"] == "mps"
+    assert (shared["gpu.replicas"], shared["gpu.product"]) == ("4", "NVIDIA-H100-80GB-HBM3-SHARED")
+    assert labels(snap)["mps.capable"] == "false"
+
+
 def test_mig_mixed_labels_per_profile() -> None:
     gpus = [
         gpu(0, mig=tuple(mig(0, gi) for gi in range(1, 8))),

@@ -173,7 +173,9 @@ def test_the_compute_mode_is_restored_after_sigterm_and_after_sigkill(node: Simu
     assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
     assert node.stop_daemon() == 0
     assert modes(node) == {uuids[0]: 0, uuids[1]: 0}
-    assert not node.mps_root.exists()
+    # The tmpfs unmounted and the pipes gone; the log stays for whoever asks why it stopped.
+    assert not (node.mps_root / "shm").exists() and not pipe_dir(node).exists()
+    assert "Exit" in (log_dir(node) / "control.log").read_text()
     # SIGKILL: nothing restores it then; the record in the state file does at the next start.
     node.start_daemon()
     node.kubelet.wait_for(allocatable(8), TIMEOUT)
@@ -246,3 +248,26 @@ def test_time_slicing_and_mps_in_one_config_are_refused(node: SimulatedNode) -> 
     daemon = node.start_daemon()
     assert daemon.wait(TIMEOUT) == 2
     assert "sharing.mps: time-slicing and MPS are mutually exclusive" in node.log_text()
+
+
+def test_operators_see_each_group_in_devices_metrics_and_doctor(node: SimulatedNode) -> None:
+    from test_doctor import Doctor, doctor_args, doctor_env, nvplug
+
+    uuids = start(node)
+    devices = nvplug(node, "devices", "--status-listen", f"unix:{node.status_socket}", env=node.daemon_env("none"))
+    pid = group(node)["pid"]
+    line = next(ln for ln in devices.stdout.splitlines() if ln.startswith(f"  MPS group {GROUP}"))
+    assert f"({MPS_RESOURCE}, 2 devices): daemon pid {pid}, up " in line, devices.stdout
+    assert "25% of the SMs per client, pinned memory 20389M per device; 0 servers, 0 clients" in line
+    _, metrics = status_client.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
+    assert f'nvplug_mps_daemon_up{{group="{GROUP}",resource="{MPS_RESOURCE}"}} 1.0' in metrics
+    assert f'nvplug_mps_exclusive_process{{uuid="{uuids[0]}"}} 1.0' in metrics
+    env = doctor_env(node)
+    checked = Doctor(nvplug(node, *doctor_args(node, f"unix:{node.status_socket}"), env=env))
+    assert checked.verdict(13) == "PASS", checked
+    assert f"MPS group {GROUP}: daemon pid {pid} answers, 25.0% of the SMs per client" in checked.text(13)
+    # An operator's `nvidia-smi -c DEFAULT` behind nvplug's back: doctor says what it allows.
+    node.control.set_compute_mode(1, 0)
+    checked = Doctor(nvplug(node, *doctor_args(node, f"unix:{node.status_socket}"), env=env))
+    assert checked.verdict(13) == "FAIL", checked
+    assert f"{uuids[1]} of MPS group {GROUP} is in compute mode DEFAULT" in checked.out

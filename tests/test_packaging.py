@@ -46,6 +46,9 @@ COMMON_FILES = {
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"
 RPM_UNIT = "/usr/lib/systemd/system/nvplug.service"
+# The companion unit that mounts the MPS clients' shm where containers see it.
+DEB_MPS_UNIT = "/lib/systemd/system/nvplug-mps.service"
+RPM_MPS_UNIT = "/usr/lib/systemd/system/nvplug-mps.service"
 
 
 # pyproject.toml's version and dependencies, read without tomllib (Python 3.10 has none).
@@ -149,7 +152,7 @@ def test_deb_holds_the_layout(built: Built) -> None:
     entries = _deb_entries(built.deb)
     files = {path for path, line in entries.items() if not line.startswith("d")}
     _expected_wheels(files)
-    assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {DEB_UNIT}
+    assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {DEB_UNIT, DEB_MPS_UNIT}
     assert all(" root/root " in line for line in entries.values())
     assert entries["/usr/bin/nvplug"].startswith("l")
     assert entries["/usr/bin/nvplug"].endswith(" -> /opt/nvplug/venv/bin/nvplug")
@@ -202,7 +205,7 @@ def test_rpm_holds_the_layout(built: Built) -> None:
             "/usr/share/nvplug/systemd"}  # fmt: skip
     files = set(listed) - dirs
     _expected_wheels(files)
-    assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {RPM_UNIT}
+    assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {RPM_UNIT, RPM_MPS_UNIT}
     assert dirs <= set(listed)
     assert _run("rpm", "-qcp", built.rpm).split() == ["/etc/nvplug/config.yaml"]
     assert flags["/etc/nvplug/config.yaml"] == "cn"  # config, noreplace
@@ -303,8 +306,9 @@ def test_shipped_config_examples_are_valid_and_show_the_defaults() -> None:
 def test_packages_ship_the_config_from_the_tree(built: Built, tmp_path: Path) -> None:
     _run("dpkg-deb", "-x", built.deb, tmp_path)
     assert (tmp_path / "etc/nvplug/config.yaml").read_bytes() == SHIPPED_CONFIG.read_bytes()
-    unit = (ROOT / "systemd" / "nvplug.service").read_bytes()
-    assert (tmp_path / "lib" / "systemd" / "system" / "nvplug.service").read_bytes() == unit
+    for name in ("nvplug.service", "nvplug-mps.service"):
+        unit = (ROOT / "systemd" / name).read_bytes()
+        assert (tmp_path / "lib" / "systemd" / "system" / name).read_bytes() == unit
     assert (tmp_path / NPD_INSTALLED.lstrip("/")).read_bytes() == NPD_CONFIG.read_bytes()
     # The RPM takes it from the tree, not from the stage: the same bytes, by digest.
     digests = dict(

@@ -180,7 +180,7 @@ def test_unit_file_verifies_clean(tmp_path: Path) -> None:
     # verify insists that the commands exist: point them at this checkout's nvplug.
     unit = (Path(__file__).parent.parent / "systemd" / "nvplug.service").read_text()
     nvplug = shutil.which("nvplug") or str(Path(sys.executable).parent / "nvplug")
-    (tmp_path / "nvplug.service").write_text(unit.replace("=/usr/bin/nvplug ", f"={nvplug} "))
+    (tmp_path / "nvplug.service").write_text(unit.replace("/usr/bin/nvplug ", f"{nvplug} "))
     result = subprocess.run(
         ["systemd-analyze", "verify", str(tmp_path / "nvplug.service")], capture_output=True, text=True
     )
@@ -192,12 +192,13 @@ def test_unit_hardening_score(tmp_path: Path) -> None:
     """`systemd-analyze security`: the exposure SECURITY.md records must not creep up."""
     unit = (Path(__file__).parent.parent / "systemd" / "nvplug.service").read_text()
     nvplug = shutil.which("nvplug") or str(Path(sys.executable).parent / "nvplug")
-    (tmp_path / "nvplug.service").write_text(unit.replace("=/usr/bin/nvplug ", f"={nvplug} "))
+    (tmp_path / "nvplug.service").write_text(unit.replace("/usr/bin/nvplug ", f"{nvplug} "))
     result = subprocess.run(
         ["systemd-analyze", "security", "--offline=true", "--no-pager", str(tmp_path / "nvplug.service")],
         capture_output=True,
         text=True,
     )
     line = next(ln for ln in result.stdout.splitlines() if "Overall exposure level" in ln)
-    # 2.4 until the kernel log became a fault source: without ProtectKernelLogs= it is 2.7.
-    assert float(line.split(":")[1].split()[0]) <= 2.7, line
+    # 2.4 until the kernel log became a fault source: without ProtectKernelLogs= it is 2.7; 3.0 with
+    # CAP_SETUID/CAP_SETGID, which the MPS control daemon needs to start its clients' servers.
+    assert float(line.split(":")[1].split()[0]) <= 3.0, line

@@ -13,7 +13,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nvplug import __version__
-from nvplug.cli import cdi_command, config_command, devices_command, heal_command, reload_command, run_command
+from nvplug.cli import (
+    cdi_command,
+    config_command,
+    devices_command,
+    heal_command,
+    mps_command,
+    reload_command,
+    run_command,
+)
 from nvplug.cli.cli_arguments import (
     ASKS_THE_DAEMON,
     CDI_SPEC_DIR,
@@ -167,6 +175,24 @@ COMMANDS: tuple[Command, ...] = (
                 description="One NVML scan of this node, then the spec nvplug writes for it: kind "
                 "k8s.device-plugin.nvidia.com/gpu, names by flags.plugin.deviceIDStrategy. The optional classes "
                 "(IMEX channels, GDS, MOFED, GDRCopy) are specs of their own, which the daemon writes beside it.",
+            ),
+        ),
+    ),
+    Command(
+        "mps",
+        "the MPS root's tmpfs, as systemd prepares and removes it around the daemon",
+        subcommands=(
+            Command(
+                "prepare",
+                "make the MPS root and mount the clients' shm tmpfs (nothing without sharing.mps)",
+                (CONFIG_OR_BUILT_IN, SYSFS_ROOT),
+                mps_command.run_prepare,
+            ),
+            Command(
+                "cleanup",
+                "unmount the shm tmpfs and remove the pipe directories; the logs stay",
+                (CONFIG_OR_BUILT_IN, SYSFS_ROOT),
+                mps_command.run_cleanup,
             ),
         ),
     ),

@@ -79,6 +79,7 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
                      f"(ResourceSlices: {slices}), {len(dra.get('claims') or [])} claims prepared")  # fmt: skip
         if dra.get("error"):
             lines.append(f"  DRA error: {dra['error']}")
+    lines += mps_lines(doc.get("mps") or {}, time.time())
     for key in ("nvml_error", "health_watch_error", "plan_error"):
         if doc.get(key):
             lines.append(f"  {key.replace('_', ' ')}: {doc[key]}")
@@ -90,6 +91,26 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
     for switch in doc.get("nvswitches") or []:
         lines.append(f"  NVSwitch {switch.get('switch')} ({switch.get('bus_id')}): {switch.get('sxids')} SXids, "
                      f"last {switch.get('last_code')} (no GPU is Unhealthy for these)")  # fmt: skip
+    return lines
+
+
+def mps_lines(mps: Mapping[str, Any], now: float) -> list[str]:
+    """Each MPS group: its daemon, limits and clients as it last answered, or why it is down."""
+    lines = [f"  MPS: {note}" for note in mps.get("notes") or []]
+    for g in mps.get("groups") or []:
+        head = f"  MPS group {g.get('name')} ({g.get('resource')}, {len(g.get('devices') or [])} devices)"
+        if not g.get("up"):
+            lines.append(f"{head}: DOWN, {g.get('restarts', 0)} restarts: {g.get('last_error') or 'starting'}")
+            continue
+        pinned = sorted({m for m in g.get("pinned_memory_mib") or [] if m is not None})
+        memory = f", pinned memory {'/'.join(f'{m}M' for m in pinned)} per device" if pinned else ""
+        servers = g.get("servers") or []
+        lines.append(
+            f"{head}: daemon pid {g.get('pid')}, up {duration(g.get('uptime_seconds') or 0)}, "
+            f"{g.get('active_thread_percentage')}% of the SMs per client{memory}; {len(servers)} servers, "
+            f"{g.get('clients', 0)} clients (at {since_text(g.get('probed_at'), now).split(' ')[0]}), "
+            f"{g.get('restarts', 0)} restarts"
+        )
     return lines
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.events import MpsGroupChanged
 from nvplug.mps.control_client import ControlClient, MpsControlError
-from nvplug.mps.mps_dirs import MpsDirError, RootLayout
+from nvplug.mps.mps_dirs import PID_FILE, MpsDirError, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
 
 log = logging.getLogger("nvplug.mps")
@@ -37,7 +37,6 @@ START_SECONDS = 10.0
 QUIT_SECONDS = 10.0
 # How fast the first answer is asked for again while the daemon makes its socket.
 FIRST_ANSWER = Backoff(first=0.02, maximum=0.5)
-PID_FILE = "daemon.pid"
 
 
 class ComputeModeError(RuntimeError):
@@ -75,8 +74,10 @@ class ControlDaemon:
         self.restarts = 0
         self.up_since: float | None = None
         self.last_error: str | None = None
-        # The servers it ran at its last answer (one per client UID).
+        # At its last answer: the servers it ran (one per client UID), their clients, and when.
         self.servers: tuple[int, ...] = ()
+        self.clients = 0
+        self.probed_at: float | None = None
         self._after: asyncio.Future[None] | None = None
         self._stderr_task: asyncio.Task[None] | None = None
 
@@ -191,10 +192,12 @@ class ControlDaemon:
         lines = await self.client.send(["get_default_active_thread_percentage", "get_server_list"])
         try:
             value = float(lines[0])
-            self.servers = tuple(int(line) for line in lines[1:])
+            servers = tuple(int(line) for line in lines[1:])
         except (IndexError, ValueError):
             raise MpsControlError(f"MPS group {self.group.name}: get_default_active_thread_percentage and "
                                   f"get_server_list answered {lines!r}") from None  # fmt: skip
+        clients = await self.client.send([f"get_client_list {pid}" for pid in servers]) if servers else []
+        self.servers, self.clients, self.probed_at = servers, len(clients), time.time()
         if round(value) != self.group.thread_percentage:
             raise MpsControlError(f"MPS group {self.group.name}: the daemon runs with {value:g}% of the SMs per "
                                   f"client, not {self.group.thread_percentage}%")  # fmt: skip

@@ -8,6 +8,7 @@ enforces, containers may only use the directories labelled container_file_t (NVI
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -22,6 +23,8 @@ from nvplug.shaping.mps_groups import LOG, PIPE, MpsGroup, shm_dir
 log = logging.getLogger("nvplug.mps")
 
 DIR_MODE = 0o755
+# nvplug's record of a group's control daemon, beside its pipe and log directories.
+PID_FILE = "daemon.pid"
 # As /dev/shm: any client UID makes its segments there, and removes only its own.
 SHM_MODE = 0o1777
 CONTAINER_LABEL = "container_file_t"
@@ -29,6 +32,14 @@ CONTAINER_LABEL = "container_file_t"
 
 class MpsDirError(OSError):
     """A directory the daemons need that cannot be made or reached; the message names it."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What preparing the root fell short of (for the log and status), and whether it mounted the tmpfs."""
+
+    notes: list[str]
+    mounted: bool
 
 
 @dataclass(frozen=True)
@@ -43,22 +54,23 @@ class RootLayout:
     def shm(self) -> Path:
         return Path(shm_dir(str(self.root)))
 
-    def prepare_root(self, mount_shm: bool = True) -> list[str]:
-        """The root and the shm tmpfs; what fell short, for the log and status (empty: nothing)."""
+    def prepare_root(self) -> Prepared:
+        """The root and the shm tmpfs (mounted unless it is: nvplug-mps.service's, or left by an
+        nvplug that did not stop cleanly, with the clients' segments in it)."""
         notes: list[str] = []
+        _check_parents(self.root)  # before anything is made under a parent no server could pass
         _make_dir(self.root, DIR_MODE)
         _check_parents(self.root)
-        if self.shm.is_dir() and self.shm.is_mount():
-            pass  # left by an nvplug that did not stop cleanly: the clients' segments are in it
-        else:
+        mounted = False
+        if not (self.shm.is_dir() and self.shm.is_mount()):
             self.shm.mkdir(mode=SHM_MODE, exist_ok=True)
-            if mount_shm:
-                failed = _mount_tmpfs(self.shm)
-                if failed:
-                    notes.append(f"{self.shm} is a plain directory: {failed}")
+            failed = _mount_tmpfs(self.shm)
+            if failed:
+                notes.append(f"{self.shm} is a plain directory: {failed}")
+            mounted = failed is None
         self.shm.chmod(SHM_MODE)
         notes += self._label([self.shm])
-        return notes
+        return Prepared(notes, mounted)
 
     def prepare_group(self, group: MpsGroup) -> list[str]:
         """A group's pipe and log directories, emptied of what a crashed daemon left."""
@@ -73,15 +85,24 @@ class RootLayout:
         return self._label([pipe])
 
     def remove_group(self, group: MpsGroup) -> None:
-        shutil.rmtree(self.root / group.name, ignore_errors=True)
+        """A stopped group's pipe directory and pid file; its log stays, for whoever asks why it stopped."""
+        shutil.rmtree(self.root / group.name / PIPE, ignore_errors=True)
+        (self.root / group.name / PID_FILE).unlink(missing_ok=True)
 
-    def remove_root(self) -> str | None:
-        """At stop: the tmpfs unmounted and the root removed. Why not; None: done."""
-        if self.shm.is_mount():
+    def remove_root(self, unmount: bool = True) -> str | None:
+        """At stop: the tmpfs unmounted (if `unmount`: whoever mounted it) and every pipe directory
+        removed; the logs stay. Why not; None: done."""
+        if unmount and self.shm.is_mount():
             done = subprocess.run(["umount", str(self.shm)], capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 return f"cannot unmount {self.shm}: {done.stderr.strip() or done.returncode}"
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.root.is_dir():
+            return None
+        with contextlib.suppress(OSError):
+            self.shm.rmdir()
+        for group in self.root.iterdir():
+            shutil.rmtree(group / PIPE, ignore_errors=True)
+            (group / PID_FILE).unlink(missing_ok=True)
         return None
 
     def _label(self, paths: Sequence[Path]) -> list[str]:
@@ -113,10 +134,13 @@ def _make_dir(path: Path, mode: int) -> None:
 
 
 def _check_parents(root: Path) -> None:
-    """Every parent of the root traversable by any UID: a server runs as its client's UID."""
+    """Every parent of the root that exists traversable by any UID: a server runs as its client's
+    UID. Resolved: a symlinked parent's target must be passable too."""
     for parent in root.parents:
         try:
-            mode = parent.stat().st_mode
+            mode = parent.resolve().stat().st_mode
+        except FileNotFoundError:
+            continue  # made 0755 by us
         except OSError as err:
             raise MpsDirError(f"cannot read {parent}: {err.strerror or err}") from err
         if not mode & stat.S_IXOTH:

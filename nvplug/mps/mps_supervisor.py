@@ -59,6 +59,8 @@ class MpsSupervisor(Sink):
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._root_lock = asyncio.Lock()
         self._root_ready = False
+        # Whether nvplug mounted the shm tmpfs itself (not nvplug-mps.service): then it unmounts it.
+        self._mounted = False
         self.root_notes: list[str] = []
         self._logs = ControlLogWatch(self._trouble)
         self._seen: tuple[tuple[Gpu, ...], Config] | None = None
@@ -130,6 +132,7 @@ class MpsSupervisor(Sink):
                     "name": d.group.name,
                     "resource": d.group.resource,
                     "devices": list(d.group.uuids),
+                    "exclusive_process": [g.uuid for g in d.group.exclusive_gpus],
                     "pid": d.pid,
                     "up": d.up_since is not None,
                     "uptime_seconds": round(now - d.up_since, 3) if d.up_since is not None else None,
@@ -137,6 +140,8 @@ class MpsSupervisor(Sink):
                     "active_thread_percentage": d.group.thread_percentage,
                     "pinned_memory_mib": list(d.group.pinned_mib),
                     "servers": list(d.servers),
+                    "clients": d.clients,
+                    "probed_at": d.probed_at,
                     "last_error": d.last_error,
                 }
                 for d in self._daemons.values()
@@ -152,7 +157,7 @@ class MpsSupervisor(Sink):
         await self._modes.restore_unused(self._state.current.gpus)
         if self._root_ready:
             self._root_ready = False
-            failed = await asyncio.to_thread(self._layout.remove_root)
+            failed = await asyncio.to_thread(self._layout.remove_root, self._mounted)
             if failed:
                 log.warning("MPS: %s", failed)
         await self._logs.stop()
@@ -198,7 +203,8 @@ class MpsSupervisor(Sink):
     async def _root(self) -> None:
         async with self._root_lock:
             if not self._root_ready:
-                self.root_notes = await asyncio.to_thread(self._layout.prepare_root)
+                prepared = await asyncio.to_thread(self._layout.prepare_root)
+                self.root_notes, self._mounted = prepared.notes, prepared.mounted
                 for note in self.root_notes:
                     log.warning("MPS: %s", note)
                 self._root_ready = True

@@ -46,8 +46,8 @@ def node_labels(snap: Snapshot, cfg: Config, machine: Machine, unhealthy_count: 
     labels = {f"{PREFIX}gpu.machine": _machine(machine.product_name)}
     labels.update(_versions(snap))
     labels[f"{PREFIX}mig.capable"] = _bool(any(g.mig_capable for g in snap.gpus))
-    # nvplug refuses sharing.mps, so no resource is ever MPS-shared.
-    labels[f"{PREFIX}mps.capable"] = "false"
+    # As GFD: whether the config shares devices through MPS (nvplug runs its daemons).
+    labels[f"{PREFIX}mps.capable"] = _bool(cfg.sharing.strategy == "mps")
     labels.update(_gpu_labels(snap.gpus, cfg))
     strategy = cfg.flags.mig_strategy
     if strategy != "none":
@@ -128,8 +128,12 @@ def _mixed(gpus: Sequence[Gpu], cfg: Config) -> dict[str, str]:
     return labels
 
 
-def _base(stem: str, product: str, count: int, entry: ReplicatedResource | None, sharing_on: bool) -> dict[str, str]:
-    """product, count, replicas and sharing-strategy, as GFD's base labeler writes them."""
+def _base(
+    stem: str, product: str, count: int, sharing: tuple[ReplicatedResource, str] | None, sharing_on: bool
+) -> dict[str, str]:
+    """product, count, replicas and sharing-strategy, as GFD's base labeler writes them; `sharing`:
+    the sharing entry of the resource and its strategy (time-slicing, mps)."""
+    entry, strategy = sharing if sharing is not None else (None, "none")
     replicas = entry.replicas if entry is not None else (1 if sharing_on else 0)
     shared = entry is not None and replicas > 1
     if shared and entry is not None and entry.rename is None:
@@ -138,7 +142,7 @@ def _base(stem: str, product: str, count: int, entry: ReplicatedResource | None,
         f"{PREFIX}{stem}.product": product,
         f"{PREFIX}{stem}.count": str(count),
         f"{PREFIX}{stem}.replicas": str(replicas),
-        f"{PREFIX}{stem}.sharing-strategy": "time-slicing" if shared else "none",
+        f"{PREFIX}{stem}.sharing-strategy": strategy if shared else "none",
     }
 
 
@@ -159,9 +163,10 @@ def _attributes(stem: str, mig: MigDevice) -> dict[str, str]:
     return {f"{PREFIX}{stem}.{k}": str(v) for k, v in values.items() if v is not None}
 
 
-def _sharing(cfg: Config, resource: str) -> ReplicatedResource | None:
-    """The time-slicing entry for a resource, if the config has one."""
-    return next((r for r in cfg.sharing.time_slicing.resources if r.name == resource), None)
+def _sharing(cfg: Config, resource: str) -> tuple[ReplicatedResource, str] | None:
+    """The sharing entry for a resource and its strategy, if the config has one."""
+    found = next((r for r in cfg.sharing.replicated.resources if r.name == resource), None)
+    return (found, cfg.sharing.strategy) if found is not None else None
 
 
 def _versions(snap: Snapshot) -> dict[str, str]:

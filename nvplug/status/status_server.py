@@ -264,7 +264,21 @@ class _NodeCollector(Collector):
         )
         for bus, errors in sorted(snap.switch_errors.items()):
             sxids.add_metric([errors.switch, bus], errors.count)
-        yield from (lost, readable, sxids)
+        up = GaugeMetricFamily(
+            "nvplug_mps_daemon_up", "1 while the MPS group's control daemon answers", labels=["group", "resource"]
+        )
+        restarts = CounterMetricFamily(
+            "nvplug_mps_daemon_restarts", "Restarts of the MPS group's control daemon", labels=["group", "resource"]
+        )
+        for name, group in sorted(snap.mps.items()):
+            up.add_metric([name, group.resource], 1.0 if group.health.healthy else 0.0)
+            restarts.add_metric([name, group.resource], group.restarts)
+        exclusive = GaugeMetricFamily(
+            "nvplug_mps_exclusive_process", "1 for a GPU nvplug put in EXCLUSIVE_PROCESS for MPS", labels=["uuid"]
+        )
+        for uuid in sorted(snap.compute_modes):
+            exclusive.add_metric([uuid], 1.0)
+        yield from (lost, readable, sxids, up, restarts, exclusive)
 
 
 class _DraCollector(Collector):

@@ -23,6 +23,8 @@ from typing import IO, Literal
 
 from nvplug.core.gpu import normalize_bus_id
 from nvplug.core.kernel_log_records import format_record
+from nvplug.mps.control_daemon import kill_leftover
+from nvplug.mps.mps_dirs import PID_FILE
 from nvplug.testing import fakenvml
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
@@ -349,8 +351,11 @@ class SimulatedNode:
         if self.daemon is not None and self.daemon.poll() is None:
             self.stop_daemon(signal.SIGKILL)
         self.kubelet.stop()
+        # What a daemon killed here left: its MPS control daemons (sessions of their own) and the shm.
+        for pid_file in self.mps_root.glob(f"*/{PID_FILE}"):
+            kill_leftover(pid_file, mps_control.BINARY_NAME)
         shm = self.mps_root / "shm"
-        if shm.is_mount():  # a daemon killed before it unmounted the clients' shm
+        if shm.is_mount():
             subprocess.run(["umount", "-l", str(shm)], check=False, capture_output=True)
         if self._kernel_log_fd >= 0:
             os.close(self._kernel_log_fd)

@@ -16,6 +16,7 @@ from nvplug.cli.doctor import (
     kernel_driver_step,
     kubelet_socket_step,
     kubelet_view_step,
+    mps_daemons_step,
     node_labels_step,
     nvml_init_step,
     nvml_library_step,
@@ -36,4 +37,5 @@ STEPS: tuple[Step, ...] = (
     Step("node labels", node_labels_step.check_labels),
     Step("kubelet's view", kubelet_view_step.check_kubelet_view),
     Step("DRA", dra_service_step.check_dra),
+    Step("MPS", mps_daemons_step.check_mps),
 )
