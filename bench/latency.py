@@ -46,15 +46,17 @@ def percentile(samples: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-def first_update(node: SimulatedNode, since: float, shows: Callable[[Update], bool]) -> float:
-    """Wait for the first ListAndWatch message after `since` that shows the change; its arrival time."""
+def first_update(
+    node: SimulatedNode, since: float, shows: Callable[[Update], bool], resource: str = GPU_RESOURCE
+) -> float:
+    """Wait for the first ListAndWatch message of `resource` after `since` that shows the change; its arrival."""
 
     def arrived(k: FakeKubelet) -> bool:
-        p = k.plugin(GPU_RESOURCE)
+        p = k.plugin(resource)
         return p is not None and any(u.at >= since and shows(u) for u in p.updates)
 
     node.kubelet.wait_for(arrived, TIMEOUT)
-    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    plugin = node.kubelet.plugin(resource)
     assert plugin is not None
     return next(u.at for u in plugin.updates if u.at >= since and shows(u))
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from latency import percentile
+from latency import first_update, percentile
 
 from nvplug.testing import mps_control_standin as mps
-from nvplug.testing.kubelet_standin import FakeKubelet, Update
-from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode
+from nvplug.testing.kubelet_standin import Update
+from nvplug.testing.simulated_node import SimulatedNode
 
 TIMEOUT = 15.0
 RESOURCE = "nvidia.com/gpu.mps"
@@ -39,19 +39,6 @@ ENTRY = "    - name: nvidia.com/gpu\n      devices: [0, 1]\n      rename: nvidia
 # Targets: a group up within one second of being asked for, its loss seen within 100 ms.
 START_TARGET_MS = 1000.0
 CRASH_TARGET_MS = 100.0
-
-
-def first(node: SimulatedNode, resource: str, since: float, shows: Callable[[Update], bool]) -> float:
-    """The arrival of the first message of `resource` after `since` that `shows`."""
-
-    def arrived(k: FakeKubelet) -> bool:
-        p = k.plugin(resource)
-        return p is not None and any(u.at >= since and shows(u) for u in p.updates)
-
-    node.kubelet.wait_for(arrived, TIMEOUT)
-    plugin = node.kubelet.plugin(resource)
-    assert plugin is not None
-    return next(u.at for u in plugin.updates if u.at >= since and shows(u))
 
 
 def all_healthy(count: int) -> Callable[[Update], bool]:
@@ -62,7 +49,7 @@ def none_healthy(u: Update) -> bool:
     return bool(u.devices) and not any(d.healthy for d in u.devices)
 
 
-def bench(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
+def bench(node: SimulatedNode, samples: int) -> tuple[list[float], list[float], int]:
     starts, crashes = [], []
     pipe = node.mps_root / "nvidia.com_gpu.mps" / "pipe"
     assert node.daemon is not None
@@ -70,24 +57,24 @@ def bench(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
     for _ in range(samples):
         t0 = time.monotonic()
         mps.client(pipe, "fake_crash", binary=node.mps_control, timeout=5)
-        crashes.append(first(node, RESOURCE, t0, none_healthy) - t0)
+        crashes.append(first_update(node, t0, none_healthy, RESOURCE) - t0)
         # A new config makes a new daemon at once (a crashed one waits out its backoff).
         replicas = 2 if replicas == 4 else 4
         node.config.write_text(node.mps_config(ENTRY.format(n=replicas)))
         t0 = time.monotonic()
         node.daemon.send_signal(signal.SIGHUP)
-        starts.append(first(node, RESOURCE, t0, all_healthy(2 * replicas)) - t0)
-    return starts, crashes
+        starts.append(first_update(node, t0, all_healthy(2 * replicas), RESOURCE) - t0)
+    return starts, crashes, replicas
 
 
-def bench_start(node: SimulatedNode) -> tuple[float, float]:
+def bench_start(node: SimulatedNode, replicas: int) -> tuple[float, float]:
     """(process start -> plain GPUs Healthy, -> MPS devices Healthy), in seconds."""
     node.stop_daemon()
     node.kubelet.restart()
     t0 = time.monotonic()
     node.start_daemon(log_level="warning")
-    plain = first(node, GPU_RESOURCE, t0, all_healthy(6)) - t0
-    shared = first(node, RESOURCE, t0, all_healthy(8)) - t0
+    plain = first_update(node, t0, all_healthy(6)) - t0
+    shared = first_update(node, t0, all_healthy(2 * replicas), RESOURCE) - t0
     return plain, shared
 
 
@@ -109,10 +96,10 @@ def main() -> int:
             node.start_daemon(log_level="warning")
             node.kubelet.wait_for(lambda k: k.allocatable(RESOURCE) == 8, TIMEOUT)
             print("MPS groups run by nvplug, 2 of 8 simulated GPUs in one group (stand-in control daemon):")
-            starts, crashes = bench(node, args.samples)
+            starts, crashes, replicas = bench(node, args.samples)
             report("group start -> Healthy", starts, START_TARGET_MS)
             report("crash -> Unhealthy", crashes, CRASH_TARGET_MS)
-            plain, shared = bench_start(node)
+            plain, shared = bench_start(node, replicas)
             print(f"  nvplug start -> Healthy:  plain GPUs {plain * 1000:.1f} ms, MPS devices {shared * 1000:.1f} ms "
                   f"(x{shared / plain:.2f})")  # fmt: skip
             node.stop_daemon()

@@ -148,6 +148,8 @@ def test_a_reload_that_changes_replicas_restarts_only_that_group(node: Simulated
     after = {g["name"]: g for g in status(node)["groups"]}
     assert after["nvidia.com_gpu.b"]["pid"] == before["nvidia.com_gpu.b"]
     assert after[GROUP]["pid"] != before[GROUP] and after[GROUP]["active_thread_percentage"] == 50
+    # The new daemon held the GPUs before the old one let them go: no moment in DEFAULT.
+    assert "compute mode back" not in node.log_text()
 
 
 def test_a_reload_is_refused_while_the_group_has_clients(node: SimulatedNode) -> None:

@@ -50,13 +50,17 @@ class ComputeModes:
         self._state = state
         self._apply = apply
         self._written = written
-        # Which groups hold each GPU in EXCLUSIVE_PROCESS now.
-        self._users: dict[str, set[str]] = {}
+        # Which daemons hold each GPU in EXCLUSIVE_PROCESS now, or will: a group restarted for a
+        # new config holds its GPUs before its old daemon lets them go, so the mode stays.
+        self._users: dict[str, set[object]] = {}
+
+    def hold(self, group: MpsGroup, holder: object) -> None:
+        for gpu in group.exclusive_gpus:
+            self._users.setdefault(gpu.uuid, set()).add(holder)
 
     async def exclusive(self, group: MpsGroup) -> None:
         """Every GPU of the group in EXCLUSIVE_PROCESS, its old mode recorded first. Raises ComputeModeError."""
         for gpu in group.exclusive_gpus:
-            self._users.setdefault(gpu.uuid, set()).add(group.name)
             mode = await self._call(gpu, "read", self._nvml.compute_mode(gpu.uuid))
             if mode == EXCLUSIVE_PROCESS:
                 continue  # ours from before a restart (recorded), or the operator's (nothing to undo)
@@ -70,11 +74,11 @@ class ComputeModes:
             await self._call(gpu, "set", self._nvml.set_compute_mode(gpu.uuid, EXCLUSIVE_PROCESS))
             log.info("%s: compute mode %s -> EXCLUSIVE_PROCESS for %s", gpu.label, mode_name(mode), group.describe())
 
-    async def release(self, group: MpsGroup) -> None:
-        """The group is stopped: GPUs no other group holds get their old mode back."""
+    async def release(self, group: MpsGroup, holder: object) -> None:
+        """The holder's daemon is stopped: its GPUs that no other daemon holds get their old mode back."""
         for gpu in group.exclusive_gpus:
             users = self._users.get(gpu.uuid, set())
-            users.discard(group.name)
+            users.discard(holder)
             if not users:
                 self._users.pop(gpu.uuid, None)
                 await self.restore(gpu)

@@ -48,7 +48,7 @@ class DaemonHooks:
     """What a daemon needs from the supervisor."""
 
     publish: Callable[[MpsGroupChanged], None]
-    # The group's GPUs in EXCLUSIVE_PROCESS (recorded first), and released at its final stop.
+    # The group's GPUs in EXCLUSIVE_PROCESS (recorded first), and released at the daemon's final stop.
     exclusive: Callable[[MpsGroup], Awaitable[None]]
     release: Callable[[MpsGroup], Awaitable[None]]
     # The MPS root made ready (once); and the group's directories made (its log is watched from then).
@@ -120,6 +120,9 @@ class ControlDaemon:
                 await self._bring_up()
             except (MpsDirError, MpsControlError, ComputeModeError, OSError) as err:
                 reason = str(err)
+            except Exception as err:  # a bug must not end the supervision: the group stays down, retried
+                log.exception("%s: starting its control daemon failed", self.group.describe())
+                reason = f"nvplug failed to start it: {type(err).__name__}: {err}"
             else:
                 reason = await self._watch()
             self.up_since = None

@@ -173,12 +173,16 @@ class MpsSupervisor(Sink):
             self._logs.unwatch(name)
             why = "its devices or limits changed" if new is not None else "no MPS resource has its devices now"
             log.info("%s: stopping its control daemon: %s", daemon.group.describe(), why)
-            self._retiring[name] = asyncio.create_task(self._retire(daemon, removed=new is None))
+            # After an earlier daemon of the name still quitting (two reloads in a row): one at a time.
+            earlier = self._retiring.get(name)
+            self._retiring[name] = asyncio.create_task(self._retire(daemon, new is None, earlier))
             if new is not None:
                 events.append(_restarting(new, daemon.restarts))
         for name, group in wanted.items():
             if name not in self._daemons:
-                daemon = ControlDaemon(group, self._cfg.mps_control, self._layout, self._hooks())
+                holder = object()
+                self._modes.hold(group, holder)
+                daemon = ControlDaemon(group, self._cfg.mps_control, self._layout, self._hooks(holder))
                 self._daemons[name] = daemon
                 retiring = self._retiring.get(name)
                 daemon.start(after=asyncio.ensure_future(retiring) if retiring is not None else None)
@@ -188,8 +192,10 @@ class MpsSupervisor(Sink):
             self._chore(self._modes.restore_unused(free))
         return events
 
-    async def _retire(self, daemon: ControlDaemon, removed: bool) -> None:
+    async def _retire(self, daemon: ControlDaemon, removed: bool, earlier: asyncio.Task[None] | None) -> None:
         try:
+            if earlier is not None:
+                await asyncio.wait({earlier})
             await daemon.stop()
         finally:
             if self._retiring.get(daemon.group.name) is asyncio.current_task():
@@ -197,8 +203,11 @@ class MpsSupervisor(Sink):
             if removed and daemon.group.name not in self._daemons:
                 self._apply(MpsGroupRemoved(daemon.group.name))
 
-    def _hooks(self) -> DaemonHooks:
-        return DaemonHooks(self._apply, self._modes.exclusive, self._modes.release, self._root, self._prepared)
+    def _hooks(self, holder: object) -> DaemonHooks:
+        async def release(group: MpsGroup) -> None:
+            await self._modes.release(group, holder)
+
+        return DaemonHooks(self._apply, self._modes.exclusive, release, self._root, self._prepared)
 
     async def _root(self) -> None:
         async with self._root_lock:

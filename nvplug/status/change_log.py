@@ -40,6 +40,7 @@ _GPU_WARNINGS = {
     "auto-reset failed",
     "auto-reset budget spent",
     "kernel log disagrees with NVML",
+    "mps daemon down",
 }
 
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import os
 import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, TypeAlias
+
+from nvplug.testing import c_build
+from nvplug.testing.c_build import CBuildError
 
 __all__ = [
     "ANY_GPU",
@@ -179,12 +179,8 @@ def write_mig_minors(path: Path, layout: Mapping[int, Sequence[tuple[int, int]]]
     path.write_text("\n".join(lines) + "\n")
 
 
-class FakeNvmlBuildError(RuntimeError):
+class FakeNvmlBuildError(CBuildError):
     """The C compiler could not build the fake library."""
-
-    def __init__(self, message: str, stderr: str = "") -> None:
-        super().__init__(f"{message}\n{stderr}".rstrip())
-        self.stderr = stderr
 
 
 class ControlError(RuntimeError):
@@ -198,32 +194,7 @@ def build(dest_dir: Path, cc: str = "cc") -> Path:
     temporary name and renamed into place, and the source hash beside it is
     written only after the library.
     """
-    dest_dir = Path(dest_dir)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    lib = dest_dir / LIB_NAME
-    stamp = dest_dir / f"{LIB_NAME}.sha256"
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr((cc, _CFLAGS)).encode()).hexdigest()
-    if lib.is_file() and _read_text(stamp) == digest:
-        return lib
-
-    with _temp_in(dest_dir, ".tmp") as tmp:
-        try:
-            proc = subprocess.run(
-                [cc, *_CFLAGS, "-o", str(tmp), str(SOURCE)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-        except OSError as exc:
-            raise FakeNvmlBuildError(f"cannot run C compiler {cc!r}: {exc}") from exc
-        if proc.returncode != 0:
-            raise FakeNvmlBuildError(f"{cc} failed to build {SOURCE} (exit {proc.returncode})", proc.stderr)
-        tmp.chmod(0o755)
-        tmp.replace(lib)
-    with _temp_in(dest_dir, ".sha256.tmp") as tmp:
-        tmp.write_text(digest)
-        tmp.replace(stamp)
-    return lib
+    return c_build.build(SOURCE, Path(dest_dir) / LIB_NAME, _CFLAGS, cc, FakeNvmlBuildError)
 
 
 def environ(
@@ -274,7 +245,7 @@ def persisted_compute_modes(where: Mapping[str, str] | Path) -> dict[str, int]:
         path: Path | None = where / STATE_FILE if where.is_dir() else where
     else:
         path = state_file(where)
-    text = _read_text(path) if path is not None else None
+    text = c_build.read_text(path) if path is not None else None
     modes: dict[str, int] = {}
     for line in (text or "").splitlines():
         words = line.split("#", 1)[0].split()
@@ -526,25 +497,6 @@ def _word(value: object) -> str:
     if not text or text.split() != [text] or '"' in text or text.startswith("#"):
         raise ValueError(f"not a single control-command word: {value!r}")
     return text
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def _temp_in(directory: Path, suffix: str) -> Iterator[Path]:
-    """A fresh file name in ``directory``, removed afterwards unless it was renamed away."""
-    fd, name = tempfile.mkstemp(prefix=f".{LIB_NAME}.", suffix=suffix, dir=directory)
-    os.close(fd)
-    path = Path(name)
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

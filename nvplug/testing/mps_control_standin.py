@@ -68,18 +68,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import re
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from nvplug.testing import c_build
+from nvplug.testing.c_build import CBuildError
 
 __all__ = [
     "BINARY_NAME",
@@ -112,12 +113,8 @@ _CFLAGS = ("-static", "-O2", "-Wall", "-Wextra")
 _LOG_LINE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3}) (\w+) +(\d+)\] (.*)$")
 
 
-class MpsStandinBuildError(RuntimeError):
+class MpsStandinBuildError(CBuildError):
     """The C compiler could not build the stand-in."""
-
-    def __init__(self, message: str, stderr: str = "") -> None:
-        super().__init__(f"{message}\n{stderr}".rstrip())
-        self.stderr = stderr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,28 +134,7 @@ def build(dest_dir: Path, cc: str = "cc") -> Path:
     concurrent callers: the binary is written under a temporary name and renamed into
     place, and its hash is written only after it.
     """
-    dest_dir = Path(dest_dir)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    binary = dest_dir / BINARY_NAME
-    stamp = dest_dir / f"{BINARY_NAME}.sha256"
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr((cc, _CFLAGS)).encode()).hexdigest()
-    if binary.is_file() and _read_text(stamp) == digest:
-        return binary
-    with _temp_in(dest_dir, ".tmp") as tmp:
-        try:
-            proc = subprocess.run(
-                [cc, *_CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False
-            )
-        except OSError as exc:
-            raise MpsStandinBuildError(f"cannot run C compiler {cc!r}: {exc}") from exc
-        if proc.returncode != 0:
-            raise MpsStandinBuildError(f"{cc} failed to build {SOURCE} (exit {proc.returncode})", proc.stderr)
-        tmp.chmod(0o755)
-        tmp.replace(binary)
-    with _temp_in(dest_dir, ".sha256.tmp") as tmp:
-        tmp.write_text(digest)
-        tmp.replace(stamp)
-    return binary
+    return c_build.build(SOURCE, Path(dest_dir) / BINARY_NAME, _CFLAGS, cc, MpsStandinBuildError)
 
 
 def install(bin_dir: Path, *, build_dir: Path | None = None, cc: str = "cc") -> Path:
@@ -171,7 +147,7 @@ def install(bin_dir: Path, *, build_dir: Path | None = None, cc: str = "cc") -> 
     bin_dir.mkdir(parents=True, exist_ok=True)
     built = build(build_dir if build_dir is not None else bin_dir / f".{BINARY_NAME}.build", cc)
     path = bin_dir / BINARY_NAME
-    with _temp_in(bin_dir, ".tmp") as tmp:
+    with c_build.temp_in(bin_dir, BINARY_NAME, ".tmp") as tmp:
         shutil.copyfile(built, tmp)
         tmp.chmod(0o755)
         tmp.replace(path)
@@ -302,7 +278,7 @@ def start_foreground(
 
 def read_pid_file(pipe_dir: Path) -> int | None:
     """The PID in ``<pipe_dir>/nvidia-cuda-mps-control.pid``, or None without one."""
-    text = _read_text(Path(pipe_dir) / PID_FILE)
+    text = c_build.read_text(Path(pipe_dir) / PID_FILE)
     return int(text) if text else None
 
 
@@ -352,22 +328,3 @@ def _binary(binary: Path | None, env: Mapping[str, str]) -> Path:
 def _as_user(user: int | None) -> dict[str, Any]:
     # Group too, and no supplementary groups: a container user's credentials.
     return {} if user is None else {"user": user, "group": user, "extra_groups": []}
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def _temp_in(directory: Path, suffix: str) -> Iterator[Path]:
-    """A fresh file name in ``directory``, removed afterwards unless it was renamed away."""
-    fd, name = tempfile.mkstemp(prefix=f".{BINARY_NAME}.", suffix=suffix, dir=directory)
-    os.close(fd)
-    path = Path(name)
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
