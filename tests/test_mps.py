@@ -4,7 +4,6 @@ the kubelet stand-in's view of the groups' devices."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -186,14 +185,14 @@ def test_the_compute_mode_is_restored_after_sigterm_and_after_sigkill(node: Simu
     assert saved["compute_modes"] == {uuids[0]: 0, uuids[1]: 0}
     assert node.stop_daemon(signal.SIGKILL) == -signal.SIGKILL
     assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    # Restarted without MPS: the modes go back, and the daemon left behind is not adopted.
+    # Restarted without MPS: the modes go back, and the daemon left behind is killed, not left unowned.
     node.config.write_text("version: v1\n")
     node.start_daemon()
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
     wait(lambda: modes(node) == {uuids[0]: 0, uuids[1]: 0}, "the compute modes to be restored")
     saved = json.loads((node.state_dir / "health.json").read_text())
     assert "compute_modes" not in saved
-    os.killpg(leftover, signal.SIGKILL)
+    wait(lambda: not Path(f"/proc/{leftover}").exists() or _zombie(leftover), "the daemon left behind to be killed")
 
 
 def test_a_restart_after_sigkill_replaces_the_daemon_left_behind(node: SimulatedNode) -> None:

@@ -93,6 +93,11 @@ COMMANDS: tuple[Command, ...] = (
             ),
             CDI_SPEC_DIR.worded("write the CDI spec here (default: the config's nvplug.cdi.specDir)"),
             Argument("--kernel-log", HIDDEN, Path, Path("/dev/kmsg")),
+            Argument(
+                "--mps-root",
+                "where the MPS pipes, logs and shm live (default: the config's nvplug.mps.root, /run/nvplug/mps)",
+                Path,
+            ),
         ),
         run_command.run,
     ),

@@ -98,7 +98,8 @@ def mps_lines(mps: Mapping[str, Any], now: float) -> list[str]:
     """Each MPS group: its daemon, limits and clients as it last answered, or why it is down."""
     lines = [f"  MPS: {note}" for note in mps.get("notes") or []]
     for g in mps.get("groups") or []:
-        head = f"  MPS group {g.get('name')} ({g.get('resource')}, {len(g.get('devices') or [])} devices)"
+        count = len(g.get("devices") or [])
+        head = f"  MPS group {g.get('name')} ({g.get('resource')}, {count} device{'' if count == 1 else 's'})"
         if not g.get("up"):
             lines.append(f"{head}: DOWN, {g.get('restarts', 0)} restarts: {g.get('last_error') or 'starting'}")
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from nvplug import config
@@ -36,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
         feature_file=args.nfd_feature_file,
         pod_resources_socket=args.pod_resources_socket,
         kernel_log=args.kernel_log,
+        mps_root=args.mps_root,
     )
+    options = replace(options, config=options.configured(cfg))
     try:
         asyncio.run(serve(options))
     except Exception:

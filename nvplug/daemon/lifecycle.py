@@ -156,7 +156,7 @@ class Daemon:
             return
         source = self.options.config_path or "the default config"
         try:
-            new = config.load(self.options.config_path)
+            new = self.options.configured(config.load(self.options.config_path))
             if new.dra != self.config.dra:
                 raise config.ConfigError(f"{new.source}: nvplug.dra changed; that takes `systemctl restart nvplug`")
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)

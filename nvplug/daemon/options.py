@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nvplug.config import Config
@@ -29,3 +29,11 @@ class Options:
     pod_resources_socket: Path | None = None
     # --kernel-log: the kernel's record interface; tests point it at a FIFO of records in its format.
     kernel_log: Path = Path("/dev/kmsg")
+    # --mps-root: overrides the config's nvplug.mps.root (a simulated node keeps MPS under its own root).
+    mps_root: Path | None = None
+
+    def configured(self, cfg: Config) -> Config:
+        """A loaded config with the command line's overrides of its keys, at the start and at each reload."""
+        if self.mps_root is None:
+            return cfg
+        return replace(cfg, mps=replace(cfg.mps, root=str(self.mps_root)))

@@ -22,9 +22,9 @@ from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
-from nvplug.mps.control_daemon import ControlDaemon, DaemonHooks
+from nvplug.mps.control_daemon import ControlDaemon, DaemonHooks, kill_leftover
 from nvplug.mps.control_log_watch import ControlLogWatch
-from nvplug.mps.mps_dirs import RootLayout
+from nvplug.mps.mps_dirs import PID_FILE, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
 from nvplug.shaping.resource_plan import mps_groups
 from nvplug.sources.nvml_discovery import NvmlUnavailable
@@ -65,6 +65,12 @@ class MpsSupervisor(Sink):
         self._logs = ControlLogWatch(self._trouble)
         self._seen: tuple[tuple[Gpu, ...], Config] | None = None
         self._chores: set[asyncio.Task[None]] = set()
+        # Before any daemon of ours runs (a few files, no NVML): what an nvplug killed earlier left
+        # running goes, whatever the config says now. A group started again would kill its own; a
+        # group the config no longer has would run on, unowned.
+        for pid_file in Path(cfg.mps_root).glob(f"*/{PID_FILE}"):
+            kill_leftover(pid_file, cfg.mps_control)
+            pid_file.unlink(missing_ok=True)
 
     @property
     def daemons(self) -> dict[str, ControlDaemon]:

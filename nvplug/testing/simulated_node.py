@@ -105,7 +105,8 @@ class SimulatedNode:
         # A stand-in nvidia-smi on the daemon's PATH, recording its calls here.
         self.bin_dir = root / "bin"
         self.nvidia_smi_log = root / "nvidia-smi.log"
-        # nvplug.mps.root of a test that runs MPS, and the stand-in control binary it names.
+        # The daemon's MPS root (--mps-root: never the machine's /run/nvplug/mps), and the stand-in
+        # control binary a test that runs MPS names.
         self.mps_root = root / "mps"
         self.mps_control = self.bin_dir / mps_control.BINARY_NAME
         self.kubelet = KubeletThread(self.plugin_dir)
@@ -245,7 +246,7 @@ class SimulatedNode:
         # A server runs as its client's UID and must pass every parent of the root (mkdtemp's are 0700).
         self.root.chmod(0o755)
         return (f"version: v1\nsharing:\n  mps:\n    resources:\n{resources}nvplug:\n  mps:\n"
-                f"    root: {self.mps_root}\n    controlPath: {self.mps_control}\n{extra}")  # fmt: skip
+                f"    controlPath: {self.mps_control}\n{extra}")  # fmt: skip
 
     def build_library(self) -> Path:
         return fakenvml.build(self.lib_dir)
@@ -295,6 +296,7 @@ class SimulatedNode:
             "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
             "--log-level", log_level,
             "--kernel-log", str(self.kernel_log_path),
+            "--mps-root", str(self.mps_root),
             *extra,
         ]  # fmt: skip
         full_env = self.daemon_env(nvml)

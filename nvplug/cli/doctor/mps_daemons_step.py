@@ -24,7 +24,9 @@ def check_mps(ctx: DoctorContext) -> Check:
     except (statusclient.StatusUnavailable, ValueError) as err:
         return Check("WARN", "sharing.mps is set, but the daemon that runs the MPS daemons does not answer (step 7)",
                      [str(err)])  # fmt: skip
-    groups = (doc.get("mps") or {}).get("groups") or []
+    mps = doc.get("mps") or {}
+    groups = mps.get("groups") or []
+    root = str(mps.get("root") or cfg.mps_root)  # the daemon's, which its command line may set
     fix = "see `journalctl -u nvplug` and each group's control.log under nvplug.mps.root"
     if not groups:
         return Check("FAIL", "sharing.mps is set, but the daemon runs no MPS group", [], fix)
@@ -33,7 +35,7 @@ def check_mps(ctx: DoctorContext) -> Check:
     nvml = Nvml(ctx.args.sysfs_root, ctx.args.proc_root) if ctx.nvml_ok else None
     for group in groups:
         name = str(group.get("name"))
-        client = ControlClient(cfg.mps_control, pipe_dir(cfg.mps_root, name), "", name)
+        client = ControlClient(cfg.mps_control, pipe_dir(root, name), "", name)
         try:
             answer = asyncio.run(client.send(["get_default_active_thread_percentage"]))
         except MpsControlError as err:
