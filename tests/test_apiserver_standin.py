@@ -473,3 +473,420 @@ def test_concurrent_clients(api: FakeApiServer) -> None:
     versions = [int(s["metadata"]["resourceVersion"]) for s in api.slices()]
     assert len(api.slices()) == 20 and len(set(versions)) == 20
     assert len(api.requests) == 20
+
+
+# Watch.
+
+
+class WatchStream:
+    """A raw watch on its own socket: the head, then the chunked body read chunk by chunk.
+
+    Each chunk must be exactly one JSON event and its newline. Reads keep their place across a
+    timeout, so a test can wait for silence and go on reading.
+    """
+
+    def __init__(self, server: FakeApiServer, query: str, version: str = "v1", token: str | None = TOKEN) -> None:
+        self.token = token
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        self.buf = b""
+        self.path = f"/apis/{GROUP}/{version}/resourceslices?{query}"
+        self.status, self.headers = self.send("GET", self.path)
+
+    def send(self, method: str, path: str) -> tuple[int, dict[str, str]]:
+        auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
+        self.sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+        head = self._until(b"\r\n\r\n", time.monotonic() + 5).decode("latin-1")
+        status_line, *lines = head.split("\r\n")
+        headers = {}
+        for line in lines:
+            key, _, value = line.partition(":")
+            headers[key.strip().lower()] = value.strip()
+        return int(status_line.split(" ")[1]), headers
+
+    def body(self) -> dict[str, Any]:
+        """A plain answer's body (one with Content-Length)."""
+        size = int(self.headers["content-length"])
+        deadline = time.monotonic() + 5
+        while len(self.buf) < size:
+            self._fill(deadline)
+        data, self.buf = self.buf[:size], self.buf[size:]
+        return dict(json.loads(data))
+
+    def _fill(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("nothing came in time")
+        self.sock.settimeout(remaining)
+        data = self.sock.recv(65536)
+        if not data:
+            raise EOFError("the server closed the connection")
+        self.buf += data
+
+    def _until(self, marker: bytes, deadline: float) -> bytes:
+        while marker not in self.buf:
+            self._fill(deadline)
+        head, _, self.buf = self.buf.partition(marker)
+        return head
+
+    def _take_chunk(self) -> bytes | None:
+        end = self.buf.find(b"\r\n")
+        if end < 0:
+            return None
+        size = int(self.buf[:end], 16)
+        total = end + 2 + size + 2
+        if len(self.buf) < total:
+            return None
+        data = self.buf[end + 2 : end + 2 + size]
+        assert self.buf[end + 2 + size : total] == b"\r\n"
+        self.buf = self.buf[total:]
+        return data
+
+    def next(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        """The next event; None once the body ended with its terminating chunk."""
+        deadline = time.monotonic() + timeout
+        while True:
+            chunk = self._take_chunk()
+            if chunk == b"":
+                return None
+            if chunk is not None:
+                assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1, chunk
+                event = json.loads(chunk)
+                assert set(event) == {"type", "object"}
+                return dict(event)
+            self._fill(deadline)
+
+    def events(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+        got: list[dict[str, Any]] = []
+        for _ in range(count):
+            event = self.next(timeout)
+            assert event is not None, f"the watch ended after {got}"
+            got.append(event)
+        return got
+
+    def quiet(self, seconds: float) -> None:
+        """Nothing comes for `seconds`."""
+        with pytest.raises(TimeoutError):
+            event = self.next(seconds)
+            pytest.fail(f"an event came: {event}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_for(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def summary(events: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["object"]["metadata"]["name"], e["object"]["metadata"]["resourceVersion"]) for e in events]
+
+
+def list_version(api: FakeApiServer, selector: str = "") -> str:
+    status, listed = call(api, "GET", f"{SLICES}?fieldSelector={quote(selector)}" if selector else SLICES)
+    assert status == 200
+    return str(listed["metadata"]["resourceVersion"])
+
+
+def test_watch_from_a_list_resource_version(api: FakeApiServer) -> None:
+    assert call(api, "POST", SLICES, resource_slice(name="a"))[0] == 201
+    rv = list_version(api)
+    live = WatchStream(api, f"watch=true&resourceVersion={rv}")
+    assert live.status == 200
+    assert live.headers["content-type"] == "application/json"
+    assert live.headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in live.headers
+    assert ("GET", live.path, 200) in api.requests
+
+    _, created = call(api, "POST", SLICES, resource_slice(name="b"))
+    change = json.loads(json.dumps(created))
+    change["spec"]["pool"]["generation"] = 1
+    _, updated = call(api, "PUT", f"{SLICES}/b", change)
+    # An update that changes nothing still bumps the resourceVersion: MODIFIED again.
+    _, same = call(api, "PUT", f"{SLICES}/b", updated)
+    assert call(api, "DELETE", f"{SLICES}/b")[0] == 200
+    deleted_at = list_version(api)
+    expected = [
+        ("ADDED", "b", created["metadata"]["resourceVersion"]),
+        ("MODIFIED", "b", updated["metadata"]["resourceVersion"]),
+        ("MODIFIED", "b", same["metadata"]["resourceVersion"]),
+        ("DELETED", "b", deleted_at),
+    ]
+    with live:
+        events = live.events(4)
+        assert summary(events) == expected
+        assert events[0]["object"] == created
+        assert events[1]["object"] == updated
+        # DELETED carries the last state, at the deletion's resourceVersion.
+        gone = json.loads(json.dumps(same))
+        gone["metadata"]["resourceVersion"] = deleted_at
+        assert events[3]["object"] == gone
+        live.quiet(0.3)
+
+        # A watch from the same resourceVersion, opened afterwards, replays the same events, then goes on live.
+        with WatchStream(api, f"watch=1&resourceVersion={rv}") as replay:
+            assert summary(replay.events(4)) == expected
+            _, c = call(api, "POST", SLICES, resource_slice(name="c"))
+            added = ("ADDED", "c", c["metadata"]["resourceVersion"])
+            assert summary(replay.events(1)) == [added]
+            assert summary(live.events(1)) == [added]
+        # From the last event seen, nothing is replayed.
+        with WatchStream(api, f"watch=true&resourceVersion={c['metadata']['resourceVersion']}") as resumed:
+            resumed.quiet(0.3)
+
+
+def test_watch_without_resource_version_starts_with_the_current_objects(api: FakeApiServer) -> None:
+    for name, node in (("b", "node-a"), ("a", "node-a"), ("c", "node-b")):
+        assert call(api, "POST", SLICES, resource_slice(node=node, name=name))[0] == 201
+    selector = quote("spec.nodeName=node-a")
+    for query in (f"watch=true&fieldSelector={selector}", f"watch=true&resourceVersion=0&fieldSelector={selector}"):
+        current = api.slices(node="node-a")
+        with WatchStream(api, query) as watch:
+            events = watch.events(len(current))
+            assert [(e["type"], e["object"]) for e in events] == [("ADDED", s) for s in current]
+            watch.quiet(0.2)
+            _, d = call(api, "POST", SLICES, resource_slice(node="node-a", name=f"d-{len(api.requests)}"))
+            assert summary(watch.events(1)) == [("ADDED", d["metadata"]["name"], d["metadata"]["resourceVersion"])]
+    assert [s["metadata"]["name"] for s in api.slices(node="node-a")][:2] == ["a", "b"]
+
+
+def test_watch_field_selector(api: FakeApiServer) -> None:
+    rv = list_version(api)
+    mine = quote(f"spec.nodeName=node-a,spec.driver=={DRIVER}")
+    with (
+        WatchStream(api, f"watch=true&resourceVersion={rv}&fieldSelector={mine}") as watch,
+        WatchStream(api, f"watch=true&resourceVersion={rv}&fieldSelector={quote('spec.nodeName!=node-a')}") as others,
+        WatchStream(api, f"watch=true&resourceVersion={rv}&fieldSelector={quote('metadata.name=x')}") as named,
+    ):
+        for name, node, driver in (
+            ("x", "node-b", DRIVER),
+            ("y", "node-a", "other.example.com"),
+            ("z", "node-a", DRIVER),
+        ):
+            assert call(api, "POST", SLICES, resource_slice(node=node, driver=driver, name=name))[0] == 201
+        assert call(api, "DELETE", f"{SLICES}/y")[0] == 200
+        assert call(api, "DELETE", f"{SLICES}/z")[0] == 200
+        assert [(e["type"], e["object"]["metadata"]["name"]) for e in watch.events(2)] == [
+            ("ADDED", "z"),
+            ("DELETED", "z"),
+        ]
+        assert [(e["type"], e["object"]["metadata"]["name"]) for e in others.events(1)] == [("ADDED", "x")]
+        assert [(e["type"], e["object"]["metadata"]["name"]) for e in named.events(1)] == [("ADDED", "x")]
+        watch.quiet(0.2)
+        others.quiet(0.01)
+        named.quiet(0.01)
+
+    with WatchStream(api, f"watch=true&fieldSelector={quote('spec.pool.name=x')}") as bad:
+        assert bad.status == 400
+        assert_status(bad.body(), 400, "BadRequest")
+
+
+def test_watch_of_a_node_sees_delete_slices(api: FakeApiServer) -> None:
+    for name, node in (("a1", "node-a"), ("a2", "node-a"), ("b1", "node-b")):
+        assert call(api, "POST", SLICES, resource_slice(node=node, name=name))[0] == 201
+    rv = list_version(api)
+    mine = quote(f"spec.nodeName=node-a,spec.driver={DRIVER}")
+    with (
+        WatchStream(api, f"watch=true&resourceVersion={rv}&fieldSelector={mine}") as watch,
+        WatchStream(api, f"watch=true&resourceVersion={rv}&fieldSelector={quote('spec.nodeName=node-b')}") as other,
+    ):
+        assert api.delete_slices("node-a") == 2
+        events = watch.events(2)
+        assert {e["type"] for e in events} == {"DELETED"}
+        assert sorted(e["object"]["metadata"]["name"] for e in events) == ["a1", "a2"]
+        versions = [int(e["object"]["metadata"]["resourceVersion"]) for e in events]
+        assert int(rv) < versions[0] < versions[1] == int(list_version(api))
+        other.quiet(0.2)
+
+        # The kubelet's wipe: a DeleteCollection by node.
+        assert call(api, "POST", SLICES, resource_slice(node="node-a", name="a3"))[0] == 201
+        assert call(api, "DELETE", f"{SLICES}?fieldSelector={quote('spec.nodeName=node-a')}")[0] == 200
+        assert [(e["type"], e["object"]["metadata"]["name"]) for e in watch.events(2)] == [
+            ("ADDED", "a3"),
+            ("DELETED", "a3"),
+        ]
+
+
+def test_watch_bookmarks_only_when_allowed(api: FakeApiServer) -> None:
+    api.bookmark_seconds = 0.2
+    rv = list_version(api)
+    with (
+        WatchStream(api, f"watch=true&resourceVersion={rv}&allowWatchBookmarks=true") as marked,
+        WatchStream(api, f"watch=true&resourceVersion={rv}") as plain,
+        WatchStream(api, f"watch=true&resourceVersion={rv}&allowWatchBookmarks=false") as refused,
+    ):
+        # While idle.
+        bookmark = marked.events(1, timeout=2)[0]
+        assert bookmark == {
+            "type": "BOOKMARK",
+            "object": {"kind": "ResourceSlice", "apiVersion": f"{GROUP}/v1", "metadata": {"resourceVersion": rv}},
+        }
+        # After an event, at a resourceVersion that covers it.
+        _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+        assert marked.events(1)[0]["type"] == "ADDED"
+        after = marked.events(1, timeout=2)[0]
+        while after["type"] != "BOOKMARK" or after["object"]["metadata"]["resourceVersion"] == rv:
+            after = marked.events(1, timeout=2)[0]
+        assert after["object"]["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+
+        # Never without allowWatchBookmarks.
+        for watch in (plain, refused):
+            assert [e["type"] for e in watch.events(1)] == ["ADDED"]
+            watch.quiet(0.6)
+
+
+def test_watch_too_old_resource_version_is_gone(api: FakeApiServer) -> None:
+    assert call(api, "POST", SLICES, resource_slice(name="r"))[0] == 201
+    rv = list_version(api)
+    assert call(api, "POST", SLICES, resource_slice(name="s"))[0] == 201
+    with WatchStream(api, f"watch=true&resourceVersion={rv}") as watch:
+        assert watch.events(1)[0]["type"] == "ADDED"
+    api.compact()
+    now = list_version(api)
+    with WatchStream(api, f"watch=true&resourceVersion={rv}") as gone:
+        assert gone.status == 200
+        assert gone.events(1) == [
+            {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "message": f"too old resource version: {rv} ({now})",
+                    "reason": "Expired",
+                    "code": 410,
+                },
+            }
+        ]
+        assert gone.next() is None
+        # The body ended cleanly; the connection still serves.
+        status, gone.headers = gone.send("GET", SLICES)
+        assert status == 200 and [i["metadata"]["name"] for i in gone.body()["items"]] == ["r", "s"]
+        # An expired watch is never counted; the first one is gone with its client.
+        wait_for(lambda: api.watchers == 0)
+    # From the compaction point on, a watch works.
+    with WatchStream(api, f"watch=true&resourceVersion={now}") as fresh:
+        fresh.quiet(0.2)
+        assert call(api, "DELETE", f"{SLICES}/s")[0] == 200
+        assert [e["type"] for e in fresh.events(1)] == ["DELETED"]
+
+
+def test_watch_history_is_bounded(api: FakeApiServer) -> None:
+    api.history_limit = 3
+    rv = int(list_version(api))
+    for i in range(5):
+        assert call(api, "POST", SLICES, resource_slice(name=f"s{i}"))[0] == 201
+    # rv+1 .. rv+5 written; only the last 3 are kept.
+    with WatchStream(api, f"watch=true&resourceVersion={rv + 1}") as old:
+        event = old.events(1)[0]
+        assert event["type"] == "ERROR" and event["object"]["code"] == 410
+        assert event["object"]["message"] == f"too old resource version: {rv + 1} ({rv + 2})"
+        assert old.next() is None
+    with WatchStream(api, f"watch=true&resourceVersion={rv + 2}") as kept:
+        assert [e["object"]["metadata"]["name"] for e in kept.events(3)] == ["s2", "s3", "s4"]
+
+
+def test_watch_from_a_future_resource_version_waits_for_newer_events(api: FakeApiServer) -> None:
+    rv = int(list_version(api))
+    with WatchStream(api, f"watch=true&resourceVersion={rv + 2}") as watch:
+        for i in range(3):
+            assert call(api, "POST", SLICES, resource_slice(name=f"s{i}"))[0] == 201
+        assert summary(watch.events(1)) == [("ADDED", "s2", str(rv + 3))]
+        watch.quiet(0.2)
+
+
+def test_watch_bad_requests(api: FakeApiServer) -> None:
+    for query in ("watch=true&resourceVersion=abc", "watch=true&resourceVersion=-1", "watch=true&timeoutSeconds=x"):
+        with WatchStream(api, query) as watch:
+            assert watch.status == 400
+            assert_status(watch.body(), 400, "BadRequest")
+    with WatchStream(api, "watch=true", token="wrong") as unauthorized:
+        assert unauthorized.status == 401
+        assert_status(unauthorized.body(), 401, "Unauthorized")
+    api.fail_next(1, status=503, reason="ServiceUnavailable")
+    with WatchStream(api, "watch=true") as failed:
+        assert failed.status == 503
+        assert failed.headers["retry-after"] == "1"
+        assert_status(failed.body(), 503, "ServiceUnavailable")
+    with WatchStream(api, "watch=true") as ok:
+        assert ok.status == 200
+        wait_for(lambda: api.watchers == 1)
+    assert [r[2] for r in api.requests] == [400, 400, 400, 401, 503, 200]
+    assert "watch" in call(api, "GET", f"/apis/{GROUP}/v1")[1]["resources"][0]["verbs"]
+
+
+def test_watch_timeout_seconds_ends_the_stream(api: FakeApiServer) -> None:
+    started = time.monotonic()
+    with WatchStream(api, "watch=true&timeoutSeconds=1") as watch:
+        assert watch.next(timeout=3) is None
+        assert 0.9 <= time.monotonic() - started < 2.5
+        # The connection is kept, as the API server keeps it.
+        status, watch.headers = watch.send("GET", SLICES)
+        assert status == 200 and watch.body()["kind"] == "ResourceSliceList"
+    wait_for(lambda: api.watchers == 0)
+
+
+def test_watchers_and_end_watches(api: FakeApiServer) -> None:
+    assert api.watchers == 0
+    first = WatchStream(api, "watch=true")
+    second = WatchStream(api, "watch=true&allowWatchBookmarks=true")
+    assert api.watchers == 2
+    # A client that goes away is noticed.
+    first.close()
+    wait_for(lambda: api.watchers == 1)
+
+    assert api.end_watches() == 1
+    assert second.next() is None
+    with pytest.raises(EOFError):
+        second.next()
+    second.close()
+    wait_for(lambda: api.watchers == 0)
+
+    # The server goes on serving; a new watch works.
+    with WatchStream(api, "watch=true") as third:
+        wait_for(lambda: api.watchers == 1)
+        assert api.end_watches(clean=False) == 1
+        # Cut: the connection closes with the chunked body unfinished.
+        with pytest.raises(EOFError):
+            third.next()
+    wait_for(lambda: api.watchers == 0)
+    assert call(api, "GET", SLICES)[0] == 200
+    assert api.end_watches() == 0
+
+
+def test_stop_ends_watches_quickly(api: FakeApiServer) -> None:
+    watches = [WatchStream(api, "watch=true"), WatchStream(api, "watch=true&allowWatchBookmarks=true")]
+    assert api.watchers == 2
+    started = time.monotonic()
+    api.stop()
+    assert time.monotonic() - started < 1.0
+    for watch in watches:
+        with pytest.raises((EOFError, ConnectionResetError)):
+            watch.next(timeout=2)
+        watch.close()
+    assert api.watchers == 0
+    assert not [t for t in threading.enumerate() if t.name == "fake-apiserver-conn"]
+
+
+def test_watch_serves_the_requested_version() -> None:
+    with FakeApiServer(versions=("v1beta1", "v1")) as server:
+        beta = f"/apis/{GROUP}/v1beta1/resourceslices"
+        with (
+            WatchStream(server, "watch=true", version="v1beta1") as old,
+            WatchStream(server, "watch=true", version="v1") as new,
+        ):
+            status, created = call(server, "POST", beta, resource_slice(name="s", version="v1beta1"))
+            assert status == 201
+            assert old.events(1)[0]["object"] == created
+            flat = new.events(1)[0]["object"]
+            assert flat["apiVersion"] == f"{GROUP}/v1" and flat["kind"] == "ResourceSlice"
+            assert flat["spec"]["devices"] == [device("gpu-0")]

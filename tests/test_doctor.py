@@ -248,11 +248,27 @@ def test_all_pass_on_a_healthy_node(node: SimulatedNode, status_server: FakeStat
     assert "gRPC channel ready" in d.text(6)
     assert "8 devices advertised, all healthy" in d.text(7)
     assert "9. CDI spec: all 8 CDI names resolve, each defined once" in d.out
-    assert "10. node labels: the 24 node labels match this node" in d.out
+    assert "10. node labels: the 25 node labels match this node" in d.out
     assert "11. kubelet's view: the kubelet's view agrees with nvplug's" in d.out
     assert "12. DRA: DRA is off (nvplug.dra.enabled: false)" in d.out
     assert "13. MPS: MPS is off (no sharing.mps resources)" in d.out
     assert "0 failed, 0 warnings, 13 passed" in d.out
+
+
+def test_a_relative_device_plugin_dir(node: SimulatedNode) -> None:
+    """`unix://kubelet/...` would name a host `kubelet`: the socket target is made from an absolute path."""
+    prepare(node)
+    node.kubelet.start()
+    args = doctor_args(node)
+    at = args.index("--device-plugin-dir")
+    args[at + 1] = os.path.relpath(node.plugin_dir, node.root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nvplug", *args], env=doctor_env(node), cwd=node.root, text=True, capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    d = Doctor(proc)
+    assert d.verdict(5) == "PASS" and d.verdict(6) == "PASS", d
+    assert "gRPC channel ready" in d.text(6)
 
 
 def test_node_labels_missing_stale_or_doubled_by_gfd(node: SimulatedNode, status_server: FakeStatusServer) -> None:
@@ -541,7 +557,8 @@ def test_the_kubelets_view_against_nvplugs(node: SimulatedNode) -> None:
     node.start_daemon()
     node.kubelet.wait_for(registered_with(8), 15.0)
     gpus = node.scenario_gpus()
-    node.kubelet.admit("ml", "trainer-0", "main", "nvidia.com/gpu", [gpus[0]["uuid"]])
+    # Two GPUs: two PodResources entries for one container, as the real kubelet lists them.
+    node.kubelet.admit("ml", "trainer-0", "main", "nvidia.com/gpu", [gpus[0]["uuid"], gpus[1]["uuid"]])
     d = doctor(node)
     assert d.verdict(11) == "PASS", d
     assert "8 allocatable devices, 1 containers holding devices" in d.text(11)

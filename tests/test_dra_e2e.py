@@ -216,8 +216,9 @@ def test_restarts_of_the_kubelet_the_api_server_and_nvplug(dra: Dra) -> None:
     # The kubelet restarts: it deletes the node's slices, finds our socket again, and we publish again.
     dra.kubelet.restart()
     assert dra.kubelet.wiped >= 1
+    # The watch writes them back as soon as they are gone, maybe before the kubelet registered us again.
+    dra.wait(lambda: dra.kubelet.accepted(DRIVER) == 2, "the registration with the restarted kubelet")
     dra.wait(lambda: len(dra.pool()) == 4, "the slices published again after the kubelet's restart")
-    assert dra.kubelet.accepted(DRIVER) == 2
     assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]] == first
     # The API server goes away: the device plugin does not notice, the slices catch up when it is back.
     dra.api.stop()
@@ -328,3 +329,28 @@ def test_a_container_runs_with_the_cdi_names_prepare_returned(dra: Dra, short_tm
     assert inside.devices == expected, f"the container must see GPU 6 alone\n{context}"
     check_driver_files(inside, spec, drv, context)
     print(f"podman run --device {' '.join(names)}: {ran:.2f}s")
+
+
+def test_pods_are_named_for_the_gpus_they_hold_through_dra(dra: Dra) -> None:
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    uuids = [g["uuid"] for g in dra.node.scenario_gpus()]
+    claim = dra.claim("train", "gpu-5")
+    stored = dra.api._claims[("ml", "train")]  # reserved for its pod, as the scheduler leaves it
+    stored["status"]["reservedFor"] = [{"resource": "pods", "name": "trainer-0", "uid": "pod-uid-1"}]
+    assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
+    rc, out, _ = devices(dra.node)
+    assert rc == 0 and "pods: ml/trainer-0 (claim train)" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("5 "))
+    assert "ml/trainer-0" in row, out
+    _, metrics = statusclient.fetch(f"unix:{dra.node.status_socket}", "/metrics", timeout=5)
+    assert (f'nvplug_device_allocated{{container="",namespace="ml",pod="trainer-0",resource="{DRIVER}",'
+            f'uuid="{uuids[5]}"}} 1.0') in metrics  # fmt: skip
+    dra.node.control.xid(5, 79)
+    dra.node.wait_log("; in use by ml/trainer-0 (claim train)", TIMEOUT)
+    # The pods survive a restart of nvplug with the claim's checkpoint.
+    assert dra.node.stop_daemon() == 0
+    dra.node.start_daemon()
+    dra.wait(lambda: dra.kubelet.accepted(DRIVER) >= 2, "registration of the restarted daemon")
+    rc, out, _ = devices(dra.node)
+    assert "pods: ml/trainer-0 (claim train)" in out, out

@@ -79,6 +79,7 @@ def test_the_demo_node_has_gfds_labels() -> None:
         "gpu.sharing-strategy": "none",
         "mig.capable": "true",
         "mps.capable": "false",
+        "vgpu.present": "false",
     }
 
 

@@ -19,7 +19,7 @@ import json
 import os
 import ssl
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,8 +189,32 @@ class ApiClient:
         async with self._lock:
             await self._drop()
 
-    async def _exchange(self, method: str, path: str, body: Mapping[str, Any] | None) -> dict[str, Any]:
-        reader, writer = await self._connection()
+    async def watch(self, path: str) -> AsyncIterator[dict[str, Any]]:
+        """The events of a watch (`path` asks `watch=true`), each a JSON object, on a connection of its
+        own, for as long as the server streams them. ApiError for an error status; OSError or
+        TimeoutError when the connection fails or the answer does not begin in time."""
+        reader, writer = await self._open()
+        try:
+            writer.write(self._request_bytes("GET", path, None))
+            await writer.drain()
+            status, headers = await asyncio.wait_for(_read_head(reader), self.timeout)
+            if status >= 400:
+                raise _error("GET", path, status, await asyncio.wait_for(_read_body(reader, headers), self.timeout))
+            pending = b""
+            async for chunk in _body_chunks(reader, headers):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        event = json.loads(line)
+                        if isinstance(event, dict):
+                            yield event
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _request_bytes(self, method: str, path: str, body: Mapping[str, Any] | None) -> bytes:
         url = urlsplit(self.config.server)
         payload = json.dumps(body, separators=(",", ":")).encode() if body is not None else b""
         headers = {
@@ -205,20 +229,22 @@ class ApiClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         head = f"{method} {url.path}{path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        writer.write(head.encode() + b"\r\n" + payload)
+        return head.encode() + b"\r\n" + payload
+
+    async def _exchange(self, method: str, path: str, body: Mapping[str, Any] | None) -> dict[str, Any]:
+        reader, writer = await self._connection()
+        writer.write(self._request_bytes(method, path, body))
         await writer.drain()
-        status, reply_headers, data = await _read_response(reader)
+        status, reply_headers = await _read_head(reader)
+        data = await _read_body(reader, reply_headers)
         if reply_headers.get("connection", "").lower() == "close":
             await self._drop()
+        if status >= 400:
+            raise _error(method, path, status, data)
         try:
             doc = json.loads(data) if data else {}
         except ValueError:
             doc = {}
-        if status >= 400:
-            message = doc.get("message") if isinstance(doc, dict) else None
-            reason = doc.get("reason") if isinstance(doc, dict) else None
-            text = str(message or data[:200].decode(errors="replace"))
-            raise ApiError(method, path, status, str(reason or "Error"), text)
         if not isinstance(doc, dict):
             raise ApiError(method, path, status, "BadResponse", "the answer is not a JSON object")
         return doc
@@ -226,12 +252,15 @@ class ApiClient:
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         # A server's close of an idle connection shows as EOF on our side, not as a closing writer.
         if self._conn is None or self._conn[1].is_closing() or self._conn[0].at_eof():
-            url = urlsplit(self.config.server)
-            ctx = self.config.ssl_context()
-            port = url.port or (443 if url.scheme == "https" else 80)
-            server_name = (self.config.tls_server_name or url.hostname) if ctx is not None else None
-            self._conn = await asyncio.open_connection(url.hostname, port, ssl=ctx, server_hostname=server_name)
+            self._conn = await self._open()
         return self._conn
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        url = urlsplit(self.config.server)
+        ctx = self.config.ssl_context()
+        port = url.port or (443 if url.scheme == "https" else 80)
+        server_name = (self.config.tls_server_name or url.hostname) if ctx is not None else None
+        return await asyncio.open_connection(url.hostname, port, ssl=ctx, server_hostname=server_name)
 
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -245,7 +274,19 @@ class _Closed(ConnectionError):
     """The connection ended before any byte of an answer."""
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+def _error(method: str, path: str, status: int, data: bytes) -> ApiError:
+    """The API server's Status body as an ApiError (its message, or the first bytes of what came)."""
+    try:
+        doc = json.loads(data) if data else {}
+    except ValueError:
+        doc = {}
+    message = doc.get("message") if isinstance(doc, dict) else None
+    reason = doc.get("reason") if isinstance(doc, dict) else None
+    text = str(message or data[:200].decode(errors="replace"))
+    return ApiError(method, path, status, str(reason or "Error"), text)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     try:
         line = await reader.readline()
     except ConnectionResetError as err:
@@ -262,19 +303,36 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, s
             break
         key, _, value = raw.decode("latin-1").partition(":")
         headers[key.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body = bytearray()
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                await reader.readline()
-                break
-            if len(body) + size > MAX_BODY:
-                raise ConnectionError(f"answer larger than {MAX_BODY} bytes")
-            body += await reader.readexactly(size)
-            await reader.readexactly(2)
-        return int(parts[1]), headers, bytes(body)
-    length = int(headers.get("content-length", "0"))
-    if length > MAX_BODY:
-        raise ConnectionError(f"answer larger than {MAX_BODY} bytes")
-    return int(parts[1]), headers, await reader.readexactly(length)
+    return int(parts[1]), headers
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: Mapping[str, str]) -> bytes:
+    body = bytearray()
+    async for chunk in _body_chunks(reader, headers):
+        if len(body) + len(chunk) > MAX_BODY:
+            raise ConnectionError(f"answer larger than {MAX_BODY} bytes")
+        body += chunk
+    return bytes(body)
+
+
+async def _body_chunks(reader: asyncio.StreamReader, headers: Mapping[str, str]) -> AsyncIterator[bytes]:
+    """The body as it comes: each chunk of a chunked one (a watch's events), or all of a sized one."""
+    if headers.get("transfer-encoding", "").lower() != "chunked":
+        length = int(headers.get("content-length", "0"))
+        if length > MAX_BODY:
+            raise ConnectionError(f"answer larger than {MAX_BODY} bytes")
+        yield await reader.readexactly(length)
+        return
+    while True:
+        line = await reader.readline()
+        if not line:
+            raise ConnectionError("the API server closed the connection inside a chunked answer")
+        size = int(line.split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            await reader.readline()
+            return
+        if size > MAX_BODY:
+            raise ConnectionError(f"a chunk larger than {MAX_BODY} bytes")
+        chunk = await reader.readexactly(size)
+        await reader.readexactly(2)
+        yield chunk

@@ -55,6 +55,9 @@ class PreparedDevice:
 class PreparedClaim:
     claim: ClaimRef
     devices: tuple[PreparedDevice, ...]
+    # The pods the claim is reserved for (status.reservedFor, in the claim's namespace), as read at
+    # prepare: who holds its GPUs, as PodResources says for the device plugin's.
+    pods: tuple[str, ...] = ()
 
 
 def prepare(
@@ -89,7 +92,17 @@ def prepare(
         PreparedDevice(tuple(dict.fromkeys(requests)), pool, name, offered[name].uuid, cdi_ids(offered[name]))
         for name, requests in by_device.items()
     )
-    return PreparedClaim(ref, devices)
+    return PreparedClaim(ref, devices, reserved_pods(claim))
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names of the pods in the claim's status.reservedFor (core group, resource pods)."""
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    return tuple(
+        str(r["name"])
+        for r in reserved
+        if isinstance(r, dict) and r.get("resource") == "pods" and not r.get("apiGroup") and r.get("name")
+    )
 
 
 class ClaimStore:
@@ -160,7 +173,8 @@ def _version_1(doc: dict[str, Any]) -> Checkpoint:
 def _claim_from(item: Mapping[str, Any]) -> PreparedClaim:
     ref = ClaimRef(str(item["claim"]["namespace"]), str(item["claim"]["name"]), str(item["claim"]["uid"]))
     devices = tuple(_device_from(d) for d in item["devices"])
-    return PreparedClaim(ref, devices)
+    # Absent in checkpoints from before the pods were kept.
+    return PreparedClaim(ref, devices, tuple(map(str, item.get("pods") or ())))
 
 
 def _device_from(d: Mapping[str, Any]) -> PreparedDevice:

@@ -26,6 +26,7 @@ from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.kubelet.pod_holders import Holder
 from nvplug.shaping.resource_plan import Naming
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
@@ -193,6 +194,10 @@ class DraDriver(Sink):
             else f"not registered ({self.registration_error or 'waiting for the kubelet'})"
         )
         healthy = sum(1 for d in self.devices if d.healthy)
+        if self.registered and not self.publisher.published:
+            change = self.publisher.foreign_change
+            why = f" ({change['what']} by someone else)" if change else ""
+            return [f"DRA {self.driver} {how}: the API server does not hold its ResourceSlices yet{why}; writing them"]
         return [f"DRA {self.driver} {how}: {healthy} devices in {len(self.publisher.slice_names)} ResourceSlices"]
 
     def offer(self, snapshot: Snapshot) -> None:
@@ -252,6 +257,17 @@ class DraDriver(Sink):
             entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
                      "claims": self._held(d)}  # fmt: skip
             out.setdefault(d.gpu.uuid, []).append(entry)
+        return out
+
+    def holders(self) -> dict[str, list[Holder]]:
+        """The pods that hold each DRA device (by GPU or MIG UUID), from the prepared claims."""
+        out: dict[str, list[Holder]] = {}
+        for prepared in self.claims:
+            ref = prepared.claim
+            for device in prepared.devices:
+                for pod in prepared.pods:
+                    holder = Holder(ref.namespace, pod, "", self.driver, device.device, claim=ref.name)
+                    out.setdefault(device.uuid, []).append(holder)
         return out
 
     def _held(self, device: DraDevice) -> list[str]:

@@ -1,9 +1,12 @@
-"""The node's ResourceSlices, kept equal to the pool through the API server.
+"""The node's ResourceSlices, kept equal to the pool through the API server: checked, not assumed.
 
 Driven by events: `want` hands over the pool after each state change, and one task
-writes what changed at once. API errors are logged once, retried with backoff, and
-never reach the device plugin. After each registration with the kubelet (which
-deletes its node's slices when it starts) the slices are listed and written again.
+writes what changed at once. A watch on the node's slices of this driver sees every
+change made by anyone else (the kubelet deletes its node's slices when it starts, up to
+60 ms after it registered the plugin; an admin may delete one): the slices are listed
+again and whatever is missing is written. After each registration, and once more when
+the kubelet's start-up wipe is surely over, they are listed again too. API errors are
+logged once, retried with backoff, and never reach the device plugin.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from nvplug.dra.resource_slices import GROUP, VERSIONS, pool_devices, slices
 log = logging.getLogger("nvplug.dra")
 
 RETRY_BACKOFF = Backoff(first=0.5, maximum=60.0)
+WATCH_BACKOFF = Backoff(first=0.2, maximum=30.0, jitter=True)
+# Longer than the kubelet's start-up wipe takes to land after it registered the plugin (60 ms seen).
+SETTLE_SECONDS = 2.0
+# The API server ends a watch after this long, and it is made again: a silent dead connection
+# cannot outlast it.
+WATCH_SECONDS = 300
+# Our writes' resourceVersions kept for the watch to recognise; more means no watch takes them in.
+MAX_OURS = 1024
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
 FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
 
@@ -50,19 +61,48 @@ class SlicePublisher:
         self._devices: list[DraDevice] = []
         # The slices as last written or listed; None: list them first.
         self._known: list[dict[str, Any]] | None = None
-        # Counts republish(): one that comes during a write outlives what that write saw.
+        # Counts republish() and changes the watch saw: one during a write outlives what that write saw.
         self._republished = 0
         self._wake = asyncio.Event()
+        # The resourceVersion the watch goes on from (a list's, then each event's); None: list first.
+        self._watch_from: str | None = None
+        self._listed = asyncio.Event()
+        self.watching = False
+        self.watch_error: str | None = None
+        # The resourceVersions of our own writes: their events are no news.
+        self._ours: set[str] = set()
+        # The last change to our slices that was not ours: when, and what (for status and doctor).
+        self.foreign_change: dict[str, object] | None = None
+        self._settle: asyncio.TimerHandle | None = None
+        # Events that came while our writes were in flight: judged once their answers (and so their
+        # resourceVersions) are in, or our own write would read as someone else's.
+        self._writing = False
+        self._held_back: list[dict[str, Any]] = []
 
     def want(self, devices: Sequence[DraDevice]) -> None:
         self._devices = list(devices)
         self._wake.set()
 
-    def republish(self) -> None:
-        """The kubelet registered us: it may have deleted the slices, so look again."""
+    def republish(self, settle: bool = True) -> None:
+        """The kubelet registered us: it may have deleted the slices, so look again, now and (`settle`)
+        once its start-up wipe is surely over: the watch sees it, this does if the watch cannot."""
         self._known = None
         self._republished += 1
         self._wake.set()
+        if settle:
+            if self._settle is not None:
+                self._settle.cancel()
+            self._settle = asyncio.get_running_loop().call_later(SETTLE_SECONDS, self.republish, False)
+
+    @property
+    def published(self) -> bool:
+        """Whether the API server holds exactly the pool, as last listed, written or watched."""
+        known, version = self._known, self.version
+        return (
+            known is not None
+            and version is not None
+            and _same_pool(known, pool_devices(self._devices, version), self.generation)
+        )
 
     @property
     def slice_names(self) -> list[str]:
@@ -77,10 +117,25 @@ class SlicePublisher:
             "slices": self.slice_names,
             "pool_devices": sum(1 for d in self._devices if d.healthy),
             "published_at": self.published_at,
+            # What the API server holds, not what nvplug last wrote: False from a deletion seen by
+            # the watch until the slices are written again.
+            "published": self.published,
+            "watching": self.watching,
+            "watch_error": self.watch_error,
+            "foreign_change": self.foreign_change,
             "error": self.error,
         }
 
     async def run(self) -> None:
+        watch = asyncio.create_task(self._watch_loop(), name="resourceslice watch")
+        try:
+            await self._publish_loop()
+        finally:
+            watch.cancel()
+            if self._settle is not None:
+                self._settle.cancel()
+
+    async def _publish_loop(self) -> None:
         retrying = RETRY_BACKOFF.schedule()
         while True:
             await self._wake.wait()
@@ -112,12 +167,15 @@ class SlicePublisher:
         base = f"/apis/{GROUP}/{version}/resourceslices"
         if self._known is None:
             try:
-                self._known = await list_slices(client, version, self.node, self.driver)
+                self._known, listed_at = await list_slices_at(client, version, self.node, self.driver)
             except ApiError as err:
                 if err.status == 404:
                     self.version = None  # the API server changed: discover again
                 raise
             self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
+            if self._watch_from is None:
+                self._watch_from = listed_at
+                self._listed.set()
         wanted = pool_devices(self._devices, version)
         known = self._known
         if _same_pool(known, wanted, self.generation):
@@ -126,16 +184,15 @@ class SlicePublisher:
         objects = slices(wanted, self.driver, self.node, self.generation, version)
         written: list[dict[str, Any]] = []
         self._known = None  # until every write is through
-        for n, obj in enumerate(objects):
-            if n < len(known):
-                meta = known[n]["metadata"]
-                obj["metadata"] = {"name": meta["name"], "resourceVersion": meta["resourceVersion"]}
-                written.append(await client.request("PUT", f"{base}/{meta['name']}", obj))
-            else:
-                written.append(await client.request("POST", base, obj))
-        for old in known[len(objects) :]:
-            await client.request("DELETE", f"{base}/{old['metadata']['name']}")
-        # A republish() meanwhile (the kubelet restarted and wiped them) means list again.
+        self._writing = True
+        try:
+            await self._write(client, base, objects, known, written)
+        finally:
+            self._writing = False
+            held, self._held_back = self._held_back, []
+        for event in held:
+            self._watched(event)
+        # A republish() or a change seen meanwhile (the kubelet restarted and wiped them) means list again.
         self._known = written if self._republished == republished else None
         self.writes += 1
         self.published_at = time.time()
@@ -143,6 +200,98 @@ class SlicePublisher:
             "ResourceSlices of %s: %d devices in %s (pool generation %d)",
             self.node, len(wanted), ", ".join(self.slice_names), self.generation,
         )  # fmt: skip
+
+    async def _write(
+        self,
+        client: ApiClient,
+        base: str,
+        objects: list[dict[str, Any]],
+        known: list[dict[str, Any]],
+        written: list[dict[str, Any]],
+    ) -> None:
+        if len(self._ours) > MAX_OURS:
+            self._ours.clear()  # no watch has taken them in: judging by versions starts afresh
+        for n, obj in enumerate(objects):
+            if n < len(known):
+                meta = known[n]["metadata"]
+                obj["metadata"] = {"name": meta["name"], "resourceVersion": meta["resourceVersion"]}
+                written.append(await client.request("PUT", f"{base}/{meta['name']}", obj))
+            else:
+                written.append(await client.request("POST", base, obj))
+            self._ours.add(str(written[-1]["metadata"]["resourceVersion"]))
+        for old in known[len(objects) :]:
+            self._ours.add(f"delete {old['metadata']['name']}")
+            await client.request("DELETE", f"{base}/{old['metadata']['name']}")
+
+    async def _watch_loop(self) -> None:
+        """Follow the node's slices of this driver from the last list on; anything not ours: list again."""
+        schedule = WATCH_BACKOFF.schedule()
+        while True:
+            await self._listed.wait()
+            client, version, since = self.client, self.version, self._watch_from
+            if client is None or version is None or since is None:
+                self._listed.clear()
+                continue
+            selector = quote(f"spec.nodeName={self.node},spec.driver={self.driver}")
+            path = (f"/apis/{GROUP}/{version}/resourceslices?watch=true&allowWatchBookmarks=true"
+                    f"&fieldSelector={selector}&resourceVersion={since}&timeoutSeconds={WATCH_SECONDS}")  # fmt: skip
+            try:
+                self.watching = True
+                async for event in client.watch(path):
+                    schedule.reset()
+                    if not self._watched(event):
+                        break  # 410 Gone: the watch goes on from a new list
+            except FAILURES as err:
+                self.watching = False
+                delay = schedule.next()
+                text = f"the watch on the ResourceSlices of {self.node} ended: {err}"
+                # Once per kind of failure (a forbidden watch: the ClusterRole lacks the verb), not per retry.
+                level = logging.DEBUG if text == self.watch_error else logging.WARNING
+                log.log(level, "%s; again in %.3g s (a deletion is seen at the next list meanwhile)", text, delay)
+                self.watch_error = text
+                await asyncio.sleep(delay)
+                self._relist()  # what changed meanwhile is not known
+            else:
+                self.watch_error = None
+            finally:
+                self.watching = False
+
+    def _watched(self, event: dict[str, Any]) -> bool:
+        """One watch event; False when the watch must start again from a new list (its version expired)."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        version = str(meta.get("resourceVersion") or "")
+        if kind == "ERROR":
+            log.info("the watch on the ResourceSlices of %s: %s; listing again", self.node, obj.get("message"))
+            self._watch_from = None
+            self._listed.clear()
+            self._relist()
+            return False
+        if version:
+            self._watch_from = version
+        if kind == "BOOKMARK":
+            return True
+        if self._writing:
+            self._held_back.append(event)
+            return True
+        name = str(meta.get("name") or "")
+        ours = version in self._ours or (kind == "DELETED" and f"delete {name}" in self._ours)
+        self._ours.discard(version)
+        self._ours.discard(f"delete {name}")
+        if ours:
+            return True
+        what = f"{str(kind).lower()} {name}"
+        log.warning("ResourceSlice %s of %s was %s by someone else; writing the pool again", name, self.node,
+                    str(kind).lower())  # fmt: skip
+        self.foreign_change = {"at": time.time(), "what": what}
+        self._relist()
+        return True
+
+    def _relist(self) -> None:
+        self._known = None
+        self._republished += 1
+        self._wake.set()
+        self._on_change()
 
     async def discover(self, client: ApiClient) -> str:
         self.version = await discover(client)
@@ -162,9 +311,18 @@ async def discover(client: ApiClient) -> str:
 
 async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:
     """The node's ResourceSlices of this driver, by name."""
+    return (await list_slices_at(client, version, node, driver))[0]
+
+
+async def list_slices_at(
+    client: ApiClient, version: str, node: str, driver: str
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The node's ResourceSlices of this driver, by name, and the list's resourceVersion (a watch's start)."""
     selector = quote(f"spec.nodeName={node},spec.driver={driver}")
     listed = await client.request("GET", f"/apis/{GROUP}/{version}/resourceslices?fieldSelector={selector}")
-    return sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
+    items = sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
+    version_at = (listed.get("metadata") or {}).get("resourceVersion")
+    return items, str(version_at) if version_at else None
 
 
 def _same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], generation: int) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from nvplug.base.grpc_target import grpc_target
 from nvplug.core.device_nodes import host_path
 from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
@@ -418,7 +419,7 @@ async def serve_unix(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc
     old_umask = os.umask(0o077)
     try:
         try:
-            server.add_insecure_port(f"unix://{path}")
+            server.add_insecure_port(grpc_target(path))
         except RuntimeError as err:
             where = "" if path.parent.is_dir() else f": the directory {path.parent} is gone"
             raise SocketBindFailed(f"cannot serve on {path}{where} ({err})") from err

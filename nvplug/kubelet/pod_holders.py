@@ -40,10 +40,14 @@ class Holder:
     resource: str
     device_id: str
     replica: int | None = None
+    # DRA: the ResourceClaim through which the pod holds it (its container is not known then).
+    claim: str | None = None
 
     @property
     def text(self) -> str:
-        """ml/trainer-0 (container main), or with `, replica 3`."""
+        """ml/trainer-0 (container main), or with `, replica 3`; ml/trainer-0 (claim gpus) through DRA."""
+        if self.claim is not None:
+            return f"{self.namespace}/{self.pod} (claim {self.claim})"
         replica = f", replica {self.replica}" if self.replica is not None else ""
         return f"{self.namespace}/{self.pod} (container {self.container}{replica})"
 
@@ -55,6 +59,7 @@ class Holder:
             "resource": self.resource,
             "device_id": self.device_id,
             "replica": self.replica,
+            "claim": self.claim,
         }
 
 

@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
+from nvplug.base.grpc_target import grpc_target
 from nvplug.kubelet.pod_holders import ContainerDevices
 from nvplug.protos import podresources_pb2 as pb
 
@@ -138,7 +139,7 @@ class PodResourcesClient:
         if wait:
             await asyncio.sleep(wait)
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
+            self._channel = grpc.aio.insecure_channel(grpc_target(self.socket))
         call = self._channel.unary_unary(
             f"/v1.PodResourcesLister/{method}",
             request_serializer=_serialize,

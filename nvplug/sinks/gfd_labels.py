@@ -48,6 +48,8 @@ def node_labels(snap: Snapshot, cfg: Config, machine: Machine, unhealthy_count: 
     labels[f"{PREFIX}mig.capable"] = _bool(any(g.mig_capable for g in snap.gpus))
     # As GFD: whether the config shares devices through MPS (nvplug runs its daemons).
     labels[f"{PREFIX}mps.capable"] = _bool(cfg.sharing.strategy == "mps")
+    # GFD writes it on bare metal too (v0.20: false without a vGPU host driver); nvplug runs there only.
+    labels[f"{PREFIX}vgpu.present"] = "false"
     labels.update(_gpu_labels(snap.gpus, cfg))
     strategy = cfg.flags.mig_strategy
     if strategy != "none":

@@ -78,11 +78,16 @@ class StatusReport(Sink):
         return "; ".join(parts)
 
     def holders(self) -> dict[str, list[Holder]] | None:
-        """Who holds each device (GPU or MIG UUID), from the last PodResources answer; None if unknown."""
+        """Who holds each device (GPU or MIG UUID): the device plugin's from the last PodResources answer,
+        DRA's from the claims prepared (their pods). None if neither can say."""
         entries = self._pods.answer.entries
-        if entries is None:
+        dra = self._dra.holders() if self._dra is not None else {}
+        if entries is None and not dra:
             return None
-        return holders(entries, self._state.current, [p.name for p in self._fleet.endpoints])
+        out = holders(entries or (), self._state.current, [p.name for p in self._fleet.endpoints])
+        for uuid, found in dra.items():
+            out.setdefault(uuid, []).extend(found)
+        return out
 
     def healthz(self) -> Answer:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
@@ -94,6 +99,8 @@ class StatusReport(Sink):
         if fleet.registered and not refused and not dra_unserved:
             # Serving; but say which devices are out because Allocate could not hand them out.
             notes = [*unready_note(self._state.current), *self._cdi.notes()]
+            if self._dra is not None and self._dra.registered and not self._dra.publisher.published:
+                notes += self._dra.notes()  # what the API server holds, not what nvplug last wrote
             return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"
         return 503, "text/plain", (self.line() or "nothing to advertise").encode() + b"\n"
 

@@ -301,9 +301,11 @@ class _DraCollector(Collector):
         )
         registered.add_metric(driver, 1.0 if doc["registered"] else 0.0)
         published = GaugeMetricFamily(
-            "nvplug_dra_slices_published", "1 when the ResourceSlices are written as the pool is", labels=["driver"]
+            "nvplug_dra_slices_published",
+            "1 when the API server holds the ResourceSlices as the pool is",
+            labels=["driver"],
         )
-        published.add_metric(driver, 0.0 if doc["error"] else 1.0)
+        published.add_metric(driver, 1.0 if doc["published"] and not doc["error"] else 0.0)
         yield from (claims, pool, registered, published)
 
 

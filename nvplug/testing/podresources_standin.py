@@ -139,7 +139,10 @@ def _message(pod: Pod) -> pb.PodResources:
         containers=[
             pb.ContainerResources(
                 name=c.name,
-                devices=[pb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in c.devices.items()],
+                # As the real kubelet (1.32) lists them: one entry per device, not one per resource.
+                devices=[
+                    pb.ContainerDevices(resource_name=r, device_ids=[i]) for r, ids in c.devices.items() for i in ids
+                ],
             )
             for c in pod.containers
         ],

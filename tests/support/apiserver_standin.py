@@ -7,16 +7,22 @@ server does (the shapes, limits and field rules a DRA driver's client can get wr
 so that a kubelet plugin's own HTTP client is tested on the wire rather than against
 a mock. Objects live in memory, standing in for etcd: they survive stop() and
 restart() unless restart(keep_state=False) is asked for.
+
+ResourceSlices can be watched (`?watch=true`): a chunked stream of one JSON event a
+line, replayed from a bounded history of writes for a resourceVersion, with bookmarks,
+410 Gone (an ERROR event) once that history is compacted, and timeoutSeconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hmac
 import json
 import random
 import re
+import select
 import socket
 import socketserver
 import sys
@@ -24,6 +30,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,6 +88,12 @@ _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _GENERATED_SUFFIX = 5
 _MAX_GENERATE_NAME_PREFIX = 63 - _GENERATED_SUFFIX
 _MAX_LINE = 65536
+# Events a watch can still be replayed from; older resourceVersions are compacted (410 Gone).
+WATCH_HISTORY = 1000
+# How often the API server sends a watch a bookmark, when it asked for them.
+BOOKMARK_SECONDS = 60.0
+# How often an idle watch stream looks for its client gone or its end asked.
+_WATCH_POLL = 0.1
 
 
 class ApiError(Exception):
@@ -487,6 +500,66 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _matches(obj: Obj, terms: list[tuple[str, bool, str]]) -> bool:
+    return all((_slice_field(obj, field) == value) == equal for field, equal, value in terms)
+
+
+def _flag(query: dict[str, list[str]], name: str) -> bool:
+    return query.get(name, ["false"])[-1].lower() in ("true", "1")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Event:
+    """One write of a ResourceSlice as etcd's watch reports it: the object as stored, and before."""
+
+    revision: int
+    type: str
+    obj: Obj
+    prev: Obj | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _WatchRequest:
+    """A watch's query parameters, checked before its stream begins."""
+
+    version: str
+    terms: list[tuple[str, bool, str]]
+    # None: the current state as ADDED events, then what follows ("0", or no resourceVersion).
+    resource_version: int | None
+    bookmarks: bool
+    timeout: float | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Watch:
+    """A live watch stream: the events due to it, already filtered by its selector (equal only to itself)."""
+
+    request: _WatchRequest
+    # Events with a revision above this one are due to the watch.
+    after: int
+    pending: deque[tuple[str, Obj]] = dataclasses.field(default_factory=deque)
+    # Why the stream must end: "clean" (a terminating chunk) or "abort" (the connection cut).
+    ended: str | None = None
+
+    def offer(self, event: _Event) -> None:
+        """Queue `event` as this watch sees it; an object leaving the selector is DELETED to it."""
+        if event.revision <= self.after:
+            return
+        terms = self.request.terms
+        now = _matches(event.obj, terms)
+        if event.type == "MODIFIED" and event.prev is not None:
+            before = _matches(event.prev, terms)
+            if now:
+                self.pending.append(("MODIFIED" if before else "ADDED", event.obj))
+            elif before:
+                gone = copy.deepcopy(event.prev)
+                gone["metadata"]["resourceVersion"] = str(event.revision)
+                self.pending.append(("DELETED", gone))
+            return
+        if now:
+            self.pending.append((event.type, event.obj))
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "fake-apiserver"
@@ -557,13 +630,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             status, payload, headers = err.code, err.status(), err.headers
         else:
-            status, payload, headers = api._serve(
+            answer = api._serve(
                 self.command,
                 self.path,
                 self.headers.get("Authorization"),
                 self.headers.get("Content-Type"),
                 body,
             )
+            if isinstance(answer, _WatchRequest):
+                self._stream_watch(api, answer)
+                return
+            status, payload, headers = answer
         # Recorded before the answer leaves, so a client that has it sees the record.
         api._record(self.command, self.path, status)
         data = json.dumps(payload).encode()
@@ -577,6 +654,84 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+
+    def _stream_watch(self, api: FakeApiServer, request: _WatchRequest) -> None:
+        """A watch's 200 and its events, one JSON object and newline a chunk, until it ends."""
+        watch, expired = api._open_watch(request)
+        # Recorded once the watch is registered: a test that sees the record sees the watch.
+        api._record(self.command, self.path, 200)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Cache-Control", "no-cache, private")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if watch is None:
+            self._send_event("ERROR", expired or {})
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        try:
+            self._watch_loop(api, watch)
+        finally:
+            api._close_watch(watch)
+
+    def _watch_loop(self, api: FakeApiServer, watch: _Watch) -> None:
+        request = watch.request
+        started = time.monotonic()
+        deadline = started + request.timeout if request.timeout is not None else None
+        next_bookmark = started + api.bookmark_seconds if request.bookmarks else None
+        while True:
+            with api._changed:
+                if not watch.pending and watch.ended is None:
+                    due = [t for t in (deadline, next_bookmark) if t is not None]
+                    wait = min([_WATCH_POLL, *(t - time.monotonic() for t in due)])
+                    if wait > 0:
+                        api._changed.wait(wait)
+                events = list(watch.pending)
+                watch.pending.clear()
+                ended = watch.ended
+                # Every event up to this revision is in `events` or was sent before.
+                current = max(api._revision, watch.after)
+            if ended == "abort":
+                self.close_connection = True
+                return
+            for kind, obj in events:
+                self._send_event(kind, _slice_as(obj, request.version))
+            if ended is not None:
+                # An API server going away ends its watches and the connections under them.
+                self.close_connection = True
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            now = time.monotonic()
+            if next_bookmark is not None and now >= next_bookmark:
+                self._send_event(
+                    "BOOKMARK",
+                    {
+                        "kind": "ResourceSlice",
+                        "apiVersion": f"{GROUP}/{request.version}",
+                        "metadata": {"resourceVersion": str(current)},
+                    },
+                )
+                next_bookmark = now + api.bookmark_seconds
+            if deadline is not None and now >= deadline:
+                # timeoutSeconds: the body ends and the connection stays, as the API server's do.
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            if not events and self._client_gone():
+                self.close_connection = True
+                return
+
+    def _send_event(self, kind: str, obj: Obj) -> None:
+        data = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _client_gone(self) -> bool:
+        """Whether the watch's client closed its end: a watch client sends nothing while it reads."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
 
 class _Server(ThreadingHTTPServer):
@@ -648,6 +803,8 @@ class FakeApiServer:
         self.token = token
         self._port = port
         self._lock = threading.Lock()
+        # Signalled, under _lock, at every event for the watches and when they must end.
+        self._changed = threading.Condition(self._lock)
         self._life_lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -655,9 +812,16 @@ class FakeApiServer:
         self._slices: dict[str, Obj] = {}
         self._claims: dict[tuple[str, str], Obj] = {}
         self._revision = 0
+        self._history: deque[_Event] = deque()
+        # A watch from a resourceVersion below this one has lost events: 410 Gone.
+        self._compacted = 0
+        self._watches: list[_Watch] = []
+        self.bookmark_seconds = BOOKMARK_SECONDS
+        self.history_limit = WATCH_HISTORY
         self._fail_count = 0
         self._fail_status = 500
         self._fail_reason = "InternalError"
+        self._fail_writes_only = False
         self.requests: list[tuple[str, str, int]] = []
 
     # Lifecycle.
@@ -699,6 +863,7 @@ class FakeApiServer:
             return
         server.shutdown()
         server.server_close()
+        self._end_watches("abort")
         server.close_connections(timeout=5.0)
         if thread is not None:
             thread.join(5.0)
@@ -710,6 +875,8 @@ class FakeApiServer:
                 self._slices.clear()
                 self._claims.clear()
                 self._revision = 0
+                self._history.clear()
+                self._compacted = 0
         self.start()
 
     def __enter__(self) -> FakeApiServer:
@@ -779,15 +946,38 @@ class FakeApiServer:
         with self._lock:
             doomed = [name for name, obj in self._slices.items() if obj["spec"].get("nodeName") == node]
             for name in doomed:
-                del self._slices[name]
-                self._next_revision()
+                self._remove_slice(name)
         return len(doomed)
 
-    def fail_next(self, count: int, status: int = 500, reason: str = "InternalError") -> None:
+    @property
+    def watchers(self) -> int:
+        """How many watch streams are live now."""
+        with self._lock:
+            return len(self._watches)
+
+    def compact(self) -> None:
+        """Forget every event up to now, as etcd's compaction does: a watch from an older resourceVersion gets 410."""
+        with self._lock:
+            self._history.clear()
+            self._compacted = self._revision
+
+    def end_watches(self, clean: bool = True) -> int:
+        """End every live watch now, as an API server restart or a load balancer would; returns how many.
+
+        Clean: the chunked body is ended and the connection closed. Otherwise the connection is cut
+        mid-body, with no terminating chunk.
+        """
+        return self._end_watches("clean" if clean else "abort")
+
+    def fail_next(
+        self, count: int, status: int = 500, reason: str = "InternalError", *, writes_only: bool = False
+    ) -> None:
+        """The next `count` requests (with `writes_only`: POST, PUT and DELETE only) fail so."""
         if count < 0:
             raise ValueError("count must not be negative")
         with self._lock:
             self._fail_count, self._fail_status, self._fail_reason = count, status, reason
+            self._fail_writes_only = writes_only
 
     # HTTP.
 
@@ -800,11 +990,87 @@ class FakeApiServer:
         self._revision += 1
         return str(self._revision)
 
+    # Watch.
+
+    def _emit(self, kind: str, obj: Obj, prev: Obj | None = None) -> None:
+        """Record a slice's write in the history and hand it to every live watch (callers hold _lock)."""
+        event = _Event(int(obj["metadata"]["resourceVersion"]), kind, copy.deepcopy(obj), copy.deepcopy(prev))
+        self._history.append(event)
+        while len(self._history) > max(1, self.history_limit):
+            self._compacted = self._history.popleft().revision
+        for watch in self._watches:
+            watch.offer(event)
+        self._changed.notify_all()
+
+    def _remove_slice(self, name: str) -> Obj:
+        """Delete a stored slice; DELETED carries its last state at the deletion's revision (callers hold _lock)."""
+        old = self._slices.pop(name)
+        gone = copy.deepcopy(old)
+        gone["metadata"]["resourceVersion"] = self._next_revision()
+        self._emit("DELETED", gone)
+        return old
+
+    def _watch_request(self, version: str, query: dict[str, list[str]]) -> _WatchRequest:
+        terms = _parse_field_selector(query)
+        raw_version = query.get("resourceVersion", [""])[-1]
+        if raw_version not in ("", "0") and not raw_version.isdigit():
+            raise _bad_request(
+                f'resourceVersion: Invalid value: "{raw_version}": strconv.ParseUint: parsing "{raw_version}": '
+                "invalid syntax"
+            )
+        raw_timeout = query.get("timeoutSeconds", [""])[-1]
+        try:
+            timeout = int(raw_timeout) if raw_timeout else 0
+        except ValueError:
+            raise _bad_request(f'timeoutSeconds: Invalid value: "{raw_timeout}": must be an integer') from None
+        return _WatchRequest(
+            version=version,
+            terms=terms,
+            resource_version=int(raw_version) if raw_version not in ("", "0") else None,
+            bookmarks=_flag(query, "allowWatchBookmarks"),
+            # 0 (or none) leaves the stream open: the real server then picks its own long timeout.
+            timeout=float(timeout) if timeout > 0 else None,
+        )
+
+    def _open_watch(self, request: _WatchRequest) -> tuple[_Watch | None, Obj | None]:
+        """Register a watch with the events already due to it, or the 410 Status when its start is compacted."""
+        with self._lock:
+            start = request.resource_version
+            if start is None:
+                watch = _Watch(request, after=self._revision)
+                watch.pending.extend(
+                    ("ADDED", copy.deepcopy(obj))
+                    for obj in sorted(self._slices.values(), key=lambda o: str(o["metadata"]["name"]))
+                    if _matches(obj, request.terms)
+                )
+            elif start < self._compacted:
+                message = f"too old resource version: {start} ({self._compacted})"
+                return None, ApiError(410, "Expired", message).status()
+            else:
+                watch = _Watch(request, after=start)
+                for event in self._history:
+                    watch.offer(event)
+            self._watches.append(watch)
+            return watch, None
+
+    def _close_watch(self, watch: _Watch) -> None:
+        with self._lock:
+            if watch in self._watches:
+                self._watches.remove(watch)
+
+    def _end_watches(self, how: str) -> int:
+        with self._lock:
+            live = [w for w in self._watches if w.ended is None]
+            for watch in live:
+                watch.ended = how
+            self._changed.notify_all()
+        return len(live)
+
     def _serve(
         self, method: str, target: str, authorization: str | None, content_type: str | None, body: bytes
-    ) -> tuple[int, Obj, dict[str, str]]:
+    ) -> tuple[int, Obj, dict[str, str]] | _WatchRequest:
         try:
-            self._take_injected_failure()
+            self._take_injected_failure(method)
             self._authenticate(authorization)
             if method not in METHODS:
                 raise _method_not_allowed()
@@ -816,9 +1082,9 @@ class FakeApiServer:
             traceback.print_exc()
             return 500, ApiError(500, "InternalError", f"fake apiserver: {exc!r}").status(), {}
 
-    def _take_injected_failure(self) -> None:
+    def _take_injected_failure(self, method: str) -> None:
         with self._lock:
-            if self._fail_count <= 0:
+            if self._fail_count <= 0 or (self._fail_writes_only and method == "GET"):
                 return
             self._fail_count -= 1
             status, reason = self._fail_status, self._fail_reason
@@ -835,7 +1101,7 @@ class FakeApiServer:
 
     def _route(
         self, method: str, target: str, content_type: str | None, body: bytes
-    ) -> tuple[int, Obj, dict[str, str]]:
+    ) -> tuple[int, Obj, dict[str, str]] | _WatchRequest:
         parts = urlsplit(target)
         segments = [unquote(s) for s in parts.path.split("/")[1:]] if parts.path.startswith("/") else []
         query = parse_qs(parts.query, keep_blank_values=True)
@@ -853,6 +1119,8 @@ class FakeApiServer:
             case ["apis", "resource.k8s.io", version] if version in self.versions:
                 return only("GET", lambda: self._resources(version))
             case ["apis", "resource.k8s.io", version, "resourceslices"] if version in self.versions:
+                if method == "GET" and _flag(query, "watch"):
+                    return self._watch_request(version, query)
                 if method == "GET":
                     return 200, self._list_slices(version, query), {}
                 if method == "POST":
@@ -907,7 +1175,7 @@ class FakeApiServer:
         }
 
     def _resources(self, version: str) -> Obj:
-        verbs = ["create", "delete", "deletecollection", "get", "list", "update"]
+        verbs = ["create", "delete", "deletecollection", "get", "list", "update", "watch"]
         return {
             "kind": "APIResourceList",
             "apiVersion": "v1",
@@ -946,11 +1214,7 @@ class FakeApiServer:
     def _select(self, query: dict[str, list[str]]) -> list[Obj]:
         # Callers hold self._lock.
         terms = _parse_field_selector(query)
-        found = [
-            obj
-            for obj in self._slices.values()
-            if all((_slice_field(obj, field) == value) == equal for field, equal, value in terms)
-        ]
+        found = [obj for obj in self._slices.values() if _matches(obj, terms)]
         return sorted(found, key=lambda obj: str(obj["metadata"]["name"]))
 
     def _slice_list(self, version: str, items: list[Obj]) -> Obj:
@@ -969,8 +1233,6 @@ class FakeApiServer:
         }
 
     def _list_slices(self, version: str, query: dict[str, list[str]]) -> Obj:
-        if query.get("watch", ["false"])[-1].lower() in ("true", "1"):
-            raise _bad_request("watch is not supported by this API server stand-in")
         with self._lock:
             return self._slice_list(version, self._select(query))
 
@@ -1018,6 +1280,7 @@ class FakeApiServer:
             )
             stored = _with_type_meta(obj, version, "ResourceSlice")
             self._slices[name] = stored
+            self._emit("ADDED", stored)
             return copy.deepcopy(stored)
 
     def _replace_slice(self, version: str, name: str, obj: Obj) -> Obj:
@@ -1053,6 +1316,8 @@ class FakeApiServer:
             )
             stored = _with_type_meta(obj, version, "ResourceSlice")
             self._slices[name] = stored
+            # Every update bumps the resourceVersion, and so is an event, changed or not.
+            self._emit("MODIFIED", stored, old)
             return copy.deepcopy(stored)
 
     def _delete_slice(self, name: str, options: Obj) -> Obj:
@@ -1070,8 +1335,7 @@ class FakeApiServer:
                         f"Precondition failed: {label} in precondition: {wanted}, "
                         f"{label} in object meta: {old_meta[key]}",
                     )
-            del self._slices[name]
-            self._next_revision()
+            self._remove_slice(name)
         return {
             "kind": "Status",
             "apiVersion": "v1",
@@ -1084,8 +1348,7 @@ class FakeApiServer:
         with self._lock:
             doomed = self._select(query)
             for obj in doomed:
-                del self._slices[obj["metadata"]["name"]]
-                self._next_revision()
+                self._remove_slice(obj["metadata"]["name"])
             return self._slice_list(version, doomed)
 
     def _get_claim(self, version: str, namespace: str, name: str) -> Obj:

@@ -5,7 +5,9 @@ starting with '.' are skipped), asks GetInfo, checks the type and the services, 
 endpoint, and answers NotifyRegistrationStatus. It picks the DRA service as the kubelet
 of its version would: 1.32 and 1.33 want v1beta1.DRAPlugin; 1.34 and later take the first
 of the plugin's services they know (v1.DRAPlugin, v1beta1.DRAPlugin). Like the kubelet it
-deletes its node's ResourceSlices when it starts (through the API-server stand-in).
+deletes its node's ResourceSlices when it starts (through the API-server stand-in). The real
+1.32 kubelet does so in a goroutine, which landed up to 60 ms after it registered a plugin:
+`late_wipe` makes this one wipe that long after its first registration instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +62,7 @@ class DraKubelet:
         version: str = "1.34",
         apiserver: SliceStore | None = None,
         mounts: Mapping[str, Path] | None = None,
+        late_wipe: float | None = None,
     ) -> None:
         """`mounts`: where a path the plugin names (its endpoint) is on this side, for a plugin in a
         container whose directories are bound from here (prefix -> host directory)."""
@@ -69,6 +73,10 @@ class DraKubelet:
         self.apiserver = apiserver
         self.registrations: list[Registration] = []
         self.wiped = 0
+        self.late_wipe = late_wipe
+        # When each wipe came (time.monotonic()), and how many slices it deleted.
+        self.wipes: list[tuple[float, int]] = []
+        self._wipe_pending = False
         # The registered plugin of each driver: its endpoint and service.
         self._plugins: dict[str, Registration] = {}
         self._seen: dict[str, tuple[int, int, int]] = {}
@@ -77,14 +85,22 @@ class DraKubelet:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """As a starting kubelet: wipe the node's slices, then find the plugins already there."""
-        if self.apiserver is not None:
-            self.wiped += self.apiserver.delete_slices(self.node)
+        """As a starting kubelet: wipe the node's slices (at once, or `late_wipe` s after the first
+        registration), then find the plugins already there."""
+        self._wipe_pending = self.late_wipe is not None
+        if not self._wipe_pending:
+            self._wipe()
         self.registry_dir.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
         self._seen.clear()
         self._thread = threading.Thread(target=self._watch, name="dra kubelet", daemon=True)
         self._thread.start()
+
+    def _wipe(self) -> None:
+        if self.apiserver is not None:
+            deleted = self.apiserver.delete_slices(self.node)
+            self.wiped += deleted
+            self.wipes.append((time.monotonic(), deleted))
 
     def stop(self) -> None:
         self._stop.set()
@@ -207,6 +223,11 @@ class DraKubelet:
             self.registrations.append(record)
             if record.ok:
                 self._plugins[info.name] = record
+        if record.ok and self._wipe_pending and self.late_wipe is not None:
+            self._wipe_pending = False
+            timer = threading.Timer(self.late_wipe, self._wipe)
+            timer.daemon = True
+            timer.start()
 
     def _validate(self, info: Any) -> tuple[str | None, str | None]:
         if info.type != DRA_PLUGIN:

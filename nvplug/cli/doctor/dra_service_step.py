@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,16 @@ def check_dra(ctx: DoctorContext) -> Check:
         problems.append(f"the daemon cannot publish: {dra['error']}")
     if published != dra.get("pool_devices"):
         problems.append(f"the API server has {published} devices in the slices, the pool {dra.get('pool_devices')}")
+        change = dra.get("foreign_change") or {}
+        if change.get("what"):
+            # Not credentials: someone deleted or changed them, most often the kubelet's wipe at its start.
+            when = time.strftime("%H:%M:%S", time.localtime(float(change.get("at") or 0)))
+            fix = (f"the slices were {change['what']} by someone else at {when}: the kubelet deletes its node's "
+                   "slices when it starts and when a driver deregisters. nvplug's watch writes them again at "
+                   "once; run doctor again, and if the count stays wrong see `journalctl -u nvplug`")  # fmt: skip
+        elif not dra.get("watching"):
+            why = dra.get("watch_error") or "see `journalctl -u nvplug`"
+            fix = f"nvplug is not watching the slices ({why}; its ClusterRole needs `watch`); " + fix
     if problems:
         return Check("FAIL", "the DRA plugin is not in service", problems + evidence, fix)
     claims = len(dra.get("claims") or [])

@@ -6,6 +6,7 @@ import socket
 import stat
 from pathlib import Path
 
+from nvplug.base.grpc_target import grpc_target
 from nvplug.cli.doctor.doctor_step import Check, DoctorContext
 
 
@@ -33,7 +34,7 @@ def check_kubelet(ctx: DoctorContext) -> Check:
             )
     import grpc
 
-    with grpc.insecure_channel(f"unix://{sock_path}") as channel:
+    with grpc.insecure_channel(grpc_target(sock_path)) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=2.0)
         except grpc.FutureTimeoutError:

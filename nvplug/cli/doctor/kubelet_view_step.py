@@ -45,7 +45,9 @@ def check_kubelet_view(ctx: DoctorContext) -> Check:
             "GetAllocatableResources since 1.23 (GA 1.28)",
         )
     checkpoint: list[CheckpointEntry] = []
-    evidence = [f"{path}: {sum(len(v) for v in allocatable.values())} allocatable devices, {len(pods)} containers "
+    # The kubelet sends one entry per device (and per resource): count containers, not entries.
+    containers = len({(p.namespace, p.pod, p.container) for p in pods})
+    evidence = [f"{path}: {sum(len(v) for v in allocatable.values())} allocatable devices, {containers} containers "
                 "holding devices"]  # fmt: skip
     try:
         checkpoint = read_checkpoint(ctx.args.device_plugin_dir / CHECKPOINT)
