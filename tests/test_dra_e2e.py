@@ -33,6 +33,7 @@ from test_mig_e2e import mig_node
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.podresources_standin import ClaimDevice, Container, Pod
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event, send_uevent
 
@@ -354,3 +355,16 @@ def test_pods_are_named_for_the_gpus_they_hold_through_dra(dra: Dra) -> None:
     dra.wait(lambda: dra.kubelet.accepted(DRIVER) >= 2, "registration of the restarted daemon")
     rc, out, _ = devices(dra.node)
     assert "pods: ml/trainer-0 (claim train)" in out, out
+    # A kubelet that lists dynamic resources (1.36) names the container too.
+    dra.node.kubelet.pod_resources.admit(
+        Pod("ml", "trainer-0", (Container("main", {}, (ClaimDevice("ml", "train", DRIVER, NODE, "gpu-5"),)),))
+    )
+    dra.wait(lambda: "ml/trainer-0 (container main, claim train)" in devices(dra.node)[1], "the container named")
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    assert d.verdict(11) == "PASS", d
+    # A pod the kubelet says holds a device through a claim nvplug never prepared: doctor says so.
+    stray = ClaimDevice("ml", "stray", DRIVER, NODE, "gpu-6")
+    dra.node.kubelet.pod_resources.admit(Pod("ml", "other-0", (Container("main", {}, (stray,)),)))
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    assert d.verdict(11) == "FAIL", d
+    assert "gives gpu.nvidia.com gpu-6 to ml/other-0 (container main, claim stray), which nvplug has not" in d.out

@@ -258,7 +258,8 @@ def _pods_cell(pods: Any) -> str:
 
 def _holder_text(holder: Mapping[str, Any]) -> str:
     if holder.get("claim"):
-        return f"{holder.get('namespace')}/{holder.get('pod')} (claim {holder['claim']})"
+        container = f"container {holder['container']}, " if holder.get("container") else ""
+        return f"{holder.get('namespace')}/{holder.get('pod')} ({container}claim {holder['claim']})"
     replica = f", replica {holder['replica']}" if holder.get("replica") is not None else ""
     return f"{holder.get('namespace')}/{holder.get('pod')} (container {holder.get('container')}{replica})"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
@@ -26,7 +26,7 @@ from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.kubelet.pod_holders import Holder
+from nvplug.kubelet.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
@@ -259,11 +259,25 @@ class DraDriver(Sink):
             out.setdefault(d.gpu.uuid, []).append(entry)
         return out
 
-    def holders(self) -> dict[str, list[Holder]]:
-        """The pods that hold each DRA device (by GPU or MIG UUID), from the prepared claims."""
+    def holders(self, entries: Iterable[ContainerDevices] = ()) -> dict[str, list[Holder]]:
+        """The pods that hold each DRA device (by GPU or MIG UUID): from the kubelet's PodResources where it
+        lists dynamic resources (1.36: with the container), else from the prepared claims' pods."""
+        by_name = {d.name: d.uuid for d in self.devices}
         out: dict[str, list[Holder]] = {}
+        listed: set[tuple[str, str]] = set()
+        for entry in entries:
+            if entry.pool != self.node or entry.resource != self.driver:
+                continue
+            for name in entry.device_ids:
+                uuid = by_name.get(name)
+                if uuid is not None:
+                    listed.add((entry.namespace, entry.claim or ""))
+                    holder = Holder(entry.namespace, entry.pod, entry.container, self.driver, name, claim=entry.claim)
+                    out.setdefault(uuid, []).append(holder)
         for prepared in self.claims:
             ref = prepared.claim
+            if (ref.namespace, ref.name) in listed:
+                continue
             for device in prepared.devices:
                 for pod in prepared.pods:
                     holder = Holder(ref.namespace, pod, "", self.driver, device.device, claim=ref.name)

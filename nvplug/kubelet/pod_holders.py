@@ -21,13 +21,16 @@ OUR_DOMAIN = "nvidia.com/"
 
 @dataclass(frozen=True)
 class ContainerDevices:
-    """One container's devices of one resource, as PodResources lists them."""
+    """One container's devices of one resource, as PodResources lists them. A DRA device (its
+    `dynamic_resources`) has `resource` its driver, `device_ids` its device name, and its pool and claim."""
 
     namespace: str
     pod: str
     container: str
     resource: str
     device_ids: tuple[str, ...]
+    pool: str | None = None
+    claim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class Holder:
     def text(self) -> str:
         """ml/trainer-0 (container main), or with `, replica 3`; ml/trainer-0 (claim gpus) through DRA."""
         if self.claim is not None:
-            return f"{self.namespace}/{self.pod} (claim {self.claim})"
+            container = f"container {self.container}, " if self.container else ""
+            return f"{self.namespace}/{self.pod} ({container}claim {self.claim})"
         replica = f", replica {self.replica}" if self.replica is not None else ""
         return f"{self.namespace}/{self.pod} (container {self.container}{replica})"
 
@@ -91,6 +95,8 @@ def holders(entries: Iterable[ContainerDevices], snap: Snapshot, served: Iterabl
     ours = set(served)
     out: dict[str, list[Holder]] = {}
     for entry in entries:
+        if entry.pool is not None:
+            continue  # a DRA device: its driver knows its names (DraDriver.holders)
         if entry.resource not in ours and not entry.resource.startswith(OUR_DOMAIN):
             continue
         for device_id in entry.device_ids:

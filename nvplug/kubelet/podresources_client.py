@@ -89,12 +89,20 @@ class TokenBucket:
 
 
 def _entries(pods: Iterable[pb.PodResources]) -> tuple[ContainerDevices, ...]:
-    return tuple(
-        ContainerDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
-        for pod in pods
-        for c in pod.containers
-        for d in c.devices
-    )
+    """Each container's device-plugin devices, and its DRA devices (one entry per claimed device)."""
+    out: list[ContainerDevices] = []
+    for pod in pods:
+        for c in pod.containers:
+            out += [ContainerDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
+                    for d in c.devices]  # fmt: skip
+            for dynamic in c.dynamic_resources:
+                claim = dynamic.claim_name
+                for r in dynamic.claim_resources:
+                    device = (r.device_name,)
+                    out.append(
+                        ContainerDevices(pod.namespace, pod.name, c.name, r.driver_name, device, r.pool_name, claim)
+                    )
+    return tuple(out)
 
 
 class PodResourcesClient:

@@ -81,7 +81,7 @@ class StatusReport(Sink):
         """Who holds each device (GPU or MIG UUID): the device plugin's from the last PodResources answer,
         DRA's from the claims prepared (their pods). None if neither can say."""
         entries = self._pods.answer.entries
-        dra = self._dra.holders() if self._dra is not None else {}
+        dra = self._dra.holders(entries or ()) if self._dra is not None else {}
         if entries is None and not dra:
             return None
         out = holders(entries or (), self._state.current, [p.name for p in self._fleet.endpoints])

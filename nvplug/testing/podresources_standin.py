@@ -30,10 +30,24 @@ BURST = 10
 
 
 @dataclass(frozen=True)
+class ClaimDevice:
+    """One DRA device of a container's claim, as the kubelet lists it (dynamic_resources)."""
+
+    claim_namespace: str
+    claim: str
+    driver: str
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Container:
     name: str
     # Device IDs by resource name, as allocated.
     devices: Mapping[str, tuple[str, ...]]
+    # DRA devices of its claims: listed only by a kubelet that serves dynamic resources.
+    claimed: tuple[ClaimDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ class FakePodResources:
         self.refused = 0
         # Seconds each call waits before it is answered: a kubelet that is slow to answer.
         self.delay = 0.0
+        # KubeletPodResourcesDynamicResources: off in 1.32 (dynamic_resources empty), GA in 1.36.
+        self.dynamic_resources = True
         self._bucket = TokenBucket(qps, burst)
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
@@ -113,7 +129,8 @@ class FakePodResources:
 
     def _list(self, request: pb.ListPodResourcesRequest, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
         self._limit("List", context)
-        return pb.ListPodResourcesResponse(pod_resources=[_message(p) for p in list(self.pods.values())])
+        pods = [_message(p, self.dynamic_resources) for p in list(self.pods.values())]
+        return pb.ListPodResourcesResponse(pod_resources=pods)
 
     def _get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
         self._limit("Get", context)
@@ -122,7 +139,7 @@ class FakePodResources:
             missing = f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
             context.abort(grpc.StatusCode.NOT_FOUND, missing)
         assert pod is not None
-        return pb.GetPodResourcesResponse(pod_resources=_message(pod))
+        return pb.GetPodResourcesResponse(pod_resources=_message(pod, self.dynamic_resources))
 
     def _allocatable_resources(
         self, request: pb.AllocatableResourcesRequest, context: grpc.ServicerContext
@@ -132,7 +149,7 @@ class FakePodResources:
         return pb.AllocatableResourcesResponse(devices=devices)
 
 
-def _message(pod: Pod) -> pb.PodResources:
+def _message(pod: Pod, dynamic: bool) -> pb.PodResources:
     return pb.PodResources(
         name=pod.name,
         namespace=pod.namespace,
@@ -143,7 +160,31 @@ def _message(pod: Pod) -> pb.PodResources:
                 devices=[
                     pb.ContainerDevices(resource_name=r, device_ids=[i]) for r, ids in c.devices.items() for i in ids
                 ],
+                dynamic_resources=_dynamic(c.claimed) if dynamic else [],
             )
             for c in pod.containers
         ],
     )
+
+
+def _dynamic(claimed: tuple[ClaimDevice, ...]) -> list[pb.DynamicResource]:
+    """One DynamicResource per claim, its devices in it."""
+    by_claim: dict[tuple[str, str], list[ClaimDevice]] = {}
+    for d in claimed:
+        by_claim.setdefault((d.claim_namespace, d.claim), []).append(d)
+    return [
+        pb.DynamicResource(
+            claim_name=name,
+            claim_namespace=namespace,
+            claim_resources=[
+                pb.ClaimResource(
+                    cdi_devices=[pb.CDIDevice(name=i) for i in d.cdi_ids],
+                    driver_name=d.driver,
+                    pool_name=d.pool,
+                    device_name=d.device,
+                )
+                for d in devices
+            ],
+        )
+        for (namespace, name), devices in by_claim.items()
+    ]

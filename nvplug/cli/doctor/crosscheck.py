@@ -91,6 +91,8 @@ def cross_check(
                     "(NVIDIA's?) serves it: stop that one, or restart the kubelet to forget it",
                 )
             )
+    pods = list(pods)
+    findings += _dra_findings(status.get("dra") or {}, pods)
     held = {(e.resource, i) for e in pods for i in e.device_ids}
     for entry in checkpoint:
         if entry.resource not in served and not entry.resource.startswith(OUR_DOMAIN):
@@ -103,6 +105,31 @@ def cross_check(
                     f"(container {entry.container}), which no running pod holds",
                     "the kubelet frees a deleted pod's devices when it cleans up; if they stay held, "
                     "`systemctl restart kubelet` rebuilds its allocations from the running pods",
+                )
+            )
+    return findings
+
+
+def _dra_findings(dra: Mapping[str, Any], pods: Iterable[ContainerDevices]) -> list[Finding]:
+    """The kubelet's DRA devices of nvplug's driver and pool (PodResources' dynamic resources, 1.36)
+    against the claims nvplug prepared: a pod on a device nvplug never prepared for it is a fault."""
+    if not dra:
+        return []
+    prepared = {(c.get("namespace"), c.get("name")): set(c.get("devices") or []) for c in dra.get("claims") or []}
+    findings = []
+    for entry in pods:
+        if entry.pool is None or entry.resource != dra.get("driver") or entry.pool != dra.get("node"):
+            continue
+        claim = (entry.namespace, entry.claim)
+        devices = prepared.get(claim)
+        missing = [d for d in entry.device_ids if devices is None or d not in devices]
+        if missing:
+            findings.append(
+                Finding(
+                    f"the kubelet gives {entry.resource} {', '.join(missing)} to {entry.namespace}/{entry.pod} "
+                    f"(container {entry.container}, claim {entry.claim}), which nvplug has not prepared for it",
+                    "nvplug's claims checkpoint was lost or the claim was prepared by another driver instance: "
+                    "delete the pod so that the kubelet prepares its claim again",
                 )
             )
     return findings
