@@ -100,17 +100,21 @@ flags:
         return ("ml", name, uid)
 
 
-@pytest.fixture
-def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1", "v1beta1"))
-    api.start()
-    kubelet = DraKubelet(node.root / "registry", NODE, "1.34", api)
+def serving(node: SimulatedNode, api: FakeApiServer, kubelet: DraKubelet) -> Iterator[Dra]:
+    """The stand-ins and the node as a Dra, stopped after (the API server started already)."""
     try:
         yield Dra(node, api, kubelet, api.write_kubeconfig(node.root / "kubeconfig"))
     finally:
         kubelet.stop()
         node.stop_daemon()
         api.stop()
+
+
+@pytest.fixture
+def dra(node: SimulatedNode) -> Iterator[Dra]:
+    api = FakeApiServer(versions=("v1", "v1beta1"))
+    api.start()
+    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.34", api))
 
 
 def test_slices_prepare_and_the_device_plugin_beside_it(dra: Dra) -> None:

@@ -11,7 +11,7 @@ import pytest
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 from test_doctor import doctor
-from test_dra_e2e import DRIVER, NODE, Dra
+from test_dra_e2e import DRIVER, NODE, Dra, serving
 
 from nvplug.status import status_client as statusclient
 from nvplug.testing.simulated_node import SimulatedNode
@@ -28,13 +28,7 @@ def late(node: SimulatedNode) -> Iterator[Dra]:
     api = FakeApiServer(versions=("v1",))
     api.bookmark_seconds = 0.2
     api.start()
-    kubelet = DraKubelet(node.root / "registry", NODE, "1.32", api, late_wipe=LATE)
-    try:
-        yield Dra(node, api, kubelet, api.write_kubeconfig(node.root / "kubeconfig"))
-    finally:
-        kubelet.stop()
-        node.stop_daemon()
-        api.stop()
+    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.32", api, late_wipe=LATE))
 
 
 def status(dra: Dra) -> dict[str, object]:
