@@ -19,7 +19,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "nvplug" / "protos"
-PROTOS = ("deviceplugin", "podresources", "pluginregistration", "dra_v1beta1", "dra_v1")
+PROTOS = ("deviceplugin", "podresources", "pluginregistration", "dra_v1beta1", "dra_v1", "dra_health_v1alpha1")
 OUTPUTS = tuple(f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 

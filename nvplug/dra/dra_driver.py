@@ -23,6 +23,7 @@ from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigErr
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim
 from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
+from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
@@ -35,6 +36,20 @@ log = logging.getLogger("nvplug.dra")
 # A DRA socket that cannot be served again (its directory gone with the kubelet's): retried, never left
 # undone. The directory made again cuts the wait short, so the cap can be long.
 DRA_REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
+
+
+def health_reports(devices: Sequence[DraDevice], snapshot: Snapshot) -> list[DeviceReport]:
+    """Each device's health for the kubelet: Unknown while an NVML call on its GPU (or a scan) hangs."""
+    hung = {c.uuid for c in snapshot.hung_calls.values()}
+    out = []
+    for d in devices:
+        if d.gpu.uuid in hung or None in hung:
+            out.append(DeviceReport(d.name, "Unknown", "nvplug cannot check it: an NVML call on it does not return"))
+        elif d.healthy:
+            out.append(DeviceReport(d.name, "Healthy"))
+        else:
+            out.append(DeviceReport(d.name, "Unhealthy", d.reason))
+    return out
 
 
 def node_name(cfg: Config) -> str:
@@ -70,8 +85,9 @@ class DraDriver(Sink):
         self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
         self._on_change = on_change
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
+        self.health = HealthStream(self.node)
         self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare_claim,
-                                  self.unprepare_claim, self._registered)  # fmt: skip
+                                  self.unprepare_claim, self._registered, [self.health.handler()])  # fmt: skip
         self.registered = False
         self.registration_error: str | None = None
         self.devices: list[DraDevice] = []
@@ -201,11 +217,12 @@ class DraDriver(Sink):
         return [f"DRA {self.driver} {how}: {healthy} devices in {len(self.publisher.slice_names)} ResourceSlices"]
 
     def offer(self, snapshot: Snapshot) -> None:
-        """A new state: the pool as it is now, published if it changed."""
+        """A new state: the pool as it is now, published if it changed, its health streamed."""
         devices = offered(snapshot, self.naming)
         if devices != self.devices:
             self.devices = devices
             self.publisher.want(devices)
+        self.health.update(health_reports(devices, snapshot))
 
     def owned(self, snapshot: Snapshot) -> set[str]:
         """The UUIDs of the GPUs offered through DRA."""
@@ -295,6 +312,7 @@ class DraDriver(Sink):
             "registration_error": self.registration_error,
             "not_served": self.not_served,
             "registry_socket": str(self.sockets.registration_socket),
+            "health_streams": self.health.streams,
             "plugin_socket": str(self.sockets.plugin_socket),
             "devices": [
                 {"name": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": self._held(d)} for d in self.devices

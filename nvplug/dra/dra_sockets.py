@@ -10,7 +10,7 @@ only the package differs, and each kubelet picks the first of our services it kn
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,13 +44,16 @@ class DraSockets:
         prepare: Prepare,
         unprepare: Unprepare,
         on_registration: Registered,
+        extra: Sequence[grpc.GenericRpcHandler] = (),
     ) -> None:
+        """`extra`: more services on the plugin's socket (the resource-health stream)."""
         self.driver = driver
         self.registration_socket = registry_dir / f"{driver}-reg.sock"
         self.plugin_socket = plugins_dir / driver / "dra.sock"
         self._prepare = prepare
         self._unprepare = unprepare
         self._on_registration = on_registration
+        self._extra = list(extra)
         self._servers: dict[Path, grpc.aio.Server] = {}
 
     @property
@@ -87,6 +90,7 @@ class DraSockets:
         """One of the two sockets, with its services: DRA in each version, or registration."""
         if path == self.plugin_socket:
             handlers = [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS]
+            handlers += self._extra
         else:
             handlers = [self._registration_handler()]
         if make_dir:

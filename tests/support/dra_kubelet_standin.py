@@ -7,7 +7,10 @@ of its version would: 1.32 and 1.33 want v1beta1.DRAPlugin; 1.34 and later take 
 of the plugin's services they know (v1.DRAPlugin, v1beta1.DRAPlugin). Like the kubelet it
 deletes its node's ResourceSlices when it starts (through the API-server stand-in). The real
 1.32 kubelet does so in a goroutine, which landed up to 60 ms after it registered a plugin:
-`late_wipe` makes this one wipe that long after its first registration instead.
+`late_wipe` makes this one wipe that long after its first registration instead. A kubelet of 1.35 or
+later (ResourceHealthStatus on) watches each registered plugin's resource health
+(v1alpha1.DRAResourceHealth/NodeWatchResources), opening the stream again 5 s after it ends, and
+keeps what it received in `health`.
 """
 
 from __future__ import annotations
@@ -24,11 +27,22 @@ from typing import Any, Protocol
 
 import grpc
 
-from nvplug.protos import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from nvplug.protos import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
 
 DRA_PLUGIN = "DRAPlugin"
 _MODULES = {"v1.DRAPlugin": dra_v1_pb2, "v1beta1.DRAPlugin": dra_v1beta1_pb2}
 CALL_TIMEOUT = 10.0
+# The kubelet opens a health stream that failed or ended again after this long.
+HEALTH_RETRY = 5.0
+
+
+@dataclass(frozen=True)
+class HealthUpdate:
+    """One NodeWatchResources response, as received: when, and each device's health and message."""
+
+    at: float  # time.monotonic()
+    devices: Mapping[str, tuple[str, str]]  # device name -> (HEALTHY/UNHEALTHY/UNKNOWN, message)
+    timeout: Mapping[str, int]
 
 
 class SliceStore(Protocol):
@@ -77,6 +91,9 @@ class DraKubelet:
         # When each wipe came (time.monotonic()), and how many slices it deleted.
         self.wipes: list[tuple[float, int]] = []
         self._wipe_pending = False
+        self.watch_health = tuple(int(p) for p in version.split(".")) >= (1, 35)
+        self.health: list[HealthUpdate] = []
+        self._health_threads: dict[str, threading.Thread] = {}
         # The registered plugin of each driver: its endpoint and service.
         self._plugins: dict[str, Registration] = {}
         self._seen: dict[str, tuple[int, int, int]] = {}
@@ -223,11 +240,56 @@ class DraKubelet:
             self.registrations.append(record)
             if record.ok:
                 self._plugins[info.name] = record
+        if record.ok and self.watch_health:
+            self._watch_health(info.name)
         if record.ok and self._wipe_pending and self.late_wipe is not None:
             self._wipe_pending = False
             timer = threading.Timer(self.late_wipe, self._wipe)
             timer.daemon = True
             timer.start()
+
+    def _watch_health(self, driver: str) -> None:
+        running = self._health_threads.get(driver)
+        if running is not None and running.is_alive():
+            return
+        thread = threading.Thread(target=self._health_loop, args=(driver,), name=f"dra health {driver}", daemon=True)
+        self._health_threads[driver] = thread
+        thread.start()
+
+    def _health_loop(self, driver: str) -> None:
+        pb = dra_health_v1alpha1_pb2
+        while not self._stop.is_set():
+            registration = self.plugin(driver)
+            if registration is None:
+                return
+            try:
+                with grpc.insecure_channel(f"unix:{self._here(registration.endpoint)}") as channel:
+                    stream = channel.unary_stream(
+                        "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+                        request_serializer=pb.NodeWatchResourcesRequest.SerializeToString,
+                        response_deserializer=pb.NodeWatchResourcesResponse.FromString,
+                    )(pb.NodeWatchResourcesRequest())
+                    for response in stream:
+                        update = HealthUpdate(
+                            time.monotonic(),
+                            {
+                                d.device.device_name: (pb.HealthStatus.Name(d.health), d.message)
+                                for d in response.devices
+                            },
+                            {d.device.device_name: d.health_check_timeout_seconds for d in response.devices},
+                        )
+                        with self._lock:
+                            self.health.append(update)
+                        if self._stop.is_set():
+                            stream.cancel()
+                            return
+            except grpc.RpcError:
+                pass
+            self._stop.wait(HEALTH_RETRY)
+
+    def latest_health(self) -> HealthUpdate | None:
+        with self._lock:
+            return self.health[-1] if self.health else None
 
     def _validate(self, info: Any) -> tuple[str | None, str | None]:
         if info.type != DRA_PLUGIN:
