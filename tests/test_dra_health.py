@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 
 import pytest
 from support.apiserver_standin import FakeApiServer
@@ -13,6 +14,10 @@ from test_dra_e2e import NODE, Dra, serving
 from test_driver_hang import MIG_CONFIG_CHANGE
 from test_health import heal
 
+from nvplug.core.gpu import Gpu
+from nvplug.core.node_state import HungCall, Snapshot
+from nvplug.dra.dra_devices import DraDevice
+from nvplug.dra.dra_driver import health_reports
 from nvplug.dra.resource_health import RESEND_SECONDS, TIMEOUT_SECONDS
 from nvplug.testing.simulated_node import SimulatedNode
 
@@ -71,3 +76,18 @@ def test_a_quiet_device_is_reported_again_before_the_kubelets_timeout(dra: Dra) 
     print(f"resend after {gap:.2f} s of quiet (the kubelet's timeout: {TIMEOUT_SECONDS} s)")
     assert RESEND_SECONDS * 0.8 < gap < TIMEOUT_SECONDS / 2
     assert again.devices == first.devices
+
+
+def test_which_devices_a_hung_call_leaves_unknown() -> None:
+    g0, g1 = Gpu("GPU-0", 0, "0000:18:00.0"), Gpu("GPU-1", 1, "0000:19:00.0")
+    pool = [DraDevice("gpu-0", g0, None, True, "", {}, {}), DraDevice("gpu-1", g1, None, False, "XID 79", {}, {})]
+
+    def reports(*hung: HungCall) -> list[tuple[str, str, str]]:
+        snap = Snapshot(1, gpus=(g0, g1), hung_calls=MappingProxyType(dict(enumerate(hung))))
+        return [(r.device, r.health, r.message) for r in health_reports(pool, snap)]
+
+    assert reports() == [("gpu-0", "Healthy", ""), ("gpu-1", "Unhealthy", "XID 79")]
+    # A scan that hangs on GPU 1 names it by index; a probe by UUID; a call that names neither, every GPU.
+    assert [h for _, h, _ in reports(HungCall("scan", None, 1, 0.0))] == ["Healthy", "Unknown"]
+    assert [h for _, h, _ in reports(HungCall("probe", "GPU-0", None, 0.0))] == ["Unknown", "Unhealthy"]
+    assert [h for _, h, _ in reports(HungCall("scan", None, None, 0.0))] == ["Unknown", "Unknown"]

@@ -40,7 +40,9 @@ DRA_REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 def health_reports(devices: Sequence[DraDevice], snapshot: Snapshot) -> list[DeviceReport]:
     """Each device's health for the kubelet: Unknown while an NVML call on its GPU (or a scan) hangs."""
-    hung = {c.uuid for c in snapshot.hung_calls.values()}
+    by_index = {g.index: g.uuid for g in snapshot.gpus}
+    # A call names its GPU by UUID, or (a scan) by index; one that names neither leaves every GPU unchecked.
+    hung = {c.uuid or (by_index.get(c.index) if c.index is not None else None) for c in snapshot.hung_calls.values()}
     out = []
     for d in devices:
         if d.gpu.uuid in hung or None in hung:
