@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from types import MappingProxyType
 
 from nvplug.core.events import (
@@ -171,11 +172,15 @@ class Snapshot:
     # nvplug's own resets: the last step per GPU UUID, and the times of the resets this boot.
     auto_reset: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
-    # The MPS groups' daemons by group, and each MPS device's daemon health by its UUID.
+    # The MPS groups' daemons by group.
     mps: Mapping[str, MpsGroupState] = field(default_factory=lambda: MappingProxyType({}))
-    mps_units: Mapping[str, HealthState] = field(default_factory=_frozen)
     # The compute modes GPUs had before nvplug set EXCLUSIVE_PROCESS for MPS, by UUID: restored on stop.
     compute_modes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @cached_property
+    def mps_units(self) -> Mapping[str, HealthState]:
+        """Each MPS device's daemon health by its UUID: derived once per snapshot, looked up per device."""
+        return unit_health(self.mps)
 
     def gpu(self, uuid: str) -> Gpu | None:
         return find_gpu(self.gpus, uuid=uuid)
@@ -340,7 +345,6 @@ class NodeState:
         draft.mps, what = apply_group(draft.mps, event, draft.now)
         if what is None:
             return
-        draft.mps_units = unit_health(draft.mps)
         units = event.units if isinstance(event, MpsGroupChanged) else before.units if before else ()
         owner = next((s[0] for u in units if (s := draft.subject(u)) is not None), None)
         reason = event.reason if isinstance(event, MpsGroupChanged) else "no MPS resource has its devices now"
@@ -633,7 +637,6 @@ class _Draft:
         self.auto_reset = base.auto_reset
         self.auto_resets = base.auto_resets
         self.mps = base.mps
-        self.mps_units = base.mps_units
         self.compute_modes = base.compute_modes
         self.changes: list[Change] = []
 

@@ -71,6 +71,8 @@ class SlicePublisher:
         self.watch_error: str | None = None
         # The resourceVersions of our own writes: their events are no news.
         self._ours: set[str] = set()
+        # The names of the slices we deleted ourselves: a deletion's version is in no answer of ours.
+        self._deleted: set[str] = set()
         # The last change to our slices that was not ours: when, and what (for status and doctor).
         self.foreign_change: dict[str, object] | None = None
         self._settle: asyncio.TimerHandle | None = None
@@ -209,8 +211,10 @@ class SlicePublisher:
         known: list[dict[str, Any]],
         written: list[dict[str, Any]],
     ) -> None:
-        if len(self._ours) > MAX_OURS:
-            self._ours.clear()  # no watch has taken them in: judging by versions starts afresh
+        if len(self._ours) + len(self._deleted) > MAX_OURS:
+            # No watch has taken them in: judging by versions starts afresh.
+            self._ours.clear()
+            self._deleted.clear()
         for n, obj in enumerate(objects):
             if n < len(known):
                 meta = known[n]["metadata"]
@@ -220,7 +224,7 @@ class SlicePublisher:
                 written.append(await client.request("POST", base, obj))
             self._ours.add(str(written[-1]["metadata"]["resourceVersion"]))
         for old in known[len(objects) :]:
-            self._ours.add(f"delete {old['metadata']['name']}")
+            self._deleted.add(str(old["metadata"]["name"]))
             await client.request("DELETE", f"{base}/{old['metadata']['name']}")
 
     async def _watch_loop(self) -> None:
@@ -275,9 +279,10 @@ class SlicePublisher:
             self._held_back.append(event)
             return True
         name = str(meta.get("name") or "")
-        ours = version in self._ours or (kind == "DELETED" and f"delete {name}" in self._ours)
+        ours = version in self._ours or (kind == "DELETED" and name in self._deleted)
         self._ours.discard(version)
-        self._ours.discard(f"delete {name}")
+        if kind == "DELETED":
+            self._deleted.discard(name)
         if ours:
             return True
         what = f"{str(kind).lower()} {name}"

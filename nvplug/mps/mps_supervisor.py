@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
@@ -71,10 +71,6 @@ class MpsSupervisor(Sink):
         for pid_file in Path(cfg.mps_root).glob(f"*/{PID_FILE}"):
             kill_leftover(pid_file, cfg.mps_control)
             pid_file.unlink(missing_ok=True)
-
-    @property
-    def daemons(self) -> dict[str, ControlDaemon]:
-        return dict(self._daemons)
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         snap = update.snapshot
@@ -232,11 +228,8 @@ class MpsSupervisor(Sink):
         if daemon is not None:
             daemon.probe_soon(f"control.log: {line}")
 
-    def _chore(self, work: Awaitable[None]) -> None:
-        async def run() -> None:
-            await work
-
-        task = asyncio.create_task(run())
+    def _chore(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 

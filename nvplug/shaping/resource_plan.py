@@ -343,13 +343,16 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
                                  f"of {base}; give it a rename to share some of them")  # fmt: skip
             rest = ResourceSpec(base, in_place.replicas, sharing.fail_requests_greater_than_one, base, naming,
                                 leave=rest.leave, share=in_place.devices, mps=share(in_place))  # fmt: skip
-        chosen = [s for s in (rest, *own) if s.project(snapshot).devices] or [rest]
+        # Each projected once: the MPS check below reads the same projection.
+        projected = [(s, s.project(snapshot)) for s in (rest, *own)]
+        kept = [(s, p) for s, p in projected if p.devices] or projected[:1]
+        chosen = [s for s, _ in kept]
         specs += chosen
         twice = _picked_twice(base, entries, units)
         if twice is not None:
             refused.update(dict.fromkeys((s.name for s in chosen), twice))
-        for spec in chosen:
-            old = too_old(spec.project(snapshot).units) if spec.mps is not None else None
+        for spec, resource in kept:
+            old = too_old(resource.units) if spec.mps is not None else None
             if old is not None:
                 refused[spec.name] = f"{spec.name}: {old}"
     # A sharing rename may not take the name of another resource: its devices would be in two lists.

@@ -317,6 +317,19 @@ static gid_t gid_of(uid_t uid) {
 
 /* ----------------------------------------------------------- test hooks */
 
+/* Standard input, output and error on /dev/null: a server or a background daemon keeps no pipe of
+   whoever started it open. */
+static void stdio_to_devnull(void) {
+    int devnull = open("/dev/null", O_RDWR);
+    if (devnull < 0)
+        return;
+    dup2(devnull, 0);
+    dup2(devnull, 1);
+    dup2(devnull, 2);
+    if (devnull > 2)
+        close(devnull);
+}
+
 static void record_command(const struct conn *c, const char *command) {
     char buf[MAX_LINE * 6 + 128];
     /* CLOCK_MONOTONIC is the machine's, so a test can order a command against its own clock. */
@@ -557,14 +570,7 @@ __attribute__((noreturn)) static void server_main(uid_t uid, gid_t gid, double p
     /* Opened while still privileged: the log directory is usually root's. */
     int server_log = open(g_server_log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     /* Keep nothing of the daemon's: a supervisor's stderr pipe must not outlive the daemon. */
-    int devnull = open("/dev/null", O_RDWR);
-    if (devnull >= 0) {
-        dup2(devnull, 0);
-        dup2(devnull, 1);
-        dup2(devnull, 2);
-        if (devnull > 2)
-            close(devnull);
-    }
+    stdio_to_devnull();
     for (int fd = 3; fd < 1024; fd++)
         if (fd != server_log && fd != g_log_fd)
             close(fd);
@@ -1315,14 +1321,7 @@ static int run_background(void) {
         if (chdir("/") < 0) {
             /* paths are absolute already */
         }
-        int devnull = open("/dev/null", O_RDWR);
-        if (devnull >= 0) {
-            dup2(devnull, 0);
-            dup2(devnull, 1);
-            dup2(devnull, 2);
-            if (devnull > 2)
-                close(devnull);
-        }
+        stdio_to_devnull();
         char err[PATH_MAX + 128];
         err[0] = 'E';
         if (daemon_setup(err + 1, sizeof err - 1) < 0) {

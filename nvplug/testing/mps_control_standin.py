@@ -185,17 +185,8 @@ def client(
     ``user`` runs it as that UID (and the same GID). A daemon that does not answer
     raises :class:`subprocess.TimeoutExpired` after ``timeout`` seconds.
     """
-    run_env = environ(pipe_dir, base=env)
-    return subprocess.run(
-        [str(_binary(binary, run_env))],
-        input="".join(f"{command}\n" for command in commands),
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        **_as_user(user),
-    )
+    stdin = "".join(f"{command}\n" for command in commands)
+    return _run(pipe_dir, (), stdin, binary, env, user, timeout)
 
 
 def fake_cuda_client(
@@ -207,15 +198,29 @@ def fake_cuda_client(
     timeout: float = 10.0,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``nvidia-cuda-mps-control --fake-cuda-client`` (as ``user``, if given), like :func:`client`."""
+    return _run(pipe_dir, ("--fake-cuda-client",), None, binary, env, user, timeout)
+
+
+def _run(
+    pipe_dir: Path,
+    args: Sequence[str],
+    stdin: str | None,
+    binary: Path | None,
+    env: Mapping[str, str] | None,
+    user: int | None,
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """The binary with `args`, `stdin` as its input (None: /dev/null), output captured as text."""
     run_env = environ(pipe_dir, base=env)
+    feed: dict[str, Any] = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
     return subprocess.run(
-        [str(_binary(binary, run_env)), "--fake-cuda-client"],
-        stdin=subprocess.DEVNULL,
+        [str(_binary(binary, run_env)), *args],
         env=run_env,
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        **feed,
         **_as_user(user),
     )
 
