@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -15,11 +16,15 @@ from urllib.parse import quote
 
 import pytest
 import yaml
-from support.apiserver_standin import GROUP, FakeApiServer
+from support.apiserver_standin import GROUP, ApiError, FakeApiServer
 
 TOKEN = "test-token"
 DRIVER = "gpu.nvidia.com"
 SLICES = f"/apis/{GROUP}/v1/resourceslices"
+BETA_SLICES = f"/apis/{GROUP}/v1beta1/resourceslices"
+# A taint's timeAdded as the API server writes it: UTC, to the second.
+TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+OLD = "2020-01-01T00:00:00Z"
 
 
 def call(
@@ -323,7 +328,7 @@ def test_device_shape_follows_the_url_version() -> None:
         )
         invalid(server, resource_slice(devices=[device("gpu-0", "v1beta1")]), "spec.devices[0].basic")
 
-        taint = {"key": "example.com/unhealthy", "value": "xid-79", "effect": "NoExecute"}
+        taint = {"key": "example.com/unhealthy", "value": "xid-79", "effect": "NoExecute", "timeAdded": OLD}
         dev = device("gpu-0", "v1beta1")
         dev["basic"]["taints"] = [taint]
         status, created = call(server, "POST", beta, resource_slice(name="s", version="v1beta1", devices=[dev]))
@@ -890,3 +895,258 @@ def test_watch_serves_the_requested_version() -> None:
             flat = new.events(1)[0]["object"]
             assert flat["apiVersion"] == f"{GROUP}/v1" and flat["kind"] == "ResourceSlice"
             assert flat["spec"]["devices"] == [device("gpu-0")]
+
+
+# Device taints and dry run.
+
+
+def taint(key: str = "gpu.nvidia.com/xid", **fields: Any) -> dict[str, Any]:
+    return {"key": key, "value": "79", "effect": "NoExecute", **fields}
+
+
+def tainted(name: str, version: str = "v1", taints: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    dev = device(name, version)
+    (dev["basic"] if version == "v1beta1" else dev)["taints"] = [taint()] if taints is None else taints
+    return dev
+
+
+def taints_of(obj: dict[str, Any]) -> list[Any]:
+    """Each device's taints (None where it has none), flat or under basic."""
+    return [(d.get("basic") or d).get("taints") for d in obj["spec"]["devices"]]
+
+
+def causes(body: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(c["reason"], c["field"]) for c in body["details"]["causes"]]
+
+
+def test_a_tainted_slice_holds_at_most_64_devices(api: FakeApiServer) -> None:
+    one_tainted = [device(f"gpu-{i}") for i in range(64)] + [tainted("gpu-64")]
+    body = invalid(api, resource_slice(devices=one_tainted), "spec.devices")
+    assert causes(body) == [("FieldValueTooMany", "spec.devices")]
+    assert "must have at most 64 items" in body["message"]
+    assert call(api, "POST", SLICES, resource_slice(devices=[tainted(f"gpu-{i}") for i in range(64)]))[0] == 201
+    assert call(api, "POST", SLICES, resource_slice(devices=[device(f"gpu-{i}") for i in range(128)]))[0] == 201
+    # Consuming counters lowers the limit too.
+    counted = [device(f"gpu-{i}") for i in range(65)]
+    counted[0]["consumesCounters"] = [{"counterSet": "gpu-0", "counters": {"memory": {"value": "1Gi"}}}]
+    assert causes(invalid(api, resource_slice(devices=counted), "spec.devices")) == [
+        ("FieldValueTooMany", "spec.devices")
+    ]
+    assert len(api.slices()) == 2
+
+
+def test_at_most_16_taints_a_device() -> None:
+    many = [taint(f"example.com/t{i}") for i in range(17)]
+    with FakeApiServer(versions=("v1", "v1beta1")) as server:
+        body = invalid(server, resource_slice(devices=[tainted("gpu-0", taints=many)]), "spec.devices[0].taints")
+        assert causes(body) == [("FieldValueTooMany", "spec.devices[0].taints")]
+        assert "must have at most 16 items" in body["message"]
+        beta = resource_slice(version="v1beta1", devices=[tainted("gpu-0", "v1beta1", many)])
+        body = invalid(server, beta, "spec.devices[0].basic.taints", BETA_SLICES)
+        assert causes(body) == [("FieldValueTooMany", "spec.devices[0].basic.taints")]
+
+        assert call(server, "POST", SLICES, resource_slice(devices=[tainted("gpu-0", taints=many[:16])]))[0] == 201
+        beta = resource_slice(version="v1beta1", devices=[tainted("gpu-0", "v1beta1", many[:16])])
+        assert call(server, "POST", BETA_SLICES, beta)[0] == 201
+
+
+def test_time_added(api: FakeApiServer) -> None:
+    offset = "2020-01-01T01:00:00+01:00"
+    given = [taint(), taint("example.com/old", timeAdded=OLD), taint("example.com/offset", timeAdded=offset)]
+    status, created = call(api, "POST", SLICES, resource_slice(name="s", devices=[tainted("gpu-0", taints=given)]))
+    assert status == 201
+    set_now, kept, normalized = created["spec"]["devices"][0]["taints"]
+    assert TIME.fullmatch(set_now["timeAdded"])
+    assert kept["timeAdded"] == OLD
+    # Kept as metav1.Time keeps it: in UTC.
+    assert normalized["timeAdded"] == OLD
+    assert api.slices() == [created]
+
+    # A PUT that leaves timeAdded out resets it to the time of the PUT.
+    change = json.loads(json.dumps(created))
+    del change["spec"]["devices"][0]["taints"][1]["timeAdded"]
+    status, updated = call(api, "PUT", f"{SLICES}/s", change)
+    assert status == 200
+    reset = updated["spec"]["devices"][0]["taints"][1]["timeAdded"]
+    assert TIME.fullmatch(reset) and reset != OLD
+    assert updated["metadata"]["generation"] == 2
+    # One sent back as read is kept, and the spec is unchanged.
+    status, again = call(api, "PUT", f"{SLICES}/s", updated)
+    assert status == 200 and taints_of(again) == taints_of(updated)
+    assert again["metadata"]["generation"] == 2
+
+    for bad in ("yesterday", "2020-01-01", "2020-01-01 00:00:00Z", "2020-13-01T00:00:00Z", 1577836800):
+        obj = resource_slice(devices=[tainted("gpu-0", taints=[taint(timeAdded=bad)])])
+        body = invalid(api, obj, "spec.devices[0].taints[0].timeAdded")
+        assert causes(body) == [("FieldValueInvalid", "spec.devices[0].taints[0].timeAdded")]
+    bad_put = json.loads(json.dumps(again))
+    bad_put["spec"]["devices"][0]["taints"][0]["timeAdded"] = "now"
+    assert call(api, "PUT", f"{SLICES}/s", bad_put)[0] == 422
+    assert api.slices() == [again]
+
+
+def test_a_server_with_the_gate_off_drops_taints() -> None:
+    with FakeApiServer(versions=("v1", "v1beta1"), taints=False) as server:
+        status, created = call(server, "POST", SLICES, resource_slice(name="s", devices=[tainted("gpu-0")]))
+        assert status == 201
+        assert created["spec"]["devices"] == [device("gpu-0")]
+        change = json.loads(json.dumps(created))
+        change["spec"]["devices"] = [tainted("gpu-0"), tainted("gpu-1")]
+        status, updated = call(server, "PUT", f"{SLICES}/s", change)
+        assert status == 200
+        assert updated["spec"]["devices"] == [device("gpu-0"), device("gpu-1")]
+
+        beta = resource_slice(name="b", version="v1beta1", devices=[tainted("gpu-0", "v1beta1")])
+        status, beta_created = call(server, "POST", BETA_SLICES, beta)
+        assert status == 201
+        assert beta_created["spec"]["devices"] == [device("gpu-0", "v1beta1")]
+        beta_created["spec"]["devices"] = [tainted("gpu-0", "v1beta1")]
+        status, beta_updated = call(server, "PUT", f"{BETA_SLICES}/b", beta_created)
+        assert status == 200
+        assert beta_updated["spec"]["devices"] == [device("gpu-0", "v1beta1")]
+
+        # Dropped before validation: the limit of a tainted slice does not apply.
+        big = resource_slice(name="big", devices=[tainted(f"gpu-{i}") for i in range(65)])
+        status, big_created = call(server, "POST", SLICES, big)
+        assert status == 201
+        assert taints_of(big_created) == [None] * 65
+        assert server.slices() == sorted([updated, beta_updated, big_created], key=lambda o: o["metadata"]["name"])
+
+
+def test_turning_the_gate_off_keeps_the_taints_already_stored(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s", devices=[tainted("gpu-0")]))
+    api.taints = False
+    # In use: an update of a slice that has taints keeps them, new ones too.
+    created["spec"]["devices"].append(tainted("gpu-1"))
+    status, updated = call(api, "PUT", f"{SLICES}/s", created)
+    assert status == 200 and [len(t) for t in taints_of(updated)] == [1, 1]
+    # Once none are left, they are dropped again; so they are on a new slice.
+    updated["spec"]["devices"] = [device("gpu-0")]
+    _, cleared = call(api, "PUT", f"{SLICES}/s", updated)
+    cleared["spec"]["devices"] = [tainted("gpu-0")]
+    _, dropped = call(api, "PUT", f"{SLICES}/s", cleared)
+    assert taints_of(dropped) == [None]
+    _, fresh = call(api, "POST", SLICES, resource_slice(devices=[tainted("gpu-0")]))
+    assert taints_of(fresh) == [None]
+    api.taints = True
+    _, kept = call(api, "POST", SLICES, resource_slice(devices=[tainted("gpu-0")]))
+    assert len(taints_of(kept)[0]) == 1
+
+
+def test_dry_run_create(api: FakeApiServer) -> None:
+    rv = list_version(api)
+    dry = f"{SLICES}?dryRun=All"
+    with WatchStream(api, f"watch=true&resourceVersion={rv}") as watch:
+        status, answer = call(api, "POST", dry, resource_slice(devices=[tainted("gpu-0")]))
+        assert status == 201
+        assert answer["apiVersion"] == f"{GROUP}/v1" and answer["kind"] == "ResourceSlice"
+        meta = answer["metadata"]
+        assert meta["name"].startswith(f"node-a-{DRIVER}-") and meta["name"] != f"node-a-{DRIVER}-"
+        assert meta["uid"] and meta["creationTimestamp"].endswith("Z") and meta["generation"] == 1
+        assert not meta.get("resourceVersion")
+        assert TIME.fullmatch(taints_of(answer)[0][0]["timeAdded"])
+        assert api.slices() == []
+        assert list_version(api) == rv
+        watch.quiet(0.3)
+    assert ("POST", dry, 201) in api.requests
+
+    # Checked as a real write is.
+    invalid(api, resource_slice(devices=[tainted(f"gpu-{i}") for i in range(65)]), "spec.devices", dry)
+    assert call(api, "POST", SLICES, resource_slice(name="s"))[0] == 201
+    status, body = call(api, "POST", dry, resource_slice(name="s"))
+    assert status == 409
+    assert_status(body, 409, "AlreadyExists")
+
+    # How a driver learns whether the server keeps taints.
+    with FakeApiServer(taints=False) as off:
+        status, answer = call(off, "POST", dry, resource_slice(devices=[tainted("gpu-0")]))
+        assert status == 201 and taints_of(answer) == [None]
+        assert off.slices() == []
+
+
+def test_dry_run_update(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+    change = json.loads(json.dumps(created))
+    change["spec"]["devices"] = [tainted("gpu-0")]
+    rv = list_version(api)
+    with WatchStream(api, f"watch=true&resourceVersion={rv}") as watch:
+        status, answer = call(api, "PUT", f"{SLICES}/s?dryRun=All", change)
+        assert status == 200
+        assert TIME.fullmatch(taints_of(answer)[0][0]["timeAdded"])
+        assert answer["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+        assert answer["metadata"]["generation"] == 2
+        assert api.slices() == [created]
+        assert list_version(api) == rv
+        watch.quiet(0.3)
+
+    stale = json.loads(json.dumps(change))
+    stale["metadata"]["resourceVersion"] = "1" + rv
+    assert call(api, "PUT", f"{SLICES}/s?dryRun=All", stale)[0] == 409
+    change["spec"]["nodeName"] = "node-b"
+    assert call(api, "PUT", f"{SLICES}/s?dryRun=All", change)[0] == 422
+    assert api.slices() == [created]
+
+
+def test_dry_run_bad_value(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+    for value in ("x", "all", "", "All&dryRun=x"):
+        # As the API server validates CreateOptions and UpdateOptions: 422, not a write.
+        for method, path, kind in (("POST", SLICES, "CreateOptions"), ("PUT", f"{SLICES}/s", "UpdateOptions")):
+            status, body = call(api, method, f"{path}?dryRun={value}", created if method == "PUT" else resource_slice())
+            assert status == 422, body
+            assert_status(body, 422, "Invalid")
+            assert body["details"]["kind"] == kind and body["details"]["group"] == "meta.k8s.io"
+            assert causes(body) == [("FieldValueNotSupported", "dryRun")]
+            assert 'supported values: "All"' in body["message"]
+    assert api.slices() == [created]
+
+
+def test_edit_slice(api: FakeApiServer) -> None:
+    _, created = call(api, "POST", SLICES, resource_slice(name="s"))
+    rv = created["metadata"]["resourceVersion"]
+
+    def add_taint(obj: dict[str, Any]) -> None:
+        obj["spec"]["devices"][0]["taints"] = [taint("example.com/admin", effect="NoSchedule")]
+
+    with WatchStream(api, f"watch=true&resourceVersion={rv}") as watch:
+        edited = api.edit_slice("s", add_taint)
+        assert int(edited["metadata"]["resourceVersion"]) > int(rv)
+        assert edited["metadata"]["generation"] == 2
+        assert TIME.fullmatch(taints_of(edited)[0][0]["timeAdded"])
+        assert api.slices() == [edited]
+        events = watch.events(1)
+        assert summary(events) == [("MODIFIED", "s", edited["metadata"]["resourceVersion"])]
+        assert events[0]["object"] == edited
+
+    # The driver's copy is stale now.
+    status, body = call(api, "PUT", f"{SLICES}/s", created)
+    assert status == 409
+    assert_status(body, 409, "Conflict")
+
+    with pytest.raises(ApiError) as refused:
+        api.edit_slice("s", lambda obj: obj["spec"].update(nodeName="node-b"))
+    assert refused.value.code == 422 and "spec.nodeName" in refused.value.message
+    with pytest.raises(KeyError):
+        api.edit_slice("ghost", add_taint)
+    assert api.slices() == [edited]
+
+
+def test_edit_slice_in_its_stored_version() -> None:
+    with FakeApiServer(versions=("v1", "v1beta1")) as server:
+        assert call(server, "POST", BETA_SLICES, resource_slice(name="s", version="v1beta1"))[0] == 201
+
+        def add_taint(obj: dict[str, Any]) -> None:
+            assert obj["apiVersion"] == f"{GROUP}/v1beta1"
+            obj["spec"]["devices"][0]["basic"]["taints"] = [taint()]
+
+        edited = server.edit_slice("s", add_taint)
+        assert edited["apiVersion"] == f"{GROUP}/v1beta1" and len(taints_of(edited)[0]) == 1
+        status, as_v1 = call(server, "GET", f"{SLICES}/s")
+        assert status == 200 and as_v1["spec"]["devices"][0]["taints"] == taints_of(edited)[0]
+
+        # With the gate off, an edit's new taints are dropped as a PUT's are.
+        assert call(server, "POST", SLICES, resource_slice(name="t"))[0] == 201
+        server.taints = False
+        assert taints_of(server.edit_slice("t", lambda obj: obj["spec"]["devices"][0].update(taints=[taint()]))) == [
+            None
+        ]

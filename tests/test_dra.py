@@ -27,6 +27,7 @@ from nvplug.dra import dra_devices as devices
 from nvplug.dra import resource_slices as slices
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
+from nvplug.dra.device_taints import XID_KEY, Taint
 from nvplug.dra.dra_devices import DraDevice, Value
 from nvplug.dra.slice_publisher import SlicePublisher
 from nvplug.shaping.resource_plan import Naming, plan
@@ -284,6 +285,7 @@ def dra_device(i: int, healthy: bool = True, **attributes: Value) -> DraDevice:
         reason="" if healthy else "XID 79 (test)",
         attributes=attrs | attributes,
         capacity={"memory": "81559Mi"},
+        taints=() if healthy else (Taint(XID_KEY, "79", "NoSchedule"),),
     )
 
 
@@ -729,7 +731,8 @@ def settled(api: FakeApiServer, pub: SlicePublisher, generation: int, count: int
 
 
 def test_publisher_writes_the_pool_and_updates_it_in_place(tmp_path: Path) -> None:
-    with FakeApiServer() as api:
+    # A server that drops taints (DRADeviceTaints off): an Unhealthy device leaves the pool.
+    with FakeApiServer(taints=False) as api:
         kc = api.write_kubeconfig(tmp_path / "kc")
 
         async def main() -> None:
@@ -769,18 +772,20 @@ def test_publisher_writes_the_pool_and_updates_it_in_place(tmp_path: Path) -> No
         asyncio.run(main())
 
 
-def test_publisher_splits_and_merges_slices(tmp_path: Path) -> None:
-    with FakeApiServer() as api:
+@pytest.mark.parametrize(("taints", "cut"), [(False, [72, 128]), (True, [8, 64, 64, 64])])
+def test_publisher_splits_and_merges_slices(tmp_path: Path, taints: bool, cut: list[int]) -> None:
+    # A slice with a taint holds 64 devices: where taints are kept, the pool is cut at 64 from the start.
+    with FakeApiServer(taints=taints) as api:
         kc = api.write_kubeconfig(tmp_path / "kc")
 
         async def main() -> None:
             async with publishing(kc) as pub:
                 pub.want([dra_device(i) for i in range(200)])
-                two = await until(lambda: settled(api, pub, 1, 2), "two slices")
+                two = await until(lambda: settled(api, pub, 1, len(cut)), "the slices")
                 # Slices are named by the server (generateName): their order by name is random.
-                assert sorted(len(s["spec"]["devices"]) for s in two) == [72, 128]
+                assert sorted(len(s["spec"]["devices"]) for s in two) == cut
                 assert sorted(pool_state(two)[1]) == [f"gpu-{i:03d}" for i in range(200)]
-                assert all(s["spec"]["pool"]["resourceSliceCount"] == 2 for s in two)
+                assert all(s["spec"]["pool"]["resourceSliceCount"] == len(cut) for s in two)
                 assert sorted(pub.slice_names) == [s["metadata"]["name"] for s in two]
 
                 # Back to 10 devices: one slice is rewritten, the other deleted.
@@ -789,13 +794,13 @@ def test_publisher_splits_and_merges_slices(tmp_path: Path) -> None:
                 assert one["metadata"]["name"] in {s["metadata"]["name"] for s in two}
                 assert pool_state([one]) == ({2}, [f"gpu-{i:03d}" for i in range(10)])
                 assert one["spec"]["pool"]["resourceSliceCount"] == 1
-                assert [m for m, _, _ in api.requests].count("DELETE") == 1
+                assert [m for m, _, _ in api.requests].count("DELETE") == len(cut) - 1
 
         asyncio.run(main())
 
 
 def test_publisher_publishes_an_empty_pool(tmp_path: Path) -> None:
-    with FakeApiServer() as api:
+    with FakeApiServer(taints=False) as api:
         kc = api.write_kubeconfig(tmp_path / "kc")
 
         async def main() -> None:

@@ -112,7 +112,8 @@ def serving(node: SimulatedNode, api: FakeApiServer, kubelet: DraKubelet) -> Ite
 
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1", "v1beta1"))
+    # A 1.34 control plane: DRADeviceTaints is alpha and off, so an Unhealthy device leaves the pool.
+    api = FakeApiServer(versions=("v1", "v1beta1"), taints=False)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.34", api))
 

@@ -10,13 +10,15 @@ from types import MappingProxyType
 import pytest
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet, HealthUpdate
+from test_dra import naming
 from test_dra_e2e import NODE, Dra, serving
 from test_driver_hang import MIG_CONFIG_CHANGE
 from test_health import heal
 
 from nvplug.core.gpu import Gpu
+from nvplug.core.health import Clears, Fault, Health, HealthState
 from nvplug.core.node_state import HungCall, Snapshot
-from nvplug.dra.dra_devices import DraDevice
+from nvplug.dra.dra_devices import offered
 from nvplug.dra.dra_driver import health_reports
 from nvplug.dra.resource_health import RESEND_SECONDS, TIMEOUT_SECONDS
 from nvplug.testing.simulated_node import SimulatedNode
@@ -80,14 +82,22 @@ def test_a_quiet_device_is_reported_again_before_the_kubelets_timeout(dra: Dra) 
 
 def test_which_devices_a_hung_call_leaves_unknown() -> None:
     g0, g1 = Gpu("GPU-0", 0, "0000:18:00.0"), Gpu("GPU-1", 1, "0000:19:00.0")
-    pool = [DraDevice("gpu-0", g0, None, True, "", {}, {}), DraDevice("gpu-1", g1, None, False, "XID 79", {}, {})]
+    xid = HealthState(Health.UNHEALTHY, "XID 79", 0.0, Clears.RESET, fault=Fault.XID, xid=79)
+    health = {"GPU-0": HealthState(Health.HEALTHY, "discovered", 0.0), "GPU-1": xid}
 
     def reports(*hung: HungCall) -> list[tuple[str, str, str]]:
-        snap = Snapshot(1, gpus=(g0, g1), hung_calls=MappingProxyType(dict(enumerate(hung))))
-        return [(r.device, r.health, r.message) for r in health_reports(pool, snap)]
+        snap = Snapshot(1, gpus=(g0, g1), health=MappingProxyType(health),
+                        hung_calls=MappingProxyType(dict(enumerate(hung))))  # fmt: skip
+        return [(r.device, r.health, r.message) for r in health_reports(offered(snap, naming("")))]
 
     assert reports() == [("gpu-0", "Healthy", ""), ("gpu-1", "Unhealthy", "XID 79")]
-    # A scan that hangs on GPU 1 names it by index; a probe by UUID; a call that names neither, every GPU.
-    assert [h for _, h, _ in reports(HungCall("scan", None, 1, 0.0))] == ["Healthy", "Unknown"]
+    # A scan that hangs on GPU 0 names it by index; a probe by UUID; a call that names neither, every GPU.
+    # A known fault stays Unhealthy through a hang: nvplug knows it is broken.
+    assert [h for _, h, _ in reports(HungCall("scan", None, 0, 0.0))] == ["Unknown", "Unhealthy"]
     assert [h for _, h, _ in reports(HungCall("probe", "GPU-0", None, 0.0))] == ["Unknown", "Unhealthy"]
-    assert [h for _, h, _ in reports(HungCall("scan", None, None, 0.0))] == ["Unknown", "Unknown"]
+    assert [h for _, h, _ in reports(HungCall("scan", None, None, 0.0))] == ["Unknown", "Unhealthy"]
+    assert [h for _, h, _ in reports(HungCall("probe", "GPU-1", None, 0.0))] == ["Healthy", "Unhealthy"]
+    # A fault of a GPU nvplug cannot check (the driver past its deadline) is Unknown too, with the reason.
+    health["GPU-1"] = HealthState(Health.UNHEALTHY, "the driver has not answered for 60 s (probe)", 0.0,
+                                  Clears.PROBE, fault=Fault.UNMONITORED)  # fmt: skip
+    assert reports()[1] == ("gpu-1", "Unknown", "nvplug cannot check it: the driver has not answered for 60 s (probe)")

@@ -289,10 +289,14 @@ def _advertised_text(
 
 
 def _dra_text(device: Mapping[str, Any]) -> str:
-    """`gpu.nvidia.com gpu-5, claimed by ml/train` (or `in the pool`, `not in the pool: Unhealthy`)."""
+    """`gpu.nvidia.com gpu-5, claimed by ml/train` (or `in the pool`, `left out of the pool (Unhealthy)`,
+    `in the pool, tainted gpu.nvidia.com/xid=79:NoSchedule`)."""
     claims = device.get("claims") or []
+    taints = device.get("taints") or []
     where = f"claimed by {', '.join(claims)}" if claims else "in the pool"
-    if not device.get("healthy"):
+    if taints:
+        where += f", tainted {', '.join(taints)}"
+    elif not device.get("healthy"):
         where = "left out of the pool (Unhealthy)" + (f", prepared for {', '.join(claims)}" if claims else "")
     return f"{device.get('driver')} {device.get('device')}, {where}"
 

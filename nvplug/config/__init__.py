@@ -33,6 +33,8 @@ from nvplug.config.model import (
     SharedPolicy,
     Sharing,
     SharingStrategy,
+    TaintEffect,
+    TaintEffects,
 )
 from nvplug.config.value_readers import (
     ANNOTATION_KEY_LENGTH,
@@ -88,6 +90,8 @@ __all__ = [
     "SharedPolicy",
     "Sharing",
     "SharingStrategy",
+    "TaintEffect",
+    "TaintEffects",
     "as_dict",
     "load",
     "off_or_path",

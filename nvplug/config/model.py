@@ -330,6 +330,29 @@ class Imex:
     required: bool = field(default=False, metadata=key("required", "fail when the IMEX channels are missing", boolean))
 
 
+TaintEffect = Literal["None", "NoSchedule", "NoExecute"]
+
+
+@dataclass(frozen=True)
+class TaintEffects:
+    """nvplug.dra.taintEffect: the effect of each kind of device taint (NoExecute evicts the pods on it)."""
+
+    # NVIDIA's DRA driver's defaults: the scheduler keeps new claims off a broken GPU, pods stay.
+    xid: TaintEffect = field(
+        default="NoSchedule", metadata=key("xid", "an Xid that takes the GPU out", choice(TaintEffect))
+    )
+    gpu_lost: TaintEffect = field(
+        default="NoSchedule", metadata=key("gpuLost", "a GPU the driver cannot reach", choice(TaintEffect))
+    )
+    unmonitored: TaintEffect = field(
+        default="None", metadata=key("unmonitored", "a GPU nvplug cannot check", choice(TaintEffect))
+    )
+    unhealthy: TaintEffect = field(
+        default="NoSchedule",
+        metadata=key("unhealthy", "any other fault (ECC, a pending repair, ...)", choice(TaintEffect)),
+    )
+
+
 @dataclass(frozen=True)
 class DraConfig:
     """nvplug.dra: the DRA kubelet plugin, off by default."""
@@ -355,6 +378,11 @@ class DraConfig:
     )
     plugins_dir: str = field(
         default=DEFAULT_KUBELET_PLUGINS, metadata=key("pluginsDir", "where plugins' sockets live", absolute_path)
+    )
+    # Where the API server keeps device taints (DRADeviceTaints), an Unhealthy device stays in the pool, tainted.
+    taint_effect: TaintEffects = field(
+        default_factory=TaintEffects,
+        metadata=key("taintEffect", "the effect of each kind of device taint", section=TaintEffects),
     )
 
 

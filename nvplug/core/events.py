@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, NoReturn
 
 from nvplug.core.gpu import Gpu
-from nvplug.core.health import Clears
+from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors
 from nvplug.core.topology import Topology
 
@@ -26,6 +26,8 @@ class ProbeResult:
     clears: Clears = Clears.PROBE
     # NVML's recovery action (field 230) as the probe read it; 0 when none or not reported.
     recovery_action: int = 0
+    # What kind of failure: a GPU NVML cannot read is lost; a call that does not return, unmonitored.
+    fault: Fault = Fault.OTHER
 
     @property
     def passed(self) -> bool:
@@ -73,6 +75,7 @@ class HealthReported:
     reason: str
     # ECC and poison need a reset; a GPU that only went unreachable clears on a passing probe.
     clears: Clears = Clears.RESET
+    fault: Fault = Fault.OTHER
 
 
 @dataclass(frozen=True)

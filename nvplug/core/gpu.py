@@ -53,6 +53,9 @@ class Gpu:
     # As NVIDIA's tools spell them (Tesla, Nvidia; Hopper, Ada Lovelace): DRA device attributes.
     brand: str | None = None
     architecture: str | None = None
+    # The PCIe root complex it sits under, as sysfs names it (`pci0000:15`): a NIC under the same
+    # root is the one to pair it with.
+    pcie_root: str | None = None
 
     @property
     def label(self) -> str:

@@ -39,6 +39,19 @@ class Clears(str, enum.Enum):
 _RANK = {Clears.CHECK: 0, Clears.PROBE: 1, Clears.RESET: 2}
 
 
+class Fault(str, enum.Enum):
+    """What kind of fault it is, for those who say so outside nvplug (the DRA driver's device taints)."""
+
+    # An Xid: its code is in HealthState.xid.
+    XID = "xid"
+    # The GPU cannot be reached: NVML cannot read it, or the driver let go of it.
+    LOST = "lost"
+    # Nothing can check it: NVML is down, or the driver does not answer.
+    UNMONITORED = "unmonitored"
+    # The rest: ECC, poison, a pending repair, a recovery action, what Allocate needs missing, a reset.
+    OTHER = "other"
+
+
 @dataclass(frozen=True)
 class HealthState:
     health: Health
@@ -55,6 +68,9 @@ class HealthState:
     # What the faults ask for, in the XID catalog's words: RESET_GPU is one nvplug may do itself
     # (nvplug.health.autoReset); None where no fault said (or they disagree with RESET_GPU).
     remedy: str | None = None
+    # What kind of fault it is, and the Xid's code for an Xid; None while Healthy.
+    fault: Fault | None = None
+    xid: int | None = None
 
     @property
     def resettable(self) -> bool:

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from nvplug.core.events import MpsGroupChanged, MpsGroupRemoved
-from nvplug.core.health import Clears, Health, HealthState
+from nvplug.core.health import Clears, Fault, Health, HealthState
 
 # The health of a device whose group no daemon has answered for yet: one object, so that the
 # projection of an unchanged block compares equal revision after revision.
-NOT_STARTED = HealthState(Health.UNHEALTHY, "its MPS control daemon has not started yet", 0.0, Clears.PROBE)
+NOT_STARTED = HealthState(
+    Health.UNHEALTHY, "its MPS control daemon has not started yet", 0.0, Clears.PROBE, fault=Fault.OTHER
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def apply_group(
         health = (
             before.health
             if same and before is not None
-            else HealthState(Health.UNHEALTHY, event.reason, now, Clears.PROBE)
+            else HealthState(Health.UNHEALTHY, event.reason, now, Clears.PROBE, fault=Fault.OTHER)
         )
         up_since = None
     state = MpsGroupState(event.group, event.resource, event.units, health, event.pid, up_since, event.restarts,

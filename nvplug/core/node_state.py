@@ -50,7 +50,7 @@ from nvplug.core.events import (
     XidOccurred,
 )
 from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.health import RESET_GPU, Clears, Health, HealthState, Recorded, merged_remedy
+from nvplug.core.health import RESET_GPU, Clears, Fault, Health, HealthState, Recorded, merged_remedy
 from nvplug.core.mig import CapMinors
 from nvplug.core.mps_state import MpsGroupState, apply_group, unit_health
 from nvplug.core.readiness import unready
@@ -90,6 +90,7 @@ class LoggedFault:
     reason: str
     seq: int
     remedy: str | None = None
+    xid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ class NodeState:
         elif isinstance(event, ProbeResult):
             self._probe(draft, event)
         elif isinstance(event, HealthReported):
-            draft.fault(event.uuid, event.reason, event.clears)
+            draft.fault(event.uuid, event.reason, event.clears, kind=event.fault)
         elif isinstance(event, EvidenceFound):
             gpu = draft.gpu(event.uuid)
             if gpu is not None:
@@ -377,13 +378,15 @@ class NodeState:
             if uuid not in draft.health:
                 draft.health[uuid] = self._first_health(draft, uuid, gpu)
         for gpu in kept:
-            draft.fault(gpu.uuid, "GPU is lost: NVML counts it but cannot read it", Clears.PROBE)
+            draft.fault(gpu.uuid, "GPU is lost: NVML counts it but cannot read it", Clears.PROBE, kind=Fault.LOST)
         if draft.logged:
             logged = dict(draft.logged)
             for gpu in draft.gpus:
                 fault = logged.pop(gpu.bus_id, None)
                 if fault is not None:
-                    draft.fault(gpu.uuid, fault.reason, Clears.RESET, remedy=fault.remedy)
+                    draft.fault(
+                        gpu.uuid, fault.reason, Clears.RESET, remedy=fault.remedy, kind=Fault.XID, xid=fault.xid
+                    )
             draft.logged = MappingProxyType(logged)
         draft.topology = event.topology
         draft.cap_minors = event.cap_minors
@@ -418,14 +421,15 @@ class NodeState:
         draft.note(Change("nvml failed", reason=event.reason))
         # Nothing can check these GPUs now: stop offering them until NVML is back and probes pass.
         for gpu in draft.gpus:
-            draft.fault(gpu.uuid, f"NVML unavailable: {event.reason}", Clears.PROBE)
+            draft.fault(gpu.uuid, f"NVML unavailable: {event.reason}", Clears.PROBE, kind=Fault.UNMONITORED)
 
     def _probe(self, draft: _Draft, probe: ProbeResult) -> None:
         gpu = draft.gpu(probe.uuid)
         if gpu is None:
             return
         if probe.failure is not None:
-            draft.fault(probe.uuid, f"probe failed: {probe.failure}", probe.clears, probe.recovery_action)
+            failure = f"probe failed: {probe.failure}"
+            draft.fault(probe.uuid, failure, probe.clears, probe.recovery_action, kind=probe.fault)
             return
         for uuid, state in list(draft.devices_of(gpu)):
             if state.healthy or not state.probe_clears:
@@ -455,7 +459,8 @@ class NodeState:
             None,
         )
         if decision.verdict is Verdict.UNHEALTHY:
-            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET, remedy=decision.action)
+            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET, remedy=decision.action,
+                        kind=Fault.XID, xid=event.code)  # fmt: skip
         elif decision.verdict is Verdict.HEALTHY:
             # Worth a log line even though the picture does not change.
             draft.note(Change("xid, stays healthy", gpu, decision.reason))
@@ -492,9 +497,8 @@ class NodeState:
         else:
             hung[event.number] = HungCall(event.call, gpu.uuid if gpu else event.uuid, event.index, event.since)
             if event.past_limit and gpu is not None:
-                draft.fault(
-                    gpu.uuid, f"the driver has not answered for {event.seconds:.0f} s ({event.call})", Clears.PROBE
-                )
+                draft.fault(gpu.uuid, f"the driver has not answered for {event.seconds:.0f} s ({event.call})",
+                            Clears.PROBE, kind=Fault.UNMONITORED)  # fmt: skip
             elif not event.past_limit:
                 draft.note(Change("nvml call hung", gpu, hung[event.number].describe()))
         draft.hung_calls = MappingProxyType(hung)
@@ -568,11 +572,11 @@ class NodeState:
         if gpu is None:
             # Kept by bus id until a scan finds the GPU (NVML down at the start, say).
             logged = dict(draft.logged)
-            logged[event.bus_id] = LoggedFault(reason, event.seq, remedy)
+            logged[event.bus_id] = LoggedFault(reason, event.seq, remedy, code)
             draft.logged = MappingProxyType(logged)
             draft.note(Change("kernel log fault of a GPU not found yet", reason=f"{event.bus_id}: {reason}"))
             return
-        draft.fault(gpu.uuid, reason, Clears.RESET, remedy=remedy)
+        draft.fault(gpu.uuid, reason, Clears.RESET, remedy=remedy, kind=Fault.XID, xid=code)
 
     def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
         gpu = draft.gpu(event.uuid)
@@ -603,7 +607,7 @@ class NodeState:
         elif event.action == "unbind":
             # Still on the bus, perhaps being reset: keep the ID, stop offering it. NVML sees it
             # again only once re-bound, so the unbind is the evidence of the re-bind to come.
-            draft.fault(gpu.uuid, "driver unbound from the PCI device", Clears.RESET)
+            draft.fault(gpu.uuid, "driver unbound from the PCI device", Clears.RESET, kind=Fault.LOST)
             draft.evidence(gpu, "driver unbound and re-bound")
 
 
@@ -658,7 +662,15 @@ class _Draft:
         self.xids = MappingProxyType(xids)
 
     def fault(
-        self, uuid: str, reason: str, clears: Clears, recovery_action: int = 0, remedy: str | None = None
+        self,
+        uuid: str,
+        reason: str,
+        clears: Clears,
+        recovery_action: int = 0,
+        remedy: str | None = None,
+        *,
+        kind: Fault = Fault.OTHER,
+        xid: int | None = None,
     ) -> None:
         """A fault of a GPU or MIG device (logged under its GPU, the MIG device named first).
 
@@ -696,6 +708,8 @@ class _Draft:
             recovery_action or current.recovery_action,
             instance,
             remedy if clears is Clears.RESET else None,
+            kind,
+            xid,
         )
         self.note(Change("unhealthy" if current.healthy else "fault while unhealthy", gpu, subject + reason))
 
@@ -728,7 +742,9 @@ class _Draft:
         problem = self.unallocatable(uuid)
         if problem is not None:
             # Never Healthy while Allocate would refuse it.
-            self.health[uuid] = HealthState(Health.UNHEALTHY, f"cannot be allocated: {problem}", self.now, Clears.CHECK)
+            self.health[uuid] = HealthState(
+                Health.UNHEALTHY, f"cannot be allocated: {problem}", self.now, Clears.CHECK, fault=Fault.OTHER
+            )
             self.note(Change("fault while unhealthy", found[0], found[1] + self.health[uuid].reason))
             return
         self.health[uuid] = HealthState(Health.HEALTHY, reason, self.now)

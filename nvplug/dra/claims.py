@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nvplug.base.checkpoint import Checkpoint, CheckpointError, read_checkpoint, seal, write_checkpoint
+from nvplug.dra.device_taints import untolerated
 from nvplug.dra.dra_devices import DraDevice
 
 log = logging.getLogger("nvplug.dra")
@@ -84,7 +85,7 @@ def prepare(
         device = offered.get(name)
         if device is None:
             raise ClaimError(f"{ref}: device {name} is not offered by {driver} on {pool} (unknown device)")
-        if not device.healthy and not result.get("adminAccess"):
+        if not device.healthy and not result.get("adminAccess") and _refused(device, result.get("tolerations")):
             raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}")
         request = str(result.get("request", "")).split("/")[0]
         by_device.setdefault(name, []).append(request)
@@ -93,6 +94,14 @@ def prepare(
         for name, requests in by_device.items()
     )
     return PreparedClaim(ref, devices, reserved_pods(claim))
+
+
+def _refused(device: DraDevice, tolerations: Any) -> bool:
+    """An Unhealthy device is handed out only where its taints let the scheduler give it: an effect of
+    None, or one the request tolerates (a diagnostic pod's, say). Untainted, it is never."""
+    if not device.taints:
+        return True
+    return bool(untolerated(device.taints, [t for t in tolerations or [] if isinstance(t, dict)]))
 
 
 def reserved_pods(claim: Mapping[str, Any]) -> tuple[str, ...]:

@@ -7,17 +7,24 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from nvplug.core.gpu import Gpu, MigDevice, uuid_of
+from nvplug.config import TaintEffects
+from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from nvplug.core.node_state import Snapshot
+from nvplug.dra.device_taints import Taint, taints_for
 from nvplug.shaping.resource_plan import Naming, device_health
 
 GPU_TYPE = "gpu"
 MIG_TYPE = "mig"
-# The standard attribute for a PCI address (resource.kubernetes.io), beside NVIDIA's own pcieBusID.
+# The standard attributes (resource.kubernetes.io) for a PCI address, beside NVIDIA's own pcieBusID, and
+# for what a claim aligns a GPU with a NIC or CPUs on: its PCIe root complex and its NUMA node.
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE = "resource.kubernetes.io/numaNode"
 # The API's limits: a string attribute's length, and a device's attributes and capacities together.
 MAX_STRING = 64
 MAX_FIELDS = 32
+# The taints' effects where the config says nothing: NVIDIA's DRA driver's.
+NVIDIA_EFFECTS = TaintEffects()
 
 # An attribute value as the API types it: ("string", "gpu"), ("int", 3), ("version", "12.4.0"), ("bool", True).
 Value = tuple[str, str | int | bool]
@@ -35,15 +42,18 @@ class DraDevice:
     reason: str
     attributes: Mapping[str, Value]
     capacity: Mapping[str, str]
+    # What its slice says of its health, where the API server keeps taints.
+    taints: tuple[Taint, ...] = ()
 
     @property
     def uuid(self) -> str:
         return uuid_of(self.gpu, self.mig)
 
 
-def offered(snapshot: Snapshot, naming: Naming) -> list[DraDevice]:
+def offered(snapshot: Snapshot, naming: Naming, effects: TaintEffects = NVIDIA_EFFECTS) -> list[DraDevice]:
     """The pool: each GPU given to DRA whole, or its MIG devices under migStrategy single or mixed."""
     out = []
+    unchecked = hung_gpus(snapshot)
     for gpu in snapshot.gpus:
         if not naming.dra_owns(gpu):
             continue
@@ -62,9 +72,17 @@ def offered(snapshot: Snapshot, naming: Naming) -> list[DraDevice]:
                     reason=health.reason,
                     attributes=attributes,
                     capacity=_capacity(gpu, mig),
+                    taints=taints_for(health, gpu.uuid in unchecked or None in unchecked, effects),
                 )
             )
     return out
+
+
+def hung_gpus(snapshot: Snapshot) -> set[str | None]:
+    """The GPUs an NVML call on hangs, by UUID; None in it: a call that names no GPU (every GPU unchecked)."""
+    by_index = {g.index: g.uuid for g in snapshot.gpus}
+    # A call names its GPU by UUID, or (a scan) by index.
+    return {c.uuid or (by_index.get(c.index) if c.index is not None else None) for c in snapshot.hung_calls.values()}
 
 
 def device_name(gpu: Gpu, mig: MigDevice | None) -> str:
@@ -94,6 +112,11 @@ def _common(snapshot: Snapshot, gpu: Gpu) -> dict[str, Value]:
     for key, text in strings:
         if text:
             out[key] = ("string", text[:MAX_STRING])
+    if gpu.pcie_root:
+        out[PCIE_ROOT] = ("string", gpu.pcie_root)
+    # None for a GPU without NUMA affinity: -1 would match every other such device in matchAttribute.
+    if gpu.numa_node != NO_NUMA_NODE:
+        out[NUMA_NODE] = ("int", gpu.numa_node)
     cc = gpu.compute_capability
     cuda = snapshot.cuda_version
     versions = (

@@ -12,15 +12,17 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
-from nvplug.dra import claims
+from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim
+from nvplug.dra.device_taints import unmonitored
 from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_health import DeviceReport, HealthStream
@@ -38,15 +40,14 @@ log = logging.getLogger("nvplug.dra")
 DRA_REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 
-def health_reports(devices: Sequence[DraDevice], snapshot: Snapshot) -> list[DeviceReport]:
-    """Each device's health for the kubelet: Unknown while an NVML call on its GPU (or a scan) hangs."""
-    by_index = {g.index: g.uuid for g in snapshot.gpus}
-    # A call names its GPU by UUID, or (a scan) by index; one that names neither leaves every GPU unchecked.
-    hung = {c.uuid or (by_index.get(c.index) if c.index is not None else None) for c in snapshot.hung_calls.values()}
+def health_reports(devices: Sequence[DraDevice]) -> list[DeviceReport]:
+    """Each device's health for the kubelet, as its taints say it: Unknown while nvplug cannot check it
+    and knows no fault of it (a known fault stays Unhealthy through a hang)."""
     out = []
     for d in devices:
-        if d.gpu.uuid in hung or None in hung:
-            out.append(DeviceReport(d.name, "Unknown", "nvplug cannot check it: an NVML call on it does not return"))
+        if unmonitored(d.taints):
+            why = d.reason if not d.healthy else "an NVML call on its GPU does not return"
+            out.append(DeviceReport(d.name, "Unknown", f"nvplug cannot check it: {why}"))
         elif d.healthy:
             out.append(DeviceReport(d.name, "Healthy"))
         else:
@@ -75,6 +76,7 @@ class DraDriver(Sink):
         self.driver = dra.driver_name
         self.node = node_name(cfg)
         self.naming = Naming.from_config(cfg)
+        self.effects = dra.taint_effect
         self.id_strategy = cfg.flags.plugin.device_id_strategy
         client: ApiClient | None = None
         error = None
@@ -89,7 +91,8 @@ class DraDriver(Sink):
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
         self.health = HealthStream(self.node)
         self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare_claim,
-                                  self.unprepare_claim, self._registered, [self.health.handler()])  # fmt: skip
+                                  self.unprepare_claim, self._registered, self.health.handlers(),
+                                  resource_health.SERVICES)  # fmt: skip
         self.registered = False
         self.registration_error: str | None = None
         self.devices: list[DraDevice] = []
@@ -220,11 +223,11 @@ class DraDriver(Sink):
 
     def offer(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed, its health streamed."""
-        devices = offered(snapshot, self.naming)
+        devices = offered(snapshot, self.naming, self.effects)
         if devices != self.devices:
             self.devices = devices
             self.publisher.want(devices)
-        self.health.update(health_reports(devices, snapshot))
+        self.health.update(health_reports(devices))
 
     def owned(self, snapshot: Snapshot) -> set[str]:
         """The UUIDs of the GPUs offered through DRA."""
@@ -243,7 +246,8 @@ class DraDriver(Sink):
         except FAILURES as err:
             why = "not found" if isinstance(err, ApiError) and err.status == 404 else str(err)
             raise ClaimError(f"{ref}: cannot read the claim from the API server: {why}") from err
-        pool = {d.name: d for d in self.devices}
+        # Taints the API server does not keep let nothing through: the device left the pool instead.
+        pool = {d.name: d if self.publisher.taints else replace(d, taints=()) for d in self.devices}
         prepared = claims.prepare(ref, claim, self.driver, self.node, pool, self._cdi_ids)
         # Saved before the answer: a restart right after still knows what was handed out.
         self.claims.put(prepared)
@@ -274,7 +278,7 @@ class DraDriver(Sink):
         out: dict[str, list[dict[str, object]]] = {}
         for d in self.devices:
             entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
-                     "claims": self._held(d)}  # fmt: skip
+                     "claims": self._held(d), "taints": self._taints(d)}  # fmt: skip
             out.setdefault(d.gpu.uuid, []).append(entry)
         return out
 
@@ -303,6 +307,10 @@ class DraDriver(Sink):
                     out.setdefault(device.uuid, []).append(holder)
         return out
 
+    def _taints(self, device: DraDevice) -> list[str]:
+        """Its taints as the slice holds them (`gpu.nvidia.com/xid=79:NoSchedule`); none where they are not kept."""
+        return [str(t) for t in device.taints] if self.publisher.taints else []
+
     def _held(self, device: DraDevice) -> list[str]:
         """The claims prepared with the device, as namespace/name."""
         return [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(device.uuid)]
@@ -317,7 +325,14 @@ class DraDriver(Sink):
             "health_streams": self.health.streams,
             "plugin_socket": str(self.sockets.plugin_socket),
             "devices": [
-                {"name": d.name, "uuid": d.uuid, "healthy": d.healthy, "claims": self._held(d)} for d in self.devices
+                {
+                    "name": d.name,
+                    "uuid": d.uuid,
+                    "healthy": d.healthy,
+                    "claims": self._held(d),
+                    "taints": self._taints(d),
+                }
+                for d in self.devices
             ],
             "claims": [
                 {

@@ -45,8 +45,10 @@ class DraSockets:
         unprepare: Unprepare,
         on_registration: Registered,
         extra: Sequence[grpc.GenericRpcHandler] = (),
+        extra_services: Sequence[str] = (),
     ) -> None:
-        """`extra`: more services on the plugin's socket (the resource-health stream)."""
+        """`extra`: more services on the plugin's socket (the resource-health stream), whose names
+        `extra_services` lists in GetInfo (a kubelet from 1.37 on picks its health service there)."""
         self.driver = driver
         self.registration_socket = registry_dir / f"{driver}-reg.sock"
         self.plugin_socket = plugins_dir / driver / "dra.sock"
@@ -54,6 +56,7 @@ class DraSockets:
         self._unprepare = unprepare
         self._on_registration = on_registration
         self._extra = list(extra)
+        self._services = (*SERVICES, *extra_services)
         self._servers: dict[Path, grpc.aio.Server] = {}
 
     @property
@@ -103,7 +106,7 @@ class DraSockets:
 
         async def get_info(request: Any, context: Any) -> Any:
             return pb.PluginInfo(
-                type=PLUGIN_TYPE, name=self.driver, endpoint=str(self.plugin_socket), supported_versions=SERVICES
+                type=PLUGIN_TYPE, name=self.driver, endpoint=str(self.plugin_socket), supported_versions=self._services
             )
 
         async def notify(request: Any, context: Any) -> Any:

@@ -1,9 +1,13 @@
-"""The kubelet's DRA resource-health stream (v1alpha1.DRAResourceHealth/NodeWatchResources, KEP-4680).
+"""The kubelet's DRA resource-health stream (DRAResourceHealth/NodeWatchResources, KEP-4680).
 
 Each response is the complete list of the pool's devices, named as in the slices (pool, device):
 Healthy, Unhealthy with the reason, or Unknown while nvplug cannot check the GPU (an NVML call on
 it hangs). It goes out at once on every change, and again well within the kubelet's timeout: a
 device not reported again turns Unknown, and a pod on it shows that in its status.
+
+The service is served as v1alpha1 (which kubelets 1.34 to 1.36 call at every registration, listed or
+not), v1beta1 and v1 (which later kubelets pick from GetInfo, v1 first): the messages are the same
+in each, field for field, so one set of classes serves all three.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from nvplug.protos import dra_health_v1alpha1_pb2 as pb
 
 log = logging.getLogger("nvplug.dra")
 
-SERVICE = "v1alpha1.DRAResourceHealth"
+# Newest first, as GetInfo lists them.
+SERVICES = ("v1.DRAResourceHealth", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 # The kubelet's timeout, said in each report, and the resend well within it.
 TIMEOUT_SECONDS = 30
 RESEND_SECONDS = 10.0
@@ -88,14 +93,8 @@ class HealthStream:
         finally:
             self.streams -= 1
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
-                    self._watch,
-                    pb.NodeWatchResourcesRequest.FromString,
-                    pb.NodeWatchResourcesResponse.SerializeToString,
-                )
-            },
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        method = grpc.unary_stream_rpc_method_handler(
+            self._watch, pb.NodeWatchResourcesRequest.FromString, pb.NodeWatchResourcesResponse.SerializeToString
         )
+        return [grpc.method_handlers_generic_handler(s, {"NodeWatchResources": method}) for s in SERVICES]

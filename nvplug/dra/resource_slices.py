@@ -14,27 +14,36 @@ VERSIONS = ("v1", "v1beta2", "v1beta1")
 MAX_DEVICES = 128
 
 
-def device_object(device: DraDevice, version: str) -> dict[str, Any]:
-    """A device entry: v1beta1 nests attributes and capacity under `basic`, later versions do not."""
-    body = {
+def device_object(device: DraDevice, version: str, taints: bool = True) -> dict[str, Any]:
+    """A device entry: v1beta1 nests attributes, capacity and taints under `basic`, later versions do not."""
+    body: dict[str, Any] = {
         "attributes": {key: {kind: value} for key, (kind, value) in sorted(device.attributes.items())},
         "capacity": {key: {"value": value} for key, value in sorted(device.capacity.items())},
     }
+    if taints and device.taints:
+        body["taints"] = [t.as_object() for t in device.taints]
     return {"name": device.name, "basic": body} if version == "v1beta1" else {"name": device.name, **body}
 
 
-def pool_devices(devices: Sequence[DraDevice], version: str) -> list[dict[str, Any]]:
-    """What the pool offers: the healthy devices, by name. An Unhealthy device leaves the pool (taints are
-    alpha through Kubernetes 1.35), so that no new claim is allocated to it."""
-    return [device_object(d, version) for d in sorted(devices, key=lambda d: d.name) if d.healthy]
+def pool_devices(devices: Sequence[DraDevice], version: str, taints: bool = False) -> list[dict[str, Any]]:
+    """What the pool offers, by name. With `taints` (the API server keeps them) an Unhealthy device stays,
+    tainted; without, it leaves the pool, so that no new claim gets it."""
+    kept = [d for d in devices if d.healthy or (taints and d.taints)]
+    return [device_object(d, version, taints) for d in sorted(kept, key=lambda d: d.name)]
 
 
 def slices(
-    devices: Sequence[Mapping[str, Any]], driver: str, node: str, generation: int, version: str
+    devices: Sequence[Mapping[str, Any]],
+    driver: str,
+    node: str,
+    generation: int,
+    version: str,
+    per_slice: int = MAX_DEVICES,
 ) -> list[dict[str, Any]]:
-    """The pool in slices of at most MAX_DEVICES devices; an empty pool is one empty slice, so that
-    the pool (and its generation) still exists."""
-    chunks = [list(devices[i : i + MAX_DEVICES]) for i in range(0, len(devices), MAX_DEVICES)] or [[]]
+    """The pool in slices of at most `per_slice` devices (a slice with a taint holds 64, so a pool that
+    may be tainted is cut at 64: a fault then changes one slice, not the cut); an empty pool is one
+    empty slice, so that the pool (and its generation) still exists."""
+    chunks = [list(devices[i : i + per_slice]) for i in range(0, len(devices), per_slice)] or [[]]
     return [
         {
             "apiVersion": f"{GROUP}/{version}",

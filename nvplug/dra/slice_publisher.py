@@ -20,8 +20,9 @@ from urllib.parse import quote
 
 from nvplug.base.backoff import Backoff
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
+from nvplug.dra.device_taints import MAX_TAINTED_DEVICES, UNMONITORED_KEY, Taint, keep_stored, kept
 from nvplug.dra.dra_devices import DraDevice
-from nvplug.dra.resource_slices import GROUP, VERSIONS, pool_devices, slices
+from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, pool_devices, slices
 
 log = logging.getLogger("nvplug.dra")
 
@@ -34,6 +35,8 @@ SETTLE_SECONDS = 2.0
 WATCH_SECONDS = 300
 # Our writes' resourceVersions kept for the watch to recognise; more means no watch takes them in.
 MAX_OURS = 1024
+# 409s in a row (someone else wrote the slice meanwhile) read again and merged at once; then backoff.
+MAX_CONFLICTS = 3
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
 FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
 
@@ -80,6 +83,9 @@ class SlicePublisher:
         # resourceVersions) are in, or our own write would read as someone else's.
         self._writing = False
         self._held_back: list[dict[str, Any]] = []
+        # Whether the API server keeps device taints (a dry run tells; so does each write); None: not asked.
+        self.taints: bool | None = None
+        self._said_taints: bool | None = None
 
     def want(self, devices: Sequence[DraDevice]) -> None:
         self._devices = list(devices)
@@ -90,6 +96,8 @@ class SlicePublisher:
         once its start-up wipe is surely over: the watch sees it, this does if the watch cannot."""
         self._known = None
         self._republished += 1
+        # Whether taints are kept is asked again: the control plane may have been upgraded meanwhile.
+        self.taints = None
         self._wake.set()
         if settle:
             if self._settle is not None:
@@ -103,8 +111,12 @@ class SlicePublisher:
         return (
             known is not None
             and version is not None
-            and _same_pool(known, pool_devices(self._devices, version), self.generation)
+            and _same_pool(known, self._wanted(version, known), self.generation)
         )
+
+    def _wanted(self, version: str, known: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pool's devices as they must be stored: tainted where taints are kept, with the stored ones kept."""
+        return keep_stored(pool_devices(self._devices, version, self.taints is not False), known)
 
     @property
     def slice_names(self) -> list[str]:
@@ -117,7 +129,10 @@ class SlicePublisher:
             "api_version": f"{GROUP}/{self.version}" if self.version else None,
             "pool_generation": self.generation,
             "slices": self.slice_names,
-            "pool_devices": sum(1 for d in self._devices if d.healthy),
+            "pool_devices": sum(1 for d in self._devices if d.healthy or (self.taints and d.taints)),
+            # Whether an Unhealthy device stays in the pool, tainted (True), or leaves it (False); None: not known.
+            "taints_kept": self.taints,
+            "tainted": {d.name: [str(t) for t in d.taints] for d in self._devices if d.taints and self.taints},
             "published_at": self.published_at,
             # What the API server holds, not what nvplug last wrote: False from a deletion seen by
             # the watch until the slices are written again.
@@ -139,6 +154,7 @@ class SlicePublisher:
 
     async def _publish_loop(self) -> None:
         retrying = RETRY_BACKOFF.schedule()
+        conflicts = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -147,8 +163,14 @@ class SlicePublisher:
             try:
                 await self._reconcile(self.client)
             except FAILURES as err:
-                self._failed(f"ResourceSlices of {self.node} not published: {err}")
                 self._known = None
+                if isinstance(err, ApiError) and err.status == 409 and conflicts < MAX_CONFLICTS:
+                    # Written by someone else meanwhile (an admin's taint): read again and merge, now.
+                    conflicts += 1
+                    log.info("ResourceSlices of %s changed meanwhile (%s); reading them again", self.node, err)
+                    self._wake.set()
+                    continue
+                self._failed(f"ResourceSlices of {self.node} not published: {err}")
                 await asyncio.sleep(retrying.next())
                 self._wake.set()
             else:
@@ -156,6 +178,7 @@ class SlicePublisher:
                 if self.error is not None:
                     log.info("ResourceSlices of %s published again", self.node)
                     self.error = None
+            conflicts = 0
             self._on_change()
 
     def _failed(self, error: str) -> None:
@@ -172,18 +195,21 @@ class SlicePublisher:
                 self._known, listed_at = await list_slices_at(client, version, self.node, self.driver)
             except ApiError as err:
                 if err.status == 404:
-                    self.version = None  # the API server changed: discover again
+                    self.version = self.taints = None  # the API server changed: discover again
                 raise
             self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
             if self._watch_from is None:
                 self._watch_from = listed_at
                 self._listed.set()
-        wanted = pool_devices(self._devices, version)
+        if self.taints is None:
+            self._taints_kept(await probe_taints(client, version, self.node, self.driver))
         known = self._known
+        wanted = self._wanted(version, known)
         if _same_pool(known, wanted, self.generation):
             return
         self.generation += 1
-        objects = slices(wanted, self.driver, self.node, self.generation, version)
+        per_slice = MAX_TAINTED_DEVICES if self.taints else MAX_DEVICES
+        objects = slices(wanted, self.driver, self.node, self.generation, version, per_slice)
         written: list[dict[str, Any]] = []
         self._known = None  # until every write is through
         self._writing = True
@@ -194,6 +220,13 @@ class SlicePublisher:
             held, self._held_back = self._held_back, []
         for event in held:
             self._watched(event)
+        sent = [d for o in objects for d in o["spec"]["devices"]]
+        stored = [d for w in written for d in w["spec"].get("devices") or []]
+        if self.taints and not kept(sent, stored):
+            # Dropped on the way in after all (the gate turned off?): the Unhealthy devices leave the pool.
+            self._taints_kept(False)
+            self._republished += 1
+            self._wake.set()
         # A republish() or a change seen meanwhile (the kubelet restarted and wiped them) means list again.
         self._known = written if self._republished == republished else None
         self.writes += 1
@@ -292,6 +325,17 @@ class SlicePublisher:
         self._relist()
         return True
 
+    def _taints_kept(self, kept: bool) -> None:
+        """Said once a change: whether an Unhealthy device stays in the pool tainted, or leaves it."""
+        if kept and self._said_taints is not True:
+            log.info("the API server keeps device taints: an Unhealthy device of %s stays in its slice, tainted",
+                     self.node)  # fmt: skip
+        elif not kept and self._said_taints is not False:
+            log.warning("the API server drops device taints (DRADeviceTaints is off, or Kubernetes is older than "
+                        "1.33): an Unhealthy device of %s leaves the pool instead", self.node)  # fmt: skip
+        self.taints = kept
+        self._said_taints = kept
+
     def _relist(self) -> None:
         self._known = None
         self._republished += 1
@@ -312,6 +356,16 @@ async def discover(client: ApiClient) -> str:
     if version is None:
         raise ValueError(f"the API server serves {GROUP} {sorted(map(str, served))}, none of {list(VERSIONS)}")
     return version
+
+
+async def probe_taints(client: ApiClient, version: str, node: str, driver: str) -> bool:
+    """Whether the API server keeps device taints, asked by a dry run that stores nothing: discovery
+    cannot tell, since a server with the gate off serves the field and drops it on write."""
+    taints = {"taints": [Taint(UNMONITORED_KEY, "", "None").as_object()]}
+    device: dict[str, Any] = {"name": "taint-probe", **({"basic": taints} if version == "v1beta1" else taints)}
+    (probe,) = slices([device], driver, node, 0, version)
+    answer = await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
+    return kept([device], (answer.get("spec") or {}).get("devices") or [])
 
 
 async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nvplug.base.checkpoint import Checkpoint, CheckpointError, seal, unseal, write_checkpoint
-from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.health import Clears, Fault, Health, HealthState, Recorded
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.statefile")
@@ -64,6 +64,9 @@ def encode(records: Mapping[str, Recorded], boot_id: str | None, saved: Saved | 
             "recovery_action": r.state.recovery_action,
             "driver_instance": r.state.driver_instance,
             "remedy": r.state.remedy,
+            # Keys an older nvplug ignores; without them a record is of an OTHER fault.
+            "fault": (r.state.fault or Fault.OTHER).value,
+            "xid": r.state.xid,
         }
         for uuid, r in sorted(records.items())
     ]
@@ -145,6 +148,9 @@ def _record(entry: Any) -> tuple[str, Recorded]:
     optional = {k: entry.get(k) for k in ("evidence", "driver_instance", "remedy")}
     if not all(isinstance(v, (str, type(None))) for v in optional.values()):
         raise TypeError("evidence, driver_instance and remedy must be strings or null")
+    xid = entry.get("xid")
+    if xid is not None and (not isinstance(xid, int) or isinstance(xid, bool)):
+        raise TypeError(f"xid is {xid!r}")
     state = HealthState(
         Health.UNHEALTHY,
         text["reason"],
@@ -154,6 +160,8 @@ def _record(entry: Any) -> tuple[str, Recorded]:
         action,
         optional["driver_instance"],
         optional["remedy"],
+        Fault(entry.get("fault", Fault.OTHER.value)),
+        xid,
     )
     return text["uuid"], Recorded(text["bus_id"], state)
 

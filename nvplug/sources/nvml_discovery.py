@@ -19,7 +19,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from nvplug.core.events import ProbeResult
 from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigAttributes, MigDevice, normalize_bus_id
-from nvplug.core.health import Clears
+from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors, profile_name, read_mig_minors
 from nvplug.core.topology import Link, PcieLevel, Topology
 
@@ -90,7 +90,7 @@ def probe_gpu(uuid: str, evidence: str) -> ProbeResult:
         return _pending_repair(uuid, handle, evidence)
     except pynvml.NVMLError as err:
         # Unreachable: answering again is the evidence it needs.
-        return ProbeResult(uuid, str(err), evidence)
+        return ProbeResult(uuid, str(err), evidence, fault=Fault.LOST)
 
 
 def _pending_repair(uuid: str, handle: Any, evidence: str) -> ProbeResult:
@@ -348,7 +348,19 @@ class Nvml:
             mig_capable=mode is not None,
             brand=None if brand is None else _BRANDS.get(brand, "Unknown"),
             architecture=None if arch is None else _ARCHITECTURES.get(arch, "Unknown"),
+            pcie_root=self._sysfs_pcie_root(bus_id),
         )
+
+    def _sysfs_pcie_root(self, bus_id: str) -> str | None:
+        """The first directory under /sys/devices on the way to the device: its root complex. The link
+        in /sys/bus/pci/devices leads there through every bridge and switch in between."""
+        devices = self._sysfs_root / "devices"
+        try:
+            path = (self._sysfs_root / "bus/pci/devices" / bus_id).resolve(strict=True)
+            first = path.relative_to(devices.resolve(strict=True)).parts[0]
+        except (OSError, ValueError, IndexError):
+            return None
+        return first if first.startswith("pci") and path.name == bus_id else None
 
     def _sysfs_numa(self, bus_id: str) -> int | None:
         """The kernel's view, which is what the Topology Manager uses too."""

@@ -28,7 +28,7 @@ from nvplug.core.events import (
     XidOccurred,
 )
 from nvplug.core.gpu import Gpu
-from nvplug.core.health import Clears
+from nvplug.core.health import Clears, Fault
 from nvplug.core.xid_policy import READS_RECOVERY_ACTION
 from nvplug.sources.nvml_discovery import recovery_action
 
@@ -153,7 +153,7 @@ class NvmlEventWatch:
                     pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
             except pynvml.NVMLError as err:
                 if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                    self._emit(HealthReported(gpu.uuid, f"GPU is lost: {err}", Clears.PROBE))
+                    self._emit(HealthReported(gpu.uuid, f"GPU is lost: {err}", Clears.PROBE, Fault.LOST))
                 else:
                     log.error("%s: cannot subscribe to health events: %s", gpu.label, err)
                 continue
@@ -237,7 +237,7 @@ class NvmlEventWatch:
         elif kind & FATAL_POISON:
             self._emit(HealthReported(uuid, "fatal poison error"))
         elif kind & GPU_UNAVAILABLE:
-            self._emit(HealthReported(uuid, "GPU unavailable (NVML event)", Clears.PROBE))
+            self._emit(HealthReported(uuid, "GPU unavailable (NVML event)", Clears.PROBE, Fault.LOST))
         elif kind & RECOVERY_ACTION:
             self._emit_recovery_action(data.device, uuid, payload)
         elif kind & MIG_CONFIG_CHANGE:

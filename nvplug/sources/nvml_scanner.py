@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.device_nodes import host_path
 from nvplug.core.events import InventoryFound, NvmlFailed, ProbeResult
+from nvplug.core.health import Fault
 from nvplug.core.readiness import unready
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.sources.nvml_calls import NvmlCalls, NvmlHung
@@ -108,7 +109,7 @@ class Scanner:
         try:
             return await self.calls.run("probe", uuid, self._nvml.probe, uuid, evidence)
         except NvmlUnavailable as err:  # a hung call too: not answering is what a probe finds
-            return ProbeResult(uuid, str(err), evidence)
+            return ProbeResult(uuid, str(err), evidence, fault=Fault.UNMONITORED)
 
     async def processes(self, uuid: str) -> tuple[int, ...]:
         """Pids on the GPU. Raises NvmlUnavailable (NvmlHung too)."""

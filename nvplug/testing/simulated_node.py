@@ -162,12 +162,22 @@ class SimulatedNode:
         if minor is not None:
             (self.dev_root / "dev" / f"nvidia{minor}").touch()
 
-    def add_pci_device(self, bus_id: str | None) -> None:
-        """The GPU's sysfs directory with its PCI class: a 3D controller, as datacenter GPUs are."""
-        if bus_id is not None:
-            device = self.sysfs_root / "bus/pci/devices" / normalize_bus_id(bus_id)
-            device.mkdir(parents=True, exist_ok=True)
-            (device / "class").write_text("0x030200\n")
+    def add_pci_device(self, bus_id: str | None, pci_class: int = 0x030200) -> None:
+        """A PCI device in sysfs as the kernel shows it: its directory under its root complex
+        (/sys/devices/pci<domain>:<bus>/<port>/<address>), linked from /sys/bus/pci/devices, with
+        its class (a 3D controller, as datacenter GPUs are). Buses 0x10 apart share a root complex."""
+        if bus_id is None:
+            return
+        address = normalize_bus_id(bus_id)
+        domain, bus = address.split(":")[:2]
+        root = f"{domain}:{int(bus, 16) & 0xF0:02x}"
+        device = self.sysfs_root / "devices" / f"pci{root}" / f"{root}:01.0" / address
+        device.mkdir(parents=True, exist_ok=True)
+        (device / "class").write_text(f"0x{pci_class:06x}\n")
+        link = self.sysfs_root / "bus/pci/devices" / address
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(device, link.parent))
 
     def add_gpu(self, spec: str) -> str:
         """Hot-add a GPU to the fake library (`gpu` line syntax) with its device node and sysfs entry."""

@@ -1,12 +1,19 @@
 """A Kubernetes API server stand-in serving resource.k8s.io ResourceSlices and ResourceClaims over real HTTP/1.1.
 
 It answers JSON on a TCP socket on 127.0.0.1 with the API server's REST conventions
-(discovery, create/get/update/delete, field selectors, resourceVersion preconditions)
-and its metav1.Status error bodies, and validates ResourceSlices the way the real
-server does (the shapes, limits and field rules a DRA driver's client can get wrong),
-so that a kubelet plugin's own HTTP client is tested on the wire rather than against
-a mock. Objects live in memory, standing in for etcd: they survive stop() and
-restart() unless restart(keep_state=False) is asked for.
+(discovery, create/get/update/delete, field selectors, resourceVersion preconditions,
+dryRun=All on create and update) and its metav1.Status error bodies, and validates
+ResourceSlices the way the real server does (the shapes, limits and field rules a DRA
+driver's client can get wrong), so that a kubelet plugin's own HTTP client is tested
+on the wire rather than against a mock. Objects live in memory, standing in for etcd:
+they survive stop() and restart() unless restart(keep_state=False) is asked for.
+
+Device taints (KEP-5055, DRADeviceTaints) are kept as a server with that gate on keeps
+them: at most 16 a device, at most 64 devices in a slice with any taint, and a taint's
+timeAdded set to the time of the write (create or update) that leaves it out. With
+FakeApiServer(taints=False) the gate is off: taints are dropped from what is written,
+silently, unless the stored slice already has some. edit_slice() is an admin's
+`kubectl edit` of a stored slice, written as a PUT is.
 
 ResourceSlices can be watched (`?watch=true`): a chunked stream of one JSON event a
 line, replayed from a bounded history of writes for a resourceVersion, with bookmarks,
@@ -31,7 +38,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +55,9 @@ GROUP = "resource.k8s.io"
 BASIC_SHAPE_VERSIONS = frozenset({"v1alpha3", "v1beta1"})
 FLAT_SHAPE_VERSIONS = frozenset({"v1beta2", "v1"})
 MAX_DEVICES = 128
+# The limit when any device has taints or consumes counters (ResourceSliceMaxDevicesWithTaintsOrConsumesCounters).
+MAX_DEVICES_WITH_TAINTS = 64
+MAX_TAINTS_PER_DEVICE = 16
 MAX_ATTRIBUTES_AND_CAPACITY = 32
 TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
 METHODS = frozenset({"GET", "POST", "PUT", "DELETE"})
@@ -77,6 +88,8 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+# What metav1.Time parses (Go's time.RFC3339): a date, T, a time, and a zone.
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 _QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
@@ -192,7 +205,7 @@ class _Errors:
         choices = ", ".join(f'"{s}"' for s in supported)
         self.add("FieldValueNotSupported", field, f"Unsupported value: {_short(value)}: supported values: {choices}")
 
-    def raise_if_any(self, kind: str, name: str) -> None:
+    def raise_if_any(self, kind: str, name: str, group: str = GROUP) -> None:
         if not self.causes:
             return
         parts = [f"{field}: {detail}" for _, field, detail in self.causes]
@@ -200,10 +213,10 @@ class _Errors:
         raise ApiError(
             422,
             "Invalid",
-            f'{kind}.{GROUP} "{name}" is invalid: {summary}',
+            f'{kind}.{group} "{name}" is invalid: {summary}',
             {
                 "name": name,
-                "group": GROUP,
+                "group": group,
                 "kind": kind,
                 "causes": [{"reason": r, "message": d, "field": f} for r, f, d in self.causes],
             },
@@ -274,10 +287,25 @@ def _validate_capacity(value: Any, field: str, errs: _Errors) -> None:
         errs.invalid(f"{field}.value", quantity, "must be a quantity string such as '81559Mi'")
 
 
+def _parse_time(value: Any) -> datetime | None:
+    """A metav1.Time as JSON carries it (RFC 3339), or None when it is not one."""
+    match = _RFC3339.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    # The fraction is dropped, as metav1.Time keeps whole seconds; Python 3.10's parser takes no "Z".
+    stamp, _, zone = match.groups()
+    try:
+        return datetime.fromisoformat(stamp + ("+00:00" if zone == "Z" else zone))
+    except ValueError:
+        return None
+
+
 def _validate_taints(taints: Any, field: str, errs: _Errors) -> None:
     if not isinstance(taints, list):
         errs.invalid(field, taints, "must be a list")
         return
+    if len(taints) > MAX_TAINTS_PER_DEVICE:
+        errs.too_many(field, len(taints), MAX_TAINTS_PER_DEVICE)
     for i, taint in enumerate(taints):
         path = f"{field}[{i}]"
         if not isinstance(taint, dict):
@@ -297,6 +325,9 @@ def _validate_taints(taints: Any, field: str, errs: _Errors) -> None:
             errs.required(f"{path}.effect")
         elif taint["effect"] not in TAINT_EFFECTS:
             errs.not_supported(f"{path}.effect", taint["effect"], TAINT_EFFECTS)
+        added = taint.get("timeAdded")
+        if added is not None and _parse_time(added) is None:
+            errs.invalid(f"{path}.timeAdded", added, "must be an RFC 3339 time such as 2006-01-02T15:04:05Z")
 
 
 def _validate_device_fields(fields: Obj, device_path: str, field_path: str, errs: _Errors) -> None:
@@ -425,8 +456,10 @@ def _validate_slice_spec(spec: Any, version: str, errs: _Errors) -> None:
     if not isinstance(devices, list):
         errs.invalid("spec.devices", devices, "must be a list")
         return
-    if len(devices) > MAX_DEVICES:
-        errs.too_many("spec.devices", len(devices), MAX_DEVICES)
+    heavy = any(fields.get("taints") or fields.get("consumesCounters") for fields in _device_fields(devices))
+    limit = MAX_DEVICES_WITH_TAINTS if heavy else MAX_DEVICES
+    if len(devices) > limit:
+        errs.too_many("spec.devices", len(devices), limit)
     seen: set[str] = set()
     for i, device in enumerate(devices):
         name = _validate_device(device, version, f"spec.devices[{i}]", errs)
@@ -435,6 +468,47 @@ def _validate_slice_spec(spec: Any, version: str, errs: _Errors) -> None:
         if name in seen:
             errs.duplicate(f"spec.devices[{i}].name", name)
         seen.add(name)
+
+
+def _device_fields(devices: Any) -> Iterator[Obj]:
+    """Where devices keep their fields: each device (v1beta2, v1) and its basic (v1beta1), those that are maps."""
+    if not isinstance(devices, list):
+        return
+    for device in devices:
+        if isinstance(device, dict):
+            yield device
+            if isinstance(device.get("basic"), dict):
+                yield device["basic"]
+
+
+def _spec_devices(obj: Obj) -> Any:
+    spec = obj.get("spec")
+    return spec.get("devices") if isinstance(spec, dict) else None
+
+
+def _has_taints(obj: Obj) -> bool:
+    return any(fields.get("taints") for fields in _device_fields(_spec_devices(obj)))
+
+
+def _prepare_slice(obj: Obj, keep_taints: bool, now: str) -> None:
+    """What the API server does to a written slice before validating it: gated-off taints dropped, timeAdded set.
+
+    A timeAdded left out becomes the write's time, on update too; one given is kept, in
+    metav1.Time's form (UTC, to the second). One that is no time is left to validation.
+    """
+    for fields in _device_fields(_spec_devices(obj)):
+        if not keep_taints:
+            fields.pop("taints", None)
+        taints = fields.get("taints")
+        for taint in taints if isinstance(taints, list) else []:
+            if not isinstance(taint, dict):
+                continue
+            added = taint.get("timeAdded")
+            parsed = _parse_time(added)
+            if added is None:
+                taint["timeAdded"] = now
+            elif parsed is not None:
+                taint["timeAdded"] = parsed.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _devices_in_shape(devices: list[Obj], version: str) -> list[Obj]:
@@ -451,10 +525,14 @@ def _devices_in_shape(devices: list[Obj], version: str) -> list[Obj]:
     return out
 
 
+def _stored_version(obj: Obj) -> str:
+    return str(obj.get("apiVersion", "")).rpartition("/")[2]
+
+
 def _slice_as(obj: Obj, version: str) -> Obj:
     """A stored slice as served at `version`: apiVersion rewritten, devices in that version's shape."""
     out = copy.deepcopy(obj)
-    stored = str(out.get("apiVersion", "")).rpartition("/")[2]
+    stored = _stored_version(obj)
     out["apiVersion"] = f"{GROUP}/{version}"
     if (stored in BASIC_SHAPE_VERSIONS) != (version in BASIC_SHAPE_VERSIONS) and "devices" in out["spec"]:
         out["spec"]["devices"] = _devices_in_shape(out["spec"]["devices"], version)
@@ -506,6 +584,16 @@ def _matches(obj: Obj, terms: list[tuple[str, bool, str]]) -> bool:
 
 def _flag(query: dict[str, list[str]], name: str) -> bool:
     return query.get(name, ["false"])[-1].lower() in ("true", "1")
+
+
+def _dry_run(query: dict[str, list[str]], options_kind: str) -> bool:
+    """Whether a write is dryRun=All; another value is refused as the API server validates Create/UpdateOptions."""
+    values = query.get("dryRun", [])
+    if any(value != "All" for value in values):
+        errs = _Errors()
+        errs.not_supported("dryRun", values, ("All",))
+        errs.raise_if_any(options_kind, "", group="meta.k8s.io")
+    return bool(values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -793,7 +881,14 @@ class _Server(ThreadingHTTPServer):
 class FakeApiServer:
     """The API server of a cluster with the resource.k8s.io group served at `versions`, the first preferred."""
 
-    def __init__(self, versions: tuple[str, ...] = ("v1",), token: str | None = "test-token", port: int = 0) -> None:
+    def __init__(
+        self,
+        versions: tuple[str, ...] = ("v1",),
+        token: str | None = "test-token",
+        port: int = 0,
+        *,
+        taints: bool = True,
+    ) -> None:
         if not versions or len(set(versions)) != len(versions):
             raise ValueError(f"versions must be distinct and not empty: {versions!r}")
         unknown = set(versions) - BASIC_SHAPE_VERSIONS - FLAT_SHAPE_VERSIONS
@@ -801,6 +896,8 @@ class FakeApiServer:
             raise ValueError(f"unsupported {GROUP} versions: {sorted(unknown)}")
         self.versions = tuple(versions)
         self.token = token
+        # The DRADeviceTaints gate; a test may flip it between requests.
+        self.taints = taints
         self._port = port
         self._lock = threading.Lock()
         # Signalled, under _lock, at every event for the watches and when they must end.
@@ -941,6 +1038,21 @@ class FakeApiServer:
             if self._claims.pop((namespace, name), None) is None:
                 raise KeyError(f"no ResourceClaim {namespace}/{name}")
             self._next_revision()
+
+    def edit_slice(self, name: str, change: Callable[[Obj], None]) -> Obj:
+        """An admin's `kubectl edit`: the stored slice as served in its stored version, changed in place, PUT back.
+
+        Written as a PUT is (validation, dropped gated-off fields, timeAdded, a new resourceVersion,
+        MODIFIED); raises the ApiError that PUT would answer, KeyError for no such slice.
+        """
+        with self._lock:
+            old = self._slices.get(name)
+            if old is None:
+                raise KeyError(f"no ResourceSlice {name}")
+            version = _stored_version(old)
+            edited = _slice_as(old, version)
+        change(edited)
+        return self._replace_slice(version, name, edited)
 
     def delete_slices(self, node: str) -> int:
         with self._lock:
@@ -1124,7 +1236,8 @@ class FakeApiServer:
                 if method == "GET":
                     return 200, self._list_slices(version, query), {}
                 if method == "POST":
-                    return 201, self._create_slice(version, self._decode(content_type, body)), {}
+                    dry_run = _dry_run(query, "CreateOptions")
+                    return 201, self._create_slice(version, self._decode(content_type, body), dry_run), {}
                 if method == "DELETE":
                     return 200, self._delete_slice_collection(version, query), {}
                 raise _method_not_allowed()
@@ -1132,7 +1245,8 @@ class FakeApiServer:
                 if method == "GET":
                     return 200, self._get_slice(version, name), {}
                 if method == "PUT":
-                    return 200, self._replace_slice(version, name, self._decode(content_type, body)), {}
+                    dry_run = _dry_run(query, "UpdateOptions")
+                    return 200, self._replace_slice(version, name, self._decode(content_type, body), dry_run), {}
                 if method == "DELETE":
                     options = self._decode(content_type, body) if body.strip() else {}
                     return 200, self._delete_slice(name, options), {}
@@ -1243,7 +1357,7 @@ class FakeApiServer:
                 raise _object_error(404, "NotFound", "resourceslices", name, "not found")
             return _slice_as(obj, version)
 
-    def _create_slice(self, version: str, obj: Obj) -> Obj:
+    def _create_slice(self, version: str, obj: Obj, dry_run: bool = False) -> Obj:
         self._check_type_meta(obj, version, "ResourceSlice")
         meta: Obj = obj.setdefault("metadata", {})
         if meta.get("resourceVersion"):
@@ -1257,33 +1371,30 @@ class FakeApiServer:
             errs.invalid("metadata.name", name, "must be a DNS subdomain")
         elif not name and (not isinstance(generate, str) or not _DNS_SUBDOMAIN.match(generate + "x")):
             errs.invalid("metadata.generateName", generate, "must be a DNS subdomain prefix")
+        _prepare_slice(obj, keep_taints=self.taints, now=_now())
         _validate_slice_spec(obj.get("spec"), version, errs)
         errs.raise_if_any("ResourceSlice", str(name or generate or ""))
 
         with self._lock:
-            if not name:
-                prefix = str(generate)[:_MAX_GENERATE_NAME_PREFIX]
-                for _ in range(10):
-                    suffix = "".join(self._rng.choice(_NAME_ALPHABET) for _ in range(_GENERATED_SUFFIX))
-                    name = prefix + suffix
-                    if name not in self._slices:
-                        break
-            name = str(name)
+            name = str(name or self._generated_name(str(generate)))
+            # A dry run is refused for a taken name too: it is checked against storage.
             if name in self._slices:
                 raise _object_error(409, "AlreadyExists", "resourceslices", name, "already exists")
-            meta.update(
-                name=name,
-                uid=str(uuid.uuid4()),
-                resourceVersion=self._next_revision(),
-                creationTimestamp=_now(),
-                generation=1,
-            )
-            stored = _with_type_meta(obj, version, "ResourceSlice")
-            self._slices[name] = stored
-            self._emit("ADDED", stored)
-            return copy.deepcopy(stored)
+            meta.update(name=name, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            return self._write(version, obj, "ADDED", None, dry_run)
 
-    def _replace_slice(self, version: str, name: str, obj: Obj) -> Obj:
+    def _generated_name(self, generate: str) -> str:
+        # Callers hold self._lock.
+        prefix = generate[:_MAX_GENERATE_NAME_PREFIX]
+        name = prefix
+        for _ in range(10):
+            name = prefix + "".join(self._rng.choice(_NAME_ALPHABET) for _ in range(_GENERATED_SUFFIX))
+            if name not in self._slices:
+                break
+        return name
+
+    def _replace_slice(self, version: str, name: str, obj: Obj, dry_run: bool = False) -> Obj:
+        """PUT: also the write of edit_slice()."""
         self._check_type_meta(obj, version, "ResourceSlice")
         meta: Obj = obj.setdefault("metadata", {})
         if meta.get("name") != name:
@@ -1299,26 +1410,41 @@ class FakeApiServer:
                 raise _conflict(
                     name, "the object has been modified; please apply your changes to the latest version and try again"
                 )
-            errs = _Errors()
-            _validate_slice_spec(obj.get("spec"), version, errs)
-            spec = obj.get("spec")
-            if isinstance(spec, dict):
-                for field in ("driver", "nodeName"):
-                    if spec.get(field) != old["spec"].get(field):
-                        errs.invalid(f"spec.{field}", spec.get(field), "field is immutable")
-            errs.raise_if_any("ResourceSlice", name)
-            changed = _normalized_spec(obj) != _normalized_spec(old)
+            changed = self._prepare_update(version, name, obj, old)
             meta.update(
                 uid=old_meta["uid"],
                 creationTimestamp=old_meta["creationTimestamp"],
                 generation=old_meta.get("generation", 1) + (1 if changed else 0),
-                resourceVersion=self._next_revision(),
             )
-            stored = _with_type_meta(obj, version, "ResourceSlice")
-            self._slices[name] = stored
             # Every update bumps the resourceVersion, and so is an event, changed or not.
-            self._emit("MODIFIED", stored, old)
-            return copy.deepcopy(stored)
+            return self._write(version, obj, "MODIFIED", old, dry_run)
+
+    def _prepare_update(self, version: str, name: str, obj: Obj, old: Obj) -> bool:
+        """Prepare and validate `obj` to replace `old`; whether its spec changed (callers hold _lock)."""
+        # Compared as sent, before taints are dropped or timed, as the API server's PrepareForUpdate does.
+        sent = {"spec": copy.deepcopy(obj.get("spec"))}
+        # With the gate off, a slice that already has taints keeps them (the API server's "in use" rule).
+        _prepare_slice(obj, keep_taints=self.taints or _has_taints(old), now=_now())
+        errs = _Errors()
+        spec = obj.get("spec")
+        _validate_slice_spec(spec, version, errs)
+        if isinstance(spec, dict):
+            for field in ("driver", "nodeName"):
+                if spec.get(field) != old["spec"].get(field):
+                    errs.invalid(f"spec.{field}", spec.get(field), "field is immutable")
+        errs.raise_if_any("ResourceSlice", name)
+        return _normalized_spec(sent) != _normalized_spec(old)
+
+    def _write(self, version: str, obj: Obj, kind: str, old: Obj | None, dry_run: bool) -> Obj:
+        """Store a checked slice and emit its event; a dry run only answers what would be stored (under _lock)."""
+        if not dry_run:
+            obj["metadata"]["resourceVersion"] = self._next_revision()
+        stored = _with_type_meta(obj, version, "ResourceSlice")
+        if dry_run:
+            return stored
+        self._slices[stored["metadata"]["name"]] = stored
+        self._emit(kind, stored, old)
+        return copy.deepcopy(stored)
 
     def _delete_slice(self, name: str, options: Obj) -> Obj:
         preconditions = options.get("preconditions") or {}

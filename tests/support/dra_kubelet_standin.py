@@ -9,8 +9,9 @@ deletes its node's ResourceSlices when it starts (through the API-server stand-i
 1.32 kubelet does so in a goroutine, which landed up to 60 ms after it registered a plugin:
 `late_wipe` makes this one wipe that long after its first registration instead. A kubelet of 1.35 or
 later (ResourceHealthStatus on) watches each registered plugin's resource health
-(v1alpha1.DRAResourceHealth/NodeWatchResources), opening the stream again 5 s after it ends, and
-keeps what it received in `health`.
+(DRAResourceHealth/NodeWatchResources), opening the stream again 5 s after it ends, and keeps what it
+received in `health`: 1.35 and 1.36 call v1alpha1 whether GetInfo lists it or not; 1.37 and later
+take the first of v1, v1beta1, v1alpha1 that GetInfo lists, and watch nothing if it lists none.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _MODULES = {"v1.DRAPlugin": dra_v1_pb2, "v1beta1.DRAPlugin": dra_v1beta1_pb2}
 CALL_TIMEOUT = 10.0
 # The kubelet opens a health stream that failed or ended again after this long.
 HEALTH_RETRY = 5.0
+# The health services a kubelet from 1.37 on knows, in the order it prefers them.
+HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class DraKubelet:
         self.wipes: list[tuple[float, int]] = []
         self._wipe_pending = False
         self.watch_health = tuple(int(p) for p in version.split(".")) >= (1, 35)
+        self._picks_health = tuple(int(p) for p in version.split(".")) >= (1, 37)
+        # The health service watched for each driver.
+        self.health_services: dict[str, str] = {}
         self.health: list[HealthUpdate] = []
         self._health_threads: dict[str, threading.Thread] = {}
         # The registered plugin of each driver: its endpoint and service.
@@ -240,13 +246,20 @@ class DraKubelet:
             self.registrations.append(record)
             if record.ok:
                 self._plugins[info.name] = record
-        if record.ok and self.watch_health:
+        health = self._health_service(list(info.supported_versions))
+        if record.ok and self.watch_health and health is not None:
+            self.health_services[info.name] = health
             self._watch_health(info.name)
         if record.ok and self._wipe_pending and self.late_wipe is not None:
             self._wipe_pending = False
             timer = threading.Timer(self.late_wipe, self._wipe)
             timer.daemon = True
             timer.start()
+
+    def _health_service(self, listed: list[str]) -> str | None:
+        if not self._picks_health:
+            return HEALTH_SERVICES[-1]
+        return next((s for s in HEALTH_SERVICES if s in listed), None)
 
     def _watch_health(self, driver: str) -> None:
         running = self._health_threads.get(driver)
@@ -265,7 +278,7 @@ class DraKubelet:
             try:
                 with grpc.insecure_channel(f"unix:{self._here(registration.endpoint)}") as channel:
                     stream = channel.unary_stream(
-                        "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+                        f"/{self.health_services[driver]}/NodeWatchResources",
                         request_serializer=pb.NodeWatchResourcesRequest.SerializeToString,
                         response_deserializer=pb.NodeWatchResourcesResponse.FromString,
                     )(pb.NodeWatchResourcesRequest())
