@@ -730,6 +730,20 @@ def settled(api: FakeApiServer, pub: SlicePublisher, generation: int, count: int
     return found if ok and sorted(pub.slice_names) == [s["metadata"]["name"] for s in found] else None
 
 
+def written(
+    api: FakeApiServer, pub: SlicePublisher, check: Callable[[list[dict[str, Any]]], bool]
+) -> Callable[[], list[dict[str, Any]] | None]:
+    """The node's one slice once the publisher is done with a write that passes `check`, of whatever
+    generation (a write that lost a conflict used one up)."""
+
+    def found() -> list[dict[str, Any]] | None:
+        now = published(api)
+        done = len(now) == 1 and pub.published and pub.slice_names == [now[0]["metadata"]["name"]]
+        return now if done and check(now) else None
+
+    return found
+
+
 def test_publisher_writes_the_pool_and_updates_it_in_place(tmp_path: Path) -> None:
     # A server that drops taints (DRADeviceTaints off): an Unhealthy device leaves the pool.
     with FakeApiServer(taints=False) as api:
@@ -795,6 +809,49 @@ def test_publisher_splits_and_merges_slices(tmp_path: Path, taints: bool, cut: l
                 assert pool_state([one]) == ({2}, [f"gpu-{i:03d}" for i in range(10)])
                 assert one["spec"]["pool"]["resourceSliceCount"] == 1
                 assert [m for m, _, _ in api.requests].count("DELETE") == len(cut) - 1
+
+        asyncio.run(main())
+
+
+def test_publisher_taints_keeps_what_the_server_stored_and_merges_on_a_conflict(tmp_path: Path) -> None:
+    with FakeApiServer() as api:
+        kc = api.write_kubeconfig(tmp_path / "kc")
+        admin = {"key": "example.com/maintenance", "effect": "NoSchedule", "timeAdded": "2020-01-01T00:00:00Z"}
+        new_driver = ("version", "560.0.0")
+
+        def taints_of(found: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+            return next(d.get("taints") or [] for s in found for d in s["spec"]["devices"] if d["name"] == name)
+
+        async def main() -> None:
+            async with publishing(kc) as pub:
+                pub.want([dra_device(0), dra_device(1, healthy=False), dra_device(2)])
+                (first,) = await until(lambda: settled(api, pub, 1, 1), "the tainted slice")
+                (ours,) = taints_of([first], "gpu-001")
+                assert (ours["key"], ours["value"], ours["effect"]) == (XID_KEY, "79", "NoSchedule")
+                assert pub.taints is True and pub.status()["pool_devices"] == 3
+
+                # An admin's taint lands just before nvplug's next write, which then carries an old
+                # resourceVersion and gets 409: nvplug reads the slice again and merges. The admin also
+                # moved our taint's timeAdded: nvplug keeps what the server stored.
+                def edit(obj: dict[str, Any]) -> None:
+                    device = next(d for d in obj["spec"]["devices"] if d["name"] == "gpu-001")
+                    device["taints"] = [{**device["taints"][0], "timeAdded": "2021-01-01T00:00:00Z"}, dict(admin)]
+
+                api.edit_slice(first["metadata"]["name"], edit)
+                pub.want([dra_device(0, driverVersion=new_driver), dra_device(1, healthy=False), dra_device(2)])
+                second = await until(
+                    written(api, pub, lambda f: "driverVersion" in f[0]["spec"]["devices"][0]["attributes"]),
+                    "the merged write",
+                )
+                assert taints_of(second, "gpu-001") == [{**ours, "timeAdded": "2021-01-01T00:00:00Z"}, admin]
+                # The PUT went out before the watch's news of the edit was read (both ready in one turn of the
+                # loop, the publisher's first): 409, then read again and merged.
+                assert [r[2] for r in api.requests if r[0] == "PUT"] == [409, 200]
+
+                # The device heals: our taint goes, the admin's stays.
+                pub.want([dra_device(0, driverVersion=new_driver), dra_device(1), dra_device(2)])
+                third = await until(written(api, pub, lambda f: len(taints_of(f, "gpu-001")) == 1), "the heal")
+                assert taints_of(third, "gpu-001") == [admin]
 
         asyncio.run(main())
 

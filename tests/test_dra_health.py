@@ -11,7 +11,7 @@ import pytest
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet, HealthUpdate
 from test_dra import naming
-from test_dra_e2e import NODE, Dra, serving
+from test_dra_e2e import DRIVER, NODE, Dra, serving
 from test_driver_hang import MIG_CONFIG_CHANGE
 from test_health import heal
 
@@ -31,6 +31,13 @@ def dra(node: SimulatedNode) -> Iterator[Dra]:
     api = FakeApiServer(versions=("v1",))
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+
+
+@pytest.fixture
+def dra_137(node: SimulatedNode) -> Iterator[Dra]:
+    api = FakeApiServer(versions=("v1",))
+    api.start()
+    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.37", api))
 
 
 def received(dra: Dra, check: Callable[[HealthUpdate], bool], what: str, since: float = 0.0) -> HealthUpdate:
@@ -78,6 +85,17 @@ def test_a_quiet_device_is_reported_again_before_the_kubelets_timeout(dra: Dra) 
     print(f"resend after {gap:.2f} s of quiet (the kubelet's timeout: {TIMEOUT_SECONDS} s)")
     assert RESEND_SECONDS * 0.8 < gap < TIMEOUT_SECONDS / 2
     assert again.devices == first.devices
+
+
+def test_a_kubelet_that_picks_the_health_service_from_getinfo_takes_v1(dra_137: Dra) -> None:
+    dra_137.start()
+    first = received(dra_137, lambda u: len(u.devices) == 4, "the first list")
+    assert dra_137.kubelet.health_services[DRIVER] == "v1.DRAResourceHealth"
+    assert all(h == ("HEALTHY", "") for h in first.devices.values())
+    t0 = time.monotonic()
+    dra_137.node.control.xid(4, 79)
+    sick = received(dra_137, lambda u: u.devices.get("gpu-4", ("",))[0] == "UNHEALTHY", "the XID", t0)
+    assert "XID 79" in sick.devices["gpu-4"][1]
 
 
 def test_which_devices_a_hung_call_leaves_unknown() -> None:

@@ -113,7 +113,7 @@ def keep_stored(wanted: list[dict[str, Any]], stored: Iterable[Mapping[str, Any]
             if same is not None:
                 remaining.remove(same)
                 merged.append({**same, "timeAdded": old["timeAdded"]} if old.get("timeAdded") else same)
-        merged = (merged + remaining)[:MAX_TAINTS]
+        merged = _at_most(merged + remaining)
         if not merged:
             out.append(device)
         elif "basic" in device:
@@ -128,6 +128,19 @@ def kept(sent: Iterable[Mapping[str, Any]], stored: Iterable[Mapping[str, Any]])
     ours = sum(1 for d in sent for t in taint_fields(dict(d)).get("taints") or [] if t.get("key") in OWN_KEYS)
     back = sum(1 for d in stored for t in taint_fields(dict(d)).get("taints") or [] if t.get("key") in OWN_KEYS)
     return ours == 0 or back >= ours
+
+
+def _at_most(taints: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The API's 16 taints of a device, others' cut before ours: a fault left unsaid is a device untainted."""
+    spare = MAX_TAINTS - sum(1 for t in taints if t.get("key") in OWN_KEYS)
+    out = []
+    for taint in taints:
+        if taint.get("key") not in OWN_KEYS:
+            if spare <= 0:
+                continue
+            spare -= 1
+        out.append(taint)
+    return out[:MAX_TAINTS]
 
 
 def _devices(slice_: Mapping[str, Any]) -> list[Mapping[str, Any]]:
