@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from nvplug.base.checkpoint import (
     unseal,
     write_checkpoint,
 )
-from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.health import Clears, Fault, Health, HealthState, Recorded
 from nvplug.dra import claims
 from nvplug.dra.claims import ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.sinks import health_state_file
@@ -33,8 +34,9 @@ from nvplug.sinks.health_state_file import Saved, StateFile, decode, encode
 UUID = "GPU-00000000"
 BUS = "0000:18:00.0"
 FAULT = HealthState(
-    Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)", 5.5, Clears.RESET, "udev", 2, "12"
-)
+    Health.UNHEALTHY, "XID 79 GPU_HAS_FALLEN_OFF_THE_BUS (RESTART_BM)", 5.5, Clears.RESET, "udev", 2, "12",
+    fault=Fault.XID, xid=79,
+)  # fmt: skip
 CLAIM = PreparedClaim(
     ClaimRef("ns", "claim-a", "a"),
     (PreparedDevice(("gpus",), "node-a", "gpu-000", UUID, ("k8s.device-plugin.nvidia.com/gpu=GPU-00000000",)),),
@@ -211,10 +213,12 @@ def test_the_health_state_file_is_sealed_and_keeps_its_devices_at_the_top(tmp_pa
 
 
 def test_a_health_state_file_of_format_1_is_still_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    assert decode(HEALTH_FORMAT_1) == ("boot-a", {UUID: Recorded(BUS, FAULT)})
+    # From before faults had a kind: it reads as another fault, without its Xid code.
+    old = replace(FAULT, fault=Fault.OTHER, xid=None)
+    assert decode(HEALTH_FORMAT_1) == ("boot-a", {UUID: Recorded(BUS, old)})
     (tmp_path / "health.json").write_bytes(HEALTH_FORMAT_1)
     file = StateFile(tmp_path, "boot-a")
-    assert file.load() == {UUID: Recorded(BUS, FAULT)}
+    assert file.load() == {UUID: Recorded(BUS, old)}
     assert f"{UUID} ({BUS}) was Unhealthy before this start" in caplog.text
     # The daemon's save at start rewrites it in the envelope, with the same devices.
     file.save(Saved(file.load()))

@@ -74,6 +74,9 @@ def test_an_xid_taints_the_device_until_the_evidence_a_restart_keeps_it(dra: Dra
     # Still in the pool (the scheduler sees a broken GPU, not an absent one); the others untouched.
     assert sorted(dra.pool()) == ["gpu-4", "gpu-5", "gpu-6", "gpu-7"] and not taints(dra, "gpu-4")
     assert status(dra)["tainted"] == {"gpu-5": [f"{XID}=79:NoSchedule"]}
+    metrics = statusclient.fetch(f"unix:{dra.node.status_socket}", "/metrics")[1]
+    assert f'nvplug_dra_device_tainted{{device="gpu-5",driver="{DRIVER}",taint="{XID}=79:NoSchedule"}} 1.0' in metrics
+    assert f'nvplug_dra_taints_kept{{driver="{DRIVER}"}} 1.0' in metrics
     rc, out, _ = devices(dra.node)
     assert rc == 0 and f"gpu-5, in the pool, tainted {XID}=79:NoSchedule" in out, out
     # A new claim of it without a toleration fails alone, with the reason; with one, it is prepared.

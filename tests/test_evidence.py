@@ -18,7 +18,7 @@ from nvplug.core.events import (
     XidOccurred,
 )
 from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.health import Clears, Health, HealthState, Recorded
+from nvplug.core.health import Clears, Fault, Health, HealthState, Recorded
 from nvplug.core.mig import CapMinors
 from nvplug.core.node_state import DRIVER_RELOADED, NodeState
 from nvplug.core.readiness import unready
@@ -204,7 +204,9 @@ def test_restored_faults_apply_when_their_device_shows_up_and_are_consumed() -> 
 
 
 def test_the_state_file_round_trips_and_knows_its_boot(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    fault = HealthState(Health.UNHEALTHY, "XID 79 x (RESTART_BM)", 5.5, Clears.RESET, "udev", 2, "12")
+    fault = HealthState(
+        Health.UNHEALTHY, "XID 79 x (RESTART_BM)", 5.5, Clears.RESET, "udev", 2, "12", fault=Fault.XID, xid=79
+    )
     records = {UUID: Recorded(BUS, fault)}
     assert decode(encode(records, "boot-a")) == ("boot-a", records)
     StateFile(tmp_path, "boot-a").save(Saved(records))
