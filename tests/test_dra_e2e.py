@@ -346,6 +346,7 @@ def test_pods_are_named_for_the_gpus_they_hold_through_dra(dra: Dra) -> None:
     stored["status"]["reservedFor"] = [{"resource": "pods", "name": "trainer-0", "uid": "pod-uid-1"}]
     assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
     rc, out, _ = devices(dra.node)
+    print(out)
     assert rc == 0 and "pods: ml/trainer-0 (claim train)" in out, out
     row = next(line for line in out.splitlines() if line.startswith("5 "))
     assert "ml/trainer-0" in row, out
