@@ -141,9 +141,12 @@ def test_a_spec_directory_that_cannot_be_written(node: SimulatedNode) -> None:
     assert names == [f"{GPU_KIND}={uuid}"]
 
 
-def test_a_foreign_spec_of_our_kind_is_reported(node: SimulatedNode) -> None:
-    node.cdi_dir.mkdir()
-    foreign = node.cdi_dir / "old-plugin.yaml"
+@pytest.mark.parametrize("where", ["spec dir", "runtime dir"])
+def test_a_foreign_spec_of_our_kind_is_reported(node: SimulatedNode, where: str) -> None:
+    # Beside ours, or in one of the node's runtime directories (its /var/run/cdi): the conflict is the feature.
+    directory = node.cdi_dir if where == "spec dir" else node.cdi_runtime_dirs[1]
+    directory.mkdir(parents=True)
+    foreign = directory / "old-plugin.yaml"
     uuid = node.scenario_gpus()[0]["uuid"]
     foreign.write_text(f"cdiVersion: 0.5.0\nkind: {GPU_KIND}\ndevices:\n- name: {uuid}\n  containerEdits: {{}}\n")
     node.config.write_text(CDI_CONFIG)

@@ -37,3 +37,5 @@ def test_demo_shows_every_step_and_exits_zero() -> None:
     else:
         assert "5. Hot-add skipped" in out
     assert "6. SIGTERM: nvplug exited with status 0" in out
+    # The simulated node reads only its own CDI directories, whatever the machine's hold.
+    assert "CDI conflict" not in out + result.stderr

@@ -163,7 +163,7 @@ def doctor_args(node: SimulatedNode, listen: str | None = None) -> list[str]:
         "--proc-root", str(node.proc_root),
         "--sys-root", str(node.sysfs_root),
         "--config", str(node.config),
-        "--cdi-spec-dir", str(node.cdi_dir),
+        *node.cdi_args(),
         "--nfd-feature-file", str(node.feature_file),
         "--pod-resources-socket", str(node.kubelet.pod_resources.socket_path),
     ]  # fmt: skip

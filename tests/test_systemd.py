@@ -155,7 +155,7 @@ def test_journald_priorities_when_stderr_is_the_journal(node: SimulatedNode, sho
         env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
         argv = [sys.executable, "-m", "nvplug", "run", "--device-plugin-dir", str(node.plugin_dir),
                 "--config", str(node.config), "--dev-root", str(node.dev_root),
-                "--cdi-spec-dir", str(node.cdi_dir), "--state-dir", str(node.state_dir),
+                *node.cdi_args(), "--state-dir", str(node.state_dir),
                 "--nfd-feature-file", str(node.feature_file)]  # fmt: skip
         daemon = subprocess.Popen(argv, env=env, stderr=stream, stdin=subprocess.DEVNULL)
         try:

@@ -74,6 +74,14 @@ DEVICE_PLUGIN_DIR = Argument(
 )
 # None for each: the config's nvplug.* key of the same name.
 CDI_SPEC_DIR = Argument("--cdi-spec-dir", parse=Path)
+# Overrides for a node kept under one root (a simulated one): the runtimes' spec directories, the hook.
+CDI_RUNTIME_DIRS = Argument(
+    "--cdi-runtime-dirs",
+    "where the container runtimes read CDI specs, comma-separated (default: the config's nvplug.cdi.runtimeDirs)",
+    lambda text: tuple(Path(p) for p in text.split(",") if p),
+    metavar="DIR,DIR",
+)
+NVIDIA_CTK_PATH = Argument("--nvidia-ctk-path", "default: the config's flags.plugin.nvidiaCTKPath", Path)
 NFD_FEATURE_FILE = Argument("--nfd-feature-file", parse=Path)
 POD_RESOURCES_SOCKET = Argument("--pod-resources-socket", parse=Path)
 

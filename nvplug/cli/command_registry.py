@@ -24,6 +24,7 @@ from nvplug.cli import (
 )
 from nvplug.cli.cli_arguments import (
     ASKS_THE_DAEMON,
+    CDI_RUNTIME_DIRS,
     CDI_SPEC_DIR,
     CONFIG,
     CONFIG_OR_BUILT_IN,
@@ -32,6 +33,7 @@ from nvplug.cli.cli_arguments import (
     HIDDEN,
     LOG_LEVEL,
     NFD_FEATURE_FILE,
+    NVIDIA_CTK_PATH,
     POD_RESOURCES_SOCKET,
     PROC_ROOT,
     STATUS_LISTEN,
@@ -92,6 +94,8 @@ COMMANDS: tuple[Command, ...] = (
                 "the kubelet's PodResources socket (default: the config's nvplug.podResources)"
             ),
             CDI_SPEC_DIR.worded("write the CDI spec here (default: the config's nvplug.cdi.specDir)"),
+            CDI_RUNTIME_DIRS,
+            NVIDIA_CTK_PATH,
             Argument("--kernel-log", HIDDEN, Path, Path("/dev/kmsg")),
             Argument(
                 "--mps-root",
@@ -117,6 +121,8 @@ COMMANDS: tuple[Command, ...] = (
             PROC_ROOT.worded("where the driver's proc files live (default: /proc)"),
             SYSFS_ROOT,
             CDI_SPEC_DIR.worded("where nvplug writes its CDI spec (default: the config's)"),
+            CDI_RUNTIME_DIRS,
+            NVIDIA_CTK_PATH,
             NFD_FEATURE_FILE.worded("nvplug's NFD feature file (default: the config's)"),
             POD_RESOURCES_SOCKET.worded("the kubelet's PodResources (default: the config's)"),
             Argument(

@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         pod_resources_socket=args.pod_resources_socket,
         kernel_log=args.kernel_log,
         mps_root=args.mps_root,
+        cdi_runtime_dirs=args.cdi_runtime_dirs,
+        nvidia_ctk_path=args.nvidia_ctk_path,
     )
     options = replace(options, config=options.configured(cfg))
     try:

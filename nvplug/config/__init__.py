@@ -1,7 +1,8 @@
 """The YAML config: its model (keys declared once), its loader and the selectors of nvplug.devices. Import from here."""
 
-from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml
+from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml, with_paths
 from nvplug.config.model import (
+    DEFAULT_CDI_RUNTIME_DIRS,
     DEFAULT_CDI_SPEC_DIR,
     DEFAULT_DRA_DRIVER,
     DEFAULT_DRA_KUBECONFIG,
@@ -49,6 +50,7 @@ from nvplug.config.yaml_reader import MAX_BYTES, MAX_DEPTH, MAX_NODES, ConfigErr
 
 __all__ = [
     "ANNOTATION_KEY_LENGTH",
+    "DEFAULT_CDI_RUNTIME_DIRS",
     "DEFAULT_CDI_SPEC_DIR",
     "DEFAULT_DRA_DRIVER",
     "DEFAULT_DRA_KUBECONFIG",
@@ -97,4 +99,5 @@ __all__ = [
     "off_or_path",
     "parse",
     "to_yaml",
+    "with_paths",
 ]

@@ -17,6 +17,7 @@ from nvplug.config.value_readers import (
     MAX_REPLICAS,
     Devices,
     absolute_path,
+    absolute_paths,
     annotation_prefix,
     any_string,
     boolean,
@@ -45,6 +46,9 @@ DEFAULT_PATH = Path("/etc/nvplug/config.yaml")
 DEFAULT_STATUS_LISTEN = "unix:/run/nvplug/status.sock"
 # Where runtimes read generated CDI specs; cleared at boot, as a generated spec should be.
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+# Where the container runtimes read CDI specs (containerd's and CRI-O's cdi_spec_dirs, podman's), lowest
+# priority first: a name in /var/run/cdi overrides /etc/cdi's.
+DEFAULT_CDI_RUNTIME_DIRS = ("/etc/cdi", "/var/run/cdi")
 # Node Feature Discovery's worker reads every file here; GFD's is `gfd`, ours `nvplug`.
 DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
 # The kubelet's PodResources API: which pod holds which device.
@@ -460,6 +464,11 @@ class Config:
     cdi_spec_dir: str = field(
         default=DEFAULT_CDI_SPEC_DIR,
         metadata=key("nvplug.cdi.specDir", "where the CDI spec is written; off: not at all", off_or_absolute),
+    )
+    # Read for conflicts (another spec of nvplug's kind) and for the names a runtime would resolve.
+    cdi_runtime_dirs: tuple[str, ...] = field(
+        default=DEFAULT_CDI_RUNTIME_DIRS,
+        metadata=key("nvplug.cdi.runtimeDirs", "where the container runtimes read CDI specs", absolute_paths),
     )
     feature_file: str = field(
         default=DEFAULT_FEATURE_FILE,

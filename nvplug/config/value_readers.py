@@ -221,6 +221,15 @@ def string_list(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]
     return tuple(string(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
 
 
+def absolute_paths(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:
+    """A list of absolute paths, each once."""
+    paths = tuple(absolute_path(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
+    for n, value in enumerate(paths):
+        if value in paths[:n]:
+            raise ctx.error(node, path, f"{value!r} is listed twice")
+    return paths
+
+
 def go_duration(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     """A Go duration, as written (only checked: nothing of nvplug's takes one)."""
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and yaml_int(str(node.value)) is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from nvplug.config import Config
+from nvplug.config import Config, with_paths
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,14 @@ class Options:
     pod_resources_socket: Path | None = None
     # --kernel-log: the kernel's record interface; tests point it at a FIFO of records in its format.
     kernel_log: Path = Path("/dev/kmsg")
-    # --mps-root: overrides the config's nvplug.mps.root (a simulated node keeps MPS under its own root).
+    # --mps-root, --cdi-runtime-dirs, --nvidia-ctk-path: override the config's nvplug.mps.root,
+    # nvplug.cdi.runtimeDirs and flags.plugin.nvidiaCTKPath (a simulated node keeps to its own root).
     mps_root: Path | None = None
+    cdi_runtime_dirs: tuple[Path, ...] | None = None
+    nvidia_ctk_path: Path | None = None
 
     def configured(self, cfg: Config) -> Config:
         """A loaded config with the command line's overrides of its keys, at the start and at each reload."""
-        if self.mps_root is None:
-            return cfg
-        return replace(cfg, mps=replace(cfg.mps, root=str(self.mps_root)))
+        return with_paths(
+            cfg, mps_root=self.mps_root, cdi_runtime_dirs=self.cdi_runtime_dirs, nvidia_ctk_path=self.nvidia_ctk_path
+        )

@@ -94,8 +94,12 @@ class SimulatedNode:
         self.lib_dir = lib_dir or root / "lib"
         # The health state file's directory, and this simulated boot's id (proc/sys/kernel/random/boot_id).
         self.state_dir = root / "state"
-        # Where the daemon writes its CDI spec (never the machine's /var/run/cdi).
+        # Where the daemon writes its CDI spec, and where this node's runtimes read specs: never the
+        # machine's /etc/cdi and /var/run/cdi, which a real nvplug on the machine owns.
         self.cdi_dir = root / "cdi"
+        self.cdi_runtime_dirs = (root / "etc/cdi", root / "var/run/cdi")
+        # Where nvidia-ctk would be: absent (no hook in the spec), whatever the machine has installed.
+        self.nvidia_ctk = root / "usr/bin/nvidia-ctk"
         # NFD's features.d and the daemon's label file in it (made by a test that wants labels).
         self.features_dir = root / "features.d"
         self.feature_file = self.features_dir / "nvplug"
@@ -301,7 +305,7 @@ class SimulatedNode:
             "--status-listen", f"unix:{self.status_socket}",
             "--config", str(self.config),
             "--state-dir", str(self.state_dir),
-            "--cdi-spec-dir", str(self.cdi_dir),
+            *self.cdi_args(),
             "--nfd-feature-file", str(self.feature_file),
             "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
             "--log-level", log_level,
@@ -318,6 +322,14 @@ class SimulatedNode:
         )
         self._log_pump.start()
         return self.daemon
+
+    def cdi_args(self) -> list[str]:
+        """This node's CDI paths, for `nvplug run` and `nvplug doctor` alike."""
+        return [
+            "--cdi-spec-dir", str(self.cdi_dir),
+            "--cdi-runtime-dirs", ",".join(str(d) for d in self.cdi_runtime_dirs),
+            "--nvidia-ctk-path", str(self.nvidia_ctk),
+        ]  # fmt: skip
 
     def stop_daemon(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> int:
         daemon = self.daemon

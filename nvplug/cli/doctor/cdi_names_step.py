@@ -10,7 +10,7 @@ from nvplug.cli.doctor.doctor_step import Check, DoctorContext, StepVerdict, loa
 def check_cdi(ctx: DoctorContext) -> Check:
     """Every name nvplug would hand out resolves in the runtimes' spec directories, defined once."""
     from nvplug.cli.cdi_command import node_specs
-    from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, conflicts, read_specs
+    from nvplug.sinks.cdi.cdi_files import conflicts, read_specs
 
     cfg = loaded_config(ctx)
     if isinstance(cfg, Check):
@@ -23,7 +23,7 @@ def check_cdi(ctx: DoctorContext) -> Check:
     spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
     found = node_specs(cfg, ctx.args.dev_root, ctx.args.sysfs_root, ctx.args.proc_root)
     wanted = found.specs
-    files = read_specs([*SPEC_DIRS, spec_dir])
+    files = read_specs([*map(Path, cfg.cdi_runtime_dirs), spec_dir])
     defined = {name for f in files if f.error is None for name in f.qualified()}
     names = [n for spec in wanted for n in spec.names() if not n.endswith("=all")]
     missing = [n for n in names if n not in defined]

@@ -17,8 +17,6 @@ from nvplug.sinks.cdi.cdi_spec import CdiSpec, qualified
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.cdi.writer")
 
-# Where runtimes look, lowest priority first: a name in /var/run/cdi overrides /etc/cdi's.
-SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 # A spec holds no secrets, and every runtime must read it.
 SPEC_MODE = 0o644

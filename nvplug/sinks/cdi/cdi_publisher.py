@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, Schedule
-from nvplug.config import Config, off_or_path
+from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
 from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
@@ -24,7 +24,7 @@ from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
 from nvplug.shaping.mps_groups import client_limits, container_view, pipe_dir
 from nvplug.sinks.cdi import driver_files as driverfiles
-from nvplug.sinks.cdi.cdi_files import SPEC_DIRS, SpecWriter, conflicts, read_specs
+from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
     GPU_KIND,
     WRITABLE,
@@ -64,6 +64,8 @@ class CdiSettings:
     # MPS: the root of the groups' directories, and whether clients get their limits as variables.
     mps_root: str = ""
     mps_client_limits: bool = False
+    # nvplug.cdi.runtimeDirs: read for conflicts with another spec of our kind.
+    runtime_dirs: tuple[Path, ...] = tuple(Path(d) for d in DEFAULT_CDI_RUNTIME_DIRS)
 
     @classmethod
     def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
@@ -86,6 +88,7 @@ class CdiSettings:
             cfg.devices,
             cfg.mps_root,
             cfg.mps.client_limits,
+            tuple(Path(d) for d in cfg.cdi_runtime_dirs),
         )
 
     def hook(self) -> str | None:
@@ -195,7 +198,7 @@ class SpecPublisher:
 
     def _check_conflicts(self, specs: list[CdiSpec]) -> None:
         assert self._writer is not None
-        files = read_specs([*SPEC_DIRS, self._writer.directory])
+        files = read_specs([*self.settings.runtime_dirs, self._writer.directory])
         found = conflicts(files, self._writer.paths(), [s.kind for s in specs])
         for problem in found:
             if problem not in self.conflicts:
