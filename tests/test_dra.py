@@ -270,6 +270,40 @@ def test_semver(text: str | None, version: str | None) -> None:
     assert devices.semver(text) == version
 
 
+@pytest.mark.parametrize(
+    ("dra", "owned", "served"),
+    [
+        # The H100s are nvidia.com/gpu, the A100s renamed: DRA takes what pods ask for as nvidia.com/gpu.
+        ("    extendedResources: [nvidia.com/gpu]\n", [0, 1, 2, 3], {"nvidia.com/gpu": 0, "nvidia.com/a100": 2}),
+        # NVIDIA's short form, and a selector beside it: both are DRA's.
+        (
+            "    extendedResources: [gpu]\n    devices: [4]\n",
+            [0, 1, 2, 3, 4],
+            {"nvidia.com/gpu": 0, "nvidia.com/a100": 1},
+        ),
+        ("    extendedResources: [nvidia.com/a100]\n", [4, 5], {"nvidia.com/gpu": 4, "nvidia.com/a100": 0}),
+    ],
+)
+def test_an_extended_resource_dra_serves_is_offered_by_the_device_plugin_with_no_devices(
+    dra: str, owned: list[int], served: dict[str, int]
+) -> None:
+    # The scheduler backs an extended resource with DRA only where the node's allocatable for it is 0.
+    state = six_gpus()
+    extra = "resources:\n  gpus:\n  - pattern: '*A100*'\n    name: a100\n"
+    cfg = config.parse(f"{extra}nvplug:\n  dra:\n    enabled: true\n{dra}", "c.yaml")
+    n = Naming.from_config(cfg)
+    assert [g.index for g in state.current.gpus if n.dra_owns(g)] == owned
+    counts = {spec.name: len(spec.project(state.current).devices) for spec in plan(cfg, state.current).served}
+    assert counts == served
+
+
+def test_extended_resources_are_checked() -> None:
+    with pytest.raises(config.ConfigError, match=r"line 3: nvplug\.dra\.extendedResources: needs nvplug\.dra\.enabled"):
+        config.parse("nvplug:\n  dra:\n    extendedResources: [nvidia.com/gpu]\n", "c.yaml")
+    with pytest.raises(config.ConfigError, match=r"nvidia\.com/gpu is listed twice"):
+        config.parse("nvplug:\n  dra:\n    enabled: true\n    extendedResources: [gpu, nvidia.com/gpu]\n", "c.yaml")
+
+
 # --- ResourceSlices ------------------------------------------------------------------------------
 
 

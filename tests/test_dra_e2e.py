@@ -203,6 +203,36 @@ def test_health_changes_and_hot_adds_reach_the_slices_within_milliseconds(dra: D
         assert dra.pool()["gpu-8"]["attributes"]["uuid"] == {"string": new}
 
 
+def test_the_extended_resource_switch_serves_nvidia_com_gpu_pods_through_dra(dra: Dra) -> None:
+    # nvplug.dra.extendedResources: the device plugin registers nvidia.com/gpu with no devices (allocatable 0,
+    # which the scheduler needs before it backs the name with DRA), and the pool holds every GPU.
+    dra.start(dra.config(devices="[]") + "    extendedResources: [nvidia.com/gpu]\n")
+    dra.node.kubelet.wait_for(registered_with(0, GPU_RESOURCE), TIMEOUT)
+    dra.wait(lambda: len(dra.pool()) == 8, "every GPU in the pool")
+    plugin = dra.node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None and plugin.devices == {}
+    # A claim shaped as the scheduler makes one for `nvidia.com/gpu: 1`.
+    uid = "uid-ext"
+    name = "trainer-0-extended-resources-x7k2p"
+    result = {"request": "container-0-request-0", "driver": DRIVER, "pool": NODE, "device": "gpu-3"}
+    dra.api.add_claim({
+        "metadata": {"namespace": "ml", "name": name, "uid": uid,
+                     "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "trainer-0", "uid": "pod-1",
+                                          "controller": True}]},
+        "spec": {"devices": {"requests": [{"name": "container-0-request-0",
+                                           "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+        "status": {"allocation": {"devices": {"results": [result]}},
+                   "reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": "pod-1"}]},
+    })  # fmt: skip
+    answer = dra.kubelet.prepare(DRIVER, [("ml", name, uid)])[uid]
+    print(f"prepared {name}: {answer}")
+    uuid = dra.node.scenario_gpus()[3]["uuid"]
+    assert answer.error == "" and answer.devices == (
+        (NODE, "gpu-3", ("container-0-request-0",), (f"k8s.device-plugin.nvidia.com/gpu={uuid}",)),
+    )
+
+
 def test_a_reload_that_excludes_a_gpu_takes_it_out_of_the_pool(dra: Dra) -> None:
     dra.start()
     dra.wait(lambda: len(dra.pool()) == 4, "the pool")

@@ -80,6 +80,9 @@ def parse(text: str, source: str) -> Config:
         node = _key_node(ctx, found["sharing"], "sharing", known_keys(Sharing), "timeSlicing")
         raise ctx.error(node, "sharing.timeSlicing.sharedDevicesAllocationPolicy",
                         f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}")  # fmt: skip
+    if cfg.dra.extended_resources and not cfg.dra.enabled:
+        node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
+        raise ctx.error(node, "nvplug.dra.extendedResources", "needs nvplug.dra.enabled: true (DRA serves them)")
     if cfg.dra.enabled and cfg.cdi_spec_dir == "off":
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
         raise ctx.error(node, "nvplug.dra.enabled", "needs the CDI spec (nvplug.cdi.specDir is off): "

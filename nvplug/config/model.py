@@ -35,6 +35,7 @@ from nvplug.config.value_readers import (
     off_or_absolute,
     positive_seconds,
     resource_name,
+    resource_names,
     shared_devices,
     string,
     string_list,
@@ -372,7 +373,8 @@ class DraConfig:
         default=DEFAULT_DRA_KUBECONFIG,
         metadata=key("kubeconfig", "credentials for publishing ResourceSlices", absolute_path),
     )
-    # The GPUs offered through DRA (none listed: every GPU); the device plugin offers the others.
+    # The GPUs offered through DRA (none listed, and no extendedResources: every GPU); the device plugin
+    # offers the others.
     devices: tuple[Selector, ...] = field(
         default=(), metadata=key("devices", "the GPUs offered through DRA", read_selectors, show=selector_texts)
     )
@@ -382,6 +384,13 @@ class DraConfig:
     )
     plugins_dir: str = field(
         default=DEFAULT_KUBELET_PLUGINS, metadata=key("pluginsDir", "where plugins' sockets live", absolute_path)
+    )
+    # DRA extended resources (KEP-5004): a DeviceClass with extendedResourceName maps a pod's
+    # `nvidia.com/gpu: 1` to a claim, but only where the node's allocatable for it is 0. Every GPU the
+    # device plugin would offer under such a name goes to DRA, and the device plugin offers it with none.
+    extended_resources: tuple[str, ...] = field(
+        default=(),
+        metadata=key("extendedResources", "resources DRA serves for pods that ask by name", resource_names),
     )
     # Where the API server keeps device taints (DRADeviceTaints), an Unhealthy device stays in the pool, tainted.
     taint_effect: TaintEffects = field(

@@ -313,6 +313,15 @@ def resource_name(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     return full
 
 
+def resource_names(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:
+    """A list of resource names (`gpu` is nvidia.com/gpu), each once."""
+    names = tuple(resource_name(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
+    for n, name in enumerate(names):
+        if name in names[:n]:
+            raise ctx.error(node, path, f"{name} is listed twice")
+    return names
+
+
 def _device_ref(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     """A GPU index, MIG index ("gpu:mig"), GPU UUID or MIG UUID, normalised."""
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and ":" not in str(node.value):

@@ -117,11 +117,14 @@ class Naming:
     devices: DeviceFilter = field(default_factory=DeviceFilter)
     # nvplug.dra.devices when DRA is on (empty: every GPU); None when it is off.
     dra: tuple[Selector, ...] | None = None
+    # nvplug.dra.extendedResources: a GPU the device plugin would offer under one of them is DRA's too.
+    dra_extended: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: Config) -> Naming:
         dra = cfg.dra.devices if cfg.dra.enabled else None
-        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra)
+        extended = frozenset(cfg.dra.extended_resources if cfg.dra.enabled else ())
+        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra, extended)
 
     def dra_owns(self, gpu: Gpu) -> bool:
         """Whether the GPU is offered through DRA (and so not by the device plugin)."""
@@ -132,7 +135,13 @@ class Naming:
         return not self.devices.excludes(gpu) and not self._picked_by_dra(gpu)
 
     def _picked_by_dra(self, gpu: Gpu) -> bool:
-        return self.dra is not None and (not self.dra or any(s.picks(gpu) for s in self.dra))
+        if self.dra is None:
+            return False
+        # No selector and no extended resource: every GPU.
+        if (not self.dra and not self.dra_extended) or any(s.picks(gpu) for s in self.dra):
+            return True
+        # Its names before sharing: the whole GPU's, or its MIG devices' where they are offered.
+        return any(self._unit_name(gpu, mig) in self.dra_extended for mig in (None, *gpu.mig))
 
     def gpu_name(self, gpu: Gpu) -> str:
         """The name of the GPU's model: its resource as a whole GPU, and its MIG devices' under single."""
@@ -318,7 +327,9 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     error = _single_misfit(naming, snapshot, units) if cfg.flags.mig_strategy == "single" else None
     if error is not None:
         return Plan((), error, excluded=excluded, unmatched=unmatched)
-    bases = sorted({name for _, _, name in units}) or [GPU_RESOURCE]
+    # A name DRA serves is still registered, with no devices: the scheduler backs it with DRA only where
+    # the node's allocatable for it is 0.
+    bases = sorted({name for _, _, name in units} | naming.dra_extended) or [GPU_RESOURCE]
     specs: list[ResourceSpec] = []
     refused: dict[str, str] = {}
     sharing = cfg.sharing.replicated
