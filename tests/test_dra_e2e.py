@@ -233,6 +233,70 @@ def test_the_extended_resource_switch_serves_nvidia_com_gpu_pods_through_dra(dra
     )
 
 
+def offered_through_time(dra: Dra, since: float) -> list[tuple[float, str, frozenset[str], frozenset[str]]]:
+    """(when, what, GPUs the kubelet holds as allocatable nvidia.com/gpu, GPUs in the stored slices) at each
+    change either stand-in saw after `since`: the kubelet's from ListAndWatch (a stream's end leaves its
+    devices Unhealthy), the API server's from its writes."""
+    by_minor = {f"gpu-{g['minor']}": g["uuid"] for g in dra.node.scenario_gpus()}
+    views = [v for v in (*dra.node.kubelet.history, *filter(None, [dra.node.kubelet.plugin(GPU_RESOURCE)]))
+             if v.resource == GPU_RESOURCE]  # fmt: skip
+    changes: list[tuple[float, str, Any]] = [
+        (u.at, "kubelet", frozenset(u.healthy_ids)) for v in views for u in v.updates
+    ]
+    changes += [(v.stream_ended_at, "kubelet", frozenset()) for v in views if v.stream_ended_at is not None]
+    changes += [(at, "api", (kind, name, names)) for at, kind, name, names in list(dra.api.timeline)]
+    dp: frozenset[str] = frozenset()
+    slices_now: dict[str, tuple[str, ...]] = {}
+    out = []
+    for at, who, what in sorted(changes, key=lambda c: c[0]):
+        if who == "kubelet":
+            dp = what
+        else:
+            kind, name, names = what
+            if kind == "DELETED":
+                slices_now.pop(name, None)
+            else:
+                slices_now[name] = names
+        pool = frozenset(by_minor[n] for names in slices_now.values() for n in names)
+        if at >= since:
+            out.append((at, who, dp, pool))
+    return out
+
+
+def test_a_reload_that_moves_gpus_between_the_device_plugin_and_dra_never_offers_one_twice(dra: Dra) -> None:
+    dra.start()  # DRA has 4-7, the device plugin 0-3
+    uuids = [g["uuid"] for g in dra.node.scenario_gpus()]
+    dra.node.kubelet.wait_for(registered_with(4, GPU_RESOURCE), TIMEOUT)
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    assert dra.node.daemon is not None
+    began = time.monotonic()
+    # 2 and 3 go to DRA, 6 and 7 to the device plugin.
+    dra.node.config.write_text(dra.config(devices="[2, 3, 4, 5]"))
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    dra.node.wait_log("reload moves 4 GPUs between the device plugin and DRA", TIMEOUT)
+    dra.wait(lambda: sorted(dra.pool()) == ["gpu-2", "gpu-3", "gpu-4", "gpu-5"], "the new pool")
+
+    def plugin_has(ids: set[str]) -> bool:
+        plugin = dra.node.kubelet.plugin(GPU_RESOURCE)
+        return plugin is not None and set(plugin.healthy_ids) == ids
+
+    dra.wait(lambda: plugin_has({uuids[i] for i in (0, 1, 6, 7)}), "the device plugin's new list")
+    timeline = offered_through_time(dra, began)
+    print("through the reload (ms after SIGHUP: who saw a change; device plugin, DRA, both):")
+    for at, who, dp, pool in timeline:
+        print(f"  {(at - began) * 1000:8.1f}  {who:7}  {len(dp)} {len(pool)} {len(dp & pool)}")
+    assert timeline and all(not (dp & pool) for _, _, dp, pool in timeline)
+    # Every GPU is offered by one side at the end, none lost.
+    _, _, dp, pool = timeline[-1]
+    assert dp | pool == set(uuids) and len(dp) == len(pool) == 4
+    # Anything else of nvplug.dra takes a restart: a reload that changes it is refused, the config stays.
+    dra.node.config.write_text(dra.config(devices="[2, 3, 4, 5]").replace(f"nodeName: {NODE}", "nodeName: node-b"))
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    line = dra.node.wait_log("reload refused", TIMEOUT)
+    assert "nvplug.dra changed beyond devices, extendedResources and taintEffect" in line
+    assert sorted(dra.pool()) == ["gpu-2", "gpu-3", "gpu-4", "gpu-5"]
+
+
 def test_a_reload_that_excludes_a_gpu_takes_it_out_of_the_pool(dra: Dra) -> None:
     dra.start()
     dra.wait(lambda: len(dra.pool()) == 4, "the pool")

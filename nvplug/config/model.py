@@ -7,7 +7,7 @@ nvplug's own settings live under `nvplug:`; Config keeps them as flat fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -392,11 +392,23 @@ class DraConfig:
         default=(),
         metadata=key("extendedResources", "resources DRA serves for pods that ask by name", resource_names),
     )
+    # Not a key of the file: the GPUs (by UUID) a reload moves between the device plugin and DRA, offered
+    # by neither while the side that gives them up says so (no GPU is ever offered twice).
+    moving: frozenset[str] = frozenset()
     # Where the API server keeps device taints (DRADeviceTaints), an Unhealthy device stays in the pool, tainted.
     taint_effect: TaintEffects = field(
         default_factory=TaintEffects,
         metadata=key("taintEffect", "the effect of each kind of device taint", section=TaintEffects),
     )
+
+    def needs_restart(self, other: DraConfig) -> bool:
+        """Whether going from `other` to this takes a restart: a reload may move GPUs (devices,
+        extendedResources) and change the taints' effects, not the plugin itself."""
+
+        def plugin(dra: DraConfig) -> DraConfig:
+            return replace(dra, devices=(), extended_resources=(), moving=frozenset(), taint_effect=TaintEffects())
+
+        return plugin(self) != plugin(other)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+from dataclasses import replace
 
 from nvplug import config
 from nvplug.config import Config
@@ -21,6 +22,7 @@ from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
+from nvplug.shaping.resource_plan import moved
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
 from nvplug.sinks.health_state_sink import saved
 from nvplug.sources.event_bus import EventBus
@@ -157,19 +159,29 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = self.options.configured(config.load(self.options.config_path))
-            if new.dra != self.config.dra:
-                raise config.ConfigError(f"{new.source}: nvplug.dra changed; that takes `systemctl restart nvplug`")
+            if new.dra.needs_restart(self.config.dra):
+                raise config.ConfigError(f"{new.source}: nvplug.dra changed beyond devices, extendedResources and "
+                                         "taintEffect; that takes `systemctl restart nvplug`")  # fmt: skip
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             for sink in parts.sinks:
                 await sink.admit(new)
             commits = [sink.prepare(new) for sink in parts.sinks]
+            # GPUs that change sides are first given up by both (each side's commit ends once it has said
+            # so), then taken by the new one: no moment offers one GPU twice.
+            moving = moved(self.config, new, self.state.current)
+            between = replace(new, dra=replace(new.dra, moving=moving))
+            releases = [sink.prepare(between) for sink in parts.sinks] if moving else []
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)
             return
         self.state.set_xid_policy(policy)
         parts.scanner.calls.set_limits(new.health.nvml_call_deadline_seconds, new.health.driver_hang_seconds)
         before = parts.fleet.specs
-        for commit in commits:
+        if releases:
+            log.info(
+                "reload moves %d GPUs between the device plugin and DRA: %s", len(moving), ", ".join(sorted(moving))
+            )
+        for commit in [*releases, *commits]:
             await commit(self.state.current)
         after = parts.fleet.specs
         if after != before:

@@ -38,6 +38,9 @@ log = logging.getLogger("nvplug.dra")
 # A DRA socket that cannot be served again (its directory gone with the kubelet's): retried, never left
 # undone. The directory made again cuts the wait short, so the cap can be long.
 DRA_REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
+# How long a reload waits for the API server to hold a pool that gave GPUs up, before the device plugin
+# offers them: beyond it they are offered anyway (prepare refuses a device no longer in the pool).
+RELEASE_SECONDS = 10.0
 
 
 def health_reports(devices: Sequence[DraDevice]) -> list[DeviceReport]:
@@ -188,14 +191,22 @@ class DraDriver(Sink):
             await self.client.close()
 
     def prepare(self, cfg: Config) -> Commit:
-        """A reloaded config (nvplug.dra itself unchanged: the daemon refuses that): nvplug.devices, the
-        MIG strategy and the ID strategy shape the pool too."""
+        """A reloaded config: nvplug.dra's devices, extendedResources and taintEffect (the rest of it takes a
+        restart), nvplug.devices, the MIG strategy and the ID strategy shape the pool. A pool that gives GPUs
+        up is held by the API server before the commit ends: the device plugin may offer them next."""
         naming = Naming.from_config(cfg)
 
         async def commit(snapshot: Snapshot) -> None:
             self.naming = naming
+            self.effects = cfg.dra.taint_effect
             self.id_strategy = cfg.flags.plugin.device_id_strategy
+            before = {d.uuid for d in self.devices}
             self.offer(snapshot)
+            gone = before - {d.uuid for d in self.devices}
+            if gone and not await self.publisher.held(RELEASE_SECONDS):
+                log.warning("%s: the API server does not hold the pool without %s yet (%s); the device plugin "
+                            "may offer them meanwhile, and prepare refuses them", self.driver, ", ".join(sorted(gone)),
+                            self.publisher.error or "no answer")  # fmt: skip
 
         return commit
 

@@ -12,6 +12,7 @@ logged once, retried with backoff, and never reach the device plugin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -86,6 +87,8 @@ class SlicePublisher:
         # Whether the API server keeps device taints (a dry run tells; so does each write); None: not asked.
         self.taints: bool | None = None
         self._said_taints: bool | None = None
+        # Set after each pass of the publish loop: what waits for the API server to hold the pool.
+        self._passed = asyncio.Event()
 
     def want(self, devices: Sequence[DraDevice]) -> None:
         self._devices = list(devices)
@@ -180,6 +183,19 @@ class SlicePublisher:
                     self.error = None
             conflicts = 0
             self._on_change()
+            passed, self._passed = self._passed, asyncio.Event()
+            passed.set()
+
+    async def held(self, timeout: float) -> bool:
+        """Whether the API server holds the pool as it is now, waiting up to `timeout` for the writes."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.published:
+            left = deadline - asyncio.get_running_loop().time()
+            if self.client is None or left <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._passed.wait(), left)
+        return True
 
     def _failed(self, error: str) -> None:
         if error != self.error:

@@ -119,20 +119,23 @@ class Naming:
     dra: tuple[Selector, ...] | None = None
     # nvplug.dra.extendedResources: a GPU the device plugin would offer under one of them is DRA's too.
     dra_extended: frozenset[str] = frozenset()
+    # GPUs a reload moves between the two: offered by neither meanwhile.
+    moving: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: Config) -> Naming:
         dra = cfg.dra.devices if cfg.dra.enabled else None
         extended = frozenset(cfg.dra.extended_resources if cfg.dra.enabled else ())
-        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra, extended)
+        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra, extended,
+                   cfg.dra.moving)  # fmt: skip
 
     def dra_owns(self, gpu: Gpu) -> bool:
         """Whether the GPU is offered through DRA (and so not by the device plugin)."""
-        return not self.devices.excludes(gpu) and self._picked_by_dra(gpu)
+        return not self.devices.excludes(gpu) and gpu.uuid not in self.moving and self._picked_by_dra(gpu)
 
     def serves(self, gpu: Gpu) -> bool:
         """Whether the device plugin offers the GPU or its MIG devices: not excluded, not DRA's."""
-        return not self.devices.excludes(gpu) and not self._picked_by_dra(gpu)
+        return not self.devices.excludes(gpu) and gpu.uuid not in self.moving and not self._picked_by_dra(gpu)
 
     def _picked_by_dra(self, gpu: Gpu) -> bool:
         if self.dra is None:
@@ -316,6 +319,16 @@ class Plan:
     @property
     def served(self) -> list[ResourceSpec]:
         return [s for s in self.specs if s.name not in self.refused]
+
+
+def moved(old: Config, new: Config, snapshot: Snapshot) -> frozenset[str]:
+    """The GPUs (by UUID) that going from `old` to `new` moves between the device plugin and DRA."""
+    before, after = Naming.from_config(old), Naming.from_config(new)
+    return frozenset(
+        g.uuid
+        for g in snapshot.gpus
+        if (before.dra_owns(g) and after.serves(g)) or (before.serves(g) and after.dra_owns(g))
+    )
 
 
 def plan(cfg: Config, snapshot: Snapshot) -> Plan:

@@ -920,6 +920,8 @@ class FakeApiServer:
         self._fail_reason = "InternalError"
         self._fail_writes_only = False
         self.requests: list[tuple[str, str, int]] = []
+        # Every stored write of a slice as it landed: (time.monotonic(), event type, slice name, device names).
+        self.timeline: list[tuple[float, str, str, tuple[str, ...]]] = []
 
     # Lifecycle.
 
@@ -1107,6 +1109,8 @@ class FakeApiServer:
     def _emit(self, kind: str, obj: Obj, prev: Obj | None = None) -> None:
         """Record a slice's write in the history and hand it to every live watch (callers hold _lock)."""
         event = _Event(int(obj["metadata"]["resourceVersion"]), kind, copy.deepcopy(obj), copy.deepcopy(prev))
+        names = tuple(str(d.get("name")) for d in (obj.get("spec") or {}).get("devices") or [])
+        self.timeline.append((time.monotonic(), kind, str(obj["metadata"]["name"]), names))
         self._history.append(event)
         while len(self._history) > max(1, self.history_limit):
             self._compacted = self._history.popleft().revision
