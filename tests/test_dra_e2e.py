@@ -297,6 +297,27 @@ def test_a_reload_that_moves_gpus_between_the_device_plugin_and_dra_never_offers
     assert sorted(dra.pool()) == ["gpu-2", "gpu-3", "gpu-4", "gpu-5"]
 
 
+def test_a_claims_opaque_config_is_read_and_a_bad_one_fails_that_claim_alone(dra: Dra) -> None:
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+    plain = dra.claim("plain", "gpu-4")
+    mps = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+           "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 150}}}  # fmt: skip
+    dra.api.add_claim({
+        "metadata": {"namespace": "ml", "name": "shared", "uid": "uid-shared"},
+        "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-5"}],
+            "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": mps}}],
+        }}},
+    })  # fmt: skip
+    answers = dra.kubelet.prepare(DRIVER, [plain, ("ml", "shared", "uid-shared")])
+    print(f"the claim with a bad mpsConfig: {answers['uid-shared'].error}")
+    assert answers[plain[2]].error == ""
+    assert ("ResourceClaim ml/shared (uid-shared): request gpu: config[0] (the claim): sharing.mpsConfig."
+            "defaultActiveThreadPercentage: 150 is not between 0 and 100") in answers["uid-shared"].error  # fmt: skip
+
+
 def test_a_reload_that_excludes_a_gpu_takes_it_out_of_the_pool(dra: Dra) -> None:
     dra.start()
     dra.wait(lambda: len(dra.pool()) == 4, "the pool")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nvplug.base.checkpoint import Checkpoint, CheckpointError, read_checkpoint, seal, write_checkpoint
+from nvplug.dra import opaque_config
 from nvplug.dra.device_taints import untolerated
 from nvplug.dra.dra_devices import DraDevice
 
@@ -77,6 +78,7 @@ def prepare(
     if not allocation:
         raise ClaimError(f"{ref}: not allocated")
     results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
+    configs = opaque_config.applicable(allocation, driver)
     by_device: dict[str, list[str]] = {}
     for result in results:
         name, where = str(result.get("device")), str(result.get("pool"))
@@ -87,6 +89,7 @@ def prepare(
             raise ClaimError(f"{ref}: device {name} is not offered by {driver} on {pool} (unknown device)")
         if not device.healthy and not result.get("adminAccess") and _refused(device, result.get("tolerations")):
             raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}")
+        _check_config(ref, device, configs, str(result.get("request", "")))
         request = str(result.get("request", "")).split("/")[0]
         by_device.setdefault(name, []).append(request)
     devices = tuple(
@@ -94,6 +97,32 @@ def prepare(
         for name, requests in by_device.items()
     )
     return PreparedClaim(ref, devices, reserved_pods(claim))
+
+
+def _check_config(ref: ClaimRef, device: DraDevice, configs: list[Any], request: str) -> None:
+    """The opaque config that applies to the device's request, as NVIDIA's driver checks it. Sharing is
+    refused, as NVIDIA's driver refuses it without its alpha gates, until nvplug applies it: a claim that
+    asks for MPS or a time-slice interval must not run on a GPU that has neither."""
+    try:
+        found = opaque_config.for_request(configs, request)
+    except opaque_config.ConfigError as err:
+        raise ClaimError(f"{ref}: request {request}: {err}") from err
+    if found is None:
+        return
+    want = opaque_config.MIG_CONFIG if device.mig is not None else opaque_config.GPU_CONFIG
+    if found.kind != want:
+        what = "MIG device" if device.mig is not None else "GPU"
+        raise ClaimError(f"{ref}: request {request}: {found.where}: a {found.kind} cannot configure "
+                         f"{device.name}, a {what} (use {want})")  # fmt: skip
+    sharing = found.sharing
+    if sharing is None:
+        return
+    cc = device.gpu.compute_capability
+    if sharing.strategy == "MPS" and cc is not None and cc < (7, 0):
+        raise ClaimError(f"{ref}: request {request}: {found.where}: MPS needs a Volta or newer GPU; "
+                         f"{device.name} is compute capability {cc[0]}.{cc[1]}")  # fmt: skip
+    raise ClaimError(f"{ref}: request {request}: {found.where}: sharing.strategy {sharing.strategy} is not served "
+                     "by nvplug yet; the claim is refused rather than run without it")  # fmt: skip
 
 
 def _refused(device: DraDevice, tolerations: Any) -> bool:
