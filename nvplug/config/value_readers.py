@@ -221,15 +221,6 @@ def string_list(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]
     return tuple(string(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
 
 
-def absolute_paths(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:
-    """A list of absolute paths, each once."""
-    paths = tuple(absolute_path(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
-    for n, value in enumerate(paths):
-        if value in paths[:n]:
-            raise ctx.error(node, path, f"{value!r} is listed twice")
-    return paths
-
-
 def go_duration(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     """A Go duration, as written (only checked: nothing of nvplug's takes one)."""
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and yaml_int(str(node.value)) is not None:
@@ -313,15 +304,6 @@ def resource_name(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     return full
 
 
-def resource_names(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[str, ...]:
-    """A list of resource names (`gpu` is nvidia.com/gpu), each once."""
-    names = tuple(resource_name(ctx, item, item_path) for item, item_path in sequence(ctx, node, path))
-    for n, name in enumerate(names):
-        if name in names[:n]:
-            raise ctx.error(node, path, f"{name} is listed twice")
-    return names
-
-
 def _device_ref(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     """A GPU index, MIG index ("gpu:mig"), GPU UUID or MIG UUID, normalised."""
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG and ":" not in str(node.value):
@@ -363,3 +345,21 @@ def shared_devices(ctx: ReadContext, node: yaml.Node, path: str) -> Devices:
             raise ctx.error(item, item_path, f"device {ref} is listed twice")
         refs.append(ref)
     return tuple(refs)
+
+
+def unique_list(item: Reader) -> Reader:
+    """A list of what `item` reads, each value once (after reading: `gpu` and nvidia.com/gpu are one)."""
+
+    def read(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[Any, ...]:
+        values = tuple(item(ctx, each, each_path) for each, each_path in sequence(ctx, node, path))
+        for n, value in enumerate(values):
+            if value in values[:n]:
+                raise ctx.error(node, path, f"{value} is listed twice")
+        return values
+
+    return read
+
+
+# Lists of absolute paths, of resource names (`gpu` is nvidia.com/gpu).
+absolute_paths = unique_list(absolute_path)
+resource_names = unique_list(resource_name)
