@@ -59,14 +59,14 @@ def entries(text: str, source: str = "FromClaim") -> list[dict[str, Any]]:
 
 def test_nvidias_examples_decode() -> None:
     ts, mps = (oc.decode(e["opaque"]["parameters"], "config") for e in entries(NVIDIA_EXAMPLE))
-    assert ts == oc.DeviceConfig(oc.GPU_CONFIG, oc.Sharing("TimeSlicing", "Long"), "config")
-    assert mps.sharing == oc.Sharing("MPS", mps=oc.MpsConfig(50, 10 * 1024, {"0": 5 * 1024}))
+    assert ts == oc.DeviceConfig(oc.GPU_CONFIG, oc.ClaimSharing("TimeSlicing", "Long"), "config")
+    assert mps.sharing == oc.ClaimSharing("MPS", mps=oc.ClaimMps(50, 10 * 1024, {"0": 5 * 1024}))
     mig = oc.decode(yaml.safe_load(MIG_EXAMPLE), "config")
-    assert mig.kind == oc.MIG_CONFIG and mig.sharing == oc.Sharing("MPS", mps=oc.MpsConfig(25))
+    assert mig.kind == oc.MIG_CONFIG and mig.sharing == oc.ClaimSharing("MPS", mps=oc.ClaimMps(25))
     # No sharing at all: the GPU is the claim's alone; a TimeSlicing entry without an interval is Default's.
     plain = {"apiVersion": oc.API_VERSION, "kind": oc.GPU_CONFIG}
     assert oc.decode(plain, "c") == oc.DeviceConfig(oc.GPU_CONFIG, None, "c")
-    assert oc.decode({**plain, "sharing": {"strategy": "TimeSlicing"}}, "c").sharing == oc.Sharing("TimeSlicing")
+    assert oc.decode({**plain, "sharing": {"strategy": "TimeSlicing"}}, "c").sharing == oc.ClaimSharing("TimeSlicing")
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_nvidias_examples_decode() -> None:
     ],
 )
 def test_what_nvidias_driver_refuses_is_refused_with_its_field(change: dict[str, Any], error: str) -> None:
-    with pytest.raises(oc.ConfigError) as found:
+    with pytest.raises(oc.OpaqueConfigError) as found:
         oc.decode({"apiVersion": oc.API_VERSION, "kind": oc.GPU_CONFIG, **change}, "c")
     assert str(found.value).startswith(error), found.value
 

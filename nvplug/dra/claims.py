@@ -105,7 +105,7 @@ def _check_config(ref: ClaimRef, device: DraDevice, configs: list[Any], request:
     asks for MPS or a time-slice interval must not run on a GPU that has neither."""
     try:
         found = opaque_config.for_request(configs, request)
-    except opaque_config.ConfigError as err:
+    except opaque_config.OpaqueConfigError as err:
         raise ClaimError(f"{ref}: request {request}: {err}") from err
     if found is None:
         return

@@ -31,12 +31,12 @@ _QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|G
 Strategy = Literal["TimeSlicing", "MPS"]
 
 
-class ConfigError(ValueError):
+class OpaqueConfigError(ValueError):
     """A parameters object that NVIDIA's driver would refuse; the message names the field."""
 
 
 @dataclass(frozen=True)
-class MpsConfig:
+class ClaimMps:
     # None: each device's default (the equal split is not the driver's to make here).
     active_thread_percentage: int | None = None
     # MiB, for every device; `per_device_mib` (by index among the allocated devices, or UUID) overrides it.
@@ -45,11 +45,11 @@ class MpsConfig:
 
 
 @dataclass(frozen=True)
-class Sharing:
+class ClaimSharing:
     strategy: Strategy
     # TimeSlicing's interval; MPS has none.
     interval: str = "Default"
-    mps: MpsConfig | None = None
+    mps: ClaimMps | None = None
 
 
 @dataclass(frozen=True)
@@ -57,65 +57,65 @@ class DeviceConfig:
     """One decoded parameters object: its kind, and how its devices are shared (None: not at all)."""
 
     kind: str
-    sharing: Sharing | None = None
+    sharing: ClaimSharing | None = None
     # Where it came from, for the error a device of the wrong type gets.
     where: str = ""
 
 
 def decode(parameters: Any, where: str) -> DeviceConfig:
-    """A parameters object of NVIDIA's API. Raises ConfigError naming `where` and the field."""
+    """A parameters object of NVIDIA's API. Raises OpaqueConfigError naming `where` and the field."""
     doc = _object(parameters, where)
     api = doc.get("apiVersion")
     if api != API_VERSION:
-        raise ConfigError(f"{where}: apiVersion {api!r} is not {API_VERSION}")
+        raise OpaqueConfigError(f"{where}: apiVersion {api!r} is not {API_VERSION}")
     kind = doc.get("kind")
     if kind not in (GPU_CONFIG, MIG_CONFIG):
-        raise ConfigError(f"{where}: kind {kind!r} is neither {GPU_CONFIG} nor {MIG_CONFIG}")
+        raise OpaqueConfigError(f"{where}: kind {kind!r} is neither {GPU_CONFIG} nor {MIG_CONFIG}")
     _known(doc, ("apiVersion", "kind", "sharing"), where)
     raw = doc.get("sharing")
     sharing = None if raw is None else _sharing(raw, kind, f"{where}: sharing")
     return DeviceConfig(kind, sharing, where)
 
 
-def _sharing(raw: Any, kind: str, where: str) -> Sharing:
+def _sharing(raw: Any, kind: str, where: str) -> ClaimSharing:
     doc = _object(raw, where)
     _known(doc, ("strategy", "timeSlicingConfig", "mpsConfig"), where)
     strategy = doc.get("strategy")
     if strategy == "Fabric":
-        raise ConfigError(f"{where}.strategy: the Fabric sharing strategy is not enabled")
+        raise OpaqueConfigError(f"{where}.strategy: the Fabric sharing strategy is not enabled")
     if strategy not in ("TimeSlicing", "MPS"):
-        raise ConfigError(f"{where}.strategy: unknown sharing strategy: {strategy!r} (TimeSlicing or MPS)")
+        raise OpaqueConfigError(f"{where}.strategy: unknown sharing strategy: {strategy!r} (TimeSlicing or MPS)")
     if strategy == "TimeSlicing":
         if kind == MIG_CONFIG:
-            raise ConfigError(f"{where}.strategy: a MIG device is shared through MPS only, not TimeSlicing")
+            raise OpaqueConfigError(f"{where}.strategy: a MIG device is shared through MPS only, not TimeSlicing")
         if doc.get("mpsConfig") is not None:
-            raise ConfigError(f"{where}: cannot use mpsConfig with the TimeSlicing strategy")
+            raise OpaqueConfigError(f"{where}: cannot use mpsConfig with the TimeSlicing strategy")
         sliced = _object(doc.get("timeSlicingConfig") or {}, f"{where}.timeSlicingConfig")
         _known(sliced, ("interval",), f"{where}.timeSlicingConfig")
         interval = sliced.get("interval", "Default")
         if interval not in INTERVALS:
-            raise ConfigError(f"{where}.timeSlicingConfig.interval: unknown time-slice interval: {interval!r} "
+            raise OpaqueConfigError(f"{where}.timeSlicingConfig.interval: unknown time-slice interval: {interval!r} "
                               f"({', '.join(INTERVALS)})")  # fmt: skip
-        return Sharing("TimeSlicing", str(interval))
+        return ClaimSharing("TimeSlicing", str(interval))
     if doc.get("timeSlicingConfig") is not None:
-        raise ConfigError(f"{where}: cannot use timeSlicingConfig with the MPS strategy")
-    return Sharing("MPS", mps=_mps(doc.get("mpsConfig") or {}, f"{where}.mpsConfig"))
+        raise OpaqueConfigError(f"{where}: cannot use timeSlicingConfig with the MPS strategy")
+    return ClaimSharing("MPS", mps=_mps(doc.get("mpsConfig") or {}, f"{where}.mpsConfig"))
 
 
-def _mps(raw: Any, where: str) -> MpsConfig:
+def _mps(raw: Any, where: str) -> ClaimMps:
     doc = _object(raw, where)
     keys = ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit", "defaultPerDevicePinnedMemoryLimit")
     _known(doc, keys, where)
     percentage = doc.get("defaultActiveThreadPercentage")
     if percentage is not None:
         if not isinstance(percentage, int) or isinstance(percentage, bool):
-            raise ConfigError(f"{where}.defaultActiveThreadPercentage: {percentage!r} is not an integer")
+            raise OpaqueConfigError(f"{where}.defaultActiveThreadPercentage: {percentage!r} is not an integer")
         if not 0 <= percentage <= 100:
-            raise ConfigError(f"{where}.defaultActiveThreadPercentage: {percentage} is not between 0 and 100")
+            raise OpaqueConfigError(f"{where}.defaultActiveThreadPercentage: {percentage} is not between 0 and 100")
     pinned = doc.get("defaultPinnedDeviceMemoryLimit")
     per_key = f"{where}.defaultPerDevicePinnedMemoryLimit"
     per_device = _object(doc.get("defaultPerDevicePinnedMemoryLimit") or {}, per_key)
-    return MpsConfig(
+    return ClaimMps(
         percentage,
         None if pinned is None else mebibytes(pinned, f"{where}.defaultPinnedDeviceMemoryLimit"),
         {str(k): mebibytes(v, f"{per_key}[{k}]") for k, v in per_device.items()} or None,
@@ -127,14 +127,14 @@ def mebibytes(value: Any, where: str) -> int:
     text = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
     found = _QUANTITY.fullmatch(text) if text is not None else None
     if found is None:
-        raise ConfigError(f"{where}: {value!r} is not a quantity (e.g. 10Gi, 512Mi)")
+        raise OpaqueConfigError(f"{where}: {value!r} is not a quantity (e.g. 10Gi, 512Mi)")
     try:
         amount = Decimal(found.group(1)) * _SUFFIXES[found.group(2) or ""]
     except InvalidOperation as err:
-        raise ConfigError(f"{where}: {value!r} is not a quantity") from err
+        raise OpaqueConfigError(f"{where}: {value!r} is not a quantity") from err
     mib = int(amount // 2**20)
     if mib < 1:
-        raise ConfigError(f"{where}: {value!r} is too low: a limit is at least 1Mi")
+        raise OpaqueConfigError(f"{where}: {value!r} is too low: a limit is at least 1Mi")
     return mib
 
 
@@ -164,11 +164,11 @@ def for_request(entries: Sequence[tuple[tuple[str, ...], Any, str]], request: st
 
 def _object(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}: must be an object, not {type(value).__name__}")
+        raise OpaqueConfigError(f"{where}: must be an object, not {type(value).__name__}")
     return value
 
 
 def _known(doc: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(doc) - set(keys))
     if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(keys)})")
+        raise OpaqueConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(keys)})")
