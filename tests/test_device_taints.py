@@ -251,6 +251,16 @@ def test_a_stronger_fault_replaces_the_kind_of_a_weaker_one() -> None:
     assert kinds(state) == (Health.UNHEALTHY, Fault.XID, 79)
 
 
+def test_what_a_check_finds_replaces_cannot_be_checked() -> None:
+    # NVML fails (unmonitored, cleared by a probe); once it answers, the GPU turns out lost (also a probe's
+    # to clear): the kind the check found is the fault now, and its taint keeps claims off.
+    state = node(gpu(0))
+    state.apply(NvmlFailed("Driver Not Loaded"))
+    state.apply(HealthReported(uuid(0), "GPU is lost", Clears.PROBE, Fault.LOST))
+    assert kinds(state) == (Health.UNHEALTHY, Fault.LOST, None)
+    assert taints_offered(state) == {"gpu-0": ["gpu.nvidia.com/gpu-lost:NoSchedule"]}
+
+
 def test_a_hung_call_marks_its_gpu_unmonitored_while_healthy() -> None:
     state = node(gpu(0), gpu(1))
     state.apply(NvmlCallHung(1, "probe", uuid(1), None, 1.0, 30.0, past_limit=False))
@@ -352,13 +362,18 @@ def test_a_record_from_an_older_nvplug_is_of_an_other_fault() -> None:
     assert (old[uuid(0)].state.fault, old[uuid(0)].state.xid) == (Fault.OTHER, None)
 
 
-@pytest.mark.parametrize(
-    "changes",
-    [{"xid": "79"}, {"xid": 79.0}, {"xid": True}, {"xid": [79]}, {"fault": "bogus"}, {"fault": None}],
-)
-def test_a_bad_fault_or_xid_is_refused(changes: dict[str, Any]) -> None:
+@pytest.mark.parametrize("changes", [{"xid": "79"}, {"xid": 79.0}, {"xid": True}, {"xid": [79]}])
+def test_a_bad_xid_is_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(StateFileError, match="device 0"):
         state_file.decode(older({uuid(0): record(Fault.XID, 79)}, **changes))
+
+
+@pytest.mark.parametrize("fault", ["bogus", None])
+def test_a_fault_kind_this_nvplug_does_not_know_keeps_the_fault(fault: str | None) -> None:
+    # A newer nvplug's kind (after a rollback), or none: the fault stays, as another fault.
+    _, back = state_file.decode(older({uuid(0): record(Fault.XID, 79)}, fault=fault))
+    state = back[uuid(0)].state
+    assert (state.health, state.fault, state.reason) == (Health.UNHEALTHY, Fault.OTHER, "XID 79 test")
 
 
 def test_a_good_xid_of_an_older_kind_reads() -> None:

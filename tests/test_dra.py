@@ -11,6 +11,7 @@ import re
 import socket
 import stat
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -888,6 +889,35 @@ def test_publisher_taints_keeps_what_the_server_stored_and_merges_on_a_conflict(
                 assert taints_of(third, "gpu-001") == [admin]
 
         asyncio.run(main())
+
+
+def test_publisher_on_a_server_without_the_effect_none_and_one_that_refuses_the_dry_run(tmp_path: Path) -> None:
+    unmonitored = replace(dra_device(2), taints=(Taint("gpu.nvidia.com/unmonitored", "", "None"),))
+    with FakeApiServer() as api:
+        api.effect_none = False  # 1.33 and 1.34: NoSchedule and NoExecute only
+        kc = api.write_kubeconfig(tmp_path / "kc")
+
+        async def main() -> None:
+            async with publishing(kc) as pub:
+                pub.want([dra_device(0), dra_device(1, healthy=False), unmonitored])
+                (found,) = await until(lambda: settled(api, pub, 1, 1), "the slice")
+                taints = {d["name"]: [t["key"] for t in d.get("taints") or []] for d in found["spec"]["devices"]}
+                # The Xid's taint is written; the one of effect None is left out rather than refused.
+                assert taints == {"gpu-000": [], "gpu-001": [XID_KEY], "gpu-002": []}
+                assert pub.taints is True and pub.status()["tainted"] == {"gpu-001": [f"{XID_KEY}=79:NoSchedule"]}
+
+        asyncio.run(main())
+    with FakeApiServer() as api:
+        api.fail_next(1, 422, "Invalid", writes_only=True)  # the dry run: a server that takes no taint
+        kc = api.write_kubeconfig(tmp_path / "kc2")
+
+        async def refused() -> None:
+            async with publishing(kc) as pub:
+                pub.want([dra_device(0), dra_device(1, healthy=False)])
+                (found,) = await until(lambda: settled(api, pub, 1, 1), "the slice")
+                assert [d["name"] for d in found["spec"]["devices"]] == ["gpu-000"] and pub.taints is False
+
+        asyncio.run(refused())
 
 
 def test_publisher_publishes_an_empty_pool(tmp_path: Path) -> None:

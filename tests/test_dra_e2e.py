@@ -293,8 +293,18 @@ def test_a_reload_that_moves_gpus_between_the_device_plugin_and_dra_never_offers
     dra.node.config.write_text(dra.config(devices="[2, 3, 4, 5]").replace(f"nodeName: {NODE}", "nodeName: node-b"))
     dra.node.daemon.send_signal(signal.SIGHUP)
     line = dra.node.wait_log("reload refused", TIMEOUT)
-    assert "nvplug.dra changed beyond devices, extendedResources and taintEffect" in line
+    assert "nvplug.dra.nodeName changed; beyond devices, extendedResources and taintEffect that takes" in line
     assert sorted(dra.pool()) == ["gpu-2", "gpu-3", "gpu-4", "gpu-5"]
+    # A GPU in use does not change sides: the other side would hand it out again while its pod runs.
+    held = dra.claim("held", "gpu-5")
+    dra.api._claims[("ml", "held")]["status"]["reservedFor"] = [{"resource": "pods", "name": "job-0", "uid": "p"}]
+    assert dra.kubelet.prepare(DRIVER, [held])[held[2]].error == ""
+    dra.node.config.write_text(dra.config(devices="[2, 3, 4]"))
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    log = dra.node.wait_log("the reload would move gpu 5", TIMEOUT)
+    line = next(ln for ln in log.splitlines() if "the reload would move gpu 5" in ln)
+    print(line)
+    assert "ml/job-0 (claim held)" in line and "drain it first" in line and "gpu-5" in dra.pool()
 
 
 def test_a_claims_opaque_config_is_read_and_a_bad_one_fails_that_claim_alone(dra: Dra) -> None:

@@ -127,6 +127,13 @@ def test_quantities(text: str | int, mib: int) -> None:
     assert oc.mebibytes(text, "q") == mib
 
 
+@pytest.mark.parametrize("text", ["1e40", "1e999999999", "-1Gi", "10 Gi", True])
+def test_a_quantity_nvplug_cannot_take_fails_that_claim_alone(text: Any) -> None:
+    # Never an exception other than the config's: the other claims of the call are answered.
+    with pytest.raises(oc.OpaqueConfigError, match=r"^q: "):
+        oc.mebibytes(text, "q")
+
+
 def gpu_config(interval: str) -> dict[str, Any]:
     sharing = {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}
     return {"apiVersion": oc.API_VERSION, "kind": oc.GPU_CONFIG, "sharing": sharing}

@@ -74,11 +74,22 @@ DEVICE_PLUGIN_DIR = Argument(
 )
 # None for each: the config's nvplug.* key of the same name.
 CDI_SPEC_DIR = Argument("--cdi-spec-dir", parse=Path)
+
+
 # Overrides for a node kept under one root (a simulated one): the runtimes' spec directories, the hook.
+def absolute_dirs(text: str) -> tuple[Path, ...]:
+    """DIR,DIR: absolute paths, as the config's nvplug.cdi.runtimeDirs takes them."""
+    dirs = tuple(Path(p) for p in text.split(",") if p)
+    relative = [str(d) for d in dirs if not d.is_absolute()]
+    if relative:
+        raise argparse.ArgumentTypeError(f"{', '.join(relative)}: not an absolute path")
+    return dirs
+
+
 CDI_RUNTIME_DIRS = Argument(
     "--cdi-runtime-dirs",
     "where the container runtimes read CDI specs, comma-separated (default: the config's nvplug.cdi.runtimeDirs)",
-    lambda text: tuple(Path(p) for p in text.split(",") if p),
+    absolute_dirs,
     metavar="DIR,DIR",
 )
 NVIDIA_CTK_PATH = Argument("--nvidia-ctk-path", "default: the config's flags.plugin.nvidiaCTKPath", Path)

@@ -7,11 +7,11 @@ nvplug's own settings live under `nvplug:`; Config keeps them as flat fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from nvplug.config.schema import Key, key
+from nvplug.config.schema import Key, declared, key
 from nvplug.config.selectors import DeviceFilter, Selector, read_selectors, selector_texts
 from nvplug.config.value_readers import (
     MAX_REPLICAS,
@@ -401,14 +401,15 @@ class DraConfig:
         metadata=key("taintEffect", "the effect of each kind of device taint", section=TaintEffects),
     )
 
-    def needs_restart(self, other: DraConfig) -> bool:
-        """Whether going from `other` to this takes a restart: a reload may move GPUs (devices,
+    def needs_restart(self, other: DraConfig) -> list[str]:
+        """The keys whose change from `other` takes a restart: a reload may move GPUs (devices,
         extendedResources) and change the taints' effects, not the plugin itself."""
-
-        def plugin(dra: DraConfig) -> DraConfig:
-            return replace(dra, devices=(), extended_resources=(), moving=frozenset(), taint_effect=TaintEffects())
-
-        return plugin(self) != plugin(other)
+        reloadable = {"devices", "extended_resources", "taint_effect"}
+        return [
+            k.name
+            for name, k in declared(DraConfig)
+            if name is not None and name not in reloadable and getattr(self, name) != getattr(other, name)
+        ]
 
 
 @dataclass(frozen=True)

@@ -351,11 +351,13 @@ def unique_list(item: Reader) -> Reader:
     """A list of what `item` reads, each value once (after reading: `gpu` and nvidia.com/gpu are one)."""
 
     def read(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[Any, ...]:
-        values = tuple(item(ctx, each, each_path) for each, each_path in sequence(ctx, node, path))
-        for n, value in enumerate(values):
-            if value in values[:n]:
-                raise ctx.error(node, path, f"{value} is listed twice")
-        return values
+        values: list[Any] = []
+        for each, each_path in sequence(ctx, node, path):
+            value = item(ctx, each, each_path)
+            if value in values:
+                raise ctx.error(each, each_path, f"{value} is listed twice")
+            values.append(value)
+        return tuple(values)
 
     return read
 

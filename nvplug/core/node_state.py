@@ -687,6 +687,8 @@ class _Draft:
             or current.clears is None
             or clears.rank > current.clears.rank
             or (clears is Clears.RESET and current.evidence is not None)
+            # "Cannot be checked" gives way to what a check then found (NVML back, the GPU lost).
+            or (current.fault is Fault.UNMONITORED and kind is not Fault.UNMONITORED)
         )
         if not replaces:
             kept = replace(

@@ -11,17 +11,19 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from nvplug import config
 from nvplug.config import Config
 from nvplug.core.events import NvmlFailed
 from nvplug.core.kernel_log_backlog import settle
-from nvplug.core.node_state import NodeState
+from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
+from nvplug.kubelet.pod_holders import Holder
 from nvplug.shaping.resource_plan import moved
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
 from nvplug.sinks.health_state_sink import saved
@@ -48,6 +50,8 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
+        # A SIGHUP during a reload: one more reload once it is done, so that the last edit is read.
+        self._reload_again = False
         self._wiring: Wiring | None = None
 
     def request_stop(self, why: str) -> None:
@@ -56,9 +60,11 @@ class Daemon:
         self._stop.set()
 
     def request_reload(self) -> None:
-        """SIGHUP: one reload at a time; a second signal during one is folded in."""
+        """SIGHUP: one reload at a time; signals during one make one more after it."""
         if self._reloading is None or self._reloading.done():
             self._reloading = asyncio.create_task(self._reload())
+        else:
+            self._reload_again = True
 
     async def run(self) -> None:
         bus = EventBus(asyncio.get_running_loop())
@@ -147,6 +153,9 @@ class Daemon:
         self.notifier.reloading()
         try:
             await self._load_and_apply()
+            while self._reload_again:
+                self._reload_again = False
+                await self._load_and_apply()
         finally:
             # Whatever happened, systemd must not wait on a reload forever.
             self.notifier.ready(self._wiring.report.line() if self._wiring is not None else "")
@@ -159,9 +168,11 @@ class Daemon:
         source = self.options.config_path or "the default config"
         try:
             new = self.options.configured(config.load(self.options.config_path))
-            if new.dra.needs_restart(self.config.dra):
-                raise config.ConfigError(f"{new.source}: nvplug.dra changed beyond devices, extendedResources and "
-                                         "taintEffect; that takes `systemctl restart nvplug`")  # fmt: skip
+            changed = new.dra.needs_restart(self.config.dra)
+            if changed:
+                raise config.ConfigError(f"{new.source}: nvplug.dra.{', nvplug.dra.'.join(changed)} changed; beyond "
+                                         "devices, extendedResources and taintEffect that takes "
+                                         "`systemctl restart nvplug`")  # fmt: skip
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             for sink in parts.sinks:
                 await sink.admit(new)
@@ -169,6 +180,7 @@ class Daemon:
             # GPUs that change sides are first given up by both (each side's commit ends once it has said
             # so), then taken by the new one: no moment offers one GPU twice.
             moving = moved(self.config, new, self.state.current)
+            refuse_held(moving, parts.report.holders() or {}, self.state.current)
             between = replace(new, dra=replace(new.dra, moving=moving))
             releases = [sink.prepare(between) for sink in parts.sinks] if moving else []
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
@@ -182,13 +194,29 @@ class Daemon:
                 "reload moves %d GPUs between the device plugin and DRA: %s", len(moving), ", ".join(sorted(moving))
             )
         for commit in [*releases, *commits]:
-            await commit(self.state.current)
+            try:
+                await commit(self.state.current)
+            except Exception:  # one part's bug must not leave the others (and GPUs given up) half-way
+                log.exception("reload: a part failed to apply the new config; the others go on")
         after = parts.fleet.specs
         if after != before:
             log.info("reloaded the config from %s; resources now: %s", source, [s.name for s in after])
         else:
             log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
         self.config = new
+
+
+def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:
+    """A GPU in use (a pod holds it, or one of its MIG devices, through either side) does not change sides:
+    the other side would hand it out again while the pod runs."""
+    for gpu in snapshot.gpus:
+        if gpu.uuid not in moving:
+            continue
+        held = [h for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)) for h in holders.get(uuid, ())]
+        if held:
+            who = ", ".join(sorted({h.text for h in held}))
+            raise config.ConfigError(f"the reload would move {gpu.label} between the device plugin and DRA while "
+                                     f"{who} holds it; drain it first")  # fmt: skip
 
 
 async def serve(options: Options) -> None:

@@ -88,7 +88,8 @@ def prepare(
         if device is None:
             raise ClaimError(f"{ref}: device {name} is not offered by {driver} on {pool} (unknown device)")
         if not device.healthy and not result.get("adminAccess") and _refused(device, result.get("tolerations")):
-            raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}")
+            why = f" (its taints {', '.join(map(str, device.taints))} not tolerated)" if device.taints else ""
+            raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}{why}")
         _check_config(ref, device, configs, str(result.get("request", "")))
         request = str(result.get("request", "")).split("/")[0]
         by_device.setdefault(name, []).append(request)

@@ -289,7 +289,7 @@ class DraDriver(Sink):
         out: dict[str, list[dict[str, object]]] = {}
         for d in self.devices:
             entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
-                     "claims": self._held(d), "taints": self._taints(d)}  # fmt: skip
+                     "claims": self._held(d), "taints": self.publisher.shown_taints(d)}  # fmt: skip
             out.setdefault(d.gpu.uuid, []).append(entry)
         return out
 
@@ -318,10 +318,6 @@ class DraDriver(Sink):
                     out.setdefault(device.uuid, []).append(holder)
         return out
 
-    def _taints(self, device: DraDevice) -> list[str]:
-        """Its taints as the slice holds them (`gpu.nvidia.com/xid=79:NoSchedule`); none where they are not kept."""
-        return [str(t) for t in device.taints] if self.publisher.taints else []
-
     def _held(self, device: DraDevice) -> list[str]:
         """The claims prepared with the device, as namespace/name."""
         return [f"{c.claim.namespace}/{c.claim.name}" for c in self.claims.holding(device.uuid)]
@@ -341,7 +337,7 @@ class DraDriver(Sink):
                     "uuid": d.uuid,
                     "healthy": d.healthy,
                     "claims": self._held(d),
-                    "taints": self._taints(d),
+                    "taints": self.publisher.shown_taints(d),
                 }
                 for d in self.devices
             ],

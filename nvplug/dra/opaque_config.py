@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Literal
 
 API_VERSION = "resource.nvidia.com/v1beta1"
@@ -54,7 +54,9 @@ class ClaimSharing:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """One decoded parameters object: its kind, and how its devices are shared (None: not at all)."""
+    """One decoded parameters object: its kind, and how its devices are shared (None: not at all). Until
+    nvplug applies sharing, the interval and the MPS limits are decoded to be checked, as NVIDIA's
+    driver checks them, and a claim that asks for sharing is refused."""
 
     kind: str
     sharing: ClaimSharing | None = None
@@ -129,10 +131,9 @@ def mebibytes(value: Any, where: str) -> int:
     if found is None:
         raise OpaqueConfigError(f"{where}: {value!r} is not a quantity (e.g. 10Gi, 512Mi)")
     try:
-        amount = Decimal(found.group(1)) * _SUFFIXES[found.group(2) or ""]
-    except InvalidOperation as err:
-        raise OpaqueConfigError(f"{where}: {value!r} is not a quantity") from err
-    mib = int(amount // 2**20)
+        mib = int(Decimal(found.group(1)) * _SUFFIXES[found.group(2) or ""] // 2**20)
+    except ArithmeticError as err:  # decimal's InvalidOperation and Overflow: 1e40, 1e999999999
+        raise OpaqueConfigError(f"{where}: {value!r} is not a quantity nvplug can take") from err
     if mib < 1:
         raise OpaqueConfigError(f"{where}: {value!r} is too low: a limit is at least 1Mi")
     return mib

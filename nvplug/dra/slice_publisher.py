@@ -16,12 +16,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
 from nvplug.base.backoff import Backoff
+from nvplug.config import TaintEffect
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
-from nvplug.dra.device_taints import MAX_TAINTED_DEVICES, UNMONITORED_KEY, Taint, keep_stored, kept
+from nvplug.dra.device_taints import (
+    MAX_TAINTED_DEVICES,
+    UNMONITORED_KEY,
+    Taint,
+    keep_stored,
+    kept,
+)
 from nvplug.dra.dra_devices import DraDevice
 from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, pool_devices, slices
 
@@ -38,6 +46,8 @@ WATCH_SECONDS = 300
 MAX_OURS = 1024
 # 409s in a row (someone else wrote the slice meanwhile) read again and merged at once; then backoff.
 MAX_CONFLICTS = 3
+# What a server that does not take a taint answers a dry run with: BadRequest, Invalid.
+REFUSED = (400, 422)
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
 FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
 
@@ -87,6 +97,9 @@ class SlicePublisher:
         # Whether the API server keeps device taints (a dry run tells; so does each write); None: not asked.
         self.taints: bool | None = None
         self._said_taints: bool | None = None
+        # Whether it takes the effect None (1.35 on); where it does not, such a taint is left out.
+        self._effect_none = True
+        self._probe_due = True
         # Set after each pass of the publish loop: what waits for the API server to hold the pool.
         self._passed = asyncio.Event()
 
@@ -99,8 +112,9 @@ class SlicePublisher:
         once its start-up wipe is surely over: the watch sees it, this does if the watch cannot."""
         self._known = None
         self._republished += 1
-        # Whether taints are kept is asked again: the control plane may have been upgraded meanwhile.
-        self.taints = None
+        # Whether taints are kept is asked again (the control plane may have been upgraded meanwhile);
+        # the last answer stands until then.
+        self._probe_due = True
         self._wake.set()
         if settle:
             if self._settle is not None:
@@ -118,8 +132,10 @@ class SlicePublisher:
         )
 
     def _wanted(self, version: str, known: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The pool's devices as they must be stored: tainted where taints are kept, with the stored ones kept."""
-        return keep_stored(pool_devices(self._devices, version, self.taints is not False), known)
+        """The pool's devices as they must be stored: tainted where taints are kept (not yet asked: as if),
+        with the stored ones kept."""
+        devices = self._devices if self._effect_none else [_without_effect_none(d) for d in self._devices]
+        return keep_stored(pool_devices(devices, version, self.taints is not False), known)
 
     @property
     def slice_names(self) -> list[str]:
@@ -132,10 +148,10 @@ class SlicePublisher:
             "api_version": f"{GROUP}/{self.version}" if self.version else None,
             "pool_generation": self.generation,
             "slices": self.slice_names,
-            "pool_devices": sum(1 for d in self._devices if d.healthy or (self.taints and d.taints)),
+            "pool_devices": sum(1 for d in self._devices if self.in_pool(d)),
             # Whether an Unhealthy device stays in the pool, tainted (True), or leaves it (False); None: not known.
             "taints_kept": self.taints,
-            "tainted": {d.name: [str(t) for t in d.taints] for d in self._devices if d.taints and self.taints},
+            "tainted": {d.name: shown for d in self._devices if (shown := self.shown_taints(d))},
             "published_at": self.published_at,
             # What the API server holds, not what nvplug last wrote: False from a deletion seen by
             # the watch until the slices are written again.
@@ -217,8 +233,9 @@ class SlicePublisher:
             if self._watch_from is None:
                 self._watch_from = listed_at
                 self._listed.set()
-        if self.taints is None:
-            self._taints_kept(await probe_taints(client, version, self.node, self.driver))
+        if self.taints is None or self._probe_due:
+            self._probe_due = False
+            self._taints_kept(*await probe_taints(client, version, self.node, self.driver))
         known = self._known
         wanted = self._wanted(version, known)
         if _same_pool(known, wanted, self.generation):
@@ -341,16 +358,26 @@ class SlicePublisher:
         self._relist()
         return True
 
-    def _taints_kept(self, kept: bool) -> None:
+    def _taints_kept(self, keeps: bool, effect_none: bool = True) -> None:
         """Said once a change: whether an Unhealthy device stays in the pool tainted, or leaves it."""
-        if kept and self._said_taints is not True:
-            log.info("the API server keeps device taints: an Unhealthy device of %s stays in its slice, tainted",
-                     self.node)  # fmt: skip
-        elif not kept and self._said_taints is not False:
+        if keeps and self._said_taints is not True:
+            but = "" if effect_none else " (it takes no effect None: those taints are left out)"
+            log.info("the API server keeps device taints: an Unhealthy device of %s stays in its slice, tainted%s",
+                     self.node, but)  # fmt: skip
+        elif not keeps and self._said_taints is not False:
             log.warning("the API server drops device taints (DRADeviceTaints is off, or Kubernetes is older than "
                         "1.33): an Unhealthy device of %s leaves the pool instead", self.node)  # fmt: skip
-        self.taints = kept
-        self._said_taints = kept
+        self.taints = keeps
+        self._effect_none = effect_none
+        self._said_taints = keeps
+
+    def in_pool(self, device: DraDevice) -> bool:
+        """Whether the device is in the slices: Healthy, or tainted where the API server keeps taints."""
+        return device.healthy or bool(self.taints and device.taints)
+
+    def shown_taints(self, device: DraDevice) -> list[str]:
+        """Its taints as the slice holds them (`gpu.nvidia.com/xid=79:NoSchedule`); none where they are not kept."""
+        return [str(t) for t in device.taints if self._effect_none or t.effect != "None"] if self.taints else []
 
     def _relist(self) -> None:
         self._known = None
@@ -374,14 +401,27 @@ async def discover(client: ApiClient) -> str:
     return version
 
 
-async def probe_taints(client: ApiClient, version: str, node: str, driver: str) -> bool:
-    """Whether the API server keeps device taints, asked by a dry run that stores nothing: discovery
-    cannot tell, since a server with the gate off serves the field and drops it on write."""
-    taints = {"taints": [Taint(UNMONITORED_KEY, "", "None").as_object()]}
-    device: dict[str, Any] = {"name": "taint-probe", **({"basic": taints} if version == "v1beta1" else taints)}
-    (probe,) = slices([device], driver, node, 0, version)
-    answer = await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
-    return kept([device], (answer.get("spec") or {}).get("devices") or [])
+async def probe_taints(client: ApiClient, version: str, node: str, driver: str) -> tuple[bool, bool]:
+    """(whether the API server keeps device taints, whether it takes the effect None), asked by dry runs
+    that store nothing: discovery cannot tell, since a server with the gate off serves the field and
+    drops it on write, and the effect None came after the field (1.35). A server that refuses the
+    taint itself (400, 422) keeps none."""
+
+    async def keeps(effect: TaintEffect) -> bool | None:
+        taints = {"taints": [Taint(UNMONITORED_KEY, "", effect).as_object()]}
+        device: dict[str, Any] = {"name": "taint-probe", **({"basic": taints} if version == "v1beta1" else taints)}
+        (probe,) = slices([device], driver, node, 0, version)
+        try:
+            answer = await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
+        except ApiError as err:
+            if err.status in REFUSED:
+                return None
+            raise
+        return kept([device], (answer.get("spec") or {}).get("devices") or [])
+
+    if not await keeps("NoSchedule"):
+        return False, False
+    return True, bool(await keeps("None"))
 
 
 async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:
@@ -398,6 +438,11 @@ async def list_slices_at(
     items = sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
     version_at = (listed.get("metadata") or {}).get("resourceVersion")
     return items, str(version_at) if version_at else None
+
+
+def _without_effect_none(device: DraDevice) -> DraDevice:
+    """The device without its taints of effect None, for a server that takes no such effect (before 1.35)."""
+    return replace(device, taints=tuple(t for t in device.taints if t.effect != "None"))
 
 
 def _same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], generation: int) -> bool:

@@ -143,8 +143,9 @@ class Naming:
         # No selector and no extended resource: every GPU.
         if (not self.dra and not self.dra_extended) or any(s.picks(gpu) for s in self.dra):
             return True
-        # Its names before sharing: the whole GPU's, or its MIG devices' where they are offered.
-        return any(self._unit_name(gpu, mig) in self.dra_extended for mig in (None, *gpu.mig))
+        # By its model's name (resources.gpus), which its MIG mode does not change: a GPU changes sides only
+        # in a reload, which gives it up on both sides first.
+        return self.gpu_name(gpu) in self.dra_extended
 
     def gpu_name(self, gpu: Gpu) -> str:
         """The name of the GPU's model: its resource as a whole GPU, and its MIG devices' under single."""

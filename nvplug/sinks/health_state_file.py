@@ -160,10 +160,19 @@ def _record(entry: Any) -> tuple[str, Recorded]:
         action,
         optional["driver_instance"],
         optional["remedy"],
-        Fault(entry.get("fault", Fault.OTHER.value)),
+        _fault(entry.get("fault")),
         xid,
     )
     return text["uuid"], Recorded(text["bus_id"], state)
+
+
+def _fault(value: Any) -> Fault:
+    """A record's fault kind; one this nvplug does not know (a newer one's), or none (an older one's), is OTHER:
+    the fault itself must not be lost with it."""
+    try:
+        return Fault(value)
+    except ValueError:
+        return Fault.OTHER
 
 
 @dataclass(frozen=True)

@@ -486,6 +486,16 @@ def _spec_devices(obj: Obj) -> Any:
     return spec.get("devices") if isinstance(spec, dict) else None
 
 
+def _refuse_effect_none(obj: Obj, errs: _Errors) -> None:
+    """Before Kubernetes 1.35 a taint's effect is NoSchedule or NoExecute: None is not supported."""
+    for i, device in enumerate(_spec_devices(obj) or []):
+        fields = device.get("basic", device) if isinstance(device, dict) else {}
+        for j, taint in enumerate(fields.get("taints") or [] if isinstance(fields, dict) else []):
+            if isinstance(taint, dict) and taint.get("effect") == "None":
+                where = "basic.taints" if "basic" in device else "taints"
+                errs.not_supported(f"spec.devices[{i}].{where}[{j}].effect", "None", ("NoSchedule", "NoExecute"))
+
+
 def _has_taints(obj: Obj) -> bool:
     return any(fields.get("taints") for fields in _device_fields(_spec_devices(obj)))
 
@@ -898,6 +908,8 @@ class FakeApiServer:
         self.token = token
         # The DRADeviceTaints gate; a test may flip it between requests.
         self.taints = taints
+        # Whether a taint may have the effect None (1.35 on); False refuses it, as 1.33 and 1.34 do.
+        self.effect_none = True
         self._port = port
         self._lock = threading.Lock()
         # Signalled, under _lock, at every event for the watches and when they must end.
@@ -1376,6 +1388,8 @@ class FakeApiServer:
         elif not name and (not isinstance(generate, str) or not _DNS_SUBDOMAIN.match(generate + "x")):
             errs.invalid("metadata.generateName", generate, "must be a DNS subdomain prefix")
         _prepare_slice(obj, keep_taints=self.taints, now=_now())
+        if not self.effect_none:
+            _refuse_effect_none(obj, errs)
         _validate_slice_spec(obj.get("spec"), version, errs)
         errs.raise_if_any("ResourceSlice", str(name or generate or ""))
 
@@ -1430,6 +1444,8 @@ class FakeApiServer:
         # With the gate off, a slice that already has taints keeps them (the API server's "in use" rule).
         _prepare_slice(obj, keep_taints=self.taints or _has_taints(old), now=_now())
         errs = _Errors()
+        if not self.effect_none:
+            _refuse_effect_none(obj, errs)
         spec = obj.get("spec")
         _validate_slice_spec(spec, version, errs)
         if isinstance(spec, dict):
