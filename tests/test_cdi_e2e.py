@@ -187,3 +187,9 @@ def test_cdi_generate_prints_the_spec_the_daemon_writes(node: SimulatedNode, sho
     written = short_tmp / "out/spec.json"
     subprocess.run([*argv, "--output", str(written)], env=node.daemon_env(), check=True, timeout=60)
     assert written.read_bytes() == out.stdout and written.stat().st_mode & 0o777 == 0o644
+
+
+def test_the_runtime_dirs_on_the_command_line_are_absolute() -> None:
+    argv = [sys.executable, "-m", "nvplug", "doctor", "--cdi-runtime-dirs", "/etc/cdi,var/run/cdi"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "var/run/cdi: not an absolute path" in done.stderr, done.stderr
