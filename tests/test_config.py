@@ -218,7 +218,7 @@ TS = "sharing:\n  timeSlicing:\n    resources:\n    - "
         ),
         (
             "flags:\n  plugin:\n    deviceListStrategy: [envvar, cdi-cri, envvar]\n",
-            r"line 3: flags\.plugin\.deviceListStrategy\[2\]: envvar is given twice",
+            r"line 3: flags\.plugin\.deviceListStrategy\[2\]: envvar is listed twice",
         ),
         ("flags:\n  plugin:\n    deviceListStrategy: []\n", r"deviceListStrategy: must name at least one"),
         # Replicas and devices.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 import yaml
@@ -116,13 +116,7 @@ def choices(options: Any) -> Reader:
         items = [(node, path)] if isinstance(node, yaml.ScalarNode) else sequence(ctx, node, path)
         if not items:
             raise ctx.error(node, path, f"must name at least one of {', '.join(get_args(options))}")
-        out: list[str] = []
-        for item, item_path in items:
-            value = one(ctx, item, item_path)
-            if value in out:
-                raise ctx.error(item, item_path, f"{value} is given twice")
-            out.append(value)
-        return tuple(out)
+        return each_once(ctx, items, one)
 
     return read
 
@@ -347,19 +341,20 @@ def shared_devices(ctx: ReadContext, node: yaml.Node, path: str) -> Devices:
     return tuple(refs)
 
 
+def each_once(ctx: ReadContext, items: Sequence[tuple[yaml.Node, str]], item: Reader) -> tuple[Any, ...]:
+    """What `item` reads of each, each value once (after reading: `gpu` and nvidia.com/gpu are one)."""
+    values: list[Any] = []
+    for each, each_path in items:
+        value = item(ctx, each, each_path)
+        if value in values:
+            raise ctx.error(each, each_path, f"{value} is listed twice")
+        values.append(value)
+    return tuple(values)
+
+
 def unique_list(item: Reader) -> Reader:
-    """A list of what `item` reads, each value once (after reading: `gpu` and nvidia.com/gpu are one)."""
-
-    def read(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[Any, ...]:
-        values: list[Any] = []
-        for each, each_path in sequence(ctx, node, path):
-            value = item(ctx, each, each_path)
-            if value in values:
-                raise ctx.error(each, each_path, f"{value} is listed twice")
-            values.append(value)
-        return tuple(values)
-
-    return read
+    """A list of what `item` reads, each value once."""
+    return lambda ctx, node, path: each_once(ctx, sequence(ctx, node, path), item)
 
 
 # Lists of absolute paths, of resource names (`gpu` is nvidia.com/gpu).
