@@ -386,8 +386,8 @@ class DraConfig:
         default=DEFAULT_KUBELET_PLUGINS, metadata=key("pluginsDir", "where plugins' sockets live", absolute_path)
     )
     # DRA extended resources (KEP-5004): a DeviceClass with extendedResourceName maps a pod's
-    # `nvidia.com/gpu: 1` to a claim, but only where the node's allocatable for it is 0. Every GPU the
-    # device plugin would offer under such a name goes to DRA, and the device plugin offers it with none.
+    # `nvidia.com/gpu: 1` to a claim, but only where the node's allocatable for it is 0. Every GPU whose
+    # model's name (resources.gpus) is such a name goes to DRA, and the device plugin offers it with none.
     extended_resources: tuple[str, ...] = field(
         default=(),
         metadata=key("extendedResources", "resources DRA serves for pods that ask by name", resource_names),

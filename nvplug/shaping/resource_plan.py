@@ -117,7 +117,7 @@ class Naming:
     devices: DeviceFilter = field(default_factory=DeviceFilter)
     # nvplug.dra.devices when DRA is on (empty: every GPU); None when it is off.
     dra: tuple[Selector, ...] | None = None
-    # nvplug.dra.extendedResources: a GPU the device plugin would offer under one of them is DRA's too.
+    # nvplug.dra.extendedResources: a GPU whose model's name is one of them is DRA's too.
     dra_extended: frozenset[str] = frozenset()
     # GPUs a reload moves between the two: offered by neither meanwhile.
     moving: frozenset[str] = frozenset()
