@@ -214,6 +214,8 @@ def test_a_list_over_the_limit_is_not_advertised_from_the_start(short_tmp: Path,
         node.wait_log("not advertised: nvidia.com/gpu would advertise", timeout=60)
         from nvplug.status import status_client as statusclient
 
+        # The plan is refused while the parts start; the status endpoint is served once they have.
+        node.wait_log("status endpoint on", timeout=60)
         code, text = statusclient.fetch(f"unix:{node.status_socket}", "/healthz", timeout=10)
         assert code == 503 and "not advertised: nvidia.com/gpu would advertise" in text
         assert node.kubelet.plugin("nvidia.com/gpu") is None
