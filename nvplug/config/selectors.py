@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 
 from nvplug.config.schema import key
-from nvplug.config.value_readers import GPU_UUID, MAX_DEVICES, MIG_INDEX, integer, string
+from nvplug.config.value_readers import GPU_UUID, MAX_DEVICES, MIG_INDEX, each_once, integer, string
 from nvplug.config.yaml_reader import INT_TAG, ReadContext, sequence
 from nvplug.core.gpu import Gpu, normalize_bus_id
 
@@ -105,27 +105,26 @@ class Selector:
 
 
 def read_selectors(ctx: ReadContext, node: yaml.Node, path: str) -> tuple[Selector, ...]:
-    """GPU indices, GPU UUIDs, PCI bus ids and product patterns; each names whole GPUs."""
-    out: list[Selector] = []
-    for item, item_path in sequence(ctx, node, path):
-        if isinstance(item, yaml.ScalarNode) and item.tag == INT_TAG:
-            index = integer(ctx, item, item_path, "a GPU index")
-            if not 0 <= index < MAX_DEVICES:
-                raise ctx.error(item, item_path, f"GPU index {index} is out of range 0-{MAX_DEVICES - 1}")
-            text = str(index)
-        else:
-            text = string(ctx, item, item_path)
-        if text.startswith("MIG-") or MIG_INDEX.fullmatch(text):
-            raise ctx.error(item, item_path, f"{text!r} is a MIG device; nvplug.devices picks whole GPUs")
-        if text.startswith("GPU-") and not GPU_UUID.fullmatch(text):
-            raise ctx.error(item, item_path, f"{text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
-        selector = Selector.parse(text)
-        if selector.kind == "index" and int(selector.value) >= MAX_DEVICES:
-            raise ctx.error(item, item_path, f"GPU index {selector.value} is out of range 0-{MAX_DEVICES - 1}")
-        if selector in out:
-            raise ctx.error(item, item_path, f"{selector} is listed twice")
-        out.append(selector)
-    return tuple(out)
+    """GPU indices, GPU UUIDs, PCI bus ids and product patterns, each once; each names whole GPUs."""
+    return each_once(ctx, sequence(ctx, node, path), _selector)
+
+
+def _selector(ctx: ReadContext, item: yaml.Node, item_path: str) -> Selector:
+    if isinstance(item, yaml.ScalarNode) and item.tag == INT_TAG:
+        index = integer(ctx, item, item_path, "a GPU index")
+        if not 0 <= index < MAX_DEVICES:
+            raise ctx.error(item, item_path, f"GPU index {index} is out of range 0-{MAX_DEVICES - 1}")
+        text = str(index)
+    else:
+        text = string(ctx, item, item_path)
+    if text.startswith("MIG-") or MIG_INDEX.fullmatch(text):
+        raise ctx.error(item, item_path, f"{text!r} is a MIG device; nvplug.devices picks whole GPUs")
+    if text.startswith("GPU-") and not GPU_UUID.fullmatch(text):
+        raise ctx.error(item, item_path, f"{text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+    selector = Selector.parse(text)
+    if selector.kind == "index" and int(selector.value) >= MAX_DEVICES:
+        raise ctx.error(item, item_path, f"GPU index {selector.value} is out of range 0-{MAX_DEVICES - 1}")
+    return selector
 
 
 def selector_texts(selectors: tuple[Selector, ...]) -> list[str]:

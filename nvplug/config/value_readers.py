@@ -332,22 +332,22 @@ def shared_devices(ctx: ReadContext, node: yaml.Node, path: str) -> Devices:
     items = sequence(ctx, node, path)
     if not items:
         raise ctx.error(node, path, "lists no devices; leave devices out to share all")
-    refs: list[str] = []
-    for item, item_path in items:
-        ref = _device_ref(ctx, item, item_path)
-        if ref in refs:
-            raise ctx.error(item, item_path, f"device {ref} is listed twice")
-        refs.append(ref)
-    return tuple(refs)
+    return each_once(ctx, items, _device_ref, lambda ref: f"device {ref}")
 
 
-def each_once(ctx: ReadContext, items: Sequence[tuple[yaml.Node, str]], item: Reader) -> tuple[Any, ...]:
-    """What `item` reads of each, each value once (after reading: `gpu` and nvidia.com/gpu are one)."""
+def each_once(
+    ctx: ReadContext,
+    items: Sequence[tuple[yaml.Node, str]],
+    item: Reader,
+    named: Callable[[Any], str] = str,
+) -> tuple[Any, ...]:
+    """What `item` reads of each, each value once (after reading: `gpu` and nvidia.com/gpu are one); a
+    value given again is refused at its own line, as `named` says it."""
     values: list[Any] = []
     for each, each_path in items:
         value = item(ctx, each, each_path)
         if value in values:
-            raise ctx.error(each, each_path, f"{value} is listed twice")
+            raise ctx.error(each, each_path, f"{named(value)} is listed twice")
         values.append(value)
     return tuple(values)
 
