@@ -18,6 +18,7 @@ from typing import Any
 from nvplug import config
 from nvplug.core.health import Health, HealthState
 from nvplug.core.node_state import Snapshot
+from nvplug.kubelet.pod_holders import Holder
 from nvplug.shaping.resource_plan import plan
 from nvplug.sinks.gfd_labels import node_labels
 from nvplug.sinks.gfd_labels import render as render_labels
@@ -257,11 +258,7 @@ def _pods_cell(pods: Any) -> str:
 
 
 def _holder_text(holder: Mapping[str, Any]) -> str:
-    if holder.get("claim"):
-        container = f"container {holder['container']}, " if holder.get("container") else ""
-        return f"{holder.get('namespace')}/{holder.get('pod')} ({container}claim {holder['claim']})"
-    replica = f", replica {holder['replica']}" if holder.get("replica") is not None else ""
-    return f"{holder.get('namespace')}/{holder.get('pod')} (container {holder.get('container')}{replica})"
+    return Holder.from_dict(holder).text
 
 
 def _advertised_text(

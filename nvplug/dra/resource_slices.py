@@ -25,10 +25,15 @@ def device_object(device: DraDevice, version: str, taints: bool = True) -> dict[
     return {"name": device.name, "basic": body} if version == "v1beta1" else {"name": device.name, **body}
 
 
+def in_pool(device: DraDevice, taints: bool) -> bool:
+    """Whether the device is in the slices: Healthy, or tainted where the API server keeps taints."""
+    return device.healthy or bool(taints and device.taints)
+
+
 def pool_devices(devices: Sequence[DraDevice], version: str, taints: bool = False) -> list[dict[str, Any]]:
     """What the pool offers, by name. With `taints` (the API server keeps them) an Unhealthy device stays,
     tainted; without, it leaves the pool, so that no new claim gets it."""
-    kept = [d for d in devices if d.healthy or (taints and d.taints)]
+    kept = [d for d in devices if in_pool(d, taints)]
     return [device_object(d, version, taints) for d in sorted(kept, key=lambda d: d.name)]
 
 

@@ -31,7 +31,7 @@ from nvplug.dra.device_taints import (
     kept,
 )
 from nvplug.dra.dra_devices import DraDevice
-from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, pool_devices, slices
+from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, in_pool, pool_devices, slices
 
 log = logging.getLogger("nvplug.dra")
 
@@ -148,7 +148,7 @@ class SlicePublisher:
             "api_version": f"{GROUP}/{self.version}" if self.version else None,
             "pool_generation": self.generation,
             "slices": self.slice_names,
-            "pool_devices": sum(1 for d in self._devices if self.in_pool(d)),
+            "pool_devices": sum(1 for d in self._devices if in_pool(d, bool(self.taints))),
             # Whether an Unhealthy device stays in the pool, tainted (True), or leaves it (False); None: not known.
             "taints_kept": self.taints,
             "tainted": {d.name: shown for d in self._devices if (shown := self.shown_taints(d))},
@@ -370,10 +370,6 @@ class SlicePublisher:
         self.taints = keeps
         self._effect_none = effect_none
         self._said_taints = keeps
-
-    def in_pool(self, device: DraDevice) -> bool:
-        """Whether the device is in the slices: Healthy, or tainted where the API server keeps taints."""
-        return device.healthy or bool(self.taints and device.taints)
 
     def shown_taints(self, device: DraDevice) -> list[str]:
         """Its taints as the slice holds them (`gpu.nvidia.com/xid=79:NoSchedule`); none where they are not kept."""

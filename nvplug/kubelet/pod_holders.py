@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import Snapshot
@@ -54,6 +55,13 @@ class Holder:
             return f"{self.namespace}/{self.pod} ({container}claim {self.claim})"
         replica = f", replica {self.replica}" if self.replica is not None else ""
         return f"{self.namespace}/{self.pod} (container {self.container}{replica})"
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Holder:
+        """As /status gives it (`as_dict`): what the CLI shows from the daemon's answer."""
+        return cls(str(doc.get("namespace")), str(doc.get("pod")), str(doc.get("container") or ""),
+                   str(doc.get("resource") or ""), str(doc.get("device_id") or ""), doc.get("replica"),
+                   doc.get("claim"))  # fmt: skip
 
     def as_dict(self) -> dict[str, object]:
         return {
