@@ -184,14 +184,15 @@ def test_what_prepare_answers_for_each_config() -> None:
     parameters = {"apiVersion": oc.API_VERSION, "kind": oc.GPU_CONFIG}
     plain = [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": parameters}}]
     assert prepare(allocated_with(plain, result("gpu-000")), d0).devices[0].device == "gpu-000"
-    # NVIDIA's example: each request's sharing is refused until nvplug applies it, with the entry named.
+    # NVIDIA's example: each request's device carries its sharing, for prepare to set up and unprepare to undo.
     doc = allocated_with(entries(NVIDIA_EXAMPLE), result("gpu-000", request="ts-gpu"))
-    with pytest.raises(ClaimError) as refused:
-        prepare(doc, d0)
-    print(f"NVIDIA's time-slicing example: {refused.value}")
-    assert "request ts-gpu: config[0] (the claim): sharing.strategy TimeSlicing is not served by nvplug yet" in str(
-        refused.value
-    )
+    (sliced,) = prepare(doc, d0).devices
+    print(f"NVIDIA's time-slicing example: {sliced.sharing}")
+    assert sliced.sharing == oc.ClaimSharing("TimeSlicing", "Long")
+    doc = allocated_with(entries(NVIDIA_EXAMPLE), result("gpu-000", request="mps-gpu"))
+    (shared,) = prepare(doc, d0).devices
+    print(f"NVIDIA's MPS example: {shared.sharing}")
+    assert shared.sharing == oc.ClaimSharing("MPS", mps=oc.ClaimMps(50, 10240, {"0": 5120}))
     # A bad entry fails the claim alone, naming the field.
     bad = entries(NVIDIA_EXAMPLE)
     bad[1]["opaque"]["parameters"]["sharing"]["mpsConfig"]["defaultActiveThreadPercentage"] = 150

@@ -78,8 +78,18 @@ def wire(
         hang_limit=health.driver_hang_seconds,
     )
     reprober = Reprober(scanner.probe, bus.publish, health.reprobe_initial_seconds, health.reprobe_max_seconds)
+    mps = MpsSupervisor(
+        cfg,
+        scanner,
+        state,
+        lambda event: dispatcher.apply(event),
+        state_file.written,
+        options.sysfs_root / "fs/selinux/enforce",
+    )
+    # The claims' MPS groups are the supervisor's; their specs go beside the node's.
+    claim_specs = CdiSettings.from_config(cfg, options.dev_root, options.cdi_spec_dir).spec_dir
     dra = (
-        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id)
+        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id, mps, claim_specs)
         if cfg.dra.enabled
         else None
     )
@@ -100,14 +110,6 @@ def wire(
         cdi_retried,
     )
     dra_sockets = list(dra.sockets.sockets) if dra is not None else []
-    mps = MpsSupervisor(
-        cfg,
-        scanner,
-        state,
-        lambda event: dispatcher.apply(event),
-        state_file.written,
-        options.sysfs_root / "fs/selinux/enforce",
-    )
 
     def allocated() -> None:
         pods.after_allocate()

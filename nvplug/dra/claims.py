@@ -20,6 +20,7 @@ from nvplug.base.checkpoint import Checkpoint, CheckpointError, read_checkpoint,
 from nvplug.dra import opaque_config
 from nvplug.dra.device_taints import untolerated
 from nvplug.dra.dra_devices import DraDevice
+from nvplug.dra.opaque_config import ClaimMps, ClaimSharing
 
 log = logging.getLogger("nvplug.dra")
 
@@ -51,6 +52,8 @@ class PreparedDevice:
     device: str
     uuid: str
     cdi_ids: tuple[str, ...]
+    # How the claim's opaque config shares it (None: not at all): kept to undo it at unprepare.
+    sharing: ClaimSharing | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,14 @@ class PreparedClaim:
     # The pods the claim is reserved for (status.reservedFor, in the claim's namespace), as read at
     # prepare: who holds its GPUs, as PodResources says for the device plugin's.
     pods: tuple[str, ...] = ()
+    # The MPS group whose control daemon serves its MPS devices (shared with the claims that joined it).
+    mps_group: str | None = None
+    # Its own CDI spec file (the claim's edits), removed at unprepare.
+    cdi_spec: str | None = None
+
+    def shared(self, strategy: str) -> tuple[PreparedDevice, ...]:
+        """Its devices shared through this strategy (TimeSlicing, MPS)."""
+        return tuple(d for d in self.devices if d.sharing is not None and d.sharing.strategy == strategy)
 
 
 def prepare(
@@ -80,6 +91,7 @@ def prepare(
     results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
     configs = opaque_config.applicable(allocation, driver)
     by_device: dict[str, list[str]] = {}
+    sharing: dict[str, ClaimSharing | None] = {}
     for result in results:
         name, where = str(result.get("device")), str(result.get("pool"))
         if where != pool:
@@ -90,40 +102,39 @@ def prepare(
         if not device.healthy and not result.get("adminAccess") and _refused(device, result.get("tolerations")):
             why = f" (its taints {', '.join(map(str, device.taints))} not tolerated)" if device.taints else ""
             raise ClaimError(f"{ref}: device {name} ({device.uuid}) is Unhealthy: {device.reason}{why}")
-        _check_config(ref, device, configs, str(result.get("request", "")))
+        found = _check_config(ref, device, configs, str(result.get("request", "")))
+        if name in sharing and sharing[name] != found:
+            raise ClaimError(f"{ref}: device {name} is shared two ways by the requests that name it")
+        sharing[name] = found
         request = str(result.get("request", "")).split("/")[0]
         by_device.setdefault(name, []).append(request)
     devices = tuple(
-        PreparedDevice(tuple(dict.fromkeys(requests)), pool, name, offered[name].uuid, cdi_ids(offered[name]))
-        for name, requests in by_device.items()
+        PreparedDevice(tuple(dict.fromkeys(r)), pool, name, offered[name].uuid, cdi_ids(offered[name]), sharing[name])
+        for name, r in by_device.items()
     )
     return PreparedClaim(ref, devices, reserved_pods(claim))
 
 
-def _check_config(ref: ClaimRef, device: DraDevice, configs: list[Any], request: str) -> None:
-    """The opaque config that applies to the device's request, as NVIDIA's driver checks it. Sharing is
-    refused, as NVIDIA's driver refuses it without its alpha gates, until nvplug applies it: a claim that
-    asks for MPS or a time-slice interval must not run on a GPU that has neither."""
+def _check_config(ref: ClaimRef, device: DraDevice, configs: list[Any], request: str) -> ClaimSharing | None:
+    """How the opaque config that applies to the device's request shares it, checked as NVIDIA's driver
+    checks it (None: it is not shared)."""
     try:
         found = opaque_config.for_request(configs, request)
     except opaque_config.OpaqueConfigError as err:
         raise ClaimError(f"{ref}: request {request}: {err}") from err
     if found is None:
-        return
+        return None
     want = opaque_config.MIG_CONFIG if device.mig is not None else opaque_config.GPU_CONFIG
     if found.kind != want:
         what = "MIG device" if device.mig is not None else "GPU"
         raise ClaimError(f"{ref}: request {request}: {found.where}: a {found.kind} cannot configure "
                          f"{device.name}, a {what} (use {want})")  # fmt: skip
     sharing = found.sharing
-    if sharing is None:
-        return
     cc = device.gpu.compute_capability
-    if sharing.strategy == "MPS" and cc is not None and cc < (7, 0):
+    if sharing is not None and sharing.strategy == "MPS" and cc is not None and cc < (7, 0):
         raise ClaimError(f"{ref}: request {request}: {found.where}: MPS needs a Volta or newer GPU; "
                          f"{device.name} is compute capability {cc[0]}.{cc[1]}")  # fmt: skip
-    raise ClaimError(f"{ref}: request {request}: {found.where}: sharing.strategy {sharing.strategy} is not served "
-                     "by nvplug yet; the claim is refused rather than run without it")  # fmt: skip
+    return sharing
 
 
 def _refused(device: DraDevice, tolerations: Any) -> bool:
@@ -152,6 +163,9 @@ class ClaimStore:
         # Recorded in the checkpoint for whoever reads it; a claim outlives a reboot here.
         self._boot_id = boot_id
         self._claims: dict[str, PreparedClaim] = {}
+        # The time-slice intervals nvplug set, by GPU UUID, recorded before each is set: what a
+        # restart after a crash sets back to Default where no prepared claim needs it any more.
+        self.time_slices: dict[str, str] = {}
 
     def load(self) -> None:
         """What an earlier run prepared. A file that cannot be read is kept aside, not lost."""
@@ -160,6 +174,7 @@ class ClaimStore:
         try:
             found = read_checkpoint(self.path, CHECKPOINT_KIND, CHECKPOINT_VERSION, legacy=_version_1)
             claims = [_claim_from(item) for item in found.body["claims"]]
+            slices = {str(k): str(v) for k, v in (found.body.get("time_slices") or {}).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             aside = self.path.with_name(self.path.name + ".bad")
             why = err.reason if isinstance(err, CheckpointError) else err  # the path is in the line already
@@ -168,6 +183,7 @@ class ClaimStore:
             self.path.replace(aside)
             return
         self._claims = {c.claim.uid: c for c in claims}
+        self.time_slices = slices
         if claims:
             log.info("%d prepared ResourceClaims restored from %s", len(claims), self.path)
 
@@ -176,6 +192,14 @@ class ClaimStore:
 
     def put(self, claim: PreparedClaim) -> None:
         self._claims[claim.claim.uid] = claim
+        self._save()
+
+    def record_time_slice(self, uuid: str, interval: str | None) -> None:
+        """The interval nvplug sets on a GPU (None: Default again), saved before it is set."""
+        if interval is None:
+            self.time_slices.pop(uuid, None)
+        else:
+            self.time_slices[uuid] = interval
         self._save()
 
     def remove(self, uid: str) -> bool:
@@ -198,7 +222,7 @@ class ClaimStore:
     def _save(self) -> None:
         if self.path is None:
             return
-        body = {"claims": [asdict(c) for c in self._claims.values()]}
+        body = {"claims": [asdict(c) for c in self._claims.values()], "time_slices": dict(self.time_slices)}
         write_checkpoint(self.path, seal(CHECKPOINT_KIND, CHECKPOINT_VERSION, body, self._boot_id))
 
 
@@ -212,10 +236,26 @@ def _version_1(doc: dict[str, Any]) -> Checkpoint:
 def _claim_from(item: Mapping[str, Any]) -> PreparedClaim:
     ref = ClaimRef(str(item["claim"]["namespace"]), str(item["claim"]["name"]), str(item["claim"]["uid"]))
     devices = tuple(_device_from(d) for d in item["devices"])
-    # Absent in checkpoints from before the pods were kept.
-    return PreparedClaim(ref, devices, tuple(map(str, item.get("pods") or ())))
+    # Absent in checkpoints from before the pods, and then sharing, were kept.
+    group, spec = item.get("mps_group"), item.get("cdi_spec")
+    pods = tuple(map(str, item.get("pods") or ()))
+    return PreparedClaim(ref, devices, pods, None if group is None else str(group), None if spec is None else str(spec))
 
 
 def _device_from(d: Mapping[str, Any]) -> PreparedDevice:
     requests, cdi_ids = tuple(map(str, d["requests"])), tuple(map(str, d["cdi_ids"]))
-    return PreparedDevice(requests, str(d["pool"]), str(d["device"]), str(d["uuid"]), cdi_ids)
+    return PreparedDevice(requests, str(d["pool"]), str(d["device"]), str(d["uuid"]), cdi_ids,
+                          _sharing_from(d.get("sharing")))  # fmt: skip
+
+
+def _sharing_from(d: Mapping[str, Any] | None) -> ClaimSharing | None:
+    """A device's sharing as asdict wrote it."""
+    if d is None:
+        return None
+    mps = d.get("mps")
+    limits = None
+    if mps is not None:
+        per_device = mps.get("per_device_mib")
+        limits = ClaimMps(mps.get("active_thread_percentage"), mps.get("pinned_memory_mib"),
+                          None if per_device is None else {str(k): int(v) for k, v in per_device.items()})  # fmt: skip
+    return ClaimSharing(d["strategy"], str(d.get("interval", "Default")), limits)

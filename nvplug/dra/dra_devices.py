@@ -62,6 +62,9 @@ def offered(snapshot: Snapshot, naming: Naming, effects: TaintEffects = NVIDIA_E
             health = device_health(snapshot, gpu, mig)
             if health is None:
                 continue
+            if health.healthy:
+                # A claim's MPS group serves it: its daemon down is its fault too (a probe-class one).
+                health = snapshot.mps_units.get(uuid_of(gpu, mig), health)
             attributes = _common(snapshot, gpu) | (_mig_attributes(gpu, mig) if mig else _gpu_attributes(gpu))
             out.append(
                 DraDevice(

@@ -21,13 +21,16 @@ from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
 from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
-from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim
+from nvplug.dra.claim_setup import ClaimDaemons, ClaimSetup
+from nvplug.dra.claim_specs import ClaimSpecs
+from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.dra.device_taints import unmonitored
 from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
+from nvplug.dra.time_slices import TimeSlicer
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
@@ -58,6 +61,12 @@ def health_reports(devices: Sequence[DraDevice]) -> list[DeviceReport]:
     return out
 
 
+def _described(device: PreparedDevice) -> str:
+    sharing = device.sharing
+    how = "" if sharing is None else f", {sharing.strategy}" + (f" {sharing.interval}" if sharing.mps is None else "")
+    return f"{device.device} ({device.uuid}{how})"
+
+
 def node_name(cfg: Config) -> str:
     """nvplug.dra.nodeName, else this host's name as the kubelet takes it (lower case)."""
     return cfg.dra.node_name or socket.gethostname().lower()
@@ -74,6 +83,8 @@ class DraDriver(Sink):
         state_dir: Path | None,
         on_change: Callable[[], None] = lambda: None,
         boot_id: str | None = None,
+        mps: ClaimDaemons | None = None,
+        spec_dir: Path | None = None,
     ) -> None:
         dra = cfg.dra
         self.driver = dra.driver_name
@@ -92,6 +103,12 @@ class DraDriver(Sink):
         self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
         self._on_change = on_change
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
+        # Sharing and the claims' own specs; one claim at a time, since claims may share a device.
+        self.setup = ClaimSetup(self.claims, ClaimSpecs(spec_dir), TimeSlicer(), mps)
+        self._claim_lock = asyncio.Lock()
+        # The last state seen, and whether the checkpoint is read: what the claims' restore needs.
+        self._snapshot: Snapshot | None = None
+        self._started = False
         self.health = HealthStream(self.node)
         self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare_claim,
                                   self.unprepare_claim, self._registered, self.health.handlers(),
@@ -110,6 +127,9 @@ class DraDriver(Sink):
 
     async def start(self) -> None:
         self.claims.load()
+        self._started = True
+        if self._snapshot is not None:
+            self.setup.restore(self._snapshot)
         try:
             await self.sockets.start()
         except (OSError, RuntimeError) as err:
@@ -187,6 +207,7 @@ class DraDriver(Sink):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.sockets.stop()
+        await self.setup.close()
         if self.client is not None:
             await self.client.close()
 
@@ -212,6 +233,9 @@ class DraDriver(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         if update.revised:
+            self._snapshot = update.snapshot
+            if self._started:
+                self.setup.restore(update.snapshot)
             self.offer(update.snapshot)
         return ()
 
@@ -245,6 +269,10 @@ class DraDriver(Sink):
         return {g.uuid for g in snapshot.gpus if self.naming.dra_owns(g)}
 
     async def prepare_claim(self, ref: ClaimRef) -> PreparedClaim:
+        async with self._claim_lock:
+            return await self._prepare_claim(ref)
+
+    async def _prepare_claim(self, ref: ClaimRef) -> PreparedClaim:
         done = self.claims.get(ref.uid)
         if done is not None:
             return done  # asked again (a kubelet restart): the same answer
@@ -259,15 +287,18 @@ class DraDriver(Sink):
             raise ClaimError(f"{ref}: cannot read the claim from the API server: {why}") from err
         # Taints the API server does not keep let nothing through: the device left the pool instead.
         pool = {d.name: d if self.publisher.taints else replace(d, taints=()) for d in self.devices}
-        prepared = claims.prepare(ref, claim, self.driver, self.node, pool, self._cdi_ids)
+        prepared = await self.setup.apply(claims.prepare(ref, claim, self.driver, self.node, pool, self._cdi_ids), pool)
         # Saved before the answer: a restart right after still knows what was handed out.
         self.claims.put(prepared)
-        log.info("prepared %s: %s", ref, ", ".join(f"{d.device} ({d.uuid})" for d in prepared.devices) or "no devices")
+        log.info("prepared %s: %s", ref, ", ".join(map(_described, prepared.devices)) or "no devices")
         return prepared
 
     async def unprepare_claim(self, ref: ClaimRef) -> None:
-        if self.claims.remove(ref.uid):
-            log.info("unprepared %s", ref)
+        async with self._claim_lock:
+            prepared = self.claims.get(ref.uid)
+            if prepared is not None and self.claims.remove(ref.uid):
+                await self.setup.undo(prepared)
+                log.info("unprepared %s", ref)
 
     def _cdi_ids(self, device: DraDevice) -> tuple[str, ...]:
         """The node spec's name of the device: the spec the device plugin's names point to."""

@@ -80,6 +80,8 @@ class ControlDaemon:
         self.probed_at: float | None = None
         self._after: asyncio.Future[None] | None = None
         self._stderr_task: asyncio.Task[None] | None = None
+        # How its first start ended: None once it answered with its defaults set, else why not.
+        self._first: asyncio.Future[str | None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -90,7 +92,20 @@ class ControlDaemon:
         """From now on; after `after` (the group's earlier daemon stopping: they share directories)."""
         self._after = after
         if self._task is None:
+            self._first = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._run(), name=f"mps {self.group.name}")
+
+    async def started(self, timeout: float) -> str | None:
+        """Once its first start ends: None if it answers with its defaults set, else why not."""
+        first = self._first
+        if first is None:
+            return "it was not started"
+        done, _ = await asyncio.wait({first}, timeout=timeout)
+        return first.result() if done else f"no answer with its defaults set within {timeout:g} s"
+
+    def _first_ended(self, why: str | None) -> None:
+        if self._first is not None and not self._first.done():
+            self._first.set_result(why)
 
     def probe_soon(self, why: str) -> None:
         """Something says the daemon may be in trouble: ask it now."""
@@ -101,6 +116,7 @@ class ControlDaemon:
     async def stop(self) -> None:
         """`quit`, then the child's exit (killed if it does not), then the compute modes back."""
         self._stopping.set()
+        self._first_ended("it was stopped")
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -124,7 +140,9 @@ class ControlDaemon:
                 log.exception("%s: starting its control daemon failed", self.group.describe())
                 reason = f"nvplug failed to start it: {type(err).__name__}: {err}"
             else:
+                self._first_ended(None)
                 reason = await self._watch()
+            self._first_ended(reason)
             self.up_since = None
             self.last_error = reason
             await self._end_child(graceful=False)

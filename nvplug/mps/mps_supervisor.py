@@ -5,6 +5,9 @@ that is new starts; one that is gone stops; one whose devices or limits changed 
 its old daemon has quit (they share directories). A reload that would restart a group whose GPUs
 have MPS clients is refused, unless nvplug.mps.restartWithClients says otherwise. At stop, every
 daemon quits and every GPU gets its compute mode back.
+
+DRA claims that ask for MPS add groups of their own (start_claim_group, stop_claim_group): supervised
+the same way, started and stopped by prepare and unprepare rather than by the config.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
-from nvplug.mps.control_daemon import ControlDaemon, DaemonHooks, kill_leftover
+from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks, kill_leftover
 from nvplug.mps.control_log_watch import ControlLogWatch
 from nvplug.mps.mps_dirs import PID_FILE, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
@@ -30,6 +33,9 @@ from nvplug.shaping.resource_plan import mps_groups
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 
 log = logging.getLogger("nvplug.mps")
+
+# A claim's prepare waits this long for its daemon: the directories, the compute modes, the first answer.
+CLAIM_START_SECONDS = START_SECONDS + 5.0
 
 
 class MpsCalls(ModeCalls, Protocol):
@@ -57,6 +63,8 @@ class MpsSupervisor(Sink):
         self._layout = RootLayout(Path(cfg.mps_root), selinux_enforce)
         self._daemons: dict[str, ControlDaemon] = {}
         self._retiring: dict[str, asyncio.Task[None]] = {}
+        # The DRA claims' groups, by name: wanted beside the config's until their last claim goes.
+        self._claimed: dict[str, MpsGroup] = {}
         self._root_lock = asyncio.Lock()
         self._root_ready = False
         # Whether nvplug mounted the shm tmpfs itself (not nvplug-mps.service): then it unmounts it.
@@ -80,6 +88,31 @@ class MpsSupervisor(Sink):
         self._seen = (snap.gpus, self._cfg)
         return self._sync(snap)
 
+    @property
+    def root(self) -> str:
+        return str(self._layout.root)
+
+    async def start_claim_group(self, group: MpsGroup) -> str | None:
+        """A claim's group: its daemon started, and its first start's outcome (None: it answers with its
+        defaults set). One that did not start is stopped again."""
+        self._claimed[group.name] = group
+        for event in self._sync(self._state.current):
+            self._apply(event)
+        why = await self._daemons[group.name].started(CLAIM_START_SECONDS)
+        if why is not None:
+            await self.stop_claim_group(group.name)
+        return why
+
+    async def stop_claim_group(self, name: str) -> None:
+        """A claim's group: its daemon quits, its GPUs get their compute mode back; returns once done."""
+        if self._claimed.pop(name, None) is None:
+            return
+        for event in self._sync(self._state.current):
+            self._apply(event)
+        retiring = self._retiring.get(name)
+        if retiring is not None:
+            await asyncio.wait({retiring})
+
     def probe_all(self, why: str) -> None:
         for daemon in self._daemons.values():
             daemon.probe_soon(why)
@@ -90,7 +123,7 @@ class MpsSupervisor(Sink):
                               f"{self._cfg.mps_root}; that takes `systemctl restart nvplug`")  # fmt: skip
         if cfg.mps.restart_with_clients:
             return
-        wanted = mps_groups(cfg, self._state.current)
+        wanted = mps_groups(cfg, self._state.current) | self._claimed
         for name, daemon in self._daemons.items():
             new = wanted.get(name)
             if new is not None and new.settings == daemon.group.settings:
@@ -123,7 +156,7 @@ class MpsSupervisor(Sink):
         return [f"MPS group {d.group.name} down: {d.last_error}" for d in down]
 
     def status(self) -> object:
-        if not self._daemons and not self._cfg.sharing.mps.resources:
+        if not self._daemons and not self._cfg.sharing.mps.resources and not self._claimed:
             return None
         now = time.time()
         return {
@@ -165,7 +198,7 @@ class MpsSupervisor(Sink):
         await self._logs.stop()
 
     def _sync(self, snap: Snapshot) -> list[Event]:
-        wanted = mps_groups(self._cfg, snap)
+        wanted = mps_groups(self._cfg, snap) | self._claimed
         events: list[Event] = []
         for name, daemon in list(self._daemons.items()):
             new = wanted.get(name)

@@ -19,6 +19,9 @@ LOG = "log"
 SHM = "shm"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 CONTAINER_SHM = "/dev/shm"
+# The groups of DRA claims (nvplug.dra), named after the claim that started them: a resource's
+# directory name always holds an underscore for its slash, a MIG UUID starts with MIG-.
+CLAIM_GROUP_PREFIX = "claim-"
 # MPS needs Volta or newer for isolated address spaces and the thread percentage (mps-facts).
 MIN_COMPUTE_CAPABILITY = (7, 0)
 

@@ -22,7 +22,7 @@ from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
-from nvplug.shaping.mps_groups import client_limits, container_view, pipe_dir
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits, container_view, pipe_dir
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
@@ -221,10 +221,13 @@ class SpecPublisher:
         return self._files
 
     def _mps(self, snap: Snapshot) -> dict[str, Edits]:
-        """Each MPS device's view of its group, as Allocate hands it out: a CDI-only runtime gets it too."""
+        """Each MPS device's view of its group, as Allocate hands it out: a CDI-only runtime gets it too.
+        A DRA claim's group is in the claim's own spec, not in the node's."""
         s = self.settings
         out = {}
         for group in snap.mps.values():
+            if group.group.startswith(CLAIM_GROUP_PREFIX):
+                continue
             env, mounts = container_view(pipe_dir(s.mps_root, group.group), s.mps_root)
             cdi_mounts = tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts)
             for n, uuid in enumerate(group.units):

@@ -1,0 +1,57 @@
+"""A GPU's time-slice interval, as NVIDIA's DRA driver sets it: `nvidia-smi compute-policy -i <uuid>
+--set-timeslice <n>`, with n the interval's number (Default 0, Short 1, Medium 2, Long 3).
+
+NVML has no call that reads the interval in force, and nvidia-smi prints none. So nvplug keeps what it
+set itself (in the claims checkpoint, before it sets it) and sets Default again when the last claim that
+needs it is unprepared: the driver's own value after it loads, which nothing but nvplug changes on a
+GPU that DRA owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+log = logging.getLogger("nvplug.dra")
+
+INTERVAL_NUMBERS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+DEFAULT_INTERVAL = "Default"
+# nvidia-smi answers in well under a second; past this it hangs on the driver.
+SMI_SECONDS = 30.0
+
+
+class TimeSliceError(RuntimeError):
+    """An interval that could not be set; the message names the GPU and what nvidia-smi said."""
+
+
+class TimeSlicer:
+    """Runs nvidia-smi (a child process, never a call on the loop) to set one GPU's interval."""
+
+    def __init__(self, nvidia_smi: str = "nvidia-smi", timeout: float = SMI_SECONDS) -> None:
+        self.nvidia_smi = nvidia_smi
+        self._timeout = timeout
+
+    async def set(self, uuid: str, interval: str) -> None:
+        number = INTERVAL_NUMBERS[interval]
+        command = shutil.which(self.nvidia_smi)
+        if command is None:
+            raise TimeSliceError(f"GPU {uuid}: cannot set the time-slice interval {interval}: "
+                                 f"{self.nvidia_smi} is not on PATH")  # fmt: skip
+        args = ("compute-policy", "-i", uuid, "--set-timeslice", str(number))
+        proc = await asyncio.create_subprocess_exec(
+            command, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self._timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise TimeSliceError(f"GPU {uuid}: nvidia-smi {' '.join(args)} did not end within "
+                                 f"{self._timeout:g} s") from None  # fmt: skip
+        said = " / ".join(line.strip() for line in out.decode(errors="replace").splitlines() if line.strip())
+        if proc.returncode != 0:
+            raise TimeSliceError(f"GPU {uuid}: nvidia-smi {' '.join(args)} failed with status {proc.returncode}: "
+                                 f"{said or 'no output'}")  # fmt: skip
+        log.info("GPU %s: time-slice interval %s (%d) set", uuid, interval, number)
