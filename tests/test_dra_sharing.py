@@ -18,6 +18,7 @@ from support import podman
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 from test_cdi_podman import real_device_nodes
+from test_doctor import doctor
 from test_dra_e2e import DRIVER, NODE, Dra, serving
 from test_mps import modes, wait
 from test_mps_podman import CONNECTED, CONTAINER_BINARY, USER, ids_of, run_client
@@ -198,6 +199,16 @@ def test_an_mps_claim_runs_its_own_daemon_and_spec_until_its_last_claim_goes(dra
     assert device["containerEdits"]["env"] == [f"CUDA_MPS_PIPE_DIRECTORY={pipe}"]
     mounts = {m["containerPath"]: m["hostPath"] for m in device["containerEdits"]["mounts"]}
     assert mounts == {str(pipe): str(pipe), "/dev/shm": str(dra.node.mps_root / "shm")}
+    # doctor: every prepared claim's names resolve; a spec gone is a FAIL that names the claim.
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    assert d.verdict(12) == "PASS", d
+    kept = spec_path.read_bytes()
+    spec_path.unlink()
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    print(d.text(12))
+    assert d.verdict(12) == "FAIL", d
+    assert f"claim ml/mps-a: its CDI name {CLAIM_KIND}={ref[2]}-gpu-6 does not resolve" in d.text(12), d
+    spec_path.write_bytes(kept)
     # The node spec holds none of the claim's edits.
     node_spec = json.loads((dra.node.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json").read_text())
     entry = next(d for d in node_spec["devices"] if d["name"] == uuids[6])["containerEdits"]

@@ -602,8 +602,9 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
     with FakeApiServer() as api:
         kubeconfig = api.write_kubeconfig(node.host / "kubeconfig")
         node.ctr.write_file("/etc/nvplug/kubeconfig", kubeconfig.read_text(), mode=0o600)
+        node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
         node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  dra:\n    enabled: true\n    nodeName: node-a\n"
-                            "    devices: [6, 7]\n")  # fmt: skip
+                            f"    devices: [6, 7]\n  mps:\n    controlPath: {MPS_CONTROL}\n")  # fmt: skip
         kubelet = DraKubelet(node.host / "reg", "node-a", "1.34", api, {KUBELET_PLUGINS_DIR: node.host / "plugins"})
         registrations = node.registrations()
         node.ctr.run("systemctl", "restart", UNIT, timeout=60)
@@ -634,6 +635,7 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
             assert answer.error == "" and answer.devices[0][3] == (f"k8s.device-plugin.nvidia.com/gpu={node.uuids[7]}",)
             assert node.ctr.exists("/var/lib/nvplug/dra-claims.json")
             assert kubelet.unprepare(DRIVER, [("ml", "c", "u1")]) == {"u1": ""}
+            _shared_claims_under_the_unit(node, api, kubelet)
         finally:
             kubelet.stop()
     # The operator's files go with the operator (dpkg --purge leaves files it did not install).
@@ -644,6 +646,44 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
     node.ctr.run("systemctl", "restart", UNIT, timeout=60)
     node.wait_registered_again(registrations)
     _timed("check 7b: DRA with its drop-in", started)
+
+
+def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKubelet) -> None:
+    """A time-sliced claim (nvidia-smi, the unit's child) and an MPS claim: its control daemon the unit's
+    child, its spec in /run/cdi, a server of UID 1001 for a client outside the unit; both undone."""
+
+    def shared(uid: str, device: str, sharing: dict[str, object]) -> str:
+        parameters = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing}
+        config = [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": parameters}}]
+        result = {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": device}
+        allocation = {"devices": {"results": [result], "config": config}}
+        api.add_claim({"metadata": {"namespace": "ml", "name": uid, "uid": uid}, "status": {"allocation": allocation}})
+        answer = kubelet.prepare(DRIVER, [("ml", uid, uid)])[uid]
+        assert answer.error == "", f"{answer.error}\n{node.diagnose()}"
+        return " ".join(answer.devices[0][3])
+
+    node.ctr.sh(f"rm -f {CONTROL_DIR}/nvidia-smi.calls")
+    shared("ts", "gpu-6", {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})
+    calls = node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.splitlines()
+    assert calls == [f"compute-policy -i {node.uuids[6]} --set-timeslice 3"], calls
+    names = shared("mps", "gpu-7", {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}})
+    assert names.endswith(" k8s.gpu.nvidia.com/claim=mps-gpu-7"), names
+    spec = "/run/cdi/k8s.gpu.nvidia.com-claim_mps.json"
+    assert node.ctr.exists(spec)
+    assert fakenvml.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 3
+    client = node.ctr.run(
+        "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
+        "env", "CUDA_MPS_PIPE_DIRECTORY=/run/nvplug/mps/claim-mps/pipe", MPS_CONTROL, "--fake-cuda-client",
+        check=False,
+    )  # fmt: skip
+    assert client.returncode == 0 and "(user 1001, active thread percentage 50.0" in client.stdout, (
+        f"{client.stdout}{client.stderr}\n{node.diagnose()}"
+    )
+    assert kubelet.unprepare(DRIVER, [("ml", "ts", "ts"), ("ml", "mps", "mps")]) == {"ts": "", "mps": ""}
+    calls = node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.splitlines()
+    assert calls[-1] == f"compute-policy -i {node.uuids[6]} --set-timeslice 0", calls
+    assert not node.ctr.exists(spec)
+    assert fakenvml.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 0
 
 
 def test_stop_is_clean(node: Node) -> None:

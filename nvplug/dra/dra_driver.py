@@ -378,6 +378,8 @@ class DraDriver(Sink):
                     "name": c.claim.name,
                     "uid": c.claim.uid,
                     "devices": [d.device for d in c.devices],
+                    "cdi": [n for d in c.devices for n in d.cdi_ids],
+                    "mps_group": c.mps_group,
                 }
                 for c in self.claims
             ],

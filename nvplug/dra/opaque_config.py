@@ -54,9 +54,8 @@ class ClaimSharing:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """One decoded parameters object: its kind, and how its devices are shared (None: not at all). Until
-    nvplug applies sharing, the interval and the MPS limits are decoded to be checked, as NVIDIA's
-    driver checks them, and a claim that asks for sharing is refused."""
+    """One decoded parameters object: its kind, and how its devices are shared (None: not at all), which
+    prepare sets up (nvplug.dra.claim_setup)."""
 
     kind: str
     sharing: ClaimSharing | None = None

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from nvplug.cli.doctor.doctor_step import Check, DoctorContext, loaded_config
+from nvplug.config import Config
 from nvplug.status import status_client as statusclient
 
 
@@ -73,7 +74,23 @@ def check_dra(ctx: DoctorContext) -> Check:
         elif not dra.get("watching"):
             why = dra.get("watch_error") or "see `journalctl -u nvplug`"
             fix = f"nvplug is not watching the slices ({why}; its ClusterRole needs `watch`); " + fix
+    unresolved = _unresolved_claims(ctx, cfg, dra.get("claims") or [])
+    if unresolved and not problems:
+        fix = ("the daemon writes each claim's spec before prepare answers: `journalctl -u nvplug | grep CDI` says "
+               "why one is missing; a unit must allow the spec directory")  # fmt: skip
+    problems += unresolved
     if problems:
         return Check("FAIL", "the DRA plugin is not in service", problems + evidence, fix)
     claims = len(dra.get("claims") or [])
     return Check("PASS", f"DRA {driver}: registered, {published} devices published, {claims} claims prepared", evidence)
+
+
+def _unresolved_claims(ctx: DoctorContext, cfg: Config, claims: list[dict[str, Any]]) -> list[str]:
+    """Each prepared claim's CDI names that no spec in the runtimes' directories defines."""
+    from nvplug.sinks.cdi.cdi_files import read_specs
+
+    spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
+    files = read_specs([*map(Path, cfg.cdi_runtime_dirs), spec_dir])
+    defined = {name for f in files if f.error is None for name in f.qualified()}
+    return [f"claim {c.get('namespace')}/{c.get('name')}: its CDI name {n} does not resolve"
+            for c in claims for n in c.get("cdi") or [] if n not in defined]  # fmt: skip
