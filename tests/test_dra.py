@@ -303,6 +303,11 @@ def test_extended_resources_are_checked() -> None:
         config.parse("nvplug:\n  dra:\n    extendedResources: [nvidia.com/gpu]\n", "c.yaml")
     with pytest.raises(config.ConfigError, match=r"nvidia\.com/gpu is listed twice"):
         config.parse("nvplug:\n  dra:\n    enabled: true\n    extendedResources: [gpu, nvidia.com/gpu]\n", "c.yaml")
+    # A name no whole GPU's model has (a typo, a MIG profile): refused, with the names there are.
+    with pytest.raises(config.ConfigError, match=r"line 7: nvplug\.dra\.extendedResources: nvidia\.com/gpus is no "
+                       r"whole GPU's name \(resources\.gpus names nvidia\.com/a100, nvidia\.com/gpu\)"):  # fmt: skip
+        config.parse("resources:\n  gpus:\n  - pattern: '*A100*'\n    name: a100\nnvplug:\n  dra:\n"
+                     "    enabled: true\n    extendedResources: [nvidia.com/gpus]\n", "c.yaml")  # fmt: skip
 
 
 # --- ResourceSlices ------------------------------------------------------------------------------

@@ -83,6 +83,15 @@ def parse(text: str, source: str) -> Config:
     if cfg.dra.extended_resources and not cfg.dra.enabled:
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
         raise ctx.error(node, "nvplug.dra.extendedResources", "needs nvplug.dra.enabled: true (DRA serves them)")
+    # A GPU goes to DRA by its model's name: one no model can have (a typo) would give DRA nothing, and the
+    # device plugin an empty resource of that name.
+    models = list(dict.fromkeys([*(r.name for r in cfg.resources.gpus), GPU_RESOURCE]))
+    unknown = [n for n in cfg.dra.extended_resources if n not in models]
+    if unknown:
+        node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
+        why = (f"{unknown[0]} is no whole GPU's name (resources.gpus names {', '.join(models)}); "
+               "a MIG device or a shared replica is not served by name")  # fmt: skip
+        raise ctx.error(node, "nvplug.dra.extendedResources", why)
     if cfg.dra.enabled and cfg.cdi_spec_dir == "off":
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
         raise ctx.error(node, "nvplug.dra.enabled", "needs the CDI spec (nvplug.cdi.specDir is off): "

@@ -94,7 +94,10 @@ class ClaimSetup:
         for uuid in dict.fromkeys(d.uuid for d in prepared.shared(TIME_SLICING)):
             await self._default(uuid, others)
         if prepared.cdi_spec is not None:
-            self.specs.remove(prepared.cdi_spec)
+            try:
+                self.specs.remove(prepared.cdi_spec)
+            except OSError as err:  # the claim is gone all the same: the next start removes the orphan
+                log.error("%s: cannot remove its CDI spec %s: %s", prepared.claim, prepared.cdi_spec, err)
 
     def restore(self, snapshot: Snapshot) -> None:
         """Once, with the first inventory after a start: the prepared claims' MPS groups run again, their
@@ -105,7 +108,10 @@ class ClaimSetup:
         claims = list(self.store)
         for path in self.specs.orphans(c.claim.uid for c in claims):
             log.info("removing the CDI spec %s: no prepared claim owns it (left by an earlier run)", path)
-            self.specs.remove(str(path))
+            try:
+                self.specs.remove(str(path))
+            except OSError as err:
+                log.error("cannot remove the orphan CDI spec %s: %s", path, err)
         units = {uuid_of(g, m): (g, m) for g in snapshot.gpus for m in (None, *g.mig)}
         started: set[str] = set()
         for claim in claims:
