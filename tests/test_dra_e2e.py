@@ -151,7 +151,8 @@ def test_slices_prepare_and_the_device_plugin_beside_it(dra: Dra) -> None:
     # Idempotent: asked again, the same answer.
     assert dra.kubelet.prepare(DRIVER, [claim]) == {claim[2]: answer}
     status = status_of(dra.node)
-    assert status["dra"]["claims"] == [{"namespace": "ml", "name": "train", "uid": claim[2], "devices": ["gpu-5"]}]
+    assert status["dra"]["claims"] == [{"namespace": "ml", "name": "train", "uid": claim[2], "devices": ["gpu-5"],
+                                        "cdi": [f"{GPU_KIND}={uuids[5]}"], "mps_group": None}]  # fmt: skip
     # The operator's view: which GPUs DRA offers, and the claims that hold them.
     rc, text, err = devices(dra.node, listen=f"unix:{dra.node.status_socket}")
     print(text)
