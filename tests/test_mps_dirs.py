@@ -91,3 +91,27 @@ def test_selinux_labels_where_it_enforces(top: Path, monkeypatch: pytest.MonkeyP
     chcon.write_text("#!/bin/sh\necho 'chcon: failed to change context' >&2\nexit 1\n")
     (notes,) = layout.prepare_group(GROUP)
     assert "cannot label" in notes and "container_file_t: chcon: failed to change context" in notes
+
+
+def test_a_leftover_daemon_whose_binary_was_replaced_is_killed_all_the_same(tmp_path: Path) -> None:
+    """A driver upgrade (or a test reinstalling the stand-in) replaces the binary under a running daemon:
+    /proc/<pid>/exe then reads `<path> (deleted)`, and the leftover must still be found and killed."""
+    from nvplug.mps.control_daemon import kill_leftover
+
+    binary = tmp_path / "nvidia-cuda-mps-control"
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    shutil.copy(sleep, binary)
+    proc = subprocess.Popen([str(binary), "60"], start_new_session=True)
+    try:
+        binary.unlink()
+        shutil.copy(sleep, binary)  # the new file at the same path
+        assert str(Path(f"/proc/{proc.pid}/exe").readlink()).endswith(" (deleted)")
+        pid_file = tmp_path / PID_FILE
+        pid_file.write_text(f"{proc.pid}\n")
+        assert kill_leftover(pid_file, str(binary)) == proc.pid
+        assert proc.wait(timeout=5) == -9
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

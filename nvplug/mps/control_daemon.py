@@ -305,7 +305,8 @@ def kill_leftover(pid_file: Path, binary: str) -> int | None:
         return None
     try:
         exe = str(Path(f"/proc/{pid}/exe").readlink())
-        if Path(exe).name != Path(binary).name:
+        # A binary replaced since it started (a driver upgrade) reads as "<path> (deleted)".
+        if Path(exe.removesuffix(" (deleted)")).name != Path(binary).name:
             return None  # the pid is another process's now
         os.killpg(pid, signal.SIGKILL)
     except OSError:
