@@ -13,7 +13,7 @@ from nvplug.dra.claim_setup import ClaimSetup, claim_group
 from nvplug.dra.claim_specs import ClaimSpecs
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.dra.opaque_config import ClaimMps, ClaimSharing
-from nvplug.dra.time_slices import TimeSliceError
+from nvplug.dra.time_slices import TimeSliceError, TimeSlicer
 from nvplug.shaping.mps_groups import MpsGroup
 
 
@@ -132,3 +132,12 @@ def test_the_checkpoint_keeps_each_devices_sharing_and_the_intervals_set(tmp_pat
     again = ClaimStore(tmp_path / "dra-claims.json")
     again.load()
     assert again.get(REF.uid) == claim and again.time_slices == {uuid(1): "Medium"}
+
+
+def test_an_nvidia_smi_that_cannot_run_is_a_time_slice_error_naming_the_gpu(tmp_path: Path) -> None:
+    # Unprepare catches TimeSliceError (the record stays, retried at the next start): an OSError would escape it.
+    broken = tmp_path / "nvidia-smi"
+    broken.write_bytes(b"\x7fELF not really\n")
+    broken.chmod(0o755)
+    with pytest.raises(TimeSliceError, match=rf"GPU {uuid(0)}: nvidia-smi compute-policy .* cannot run: .*format"):
+        asyncio.run(TimeSlicer(str(broken)).set(uuid(0), "Short"))

@@ -20,6 +20,7 @@ import shlex
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from nvplug.base.child_process import run_child
 from nvplug.config import Config, HealthConfig
 from nvplug.core.events import AutoResetStep, Event
 from nvplug.core.gpu import Gpu
@@ -167,19 +168,12 @@ class AutoReset(Sink):
             NVPLUG_GPU_BUS_ID=gpu.bus_id,
         )  # fmt: skip
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
+            ran = await run_child(argv, self._cfg.validate_timeout_seconds, env)
         except OSError as err:
             return f"`{shlex.join(argv)}` cannot run: {err}"
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self._cfg.validate_timeout_seconds)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        if ran.returncode is None:
             return f"`{shlex.join(argv)}` ran past {self._cfg.validate_timeout_seconds:g} s (validateTimeoutSeconds)"
-        if proc.returncode:
-            tail = " ".join(out.decode(errors="replace").split())[-300:]
-            return f"`{shlex.join(argv)}` exited {proc.returncode}: {tail}"
+        if ran.returncode:
+            tail = " ".join(ran.output.split())[-300:]
+            return f"`{shlex.join(argv)}` exited {ran.returncode}: {tail}"
         return None

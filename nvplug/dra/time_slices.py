@@ -9,9 +9,10 @@ GPU that DRA owns.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
+
+from nvplug.base.child_process import run_child
 
 log = logging.getLogger("nvplug.dra")
 
@@ -39,19 +40,14 @@ class TimeSlicer:
             raise TimeSliceError(f"GPU {uuid}: cannot set the time-slice interval {interval}: "
                                  f"{self.nvidia_smi} is not on PATH")  # fmt: skip
         args = ("compute-policy", "-i", uuid, "--set-timeslice", str(number))
-        proc = await asyncio.create_subprocess_exec(
-            command, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+        what = f"nvidia-smi {' '.join(args)}"
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self._timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise TimeSliceError(f"GPU {uuid}: nvidia-smi {' '.join(args)} did not end within "
-                                 f"{self._timeout:g} s") from None  # fmt: skip
-        said = " / ".join(line.strip() for line in out.decode(errors="replace").splitlines() if line.strip())
-        if proc.returncode != 0:
-            raise TimeSliceError(f"GPU {uuid}: nvidia-smi {' '.join(args)} failed with status {proc.returncode}: "
-                                 f"{said or 'no output'}")  # fmt: skip
+            ran = await run_child((command, *args), self._timeout)
+        except OSError as err:
+            raise TimeSliceError(f"GPU {uuid}: {what} cannot run: {err}") from err
+        if ran.returncode is None:
+            raise TimeSliceError(f"GPU {uuid}: {what} did not end within {self._timeout:g} s")
+        said = " / ".join(line.strip() for line in ran.output.splitlines() if line.strip())
+        if ran.returncode != 0:
+            raise TimeSliceError(f"GPU {uuid}: {what} failed with status {ran.returncode}: {said or 'no output'}")
         log.info("GPU %s: time-slice interval %s (%d) set", uuid, interval, number)
