@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nvplug.cli.doctor.doctor_step import Check, DoctorContext, StepVerdict, loaded_config
+from nvplug.config import Config
+
+if TYPE_CHECKING:
+    from nvplug.sinks.cdi.cdi_files import SpecFile
+
+
+def runtime_specs(ctx: DoctorContext, cfg: Config) -> tuple[Path, list[SpecFile]]:
+    """nvplug's spec directory, and every spec the runtimes read (theirs and it)."""
+    from nvplug.sinks.cdi.cdi_files import read_specs
+
+    spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
+    return spec_dir, read_specs([*map(Path, cfg.cdi_runtime_dirs), spec_dir])
+
+
+def resolvable(files: list[SpecFile]) -> set[str]:
+    """The qualified names these spec files define (an unreadable one defines none)."""
+    return {name for f in files if f.error is None for name in f.qualified()}
 
 
 def check_cdi(ctx: DoctorContext) -> Check:
     """Every name nvplug would hand out resolves in the runtimes' spec directories, defined once."""
     from nvplug.cli.cdi_command import node_specs
-    from nvplug.sinks.cdi.cdi_files import conflicts, read_specs
+    from nvplug.sinks.cdi.cdi_files import conflicts
 
     cfg = loaded_config(ctx)
     if isinstance(cfg, Check):
@@ -20,11 +38,10 @@ def check_cdi(ctx: DoctorContext) -> Check:
         return Check("PASS", "nvplug writes no CDI spec (nvplug.cdi.specDir: off) and hands out no CDI names")
     if not ctx.nvml_ok:
         return Check("WARN", "not checked: NVML does not work (step 3), so the node's devices are unknown")
-    spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
+    spec_dir, files = runtime_specs(ctx, cfg)
     found = node_specs(cfg, ctx.args.dev_root, ctx.args.sysfs_root, ctx.args.proc_root)
     wanted = found.specs
-    files = read_specs([*map(Path, cfg.cdi_runtime_dirs), spec_dir])
-    defined = {name for f in files if f.error is None for name in f.qualified()}
+    defined = resolvable(files)
     names = [n for spec in wanted for n in spec.names() if not n.endswith("=all")]
     missing = [n for n in names if n not in defined]
     ours = [spec_dir / spec.file_name for spec in wanted]

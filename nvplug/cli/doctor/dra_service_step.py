@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nvplug.cli.doctor.cdi_names_step import resolvable, runtime_specs
 from nvplug.cli.doctor.doctor_step import Check, DoctorContext, loaded_config
 from nvplug.config import Config
 from nvplug.status import status_client as statusclient
@@ -87,10 +88,6 @@ def check_dra(ctx: DoctorContext) -> Check:
 
 def _unresolved_claims(ctx: DoctorContext, cfg: Config, claims: list[dict[str, Any]]) -> list[str]:
     """Each prepared claim's CDI names that no spec in the runtimes' directories defines."""
-    from nvplug.sinks.cdi.cdi_files import read_specs
-
-    spec_dir: Path = ctx.args.cdi_spec_dir or Path(cfg.cdi_spec_dir)
-    files = read_specs([*map(Path, cfg.cdi_runtime_dirs), spec_dir])
-    defined = {name for f in files if f.error is None for name in f.qualified()}
+    defined = resolvable(runtime_specs(ctx, cfg)[1])
     return [f"claim {c.get('namespace')}/{c.get('name')}: its CDI name {n} does not resolve"
             for c in claims for n in c.get("cdi") or [] if n not in defined]  # fmt: skip
