@@ -86,17 +86,6 @@ def wire(
         state_file.written,
         options.sysfs_root / "fs/selinux/enforce",
     )
-    # The claims' MPS groups are the supervisor's; their specs go beside the node's.
-    claim_specs = CdiSettings.from_config(cfg, options.dev_root, options.cdi_spec_dir).spec_dir
-    dra = (
-        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id, mps, claim_specs)
-        if cfg.dra.enabled
-        else None
-    )
-    dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
-    kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
-    socket = options.pod_resources_socket or off_or_path(cfg.pod_resources_socket)
-    pods = PodView(PodResourcesClient(socket) if socket is not None else None)
 
     def cdi_retried() -> None:
         """A retry wrote the spec: its optional names may be new, and its error gone."""
@@ -109,6 +98,18 @@ def wire(
         lambda event: dispatcher.apply(event),
         cdi_retried,
     )
+    # The claims' MPS groups are the supervisor's; their specs go beside the node's.
+    spec_dir = cdi.publisher.settings.spec_dir
+    dra = (
+        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id, mps, spec_dir)
+        if cfg.dra.enabled
+        else None
+    )
+    dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
+    kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
+    socket = options.pod_resources_socket or off_or_path(cfg.pod_resources_socket)
+    pods = PodView(PodResourcesClient(socket) if socket is not None else None)
+
     dra_sockets = list(dra.sockets.sockets) if dra is not None else []
 
     def allocated() -> None:

@@ -118,17 +118,18 @@ class ClaimSetup:
             name = claim.mps_group
             if name is None or name in started or self.daemons is None:
                 continue
-            started.add(name)
-            owner = next(c for c in claims if c.mps_group == name and c.shared(MPS))
+            started.add(name)  # the first claim of a group: those that joined it have its devices and limits
             try:
-                group = claim_group(name, owner.shared(MPS), units, str(owner.claim))
+                group = claim_group(name, claim.shared(MPS), units, str(claim.claim))
             except ClaimError as err:
-                log.error("cannot start the MPS group of %s again: %s", owner.claim, err)
+                log.error("cannot start the MPS group of %s again: %s", claim.claim, err)
                 continue
             self._spawn(self._start_again(group))
         needed = {d.uuid: d.sharing.interval for c in claims for d in c.shared(TIME_SLICING) if d.sharing is not None}
-        for uuid in set(self.store.time_slices) | set(needed):
-            self._spawn(self._set_again(uuid, needed.get(uuid)))
+        for uuid, interval in needed.items():
+            self._spawn(self._set_again(uuid, interval))
+        for uuid in set(self.store.time_slices) - set(needed):
+            self._spawn(self._default(uuid, claims))
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -185,9 +186,10 @@ class ClaimSetup:
         try:
             await self.slicer.set(uuid, DEFAULT_INTERVAL)
         except TimeSliceError as err:
-            log.error("%s; set again at the next start", err)
+            log.error("%s; the claims checkpoint keeps it, set again at the next start", err)
             return
         self.store.record_time_slice(uuid, None)
+        log.info("GPU %s: time-slice interval back to Default: no prepared claim needs it now", uuid)
 
     async def _start_again(self, group: MpsGroup) -> None:
         assert self.daemons is not None
@@ -195,15 +197,11 @@ class ClaimSetup:
         if why is not None:
             log.error("%s did not start again: %s", group.describe(), why)
 
-    async def _set_again(self, uuid: str, interval: str | None) -> None:
+    async def _set_again(self, uuid: str, interval: str) -> None:
         try:
-            await self.slicer.set(uuid, interval or DEFAULT_INTERVAL)
+            await self.slicer.set(uuid, interval)
         except TimeSliceError as err:
-            log.error("%s; the claims checkpoint keeps it, for the next start", err)
-            return
-        if interval is None:
-            self.store.record_time_slice(uuid, None)
-            log.info("GPU %s: time-slice interval back to Default: no prepared claim needs it now", uuid)
+            log.error("%s; the claims checkpoint keeps it, set again at the next start", err)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
