@@ -8,7 +8,8 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from nvplug.core.health import Clears, Fault, Health, HealthState, Recorded
 from nvplug.dra import claims
 from nvplug.dra.claims import ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.sinks import health_state_file
-from nvplug.sinks.health_state_file import Saved, StateFile, decode, encode
+from nvplug.sinks.health_state_file import WRITE_INTERVAL, Saved, StateFile, decode, encode
 
 UUID = "GPU-00000000"
 BUS = "0000:18:00.0"
@@ -341,16 +342,22 @@ def test_a_health_state_file_in_the_claims_checkpoints_place_is_kept_aside(tmp_p
 class RecordingStateFile(StateFile):
     """A real state file that notes each write and the thread it ran on, and can hold the first one back."""
 
-    def __init__(self, directory: Path, boot_id: str | None) -> None:
-        super().__init__(directory, boot_id)
-        self.writes: list[tuple[str, dict[str, Recorded]]] = []
+    def __init__(self, directory: Path, boot_id: str | None, interval: float = WRITE_INTERVAL) -> None:
+        super().__init__(directory, boot_id, interval)
+        self.landed: list[tuple[str, dict[str, Recorded]]] = []
+        self.longest = 0.0  # the longest save: encoding, writing, fsync
         self.gate = threading.Event()
         self.gate.set()
 
     def _write(self, data: bytes) -> None:
         assert self.gate.wait(10)
         super()._write(data)
-        self.writes.append((threading.current_thread().name, decode(data)[1]))
+        self.landed.append((threading.current_thread().name, decode(data)[1]))
+
+    def save(self, saved: Saved) -> None:
+        began = time.monotonic()
+        super().save(saved)
+        self.longest = max(self.longest, time.monotonic() - began)
 
 
 def test_save_soon_makes_one_write_per_loop_turn_with_the_records_at_its_end(tmp_path: Path) -> None:
@@ -375,29 +382,90 @@ def test_save_soon_makes_one_write_per_loop_turn_with_the_records_at_its_end(tmp
         file.close(Saved(records(2)))
 
     asyncio.run(scenario())
-    assert len(file.writes) == 1
-    thread, written = file.writes[0]
+    assert len(file.landed) == 1
+    thread, written = file.landed[0]
     assert written == records(2) and thread.startswith("state file")
     assert StateFile(tmp_path, "boot-a").load() == records(2)
 
 
-def test_saves_land_in_order_on_the_saver_while_the_loop_goes_on(tmp_path: Path) -> None:
+async def until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not done in time")
+
+
+def test_changes_during_a_slow_write_make_one_write_after_it_with_the_latest_records(tmp_path: Path) -> None:
     file = RecordingStateFile(tmp_path, "boot-a")
     file.gate.clear()  # the first write hangs as a slow fsync would
 
     async def scenario() -> None:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             file.save_soon(functools.partial(saved, n))
             await asyncio.sleep(0)  # the loop turns on while the saver waits
         await asyncio.sleep(0.05)
-        assert file.writes == []
+        assert file.landed == []
         file.gate.set()
-        file.close(Saved(records(3)))
+        await until(lambda: len(file.landed) >= 2)
+        await asyncio.sleep(WRITE_INTERVAL * 2)
+        assert [len(written) for _, written in file.landed] == [1, 4]  # in order, none skipped at the end
+        file.close(Saved(records(4)))
 
     asyncio.run(scenario())
-    assert [len(written) for _, written in file.writes] == [1, 2, 3]
-    assert all(thread.startswith("state file") for thread, _ in file.writes)
-    assert decode(file.path.read_bytes())[1] == records(3)
+    assert (file.changes, file.writes) == (4, 2)
+    assert all(thread.startswith("state file") for thread, _ in file.landed)
+    assert decode(file.path.read_bytes())[1] == records(4)
+
+
+def test_a_storm_costs_a_write_per_interval_and_the_file_ends_at_the_last_state(tmp_path: Path) -> None:
+    """1,000 changes in one second: about 20 writes at 50 ms, each within the lag bound of its change."""
+    file = RecordingStateFile(tmp_path, "boot-a")
+    lags: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        current = 0
+        told: dict[int, float] = {}
+
+        def take() -> Saved:
+            lags.extend(loop.time() - t for n, t in told.items() if n <= current)
+            told.clear()
+            return saved(current)
+
+        start = loop.time()
+        for n in range(1, 1001):
+            current = n
+            told[n] = loop.time()
+            file.save_soon(take)
+            await asyncio.sleep(max(0.0, start + n / 1000 - loop.time()))
+        await until(lambda: decode(file.path.read_bytes())[1] == records(1000))
+        file.close(saved(1000))
+
+    asyncio.run(scenario())
+    assert file.changes == 1000
+    assert 10 <= file.writes <= 50, file.writes
+    # When each change was taken into a write: after the interval, or the write in flight, and a loop turn.
+    assert max(lags) <= max(WRITE_INTERVAL, file.longest) + 0.03, (max(lags), file.longest)
+    assert [len(r) for _, r in file.landed] == sorted(len(r) for _, r in file.landed)  # never reordered
+
+
+def test_written_puts_the_state_of_now_on_disk_without_waiting_for_the_interval(tmp_path: Path) -> None:
+    file = RecordingStateFile(tmp_path, "boot-a", interval=60.0)
+    state = {"n": 1}
+    file.follow(lambda: saved(state["n"]))
+
+    async def scenario() -> None:
+        file.save_soon(lambda: saved(state["n"]))
+        await asyncio.sleep(0.05)  # written; the next write waits a minute
+        state["n"] = 2
+        file.save_soon(lambda: saved(state["n"]))
+        assert await file.written() is None
+        assert decode(file.path.read_bytes())[1] == records(2)
+        file.close(saved(2))
+
+    asyncio.run(scenario())
+    assert [len(r) for _, r in file.landed] == [1, 2]
 
 
 def test_close_waits_for_queued_saves_then_writes_the_final_records(tmp_path: Path) -> None:
@@ -417,8 +485,8 @@ def test_close_waits_for_queued_saves_then_writes_the_final_records(tmp_path: Pa
 
     asyncio.run(scenario())
     main = threading.main_thread().name
-    assert [(t.startswith("state file"), len(r)) for t, r in file.writes] == [(True, 1), (False, 3), (False, 4)]
-    assert {t for t, _ in file.writes[1:]} == {main}
+    assert [(t.startswith("state file"), len(r)) for t, r in file.landed] == [(True, 1), (False, 3), (False, 4)]
+    assert {t for t, _ in file.landed[1:]} == {main}
     assert decode(file.path.read_bytes())[1] == records(4)
 
 

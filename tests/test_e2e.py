@@ -120,9 +120,9 @@ def test_sigterm_stops_cleanly_without_an_empty_list(node: SimulatedNode) -> Non
 def test_keeps_running_without_nvml_library(node: SimulatedNode) -> None:
     node.kubelet.start()
     node.start_daemon(nvml="none")
-    log = node.wait_log("NVML unavailable")
+    log = node.wait_log("NVML unavailable: ")
     assert "NVML Shared Library Not Found" in log
-    assert "ERROR" in next(line for line in log.splitlines() if "NVML unavailable" in line)
+    assert "ERROR" in next(line for line in log.splitlines() if "NVML unavailable: " in line)
     node.kubelet.wait_for(registered_with(0), TIMEOUT)
     time.sleep(0.5)
     assert node.daemon is not None and node.daemon.poll() is None

@@ -215,6 +215,18 @@ class Snapshot:
         return out
 
 
+# Every field of the node's picture, and named parts of it that sinks depend on (Sink.reads).
+NODE_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name != "revision")
+# Whatever changes the picture: every field but the counters.
+REVISED = frozenset(NODE_FIELDS) - COUNTERS
+# What the node has: the GPUs and their MIG devices, links, device nodes, the driver.
+INVENTORY = frozenset(
+    {"gpus", "topology", "cap_minors", "driver_instance", "driver_version", "cuda_version", "device_nodes"}
+)
+# Whether each device may be used: its health, and what Allocate could not hand out.
+HEALTH = frozenset({"health", "restored", "unready", "unresolved", "nvml_error", "health_watch_error", "hung_calls"})
+
+
 @dataclass(frozen=True)
 class Change:
     """One thing an event changed or meant, for the log and later for metrics."""
@@ -336,10 +348,18 @@ class NodeState:
             await self._bumped.wait()
         return self._current
 
-    def _publish(self, snap: Snapshot) -> None:
-        self._current = snap
+    async def next_revision(self) -> None:
+        """Until a new revision (or a wake): one wait, so the waiter runs in the loop turn after it."""
+        await self._bumped.wait()
+
+    def wake(self) -> None:
+        """Wake every waiter with no new revision: one that is closing looks again."""
         bumped, self._bumped = self._bumped, asyncio.Event()
         bumped.set()
+
+    def _publish(self, snap: Snapshot) -> None:
+        self._current = snap
+        self.wake()
 
     def _mps(self, draft: _Draft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
         before = draft.mps.get(event.group)
@@ -789,11 +809,21 @@ class _Draft:
         Counters alone (COUNTERS) change the snapshot, not its revision: a flood of harmless Xids
         or kernel log records must not wake every ListAndWatch stream and sink for each one."""
         base = self.base
-        values = {f.name: getattr(self, f.name) for f in fields(Snapshot) if f.name != "revision"}
+        values = {name: getattr(self, name) for name in NODE_FIELDS}
         values["health"] = MappingProxyType(self.health)
         values["restored"] = MappingProxyType(self.restored)
-        changed = {name for name, value in values.items() if value != getattr(base, name)}
+        changed = frozenset(name for name, value in values.items() if _differs(value, getattr(base, name)))
         if not changed:
             return None
         bumped = bool(changed - COUNTERS)
         return replace(base, revision=base.revision + bumped, **values), bumped
+
+
+def _differs(new: object, old: object) -> bool:
+    # Most fields are the very object the base had: no comparison of a whole inventory for them.
+    return new is not old and new != old
+
+
+def changed_between(older: Snapshot, newer: Snapshot) -> frozenset[str]:
+    """The fields (of NODE_FIELDS) in which two snapshots differ: what a sink may depend on."""
+    return frozenset(name for name in NODE_FIELDS if _differs(getattr(newer, name), getattr(older, name)))

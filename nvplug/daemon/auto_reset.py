@@ -24,7 +24,7 @@ from nvplug.base.child_process import run_child
 from nvplug.config import Config, HealthConfig
 from nvplug.core.events import AutoResetStep, Event
 from nvplug.core.gpu import Gpu
-from nvplug.core.node_state import Snapshot
+from nvplug.core.node_state import HEALTH, INVENTORY, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.pod_holders import Holder
 from nvplug.sources.nvml_discovery import NvmlUnavailable
@@ -54,6 +54,7 @@ class AutoReset(Sink):
     """One task per candidate GPU: it waits for the GPU to be idle, then resets and checks it."""
 
     name = "auto-reset"
+    reads = INVENTORY | HEALTH
 
     def __init__(self, cfg: HealthConfig, reset: Reset, holders: Holders, processes: Processes, handle: Handle) -> None:
         self._cfg = cfg

@@ -1,13 +1,18 @@
-"""Event dispatch: each event from the bus into the state, and each new snapshot to every sink, in order.
+"""Event dispatch: each event from the bus into the state, and each new snapshot to the sinks, in order.
 
-The rule that keeps lists true is written here once: between `NodeState.apply` and the last
-sink there is no await, so every sink (the CDI spec first of those a list depends on) has seen
-the new snapshot before any ListAndWatch stream, which waits on the state's revision, runs again.
-What a sink feeds back (the CDI check) is applied at once, inside the same step.
+The rule that keeps lists true is written here once: between `NodeState.apply` and the last sink a
+list depends on (`Sink.before_list`: the CDI spec, the device-plugin fleet) there is no await, so
+each has seen the new snapshot before any ListAndWatch stream, which waits on the state's
+revision, runs again. What a sink feeds back (the CDI check) is applied at once, inside the same step.
+
+The stream runs in the loop turn right after the change; the other sinks (the log, the state file,
+labels, DRA, the status line) in the turn after that, with every update since merged into one.
+A sink is called only when a field it reads changed (`Sink.reads`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -44,7 +49,7 @@ from nvplug.core.events import (
     XidOccurred,
     assert_never,
 )
-from nvplug.core.node_state import NodeState
+from nvplug.core.node_state import NodeState, changed_between
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet
@@ -86,17 +91,23 @@ class Dispatcher:
         self._fleet = fleet
         self._scanner = scanner
         self._dra = dra
-        # Every sink, in the order they run: see the wiring.
-        self.sinks: Sequence[Sink] = ()
+        # Every sink, in the wiring's order, and split by whether a list waits for it.
+        self._sinks: tuple[Sink, ...] = ()
+        self._for_list: tuple[Sink, ...] = ()
+        self._after_list: tuple[Sink, ...] = ()
+        # The update the sinks after the list have not seen yet, and their loop turn.
+        self._later: StateUpdate | None = None
+        self._later_turn: asyncio.Handle | None = None
+        self._failed: asyncio.Future[None] | None = None
         # When each recent revision's event arrived.
         self._arrived: dict[int, float] = {}
 
     async def run(self, bus: EventBus) -> None:
         while True:
-            await self.handle(await bus.next())
+            await self.handle(*await bus.next())
 
-    async def handle(self, event: Event) -> None:
-        """One event, from a source through the bus or from an operator's heal."""
+    async def handle(self, event: Event, arrived: float | None = None) -> None:
+        """One event, from a source through the bus (published at `arrived`) or from an operator's heal."""
         match event:
             case KubeletSocketCreated():
                 self._count(event)
@@ -120,9 +131,9 @@ class Dispatcher:
                 log.info("udev: %s %s %s", action, bus_id, driver or "")
                 if action in RESCAN_ACTIONS:
                     self._scanner.request(f"udev {action} of {bus_id}")
-                self.apply(event)
+                self.apply(event, arrived)
             case InventoryFound():
-                self.apply(event)
+                self.apply(event, arrived)
                 await self._fleet.follow_inventory()
             case (
                 ProbeResult()
@@ -147,32 +158,77 @@ class Dispatcher:
                 | MpsGroupRemoved()
                 | ComputeModeRecorded()
             ):
-                self.apply(event)
+                self.apply(event, arrived)
             case _:
                 assert_never(event)
 
-    def apply(self, event: Event) -> None:
-        """Into the state, then through every sink; no await, so no list goes out in between."""
-        arrived = time.monotonic()
-        before = self.state.current.revision
+    def apply(self, event: Event, arrived: float | None = None) -> None:
+        """Into the state, then through the sinks the list needs (no await, so no list goes out in
+        between), then, in the next loop turn, the others. `arrived`: when a source published it."""
+        arrived = time.monotonic() if arrived is None else arrived
+        before = self.state.current
         self._count(event)
         changes = tuple(self.state.apply(event))
         snap = self.state.current
-        revised = snap.revision != before
+        revised = snap.revision != before.revision
         if revised:
             self._arrived[snap.revision] = arrived
             if len(self._arrived) > TIMED_REVISIONS:
                 del self._arrived[min(self._arrived)]
         if not (changes or revised):
             return
-        update = StateUpdate(snap, changes, revised)
-        for sink in self.sinks:
+        update = self._run(self._for_list, StateUpdate(snap, changes, revised, changed_between(before, snap)))
+        self._later = update if self._later is None else self._later.then(update)
+        if self._later_turn is None:
+            self._later_turn = asyncio.get_running_loop().call_soon(self._run_later)
+
+    def _run(self, sinks: Sequence[Sink], update: StateUpdate) -> StateUpdate:
+        """Each sink that reads what changed, in order; the update as the last of them saw it."""
+        for sink in sinks:
+            if not sink.wants(update):
+                continue
             fed_back = sink.update(update)
+            before = update.snapshot
             for event in fed_back:
                 self.apply(event)
-            if fed_back and self.state.current is not update.snapshot:
+            if fed_back and self.state.current is not before:
                 # The sinks after this one go on from the newer state, as the earlier ones saw it.
-                update = StateUpdate(self.state.current, changes, True)
+                now = self.state.current
+                update = StateUpdate(now, update.changes, True, update.changed | changed_between(before, now))
+        return update
+
+    def _run_later(self) -> None:
+        """The sinks no list waits for, once, with every update since they last ran."""
+        self._later_turn = None
+        update, self._later = self._later, None
+        if update is None:
+            return
+        try:
+            self._run(self._after_list, update)
+        except Exception as err:
+            # As in the list's path: a sink that fails stops the daemon, not a line in the loop's log.
+            if not self._failure().done():
+                self._failure().set_exception(err)
+
+    async def failed(self) -> None:
+        """Raises what a sink after the list raised; waits until one does."""
+        await self._failure()
+
+    def _failure(self) -> asyncio.Future[None]:
+        if self._failed is None:
+            self._failed = asyncio.get_running_loop().create_future()
+        return self._failed
+
+    @property
+    def sinks(self) -> Sequence[Sink]:
+        return self._sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Sequence[Sink]) -> None:
+        """Every sink, in the wiring's order; those the list needs run first, the rest after it."""
+        self._sinks = tuple(sinks)
+        self._for_list = tuple(s for s in sinks if s.before_list)
+        self._after_list = tuple(s for s in sinks if not s.before_list)
 
     def sent(self, resource: str, revision: int) -> None:
         """A ListAndWatch message carrying `revision` went out."""

@@ -116,6 +116,7 @@ class Daemon:
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready(report.line())
             tasks.append(asyncio.create_task(parts.dispatcher.run(bus), name="dispatch"))
+            tasks.append(asyncio.create_task(parts.dispatcher.failed(), name="the sinks after the list"))
             if self.notifier.watchdog_interval is not None:
                 tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             stop = asyncio.create_task(self._stop.wait())

@@ -50,24 +50,43 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class StateUpdate:
-    """What one event did: the snapshot after it, the changes it meant, and whether the picture moved
-    on (a new revision). A sink acts on what it depends on and skips the rest."""
+    """What one event did (or several, merged for the sinks after the list): the snapshot after it,
+    the changes it meant, whether the picture moved on (a new revision), and the snapshot's fields
+    that changed. A sink is called only for the fields it reads."""
 
     snapshot: Snapshot
     changes: tuple[Change, ...]
     revised: bool
+    changed: frozenset[str] = frozenset()
+
+    def then(self, later: StateUpdate) -> StateUpdate:
+        """This update followed by a later one, as one."""
+        return StateUpdate(
+            later.snapshot, self.changes + later.changes, self.revised or later.revised, self.changed | later.changed
+        )
 
 
 class Sink(Protocol):
     """Something that reacts to each new snapshot. Subclass it for the defaults.
 
-    `update` runs on the loop with no await between the state change and the last sink: whatever
-    it returns is applied at once, before any ListAndWatch stream runs again. `prepare` checks a
+    `update` runs on the loop: a sink `before_list` with no await between the state change and it,
+    so whatever it returns is applied at once, before any ListAndWatch stream runs again. `prepare` checks a
     reloaded config and raises (ValueError, ConfigError) to refuse it; nothing changes until every
     part accepted and the commits run.
     """
 
     name: str
+    # The snapshot's fields `update` depends on (node_state's NODE_FIELDS, or its INVENTORY, HEALTH,
+    # REVISED): it is skipped when only other fields changed. None: every update, with or without a
+    # new revision (it reads `changes`, the log's lines).
+    reads: frozenset[str] | None = None
+    # Whether a ListAndWatch message depends on it (the CDI spec, before Allocate hands out its names):
+    # those run at once, in order. The others run in the loop turn after the message's hand-off, in
+    # order, each updates since merged into one: an fsync, a label file or a log line holds up no list.
+    before_list: bool = False
+
+    def wants(self, update: StateUpdate) -> bool:
+        return self.reads is None or not self.reads.isdisjoint(update.changed)
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         return ()

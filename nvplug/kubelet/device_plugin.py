@@ -192,6 +192,7 @@ class DevicePluginService:
     def close(self) -> None:
         """End every ListAndWatch stream cleanly, without a last message."""
         self._closing.set()
+        self._state.wake()
 
     async def retire(self, timeout: float = 1.0) -> None:
         """The resource stops being served: each stream sends an empty list, then ends.
@@ -201,6 +202,7 @@ class DevicePluginService:
         """
         self._retired = True
         self._closing.set()
+        self._state.wake()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
 
@@ -250,16 +252,16 @@ class DevicePluginService:
                 if message == last:
                     continue
                 last = message
+                # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
+                self._on_send(self.resource_name, revision)
+                yield message
                 log.info(
-                    "%s: ListAndWatch sends %d devices, %d healthy (revision %d)",
+                    "%s: ListAndWatch sent %d devices, %d healthy (revision %d)",
                     self.resource_name,
                     len(resource.devices),
                     resource.healthy_count,
                     revision,
                 )
-                # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
-                self._on_send(self.resource_name, revision)
-                yield message
                 self._on_delivered(self.resource_name, resource)
         finally:
             self._streams -= 1
@@ -268,18 +270,16 @@ class DevicePluginService:
             log.info("%s: ListAndWatch stream closed", self.resource_name)
 
     async def _next_snapshot(self, revision: int) -> Snapshot | None:
-        """The next revision, or None once the server is closing."""
-        closing = self._closing
-        if closing.is_set():
-            return None
-        change = asyncio.ensure_future(self._state.wait_past(revision))
-        closed = asyncio.ensure_future(closing.wait())
-        try:
-            await asyncio.wait((change, closed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            change.cancel()
-            closed.cancel()
-        return change.result() if change.done() and not change.cancelled() else None
+        """The next revision, or None once the server is closing.
+
+        One wait on the state (closing wakes it too), not a race of two tasks: the stream then runs
+        in the loop turn right after the change, ahead of the sinks that follow the list."""
+        while not self._closing.is_set():
+            current = self._state.current
+            if current.revision > revision:
+                return current
+            await self._state.next_revision()
+        return None
 
     async def Allocate(
         self,

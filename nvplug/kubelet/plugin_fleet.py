@@ -23,6 +23,7 @@ from nvplug.kubelet.allocation import AllocationPolicy
 from nvplug.kubelet.device_plugin import MAX_MESSAGE, PLUGIN_OPTIONS, DevicePluginService, PluginServer, list_size
 from nvplug.kubelet.registrar import Registrar
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
+from nvplug.sinks.cdi.cdi_publisher import CDI_READS
 
 log = logging.getLogger("nvplug")
 
@@ -141,6 +142,9 @@ class PluginFleet(Sink):
     current, and a new inventory may change which resources exist."""
 
     name = "device plugins"
+    # Its streams follow the state themselves; as a sink it takes the CDI spec's optional names.
+    reads = CDI_READS
+    before_list = True
 
     def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, dev_root: Path, hooks: FleetHooks) -> None:
         self._state = state

@@ -44,6 +44,9 @@ class MpsCalls(ModeCalls, Protocol):
 
 class MpsSupervisor(Sink):
     name = "mps"
+    # Groups follow the inventory and the config alone; before the CDI spec, which holds their directories.
+    reads = frozenset({"gpus"})
+    before_list = True
 
     def __init__(
         self,

@@ -21,6 +21,8 @@ from nvplug.shaping.resource_plan import Naming
 PREFIX = "nvidia.com/"
 # The optional health label (nvplug.labels.unhealthyCount): GFD has no such key.
 UNHEALTHY_COUNT = f"{PREFIX}gpu.unhealthy-count"
+# The snapshot's fields the labels are made of: the health of none, but for UNHEALTHY_COUNT.
+LABEL_READS = frozenset({"gpus", "driver_version", "cuda_version"})
 # PCI class codes of NVIDIA GPUs in sysfs: a VGA controller drives displays, a 3D controller computes.
 PCI_CLASS_MODES = {0x030000: "graphics", 0x030200: "compute"}
 # GFD's architecture names by compute capability major (7 and 8 split by minor).

@@ -187,20 +187,39 @@ class Saved:
     compute_modes: Mapping[str, int] = field(default_factory=dict)
 
 
+# Under a storm of changes a write starts no sooner than this after the one before it started, so
+# that N changes cost about one fsync per interval, not N. The file then lags the state by at most
+# this plus one write (LAG_BOUND, for a write of up to 50 ms): all a crash can lose.
+WRITE_INTERVAL = 0.05
+LAG_BOUND = 0.1
+
+
 class StateFile:
     """The file, and the thread that writes it while the daemon runs: an fsync must not hold up the
-    asyncio loop (a ListAndWatch message waits on it)."""
+    asyncio loop (a ListAndWatch message waits on it).
 
-    def __init__(self, directory: Path, boot_id: str | None) -> None:
+    Writes are never skipped and never reordered: one saver thread, each write taking the state as
+    it is when the write starts, and a change that comes while one is in flight (or too soon after
+    one) is written by the next, once the interval since the last start has passed.
+    """
+
+    def __init__(self, directory: Path, boot_id: str | None, interval: float = WRITE_INTERVAL) -> None:
         self.path = directory / FILE_NAME
         self._boot_id = boot_id
+        self._interval = interval
         self._written: bytes | None = None
         self._failing: str | None = None
-        # One thread, so saves land in the order they were taken.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state file")
-        self._pending: asyncio.Handle | None = None
         self._records: Callable[[], Saved] | None = None
+        # A change not yet taken by a write; the next write's timer; the write under way.
+        self._dirty = False
+        self._pending: asyncio.Handle | None = None
+        self._in_flight: asyncio.Future[None] | None = None
+        self._last_start = -float("inf")
         self._closed = False
+        # For /status: changes told, writes started.
+        self.changes = 0
+        self.writes = 0
         # What the loaded file held beside the records: the kernel log record it had taken in (a
         # restart reads only the records after it), and nvplug's own resets.
         self.loaded = Saved({})
@@ -208,6 +227,15 @@ class StateFile:
     @property
     def boot_id(self) -> str | None:
         return self._boot_id
+
+    @property
+    def failing(self) -> str | None:
+        """Why the last write failed; None while they succeed."""
+        return self._failing
+
+    def follow(self, records: Callable[[], Saved]) -> None:
+        """What a write takes: the records as they are when it starts."""
+        self._records = records
 
     def load(self) -> dict[str, Recorded]:
         """The faults recorded in this boot; nothing (and a log line saying why) otherwise."""
@@ -258,44 +286,69 @@ class StateFile:
         self._written = data
 
     def save_soon(self, records: Callable[[], Saved]) -> None:
-        """From the loop thread: the records as they are at the end of this loop turn, written by the
-        saver thread. Calls within one turn make one write (the last call's callable is the one called)."""
+        """From the loop thread: the records changed; `records` says what they are when a write starts.
+
+        The first change after a quiet spell is taken at the end of this loop turn (calls within one
+        turn make one write); later ones wait for the write in flight, then for the interval."""
         self._records = records
-        if self._pending is None:
-            self._pending = asyncio.get_running_loop().call_soon(self._queue_save)
+        self._dirty = True
+        self.changes += 1
+        if self._closed:
+            self._dirty = False
+            self.save(records())
+            return
+        if self._pending is None and self._in_flight is None:
+            loop = asyncio.get_running_loop()
+            delay = self._last_start + self._interval - loop.time()
+            self._pending = loop.call_later(delay, self._start) if delay > 0 else loop.call_soon(self._start)
 
     async def written(self) -> str | None:
         """Until what the state holds now is on disk: a change nvplug must be able to undo after a
-        crash (a compute mode) is recorded before it is made. Why it could not be written; None: it is."""
+        crash (a compute mode) is recorded before it is made, whatever the interval. Why it could not
+        be written; None: it is."""
+        if self._closed or self._records is None:
+            return self._failing
+        while self._in_flight is not None:  # it may have taken the records before this change
+            await asyncio.shield(self._in_flight)
+        self._dirty = True
         if self._pending is not None:
             self._pending.cancel()
-            self._queue_save()
-        if not self._closed:
-            # One saver thread, in order: once this runs, every save queued before it is written.
-            await asyncio.get_running_loop().run_in_executor(self._saver, lambda: None)
+        started = self._start()
+        if started is not None:
+            await asyncio.shield(started)
         return self._failing
 
     def close(self, records: Saved) -> None:
-        """At the end: once the queued saves are written, these records (whatever a last event changed).
+        """At the end: once the write in flight is done, these records (whatever a last event changed).
         Idempotent; a later save_soon() writes on the loop thread, as nothing is left to wait for it."""
         if self._pending is not None:
             self._pending.cancel()  # superseded by these records
             self._pending = None
-        self._records = None
+        self._dirty = False
         self._saver.shutdown(wait=True)
         self._closed = True
         self.save(records)
 
-    def _queue_save(self) -> None:
+    def _start(self) -> asyncio.Future[None] | None:
+        """A write of the records as they are now, on the saver; the next follows once it is done."""
         self._pending = None
-        take, self._records = self._records, None
-        if take is None:
-            return
-        records = take()
-        if self._closed:
-            self.save(records)
-            return
-        asyncio.get_running_loop().run_in_executor(self._saver, self.save, records)
+        if not self._dirty or self._records is None:
+            return None
+        self._dirty = False
+        records = self._records()
+        loop = asyncio.get_running_loop()
+        self._last_start = loop.time()
+        self.writes += 1
+        self._in_flight = started = loop.run_in_executor(self._saver, self.save, records)
+        started.add_done_callback(self._done)
+        return started
+
+    def _done(self, _: asyncio.Future[None]) -> None:
+        self._in_flight = None
+        if self._dirty and self._pending is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, self._last_start + self._interval - loop.time())
+            self._pending = loop.call_later(delay, self._start)
 
     def _write(self, data: bytes) -> None:
         write_checkpoint(self.path, data)

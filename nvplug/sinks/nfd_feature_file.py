@@ -17,7 +17,7 @@ from nvplug.config import Config, off_or_path
 from nvplug.core.events import Event
 from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.sinks.gfd_labels import Machine, node_labels, render
+from nvplug.sinks.gfd_labels import LABEL_READS, Machine, node_labels, render
 
 log = logging.getLogger("nvplug")
 
@@ -46,6 +46,11 @@ def feature_file_path(cfg: Config, override: Path | None = None) -> Path | None:
     return override if override is not None else off_or_path(cfg.feature_file)
 
 
+def label_reads(cfg: Config) -> frozenset[str]:
+    """What the labels depend on: health too only when they count the Unhealthy GPUs."""
+    return LABEL_READS | {"health"} if cfg.unhealthy_count_label else LABEL_READS
+
+
 class FeatureFile(Sink):
     """The labels of each new revision, written when they changed; a reload may move or drop the file."""
 
@@ -54,6 +59,7 @@ class FeatureFile(Sink):
     def __init__(self, cfg: Config, sysfs_root: Path, override: Path | None = None) -> None:
         self._override = override
         self._cfg = cfg
+        self.reads = label_reads(cfg)
         self.path = feature_file_path(cfg, override)
         self._sysfs_root = sysfs_root
         self._machine: Machine | None = None
@@ -73,6 +79,7 @@ class FeatureFile(Sink):
         async def commit(snapshot: Snapshot) -> None:
             # Strategy and sharing are in the labels.
             self._cfg = cfg
+            self.reads = label_reads(cfg)
             self.configure(path)
             self.write(snapshot, cfg)
 

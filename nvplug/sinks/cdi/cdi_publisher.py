@@ -185,8 +185,13 @@ class SpecPublisher:
             "driver_problems": list(self.driver_problems()),
         }
 
-    def delivered(self, resource: str, units: Iterable[Unit]) -> None:
-        self._delivered[resource] = {uuid_of(*unit): unit for unit in units}
+    def delivered(self, resource: str, units: Iterable[Unit]) -> bool:
+        """Whether what the resource's lists hold changed: a health change leaves it as it was."""
+        held = {uuid_of(*unit): unit for unit in units}
+        if self._delivered.get(resource) == held:
+            return False
+        self._delivered[resource] = held
+        return True
 
     def forget(self, resource: str) -> None:
         self._delivered.pop(resource, None)
@@ -252,6 +257,9 @@ class SpecPublisher:
         return list(units.values())
 
 
+# The snapshot's fields a spec is made of (the device nodes: the control and optional nodes it lists).
+CDI_READS = frozenset({"gpus", "cap_minors", "mps", "driver_version", "driver_instance", "device_nodes"})
+
 # Retrying a spec that could not be written: nothing else may change for hours.
 RETRY_BACKOFF = Backoff(first=1.0, maximum=300.0)
 
@@ -264,6 +272,9 @@ class CdiSink(Sink):
     """
 
     name = "cdi"
+    # What a spec is made of; no device's health. Before the fleet, whose Allocate hands out its names.
+    reads = CDI_READS
+    before_list = True
 
     def __init__(
         self,
@@ -288,8 +299,8 @@ class CdiSink(Sink):
 
     def delivered(self, resource: str, units: Iterable[Unit]) -> None:
         """A list went out: entries of devices it no longer holds may leave the spec now."""
-        self.publisher.delivered(resource, units)
-        self._republish()
+        if self.publisher.delivered(resource, units):
+            self._republish()
 
     def forget(self, resource: str) -> None:
         """A resource stopped: what it last delivered no longer holds CDI entries in place."""
