@@ -78,18 +78,31 @@ def count(n: int) -> Callable[[Update], bool]:
     return lambda u: len(u.devices) == n
 
 
-OWN = "nvplug_event_to_list_and_watch_seconds"
+# The daemon's own histograms: from the event's publication on its bus (an XID: in the NVML thread, as
+# nvmlEventSetWait returns) to the hand-off of the message to gRPC.
+OWN_XID = "nvplug_event_to_list_and_watch_seconds"
+OWN_REJOIN = "nvplug_kubelet_rejoin_to_list_and_watch_seconds"
 
 
-def own_seconds(node: SimulatedNode, resource: str = GPU_RESOURCE) -> tuple[float, float]:
-    """The daemon's own histogram, from the event's arrival to the hand-off of its message: (sum, count)."""
+def own_seconds(node: SimulatedNode, metric: str, resource: str = GPU_RESOURCE) -> tuple[float, float]:
+    """One of the daemon's own histograms: (sum, count)."""
     _, text = statusclient.fetch(f"unix:{node.status_socket}", "/metrics", TIMEOUT)
     found = {"sum": 0.0, "count": 0.0}
     for line in text.splitlines():
         for part in found:
-            if line.startswith(f'{OWN}_{part}{{resource="{resource}"}}'):
+            if line.startswith(f'{metric}_{part}{{resource="{resource}"}}'):
                 found[part] = float(line.rsplit(" ", 1)[1])
     return found["sum"], found["count"]
+
+
+def timed(node: SimulatedNode, metric: str, own: list[float], measure: Callable[[], float]) -> float:
+    """`measure`'s end-to-end figure; the daemon's own part of it goes to `own` when one message carried it."""
+    total0, count0 = own_seconds(node, metric)
+    took = measure()
+    total1, count1 = own_seconds(node, metric)
+    if count1 == count0 + 1:
+        own.append(total1 - total0)
+    return took
 
 
 def bench_xid(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
@@ -98,13 +111,13 @@ def bench_xid(node: SimulatedNode, samples: int) -> tuple[list[float], list[floa
     out, own = [], []
     for i in range(samples):
         gpu = i % len(uuids)
-        total0, count0 = own_seconds(node)
-        t0 = time.monotonic()
-        node.control.xid(gpu, 79)
-        out.append(first_update(node, t0, unhealthy(uuids[gpu])) - t0)
-        total1, count1 = own_seconds(node)
-        if count1 == count0 + 1:  # one message carried it: its own time is exact
-            own.append(total1 - total0)
+
+        def xid() -> float:
+            t0 = time.monotonic()
+            node.control.xid(gpu, 79)  # noqa: B023 (called at once)
+            return first_update(node, t0, unhealthy(uuids[gpu])) - t0  # noqa: B023
+
+        out.append(timed(node, OWN_XID, own, xid))
         heal(node, uuids[gpu])
         node.kubelet.wait_for(device_health(uuids[gpu], healthy=True), TIMEOUT)
     return out, own
@@ -142,14 +155,21 @@ def _registered_after(node: SimulatedNode, since: float) -> float:
     return plugin.updates[0].at
 
 
-def bench_kubelet_restart(node: SimulatedNode, samples: int) -> list[float]:
-    out = []
-    for _ in range(samples):
+def bench_kubelet_restart(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
+    """End to end (the new kubelet.sock to the first message) and the daemon's own part (from the first of
+    its socket gone and the new kubelet.sock, as its inotify thread saw them, to the message's hand-off)."""
+    out: list[float] = []
+    own: list[float] = []
+
+    def restart() -> float:
         node.kubelet.restart()
         # restart() returns once the new kubelet.sock exists.
         t0 = time.monotonic()
-        out.append(_registered_after(node, t0) - t0)
-    return out
+        return _registered_after(node, t0) - t0
+
+    for _ in range(samples):
+        out.append(timed(node, OWN_REJOIN, own, restart))
+    return out, own
 
 
 def bench_socket_deleted(node: SimulatedNode, samples: int) -> list[float]:
@@ -195,7 +215,8 @@ def xid_cycles(node: SimulatedNode, seconds: float) -> int:
 def restart_cycles(node: SimulatedNode, seconds: float) -> int:
     cycles, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        bench_kubelet_restart(node, 1)
+        node.kubelet.restart()
+        _registered_after(node, time.monotonic())
         cycles += 1
     return cycles
 
@@ -296,6 +317,9 @@ def rss_mib(pid: int) -> float:
 
 def row(name: str, samples: list[float], target_of: str | None = None) -> None:
     target, unit, nvidia = TARGETS[target_of or name]
+    if not samples:
+        print(f"{name:<20} n=0    (this daemon does not time it)")
+        return
     ms = [s * 1000 for s in samples]
     p50, p99 = percentile(ms, 50), percentile(ms, 99)
     print(
@@ -310,6 +334,7 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--profile", choices=sorted(PROFILED), help="print a sampling profile of this instead")
     parser.add_argument("--profile-seconds", type=float, default=10.0)
+    parser.add_argument("--only", action="store_true", help="the XID and kubelet restart measures alone")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))
     try:
@@ -325,6 +350,8 @@ def main() -> int:
                 profile(node, pid, args.profile, args.profile_seconds, root / "profile.txt")
                 return 0
 
+            if args.only:
+                args.idle_seconds = 0.1
             print(f"idle for {args.idle_seconds:g}s with 8 healthy GPUs ...", flush=True)
             time.sleep(1.0)
             node.control.reset_calls()
@@ -340,13 +367,17 @@ def main() -> int:
             xid, own = bench_xid(node, args.samples)
             row("xid", xid)
             row("  own", own, "xid")
-            if os.geteuid() == 0:
+            if os.geteuid() == 0 and not args.only:
                 adds, removes = bench_udev(node, args.samples)
                 row("udev add", adds)
                 row("udev remove", removes)
             else:
                 print("udev add/remove: skipped (sending udev netlink messages needs root)")
-            row("kubelet restart", bench_kubelet_restart(node, args.samples))
+            restart, own = bench_kubelet_restart(node, args.samples)
+            row("kubelet restart", restart)
+            row("  own", own, "kubelet restart")
+            if args.only:
+                return 0
             row("own socket deleted", bench_socket_deleted(node, args.samples))
             rss_busy = rss_mib(pid)
             row("start", bench_start(node, max(5, args.samples // 10)))

@@ -3,6 +3,7 @@ libnvidia-ml.so.1, and the kubelet stand-in, all on real unix sockets."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import stat
 import time
@@ -10,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from nvplug.kubelet.device_plugin import LISTENERS
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
@@ -133,7 +135,7 @@ def test_nvml_init_failure_is_reported_with_the_library_text(node: SimulatedNode
     node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
     node.kubelet.start()
     node.start_daemon()
-    log = node.wait_log("NVML unavailable")
+    log = node.wait_log("NVML unavailable: ")
     assert "Driver Not Loaded" in log, log
     assert node.daemon is not None and node.daemon.poll() is None
 
@@ -202,6 +204,32 @@ def test_retries_a_kubelet_socket_that_refuses_with_capped_backoff(node: Simulat
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
     first = next(r for r in node.kubelet.registrations if r.accepted)
     assert first.at - before < 1.0
+
+
+def test_a_kubelet_restart_links_the_name_again_to_the_listener_that_never_stopped(node: SimulatedNode) -> None:
+    """The kubelet removes the sockets of its directory, not its subdirectories: the listener under
+    .nvplug lives on, and serving again is a hard link, not a new server."""
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    (listener,) = (node.plugin_dir / LISTENERS).iterdir()
+    assert node.plugin_socket.samefile(listener) and oct(listener.stat().st_mode & 0o777) == "0o700"
+    mark = len(node.log_text())
+    node.kubelet.restart()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    assert node.plugin_socket.samefile(listener)
+    after = node.log_text()[mark:]
+    assert "serving on" in after and "again" in after and "stopped serving" not in after
+    # The whole directory gone and made again: its listener went with it, and a new server serves the name.
+    node.kubelet.stop()
+    shutil.rmtree(node.plugin_dir)
+    node.plugin_dir.mkdir()
+    node.kubelet.start()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    (new,) = (node.plugin_dir / LISTENERS).iterdir()
+    assert new.name != listener.name and node.plugin_socket.samefile(new)
+    node.stop_daemon()
+    assert not node.plugin_socket.exists() and list((node.plugin_dir / LISTENERS).iterdir()) == []
 
 
 def test_refuses_to_replace_what_is_not_its_socket(node: SimulatedNode) -> None:

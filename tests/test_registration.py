@@ -181,6 +181,37 @@ def test_registrar_wake_cancels_the_register_in_flight(short_tmp: Path, caplog: 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_the_creation_event_of_the_kubelet_sock_a_register_went_to_registers_no_second_time(short_tmp: Path) -> None:
+    """A rebind's Register may reach the new kubelet before its socket's creation event is read: that
+    event must not cancel the call and register again. A kubelet.sock made after it does."""
+
+    async def main() -> None:
+        registrar = Registrar(short_tmp, "example.com/gpu", "plug.sock", pb.DevicePluginOptions())
+        first = Registration(short_tmp, hang=True)  # slow to answer: the call is in flight
+        await first.start()
+        run = asyncio.create_task(registrar.run())
+        second = Registration(short_tmp, hang=False)
+        try:
+            await _until(lambda: len(first.received) == 1, 5.0)
+            registrar.kubelet_came()  # the event of the socket the call is on
+            await asyncio.sleep(0.2)
+            assert len(first.received) == 1 and not registrar.registered.is_set()
+            first.path.unlink()
+            await second.start()
+            registrar.kubelet_came()  # a new kubelet.sock: the call in flight went to the old one
+            await asyncio.wait_for(registrar.registered.wait(), 5.0)
+            assert (len(first.received), len(second.received), registrar.registrations) == (1, 1, 1)
+            registrar.kubelet_came()  # again for the same socket, once registered: nothing
+            await asyncio.sleep(0.2)
+            assert len(second.received) == 1 and registrar.registered.is_set()
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await asyncio.gather(first.stop(), second.stop())
+
+    asyncio.run(main())
+
+
 def test_registrar_cancelled_mid_register_leaves_no_call_behind(short_tmp: Path) -> None:
     async def main() -> None:
         registrar = Registrar(short_tmp, "example.com/gpu", "plug.sock", pb.DevicePluginOptions())

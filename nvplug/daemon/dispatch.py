@@ -99,6 +99,11 @@ class Dispatcher:
         self._later: StateUpdate | None = None
         self._later_turn: asyncio.Handle | None = None
         self._failed: asyncio.Future[None] | None = None
+        # The newest revision timed per resource; since when the kubelet is being rejoined, and which
+        # resources have listed since.
+        self._timed: dict[str, int] = {}
+        self._rejoin_since: float | None = None
+        self._rejoined: set[str] = set()
         # When each recent revision's event arrived.
         self._arrived: dict[int, float] = {}
 
@@ -111,6 +116,7 @@ class Dispatcher:
         match event:
             case KubeletSocketCreated():
                 self._count(event)
+                self._rejoin(arrived)
                 log.info("kubelet.sock appeared: registering")
                 self._fleet.kubelet_started()
             case MigConfigChanged(uuid=uuid):
@@ -118,6 +124,7 @@ class Dispatcher:
                 self._scanner.request(f"MIG layout of {uuid} changed")
             case PluginSocketRemoved(path=path):
                 self._count(event)
+                self._rejoin(arrived)
                 if self._dra is not None:
                     self._dra.socket_removed(Path(path))
                 await self._fleet.socket_removed(Path(path))
@@ -231,10 +238,23 @@ class Dispatcher:
         self._after_list = tuple(s for s in sinks if not s.before_list)
 
     def sent(self, resource: str, revision: int) -> None:
-        """A ListAndWatch message carrying `revision` went out."""
-        arrived = self._arrived.get(revision)
-        if arrived is not None:
-            self._metrics.latency.labels(resource).observe(time.monotonic() - arrived)
+        """A ListAndWatch message carrying `revision` went out: the first of each revision times its event,
+        and the first after the kubelet came back (a new stream, an older revision) times the rejoin."""
+        now = time.monotonic()
+        if revision > self._timed.get(resource, -1):
+            self._timed[resource] = revision
+            arrived = self._arrived.get(revision)
+            if arrived is not None:
+                self._metrics.latency.labels(resource).observe(now - arrived)
+        if self._rejoin_since is not None and resource not in self._rejoined:
+            self._rejoined.add(resource)
+            self._metrics.rejoin.labels(resource).observe(now - self._rejoin_since)
+
+    def _rejoin(self, arrived: float | None) -> None:
+        """The kubelet's socket, or ours, went or came: the next list of each resource times the rejoin."""
+        if self._rejoin_since is None or len(self._rejoined) > 0:
+            self._rejoin_since = time.monotonic() if arrived is None else arrived
+            self._rejoined = set()
 
     def _count(self, event: Event) -> None:
         self._metrics.events.labels(event.source, type(event).__name__).inc()

@@ -344,13 +344,27 @@ class DevicePluginService:
         return host_path(self._dev_root, path)
 
 
+# Beside the kubelet's sockets, in a directory it leaves alone when it restarts (it removes the
+# directory's sockets, not its subdirectories): each server's own socket, which the name the kubelet
+# dials is a hard link to.
+LISTENERS = ".nvplug"
+
+
 class PluginServer:
-    """One grpc.aio server bound to one socket; can be rebound after the kubelet wipes it."""
+    """One grpc.aio server serving one socket name, which can be served again after the kubelet wipes it.
+
+    The server listens on a socket of its own under LISTENERS, and the name in the plugin directory is
+    a hard link to it: when the kubelet removes that name, linking it again serves it again, with no
+    new server. Only when the listener itself is gone (the whole directory was removed) does a new
+    server start.
+    """
 
     def __init__(self, service: DevicePluginService, socket_path: Path) -> None:
         self.service = service
         self.socket_path = socket_path
         self._server: grpc.aio.Server | None = None
+        self._listener: Path | None = None
+        self._starts = 0
 
     @property
     def endpoint(self) -> str:
@@ -360,24 +374,82 @@ class PluginServer:
     async def start(self) -> None:
         self.service.open()
         handler = grpc.method_handlers_generic_handler(SERVICE, _handlers(self.service))
-        self._server = await serve_unix(self.socket_path, [handler])
+        listeners = self.socket_path.parent / LISTENERS
+        if not self.socket_path.parent.is_dir():
+            raise SocketBindFailed(
+                f"cannot serve on {self.socket_path}: the directory {self.socket_path.parent} does not exist"
+            )
+        listeners.mkdir(mode=0o700, exist_ok=True)
+        # A name of its own per start: a server that stops unlinks its path, which must not be a later one's.
+        self._starts += 1
+        listener = listeners / f"{self.socket_path.name}.{os.getpid()}.{self._starts}"
+        self._server = await serve_unix(listener, [handler])
+        self._listener = listener
+        try:
+            self._link()
+        except OSError:
+            await self.stop(grace=0)
+            raise
         log.info("%s: serving on %s", self.service.resource_name, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
         server, self._server = self._server, None
         if server is None:
             return
+        # Looked at first: gRPC unlinks the listener as it stops.
+        ours = self._listener is not None and _same_file(self.socket_path, self._listener)
         # Streams end without a last message: an empty list would drop capacity.
         self.service.close()
         await server.stop(grace)
-        remove_stale_socket(self.socket_path)
+        if ours:
+            self.socket_path.unlink(missing_ok=True)
+        if self._listener is not None:
+            remove_stale_socket(self._listener)
         log.info("%s: stopped serving on %s", self.service.resource_name, self.socket_path)
 
     async def rebind(self) -> None:
-        # Stop first: gRPC unlinks its socket path when the old listener closes,
-        # which would take a new socket at the same path with it.
+        """Serve the name again: linked again to the listener, or a new server if that is gone too."""
+        if self._server is not None and self._listener is not None and self._listener.exists():
+            try:
+                self._link()
+            except FileNotFoundError:
+                pass  # the listener went meanwhile
+            else:
+                log.info("%s: serving on %s again", self.service.resource_name, self.socket_path)
+                return
+        # Stop first: gRPC unlinks its socket path when the old listener closes.
         await self.stop(grace=0)
         await self.start()
+
+    def _link(self) -> None:
+        assert self._listener is not None
+        remove_stale_socket(self.socket_path)
+        try:
+            os.link(self._listener, self.socket_path)
+        except FileExistsError:
+            # Made in between by someone else: replaced, as a stale one would be.
+            remove_stale_socket(self.socket_path)
+            os.link(self._listener, self.socket_path)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
+def remove_leftover_listeners(plugin_dir: Path) -> None:
+    """At start: the listeners a killed nvplug left (only one nvplug serves a plugin directory)."""
+    try:
+        found = list((plugin_dir / LISTENERS).iterdir())
+    except OSError:
+        return
+    for path in found:
+        try:
+            remove_stale_socket(path)
+        except (OSError, RuntimeError) as err:
+            log.warning("cannot remove the leftover listener %s: %s", path, err)
 
 
 def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:

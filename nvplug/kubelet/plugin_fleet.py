@@ -20,7 +20,14 @@ from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
-from nvplug.kubelet.device_plugin import MAX_MESSAGE, PLUGIN_OPTIONS, DevicePluginService, PluginServer, list_size
+from nvplug.kubelet.device_plugin import (
+    MAX_MESSAGE,
+    PLUGIN_OPTIONS,
+    DevicePluginService,
+    PluginServer,
+    list_size,
+    remove_leftover_listeners,
+)
 from nvplug.kubelet.registrar import Registrar
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
 from nvplug.sinks.cdi.cdi_publisher import CDI_READS
@@ -207,6 +214,7 @@ class PluginFleet(Sink):
 
     async def start(self) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
+        remove_leftover_listeners(self._plugin_dir)
         await self.apply(self.planned(self._cfg), self.policy(self._cfg))
 
     async def follow_inventory(self) -> None:
@@ -444,9 +452,9 @@ class PluginFleet(Sink):
             # socket it made was wiped meanwhile (a kubelet restarting twice in a row).
             return
         if plugin.server.socket_path.exists():
-            # Our own rebind removes the old socket too; only a new kubelet needs a new Register.
+            # Served: only a new kubelet needs a new Register.
             if registered_again:
-                plugin.registrar.wake()
+                plugin.registrar.kubelet_came()
             return
         log.warning("%s was removed (kubelet restart?): rebinding", plugin.server.socket_path)
         plugin.rebinding = asyncio.create_task(self._rebind(plugin))

@@ -63,6 +63,16 @@ class Registrar:
         self.failures = 0
         # Told whenever `registered` flips, for the status line.
         self._on_change = on_change
+        # The kubelet.sock the last Register went to (its device, inode and change time).
+        self._with: tuple[int, int, int] | None = None
+
+    def kubelet_came(self) -> None:
+        """A kubelet.sock was created: register with it, unless the Register in flight (or done) is with
+        that very socket. Its creation event can come after a rebind's Register reached it already,
+        and cancelling that one would only register twice."""
+        if self._with is not None and self._with == socket_identity(self.kubelet_socket):
+            return
+        self.wake()
 
     def wake(self) -> None:
         """Register (again) now: the kubelet restarted or our socket was rebound.
@@ -122,6 +132,7 @@ class Registrar:
         return not self._wanted.is_set()
 
     async def _register_once(self) -> None:
+        self._with = socket_identity(self.kubelet_socket)
         request = pb.RegisterRequest(
             version=API_VERSION,
             endpoint=self._endpoint,
@@ -154,3 +165,13 @@ class Registrar:
         err = outcome.exception() if outcome is not None else None
         delay = state.next_action.sleep if state.next_action is not None else 0.0
         log.warning("%s; retry %d in %.2fs", err, state.attempt_number, delay)
+
+
+def socket_identity(path: Path) -> tuple[int, int, int] | None:
+    """Which file is at `path`: a new kubelet's socket differs in its change time even where its inode
+    number is the old one's again."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns

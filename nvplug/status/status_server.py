@@ -191,6 +191,13 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=reg,
         )
+        self.rejoin = Histogram(
+            "nvplug_kubelet_rejoin_to_list_and_watch_seconds",
+            "From the kubelet's socket or nvplug's seen gone or new to the first ListAndWatch message after it",
+            ["resource"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0),
+            registry=reg,
+        )
         build = Info("nvplug_build", "Build information", registry=reg)
         build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
         reg.register(_ResourceCollector(resources, holders))
