@@ -70,8 +70,21 @@ def first_update(
     return next(u.at for u in plugin.updates if u.at >= since and shows(u))
 
 
+def of_gpu(device: str, uuid: str) -> bool:
+    """The GPU itself, or one of its time-sliced replicas."""
+    return device == uuid or device.startswith(f"{uuid}::")
+
+
 def unhealthy(uuid: str) -> Callable[[Update], bool]:
-    return lambda u: any(d.id == uuid and not d.healthy for d in u.devices)
+    return lambda u: any(of_gpu(d.id, uuid) and not d.healthy for d in u.devices)
+
+
+def healthy_again(uuid: str) -> Callable[[FakeKubelet], bool]:
+    def check(k: FakeKubelet) -> bool:
+        p = k.plugin(GPU_RESOURCE)
+        return p is not None and all(d.healthy for i, d in p.devices.items() if of_gpu(i, uuid))
+
+    return check
 
 
 def count(n: int) -> Callable[[Update], bool]:
@@ -155,21 +168,31 @@ def _registered_after(node: SimulatedNode, since: float) -> float:
     return plugin.updates[0].at
 
 
-def bench_kubelet_restart(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
-    """End to end (the new kubelet.sock to the first message) and the daemon's own part (from the first of
-    its socket gone and the new kubelet.sock, as its inotify thread saw them, to the message's hand-off)."""
+def bench_kubelet_restart(
+    node: SimulatedNode, samples: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """End to end (the new kubelet.sock to the first message); the daemon's own part (from the last of its
+    socket gone and the new kubelet.sock, as its inotify thread saw them, to the message's hand-off); and
+    the split at the stand-in: the new kubelet.sock to our Register's arrival, and that Register's dial
+    back (the kubelet dials the plugin and asks its options before it answers)."""
     out: list[float] = []
     own: list[float] = []
+    to_register: list[float] = []
+    dial_back: list[float] = []
 
     def restart() -> float:
         node.kubelet.restart()
         # restart() returns once the new kubelet.sock exists.
         t0 = time.monotonic()
-        return _registered_after(node, t0) - t0
+        took = _registered_after(node, t0) - t0
+        record = next(r for r in reversed(node.kubelet.registrations) if r.accepted)
+        to_register.append(record.received_at - t0)
+        dial_back.append(record.at - record.received_at)
+        return took
 
     for _ in range(samples):
         out.append(timed(node, OWN_REJOIN, own, restart))
-    return out, own
+    return out, own, to_register, dial_back
 
 
 def bench_socket_deleted(node: SimulatedNode, samples: int) -> list[float]:
@@ -207,7 +230,7 @@ def xid_cycles(node: SimulatedNode, seconds: float) -> int:
         node.control.xid(gpu, 79)
         first_update(node, t0, unhealthy(uuids[gpu]))
         heal(node, uuids[gpu])
-        node.kubelet.wait_for(device_health(uuids[gpu], healthy=True), TIMEOUT)
+        node.kubelet.wait_for(healthy_again(uuids[gpu]), TIMEOUT)
         cycles += 1
     return cycles
 
@@ -335,16 +358,19 @@ def main() -> int:
     parser.add_argument("--profile", choices=sorted(PROFILED), help="print a sampling profile of this instead")
     parser.add_argument("--profile-seconds", type=float, default=10.0)
     parser.add_argument("--only", action="store_true", help="the XID and kubelet restart measures alone")
+    parser.add_argument("--replicas", type=int, default=1, help="time-slice each GPU to this many devices")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))
     try:
         with SimulatedNode(root) as node:
-            node.config.write_text(
-                "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
-            )
+            config = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
+            if args.replicas > 1:
+                config += f"sharing:\n  timeSlicing:\n    resources:\n    - name: {GPU_RESOURCE}\n"
+                config += f"      replicas: {args.replicas}\n"
+            node.config.write_text(config)
             node.kubelet.start()
             daemon = node.start_daemon(log_level="info")
-            node.kubelet.wait_for(registered_with(8), TIMEOUT)
+            node.kubelet.wait_for(registered_with(8 * args.replicas), TIMEOUT)
             pid = daemon.pid
             if args.profile:
                 profile(node, pid, args.profile, args.profile_seconds, root / "profile.txt")
@@ -371,11 +397,13 @@ def main() -> int:
                 adds, removes = bench_udev(node, args.samples)
                 row("udev add", adds)
                 row("udev remove", removes)
-            else:
+            elif not args.only:
                 print("udev add/remove: skipped (sending udev netlink messages needs root)")
-            restart, own = bench_kubelet_restart(node, args.samples)
+            restart, own, to_register, dial_back = bench_kubelet_restart(node, args.samples)
             row("kubelet restart", restart)
             row("  own", own, "kubelet restart")
+            row("  to Register", to_register, "kubelet restart")
+            row("  its dial-back", dial_back, "kubelet restart")
             if args.only:
                 return 0
             row("own socket deleted", bench_socket_deleted(node, args.samples))

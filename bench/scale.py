@@ -19,14 +19,18 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from latency import percentile, rss_mib  # bench/ is on the path of a script run from it
+from latency import OWN_XID, percentile, rss_mib, timed  # bench/ is on the path of a script run from it
 
 from nvplug.kubelet.device_plugin import MAX_MESSAGE, device_size
+from nvplug.testing.kubelet_standin import FakeKubelet
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health
+
+Check = Callable[[FakeKubelet], bool]
 
 TIMEOUT = 30.0
 SIZES = (1, 128, 1024)  # replicas per GPU: 8, 1,024 and 8,192 devices
@@ -63,25 +67,30 @@ def measure(root: Path, replicas: int, samples: int) -> dict[str, float]:
             t0 = time.perf_counter()
             node.kubelet.preferred_allocation(GPU_RESOURCE, available, [], 1 + i % 4)
             preferred.append(time.perf_counter() - t0)
-        xid = []
+        xid: list[float] = []
+        own: list[float] = []
         gpus = node.scenario_gpus()
         for n, gpu in enumerate(gpus):  # once per GPU: each stays Unhealthy (an XID 79 needs a reset)
             uuid = gpu["uuid"]
             check = device_health(f"{uuid}::{replicas - 1}" if replicas > 1 else uuid, healthy=False)
-            t0 = time.monotonic()
-            node.control.xid(n, 79)
-            node.kubelet.wait_for(check, TIMEOUT)
-            arrived = node.kubelet.plugin(GPU_RESOURCE)
-            assert arrived is not None
-            at = next(u.at for u in arrived.updates if u.at >= t0 and not any(
-                d.healthy for d in u.devices if d.id.startswith(uuid)))  # fmt: skip
-            xid.append(at - t0)
+
+            def one(n: int = n, uuid: str = uuid, check: Check = check) -> float:
+                t0 = time.monotonic()
+                node.control.xid(n, 79)
+                node.kubelet.wait_for(check, TIMEOUT)
+                arrived = node.kubelet.plugin(GPU_RESOURCE)
+                assert arrived is not None
+                at = next(u.at for u in arrived.updates if u.at >= t0 and not any(
+                    d.healthy for d in u.devices if d.id.startswith(uuid)))  # fmt: skip
+                return at - t0
+
+            xid.append(timed(node, OWN_XID, own, one))
         last = node.kubelet.plugin(GPU_RESOURCE)
         assert last is not None
         rss = rss_mib(daemon.pid)
         node.stop_daemon()
     ms = {name: [v * 1000 for v in values] for name, values in
-          (("allocate", allocate), ("preferred", preferred), ("xid", xid))}  # fmt: skip
+          (("allocate", allocate), ("preferred", preferred), ("xid", xid), ("own", own))}  # fmt: skip
     return {
         "devices": devices,
         "allocate p50": percentile(ms["allocate"], 50),
@@ -90,6 +99,7 @@ def measure(root: Path, replicas: int, samples: int) -> dict[str, float]:
         "preferred p99": percentile(ms["preferred"], 99),
         "xid p50": percentile(ms["xid"], 50),
         "xid max": max(ms["xid"]),
+        "  own p50": percentile(ms["own"], 50),
         "list MiB": sum(device_size(d.id, d.health, (d.numa_nodes or (None,))[0]) for d in last.devices.values())
         / (1 << 20),
         "rss MiB": rss,
@@ -120,6 +130,7 @@ def main() -> None:
         "preferred p99",
         "xid p50",
         "xid max",
+        "  own p50",
         "list MiB",
         "rss MiB",
     ]
@@ -130,7 +141,8 @@ def main() -> None:
     big = rows[-1]
     print("targets at 8,192 devices:")
     print(f"  Allocate p99 <= 1.2 x 8-device p99: ratio {big['allocate p99'] / base['allocate p99']:.2f}")
-    print(f"  XID -> ListAndWatch p50 <= 5 ms: {big['xid p50']:.2f} ms (ratio {big['xid p50'] / 5:.2f})")
+    print(f"  XID -> ListAndWatch p50 <= 4 ms: {big['xid p50']:.2f} ms (ratio {big['xid p50'] / 4:.2f}), "
+          f"the daemon's own part {big['  own p50']:.2f} ms")  # fmt: skip
     half = NVIDIA_PREFERRED_P99_MS / 2
     print(f"  GetPreferredAllocation p99 <= {half:.2f} ms (half NVIDIA's): {big['preferred p99']:.2f} ms "
           f"(ratio {big['preferred p99'] / half:.2f})")  # fmt: skip

@@ -99,11 +99,9 @@ class Dispatcher:
         self._later: StateUpdate | None = None
         self._later_turn: asyncio.Handle | None = None
         self._failed: asyncio.Future[None] | None = None
-        # The newest revision timed per resource; since when the kubelet is being rejoined, and which
-        # resources have listed since.
+        # The newest revision timed per resource, and since when each resource rejoins the kubelet.
         self._timed: dict[str, int] = {}
-        self._rejoin_since: float | None = None
-        self._rejoined: set[str] = set()
+        self._rejoining: dict[str, float] = {}
         # When each recent revision's event arrived.
         self._arrived: dict[int, float] = {}
 
@@ -237,24 +235,23 @@ class Dispatcher:
         self._for_list = tuple(s for s in sinks if s.before_list)
         self._after_list = tuple(s for s in sinks if not s.before_list)
 
-    def sent(self, resource: str, revision: int) -> None:
+    def sent(self, resource: str, revision: int, first: bool) -> None:
         """A ListAndWatch message carrying `revision` went out: the first of each revision times its event,
-        and the first after the kubelet came back (a new stream, an older revision) times the rejoin."""
+        and a new stream's first after the kubelet's socket or ours changed times the rejoin."""
         now = time.monotonic()
         if revision > self._timed.get(resource, -1):
             self._timed[resource] = revision
             arrived = self._arrived.get(revision)
             if arrived is not None:
                 self._metrics.latency.labels(resource).observe(now - arrived)
-        if self._rejoin_since is not None and resource not in self._rejoined:
-            self._rejoined.add(resource)
-            self._metrics.rejoin.labels(resource).observe(now - self._rejoin_since)
+        if first and resource in self._rejoining:
+            self._metrics.rejoin.labels(resource).observe(now - self._rejoining.pop(resource))
 
     def _rejoin(self, arrived: float | None) -> None:
-        """The kubelet's socket, or ours, went or came: the next list of each resource times the rejoin."""
-        if self._rejoin_since is None or len(self._rejoined) > 0:
-            self._rejoin_since = time.monotonic() if arrived is None else arrived
-            self._rejoined = set()
+        """The kubelet's socket, or ours, went or came: each resource's next stream is timed from the last
+        of these, the moment nvplug knew all it needed."""
+        at = time.monotonic() if arrived is None else arrived
+        self._rejoining = {plugin.name: at for plugin in self._fleet.endpoints}
 
     def _count(self, event: Event) -> None:
         self._metrics.events.labels(event.source, type(event).__name__).inc()

@@ -123,7 +123,7 @@ def wire(
         options.dev_root,
         FleetHooks(
             cdi_extra=lambda: cdi.extra_names,
-            sent=lambda resource, revision: dispatcher.sent(resource, revision),
+            sent=lambda resource, revision, first: dispatcher.sent(resource, revision, first),
             delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
             retired=cdi.forget,
             allocated=allocated,

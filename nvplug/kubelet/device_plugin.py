@@ -161,7 +161,7 @@ class DevicePluginService:
         project: Projection,
         dev_root: Path,
         policy: AllocationPolicy | None = None,
-        on_send: Callable[[str, int], None] = lambda resource, revision: None,
+        on_send: Callable[[str, int, bool], None] = lambda resource, revision, first: None,
         on_delivered: Callable[[str, Resource], None] = lambda name, resource: None,
         on_allocated: Callable[[], None] = lambda: None,
     ) -> None:
@@ -251,9 +251,9 @@ class DevicePluginService:
                 # Several revisions may leave this resource unchanged.
                 if message == last:
                     continue
-                last = message
                 # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
-                self._on_send(self.resource_name, revision)
+                self._on_send(self.resource_name, revision, last is None)
+                last = message
                 yield message
                 log.info(
                     "%s: ListAndWatch sent %d devices, %d healthy (revision %d)",

@@ -48,7 +48,8 @@ class FleetHooks:
     # The CDI names every container also gets (optional classes, IMEX channels).
     cdi_extra: Callable[[], tuple[str, ...]] = tuple
     # A ListAndWatch message went out: (resource, revision), for the latency metric.
-    sent: Callable[[str, int], None] = lambda resource, revision: None
+    # (resource, revision, whether it is a new stream's first message)
+    sent: Callable[[str, int, bool], None] = lambda resource, revision, first: None
     # A list was delivered: the CDI entries of devices it no longer holds may go.
     delivered: Callable[[str, Resource], None] = lambda resource, devices: None
     # A resource stopped being served: what it last delivered holds no CDI entry any more.
