@@ -5,7 +5,8 @@ The storm is NVML recovery-action cycles on 8 GPUs (a fault, then the evidence a
 may heal it: each command a change of the file's content) and XID 79s that stay on others, all through the fake
 library's control socket, to the real daemon and the kubelet stand-in. Printed:
 
-- the changes, the state file's writes (from /status) and their ratio to the target of 50;
+- the changes (the daemon's revisions), the state file's writes (renames onto it, as inotify sees
+  them) and their ratio to the target of 50;
 - whether the file holds, at the end, what the kubelet was last told;
 - a second storm cut short by SIGKILL: of the faults the kubelet saw more than the lag bound before
   the kill, how many are Unhealthy after the restart (all, or the bound does not hold).
@@ -28,7 +29,14 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from nvplug.sinks.health_state_file import FILE_NAME, LAG_BOUND, decode
-from nvplug.testing.health_storm import Churn, seen_unhealthy, storm_status, write_scenario, xid_faults
+from nvplug.testing.health_storm import (
+    Churn,
+    RenameCounter,
+    seen_unhealthy,
+    storm_status,
+    write_scenario,
+    xid_faults,
+)
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 30.0
@@ -70,14 +78,14 @@ def main() -> int:
             daemon = node.start_daemon(log_level="info")
             node.kubelet.wait_for(registered_with(GPUS), TIMEOUT)
 
-            revision, written = storm_status(node)
-            took, faults = storm(node, args.seconds)
-            behind = time.monotonic()
-            node.kubelet.wait_for(lambda k: all(seen_unhealthy(node.kubelet, uuids[g]) for g in faults), TIMEOUT)
-            behind = time.monotonic() - behind
-            time.sleep(LAG_BOUND * 3)
-            now, writes_now = storm_status(node)
-            changes, writes = now - revision, writes_now - written
+            revision, _ = storm_status(node)
+            with RenameCounter(node.state_dir / FILE_NAME) as renames:
+                took, faults = storm(node, args.seconds)
+                behind = time.monotonic()
+                node.kubelet.wait_for(lambda k: all(seen_unhealthy(node.kubelet, uuids[g]) for g in faults), TIMEOUT)
+                behind = time.monotonic() - behind
+                time.sleep(LAG_BOUND * 3)
+            changes, writes = storm_status(node)[0] - revision, renames.count
             print(
                 f"{'storm':<16} {changes} changes (the daemon's revisions) in {took:.2f}s ({changes / took:.0f}/s); "
                 f"the kubelet told of the last fault {behind * 1000:.0f} ms after the storm"

@@ -227,7 +227,7 @@ def test_a_kubelet_restart_links_the_name_again_to_the_listener_that_never_stopp
     node.kubelet.start()
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
     (new,) = (node.plugin_dir / LISTENERS).iterdir()
-    assert new.name != listener.name and node.plugin_socket.samefile(new)
+    assert node.plugin_socket.samefile(new) and not listener.exists()
     node.stop_daemon()
     assert not node.plugin_socket.exists() and list((node.plugin_dir / LISTENERS).iterdir()) == []
 

@@ -46,6 +46,7 @@ def test_a_storm_costs_few_writes_and_leaves_the_file_at_the_last_state(short_tm
         )
         time.sleep(LAG_BOUND * 3)  # the last probes, then the file within its bound
         now, writes_now = storm_status(node)
+        assert writes is not None and writes_now is not None
         changes, writes = now - revision, writes_now - writes
         print(f"{changes} changes over {len(faults) * 0.04:.2f}s made {writes} writes")
         assert changes >= 300

@@ -92,8 +92,8 @@ def test_waiters_see_one_wakeup_for_a_burst() -> None:
         woke = []
 
         async def watcher() -> None:
-            snap = await state.wait_past(0)
-            woke.append(snap.revision)
+            await state.next_revision()
+            woke.append(state.current.revision)
 
         task = asyncio.create_task(watcher())
         await asyncio.sleep(0)

@@ -342,12 +342,6 @@ class NodeState:
                 self._current = snap  # same revision: nobody waits on counters
         return draft.changes
 
-    async def wait_past(self, revision: int) -> Snapshot:
-        """Return the first snapshot newer than `revision`, waiting if needed."""
-        while self._current.revision <= revision:
-            await self._bumped.wait()
-        return self._current
-
     async def next_revision(self) -> None:
         """Until a new revision (or a wake): one wait, so the waiter runs in the loop turn after it."""
         await self._bumped.wait()

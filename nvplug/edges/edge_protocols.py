@@ -69,8 +69,8 @@ class StateUpdate:
 class Sink(Protocol):
     """Something that reacts to each new snapshot. Subclass it for the defaults.
 
-    `update` runs on the loop: a sink `before_list` with no await between the state change and it,
-    so whatever it returns is applied at once, before any ListAndWatch stream runs again. `prepare` checks a
+    `update` runs on the loop; for a sink `before_list`, with no await between the state change and it,
+    so whatever it returns is applied before any ListAndWatch stream runs again. `prepare` checks a
     reloaded config and raises (ValueError, ConfigError) to refuse it; nothing changes until every
     part accepted and the commits run.
     """
@@ -82,7 +82,7 @@ class Sink(Protocol):
     reads: frozenset[str] | None = None
     # Whether a ListAndWatch message depends on it (the CDI spec, before Allocate hands out its names):
     # those run at once, in order. The others run in the loop turn after the message's hand-off, in
-    # order, each updates since merged into one: an fsync, a label file or a log line holds up no list.
+    # order, with every update since merged into one: no fsync, label file or log line holds up a list.
     before_list: bool = False
 
     def wants(self, update: StateUpdate) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import stat
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -364,7 +365,6 @@ class PluginServer:
         self.socket_path = socket_path
         self._server: grpc.aio.Server | None = None
         self._listener: Path | None = None
-        self._starts = 0
 
     @property
     def endpoint(self) -> str:
@@ -380,9 +380,11 @@ class PluginServer:
                 f"cannot serve on {self.socket_path}: the directory {self.socket_path.parent} does not exist"
             )
         listeners.mkdir(mode=0o700, exist_ok=True)
-        # A name of its own per start: a server that stops unlinks its path, which must not be a later one's.
-        self._starts += 1
-        listener = listeners / f"{self.socket_path.name}.{os.getpid()}.{self._starts}"
+        # A name of its own per start (a server that stops unlinks its path, which must not be a later
+        # one's), and a short one: a unix socket's path has 107 bytes at most.
+        listener = listeners / secrets.token_hex(4)
+        while listener.exists():
+            listener = listeners / secrets.token_hex(4)
         self._server = await serve_unix(listener, [handler])
         self._listener = listener
         try:

@@ -47,8 +47,7 @@ class FleetHooks:
 
     # The CDI names every container also gets (optional classes, IMEX channels).
     cdi_extra: Callable[[], tuple[str, ...]] = tuple
-    # A ListAndWatch message went out: (resource, revision), for the latency metric.
-    # (resource, revision, whether it is a new stream's first message)
+    # A ListAndWatch message went out (resource, revision, whether a new stream's first), for the latency metrics.
     sent: Callable[[str, int, bool], None] = lambda resource, revision, first: None
     # A list was delivered: the CDI entries of devices it no longer holds may go.
     delivered: Callable[[str, Resource], None] = lambda resource, devices: None

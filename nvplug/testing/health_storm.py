@@ -93,8 +93,38 @@ def seen_unhealthy(kubelet: KubeletThread, uuid: str, resource: str = GPU_RESOUR
     return next((u.at for u in plugin.updates if any(d.id == uuid and not d.healthy for d in u.devices)), None)
 
 
-def storm_status(node: SimulatedNode) -> tuple[int, int]:
-    """From /status: the state's revision, and the health state file's writes so far."""
+def storm_status(node: SimulatedNode) -> tuple[int, int | None]:
+    """From /status: the state's revision, and the health state file's writes so far (None: this
+    nvplug does not count them)."""
     _, body = status_client.fetch(f"unix:{node.status_socket}", "/status", 30.0)
     doc = json.loads(body)
-    return int(doc["revision"]), int(doc["health state file"]["writes"])
+    writes = doc.get("health state file", {}).get("writes")
+    return int(doc["revision"]), None if writes is None else int(writes)
+
+
+class RenameCounter:
+    """Counts the atomic writes of one file, as inotify sees them: each is a rename onto its name."""
+
+    def __init__(self, path: Path) -> None:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        target = str(path)
+        self.count = 0
+        counter = self
+
+        class Renamed(FileSystemEventHandler):
+            def on_moved(self, event: FileSystemEvent) -> None:
+                if str(event.dest_path) == target:
+                    counter.count += 1
+
+        self._observer = Observer()
+        self._observer.schedule(Renamed(), str(path.parent))
+
+    def __enter__(self) -> RenameCounter:
+        self._observer.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._observer.stop()
+        self._observer.join(5)
