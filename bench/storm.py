@@ -113,6 +113,8 @@ def main() -> int:
                 churn.start()
             half = list(FAULTED)[: len(FAULTED) // 2]
             xid_faults(node.control, half, pace=args.seconds / len(FAULTED))
+            for churn in churns:
+                churn.halt()
             killed = time.monotonic()
             daemon.send_signal(signal.SIGKILL)
             daemon.wait(TIMEOUT)

@@ -261,6 +261,7 @@ def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_group_runs_again(d
     assert prepare(dra, ref)[0] == ""
     group = f"claim-{ref[2]}"
     old_pid = mps_groups(dra.node)[group]["pid"]
+    registered = dra.kubelet.accepted(DRIVER)
     dra.node.stop_daemon(signal.SIGKILL)
     orphan = dra.node.cdi_dir / "k8s.gpu.nvidia.com-claim_uid-gone.json"
     orphan.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": CLAIM_KIND, "devices": [
@@ -275,6 +276,8 @@ def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_group_runs_again(d
     assert modes(dra.node)[uuids[4]] == EXCLUSIVE_PROCESS
     log = dra.node.log_text()
     assert f"removing the CDI spec {orphan}: no prepared claim owns it" in log
+    # The group is restored from the checkpoint, whether or not the kubelet has the plugin back yet.
+    wait(lambda: dra.kubelet.accepted(DRIVER) > registered, "the plugin registered again")
     assert dra.kubelet.unprepare(DRIVER, [ref]) == {ref[2]: ""}
     assert group not in mps_groups(dra.node)
 

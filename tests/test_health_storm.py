@@ -67,6 +67,7 @@ def test_a_sigkill_in_a_storm_loses_no_fault_older_than_the_bound(short_tmp: Pat
         churn = Churn(node.control, CHURNED, pace=0.002)
         churn.start()
         xid_faults(node.control, FAULTED[:40], pace=0.01)
+        churn.halt()
         killed = time.monotonic()
         daemon.send_signal(signal.SIGKILL)
         daemon.wait(TIMEOUT)

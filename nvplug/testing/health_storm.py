@@ -49,6 +49,10 @@ class Churn:
         self._thread = threading.Thread(target=self._run, name="churn", daemon=True)
         self._thread.start()
 
+    def halt(self) -> None:
+        """The command in flight is its last, and one the daemon may never answer (about to be killed)."""
+        self._stop.set()
+
     def stop(self) -> int:
         """Stops it; the cycles it completed."""
         self._stop.set()
