@@ -30,10 +30,12 @@ lint: setup
 
 # Figures, not pass/fail: see bench/README.md. Run as root for the udev measures.
 bench: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/allocation.py
 	$(BIN)/python bench/labels.py
 	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/storm.py
 
 proto: setup
 	$(BIN)/python scripts/gen_proto.py
