@@ -18,6 +18,7 @@ benchmark drives XID-and-heal cycles or kubelet restarts, and the top frames are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # The stand-in's client side logs every GOAWAY of a restart at info level otherwise.
@@ -48,6 +49,17 @@ TARGETS = {
     "own socket deleted": (10.0, "ms", "never"),
     "start": (500.0, "ms", "15 ms"),
 }
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A root for one run's simulated node, removed after it (kept with BENCH_KEEP=1, for its logs)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield root
+    finally:
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def percentile(samples: list[float], p: float) -> float:
@@ -366,74 +378,69 @@ def main() -> int:
     parser.add_argument("--only", action="store_true", help="the XID and kubelet restart measures alone")
     parser.add_argument("--replicas", type=int, default=1, help="time-slice each GPU to this many devices")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))
-    try:
-        with SimulatedNode(root) as node:
-            config = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
-            if args.replicas > 1:
-                config += f"sharing:\n  timeSlicing:\n    resources:\n    - name: {GPU_RESOURCE}\n"
-                config += f"      replicas: {args.replicas}\n"
-            node.config.write_text(config)
-            node.kubelet.start()
-            daemon = node.start_daemon(log_level="info")
-            node.kubelet.wait_for(registered_with(8 * args.replicas), TIMEOUT)
-            pid = daemon.pid
-            if args.profile:
-                profile(node, pid, args.profile, args.profile_seconds, root / "profile.txt")
-                return 0
+    with scratch("nvb-") as root, SimulatedNode(root) as node:
+        config = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
+        if args.replicas > 1:
+            config += f"sharing:\n  timeSlicing:\n    resources:\n    - name: {GPU_RESOURCE}\n"
+            config += f"      replicas: {args.replicas}\n"
+        node.config.write_text(config)
+        node.kubelet.start()
+        daemon = node.start_daemon(log_level="info")
+        node.kubelet.wait_for(registered_with(8 * args.replicas), TIMEOUT)
+        pid = daemon.pid
+        if args.profile:
+            profile(node, pid, args.profile, args.profile_seconds, root / "profile.txt")
+            return 0
 
-            if args.only:
-                args.idle_seconds = 0.1
-            print(f"idle for {args.idle_seconds:g}s with 8 healthy GPUs ...", flush=True)
-            time.sleep(1.0)
-            node.control.reset_calls()
-            cpu0, grpc0, sw0 = proc_times(pid)
-            time.sleep(args.idle_seconds)
-            cpu1, grpc1, sw1 = proc_times(pid)
-            calls = node.control.calls()
-            idle_cpu = (cpu1 - cpu0) / args.idle_seconds * 100
-            idle_grpc = (grpc1 - grpc0) / args.idle_seconds * 100
-            wakeups = (sw1 - sw0) / args.idle_seconds
-            rss_idle = rss_mib(pid)
+        if args.only:
+            args.idle_seconds = 0.1
+        print(f"idle for {args.idle_seconds:g}s with 8 healthy GPUs ...", flush=True)
+        time.sleep(1.0)
+        node.control.reset_calls()
+        cpu0, grpc0, sw0 = proc_times(pid)
+        time.sleep(args.idle_seconds)
+        cpu1, grpc1, sw1 = proc_times(pid)
+        calls = node.control.calls()
+        idle_cpu = (cpu1 - cpu0) / args.idle_seconds * 100
+        idle_grpc = (grpc1 - grpc0) / args.idle_seconds * 100
+        wakeups = (sw1 - sw0) / args.idle_seconds
+        rss_idle = rss_mib(pid)
 
-            xid, own = bench_xid(node, args.samples)
-            row("xid", xid)
-            row("  own", own, "xid")
-            if os.geteuid() == 0 and not args.only:
-                adds, removes = bench_udev(node, args.samples)
-                row("udev add", adds)
-                row("udev remove", removes)
-            elif not args.only:
-                print("udev add/remove: skipped (sending udev netlink messages needs root)")
-            restart, own, to_register, dial_back = bench_kubelet_restart(node, args.samples)
-            row("kubelet restart", restart)
-            row("  own", own, "kubelet restart")
-            row("  to Register", to_register, "kubelet restart")
-            row("  its dial-back", dial_back, "kubelet restart")
-            if args.only:
-                return 0
-            row("own socket deleted", bench_socket_deleted(node, args.samples))
-            rss_busy = rss_mib(pid)
-            row("start", bench_start(node, max(5, args.samples // 10)))
+        xid, own = bench_xid(node, args.samples)
+        row("xid", xid)
+        row("  own", own, "xid")
+        if os.geteuid() == 0 and not args.only:
+            adds, removes = bench_udev(node, args.samples)
+            row("udev add", adds)
+            row("udev remove", removes)
+        elif not args.only:
+            print("udev add/remove: skipped (sending udev netlink messages needs root)")
+        restart, own, to_register, dial_back = bench_kubelet_restart(node, args.samples)
+        row("kubelet restart", restart)
+        row("  own", own, "kubelet restart")
+        row("  to Register", to_register, "kubelet restart")
+        row("  its dial-back", dial_back, "kubelet restart")
+        if args.only:
+            return 0
+        row("own socket deleted", bench_socket_deleted(node, args.samples))
+        rss_busy = rss_mib(pid)
+        row("start", bench_start(node, max(5, args.samples // 10)))
 
-            print(
-                f"{'idle CPU':<20} {idle_cpu:.4f} % over {args.idle_seconds:g}s  "
-                f"target <= 0.05 % (ratio {idle_cpu / 0.05:5.2f})  NVIDIA: 0.07 %"
-            )
-            print(f"{'  of which gRPC core':<20} {idle_grpc:.4f} %, nvplug's own threads {idle_cpu - idle_grpc:.4f} %")
-            print(f"{'idle wake-ups':<20} {wakeups:.2f} per second (context switches, all threads)")
-            others = {k: v for k, v in calls.items() if k != "nvmlEventSetWait_v2"}
-            print(
-                f"{'idle NVML calls':<20} nvmlEventSetWait_v2: {calls.get('nvmlEventSetWait_v2', 0)}, "
-                f"any other: {sum(others.values())} {others or ''}"
-            )
-            print(
-                f"{'RSS':<20} {rss_idle:.1f} MiB idle, {rss_busy:.1f} MiB after the runs  "
-                f"target <= 55 MB (ratio {rss_busy / 55:5.2f})  NVIDIA: 25 MB"
-            )
-    finally:
-        if not os.environ.get("BENCH_KEEP"):
-            shutil.rmtree(root, ignore_errors=True)
+        print(
+            f"{'idle CPU':<20} {idle_cpu:.4f} % over {args.idle_seconds:g}s  "
+            f"target <= 0.05 % (ratio {idle_cpu / 0.05:5.2f})  NVIDIA: 0.07 %"
+        )
+        print(f"{'  of which gRPC core':<20} {idle_grpc:.4f} %, nvplug's own threads {idle_cpu - idle_grpc:.4f} %")
+        print(f"{'idle wake-ups':<20} {wakeups:.2f} per second (context switches, all threads)")
+        others = {k: v for k, v in calls.items() if k != "nvmlEventSetWait_v2"}
+        print(
+            f"{'idle NVML calls':<20} nvmlEventSetWait_v2: {calls.get('nvmlEventSetWait_v2', 0)}, "
+            f"any other: {sum(others.values())} {others or ''}"
+        )
+        print(
+            f"{'RSS':<20} {rss_idle:.1f} MiB idle, {rss_busy:.1f} MiB after the runs  "
+            f"target <= 55 MB (ratio {rss_busy / 55:5.2f})  NVIDIA: 25 MB"
+        )
     return 0
 
 

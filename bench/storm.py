@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug.sinks.health_state_file import FILE_NAME, decode
+from latency import scratch  # bench/ is on the path of a script run from it
+
+from nvplug.sinks.health_state_file import FILE_NAME, LAG_BOUND, decode
 from nvplug.testing.health_storm import (
     Churn,
     RenameCounter,
+    lag_bound,
     seen_unhealthy,
     storm_status,
     write_scenario,
@@ -44,9 +44,6 @@ GPUS = 64
 FAULTED = range(8, GPUS)
 CONFIG = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
 TARGET_CHANGES, TARGET_WRITES = 1000, 50
-# The file's lag bound (nvplug.sinks.health_state_file.LAG_BOUND), spelt out so that an nvplug from
-# before the bound can be measured against it too.
-LAG_BOUND = 0.1
 
 
 # Two churns of four GPUs, a command every 0.8 ms each: some change nothing (a second fault before
@@ -71,8 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
-    try:
+    with scratch("nvs-") as root:
         scenario = root / "64.scenario"
         uuids = write_scenario(scenario, GPUS)
         with SimulatedNode(root / "n", scenario=scenario) as node:
@@ -81,14 +77,14 @@ def main() -> int:
             daemon = node.start_daemon(log_level="info")
             node.kubelet.wait_for(registered_with(GPUS), TIMEOUT)
 
-            revision, _ = storm_status(node)
+            revision = storm_status(node).revision
             with RenameCounter(node.state_dir / FILE_NAME) as renames:
                 took, faults = storm(node, args.seconds)
                 behind = time.monotonic()
                 node.kubelet.wait_for(lambda k: all(seen_unhealthy(node.kubelet, uuids[g]) for g in faults), TIMEOUT)
                 behind = time.monotonic() - behind
                 time.sleep(LAG_BOUND * 3)
-            changes, writes = storm_status(node)[0] - revision, renames.count
+            changes, writes = storm_status(node).revision - revision, renames.count
             print(
                 f"{'storm':<16} {changes} changes (the daemon's revisions) in {took:.2f}s ({changes / took:.0f}/s); "
                 f"the kubelet told of the last fault {behind * 1000:.0f} ms after the storm"
@@ -116,6 +112,8 @@ def main() -> int:
                 churn.start()
             half = list(FAULTED)[: len(FAULTED) // 2]
             xid_faults(node.control, half, pace=args.seconds / len(FAULTED))
+            slowest = storm_status(node).slowest or 0.0
+            bound = lag_bound(slowest)
             for churn in churns:
                 churn.halt()
             killed = time.monotonic()
@@ -124,22 +122,23 @@ def main() -> int:
             for churn in churns:
                 churn.stop()
             seen = {g: seen_unhealthy(node.kubelet, uuids[g]) for g in half}
-            old = [g for g, at in seen.items() if at is not None and at < killed - LAG_BOUND]
+            old = [g for g, at in seen.items() if at is not None and at < killed - bound]
             node.start_daemon(log_level="info")
             node.kubelet.wait_for(registered_with(GPUS), TIMEOUT)
             plugin = node.kubelet.plugin(GPU_RESOURCE)
             assert plugin is not None
             after = {d.id for d in plugin.updates[0].devices if not d.healthy}
             kept = sum(uuids[g] in after for g in old)
-            recent = [g for g, at in seen.items() if at is not None and at >= killed - LAG_BOUND]
-            print(
-                f"{'SIGKILL':<16} of {len(old)} faults the kubelet saw over {LAG_BOUND * 1000:.0f} ms before the kill, "
-                f"{kept} Unhealthy after the restart ({len(old) - kept} lost); of {len(recent)} within the bound, "
-                f"{sum(uuids[g] in after for g in recent)} kept"
+            ages = sorted(
+                round((killed - at) * 1000) for g, at in seen.items() if at is not None and uuids[g] not in after
             )
-    finally:
-        if not os.environ.get("BENCH_KEEP"):
-            shutil.rmtree(root, ignore_errors=True)
+            recent = [g for g, at in seen.items() if at is not None and at >= killed - bound]
+            print(
+                f"{'SIGKILL':<16} of {len(old)} faults the kubelet saw over {bound * 1000:.0f} ms before the kill "
+                f"(the bound, with writes of up to {slowest * 1000:.1f} ms so far), "
+                f"{kept} Unhealthy after the restart ({len(old) - kept} lost); of {len(recent)} within the bound, "
+                f"{sum(uuids[g] in after for g in recent)} kept; ages of those lost at the kill: {ages} ms"
+            )
     return 0
 
 

@@ -32,6 +32,7 @@ class HealthStateSink(Sink):
             "file": str(f.path),
             "changes": f.changes,
             "writes": f.writes,
+            "slowest_write_seconds": round(f.slowest, 6),
             "lag_bound_seconds": LAG_BOUND,
             "error": f.failing,
         }

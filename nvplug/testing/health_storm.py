@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nvplug.sinks.health_state_file import LAG_BOUND, WRITE_INTERVAL
 from nvplug.status import status_client
 from nvplug.testing.fakenvml import Control
 from nvplug.testing.kubelet_standin import KubeletThread
@@ -97,13 +98,27 @@ def seen_unhealthy(kubelet: KubeletThread, uuid: str, resource: str = GPU_RESOUR
     return next((u.at for u in plugin.updates if any(d.id == uuid and not d.healthy for d in u.devices)), None)
 
 
-def storm_status(node: SimulatedNode) -> tuple[int, int | None]:
-    """From /status: the state's revision, and the health state file's writes so far (None: this
-    nvplug does not count them)."""
+@dataclass(frozen=True)
+class StormStatus:
+    """From /status: the state's revision, and the health state file's writes so far and the longest
+    one (None: this nvplug does not say)."""
+
+    revision: int
+    writes: int | None
+    slowest: float | None
+
+
+def storm_status(node: SimulatedNode) -> StormStatus:
     _, body = status_client.fetch(f"unix:{node.status_socket}", "/status", 30.0)
     doc = json.loads(body)
-    writes = doc.get("health state file", {}).get("writes")
-    return int(doc["revision"]), None if writes is None else int(writes)
+    file = doc.get("health state file", {})
+    return StormStatus(int(doc["revision"]), file.get("writes"), file.get("slowest_write_seconds"))
+
+
+def lag_bound(slowest: float | None) -> float:
+    """How old a fault may be and still be lost to a crash: the pace, then the write in flight and the
+    one that takes it; LAG_BOUND while no write took over 25 ms."""
+    return max(LAG_BOUND, WRITE_INTERVAL + 2 * (slowest or 0.0))
 
 
 class RenameCounter:
