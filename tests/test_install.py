@@ -30,6 +30,7 @@ from support import nspawn
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 
+from nvplug.kubelet.device_plugin import LISTENERS
 from nvplug.testing import fakenvml
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
@@ -311,6 +312,22 @@ def test_stand_in_sees_registration_and_eight_devices(node: Node) -> None:
     assert plugin.allocatable == 8, plugin.describe()
     assert (node.plugin_dir / PLUGIN_SOCKET).is_socket()
     _timed("check 2: registration at the stand-in", started)
+
+
+def test_a_kubelet_restart_is_served_again_by_a_link_to_the_listener_under_the_hardened_unit(node: Node) -> None:
+    """The listener in the plugin directory's .nvplug/, made by the unit, outlives the kubelet's restart;
+    the name it removed is linked to it again and registered once."""
+    started = time.monotonic()
+    (listener,) = (node.plugin_dir / LISTENERS).iterdir()
+    assert (node.plugin_dir / PLUGIN_SOCKET).samefile(listener)
+    registrations = node.registrations()
+    node.kubelet.restart()
+    node.wait_registered_again(registrations)
+    time.sleep(0.3)  # a second Register would come now
+    assert node.registrations() == registrations + 1, node.diagnose()
+    assert (node.plugin_dir / PLUGIN_SOCKET).samefile(listener), node.diagnose()
+    assert "serving on /var/lib/kubelet/device-plugins/nvplug-nvidia.com-gpu.sock again" in node.ctr.journal(UNIT)
+    _timed("check 2b: a kubelet restart, served again by a link", started)
 
 
 def test_the_service_writes_the_cdi_spec_under_the_hardened_unit(node: Node) -> None:
