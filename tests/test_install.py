@@ -327,7 +327,7 @@ def test_a_kubelet_restart_is_served_again_by_a_link_to_the_listener_under_the_h
     assert node.registrations() == registrations + 1, node.diagnose()
     assert (node.plugin_dir / PLUGIN_SOCKET).samefile(listener), node.diagnose()
     assert "serving on /var/lib/kubelet/device-plugins/nvplug-nvidia.com-gpu.sock again" in node.ctr.journal(UNIT)
-    _timed("check 2b: a kubelet restart, served again by a link", started)
+    _timed("check 2a: a kubelet restart, served again by a link", started)
 
 
 def test_the_service_writes_the_cdi_spec_under_the_hardened_unit(node: Node) -> None:
