@@ -26,8 +26,8 @@ from nvplug.dra.claims import ClaimError, ClaimStore, PreparedClaim, PreparedDev
 from nvplug.dra.dra_devices import DraDevice
 from nvplug.dra.opaque_config import ClaimMps
 from nvplug.dra.time_slices import DEFAULT_INTERVAL, TimeSliceError, TimeSlicer
-from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, MpsGroup, container_view, pipe_dir
-from nvplug.sinks.cdi.cdi_spec import WRITABLE, CdiMount, Edits
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, MpsGroup
+from nvplug.sinks.cdi.cdi_spec import mps_edits
 
 log = logging.getLogger("nvplug.dra")
 
@@ -162,10 +162,7 @@ class ClaimSetup:
     def _with_spec(self, prepared: PreparedClaim, group: MpsGroup) -> PreparedClaim:
         """The claim's spec written (its MPS devices' view of the group), its names beside the node's."""
         assert self.daemons is not None
-        root = self.daemons.root
-        env, mounts = container_view(pipe_dir(root, group.name), root)
-        edits = Edits(mounts=tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts),
-                      env=tuple(f"{k}={v}" for k, v in env.items()))  # fmt: skip
+        edits = mps_edits(self.daemons.root, group.name)
         mps = {d.device for d in prepared.shared(MPS)}
         written = self.specs.write(prepared.claim.uid, {d: edits for d in mps})
         devices = tuple(replace(d, cdi_ids=(*d.cdi_ids, written.names[d.device])) if d.device in mps else d

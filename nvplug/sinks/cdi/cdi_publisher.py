@@ -22,13 +22,11 @@ from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.node_state import Snapshot
 from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
-from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits, container_view, pipe_dir
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_spec import (
     GPU_KIND,
-    WRITABLE,
-    CdiMount,
     CdiSpec,
     DriverFiles,
     Edits,
@@ -37,6 +35,7 @@ from nvplug.sinks.cdi.cdi_spec import (
     device_name,
     gpu_spec,
     imex_spec,
+    mps_edits,
     optional_specs,
     shared_edits,
 )
@@ -233,14 +232,12 @@ class SpecPublisher:
         for group in snap.mps.values():
             if group.group.startswith(CLAIM_GROUP_PREFIX):
                 continue
-            env, mounts = container_view(pipe_dir(s.mps_root, group.group), s.mps_root)
-            cdi_mounts = tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts)
             for n, uuid in enumerate(group.units):
-                own = dict(env)
+                limits = None
                 if s.mps_client_limits:
                     pinned = group.pinned_mib[n] if n < len(group.pinned_mib) else None
-                    own.update(client_limits(group.thread_percentage, (pinned,)))
-                out[uuid] = Edits(mounts=cdi_mounts, env=tuple(f"{k}={v}" for k, v in own.items()))
+                    limits = client_limits(group.thread_percentage, (pinned,))
+                out[uuid] = mps_edits(s.mps_root, group.group, limits)
         return out
 
     def _present(self, snap: Snapshot) -> list[Unit]:

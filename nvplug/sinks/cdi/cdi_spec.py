@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 
 from nvplug.core.gpu import Gpu, MigDevice, uuid_of
 from nvplug.core.mig import CapMinors
+from nvplug.shaping.mps_groups import container_view, pipe_dir
 
 VENDOR = "k8s.device-plugin.nvidia.com"
 GPU_KIND = f"{VENDOR}/gpu"
@@ -96,6 +97,14 @@ class Edits:
         if self.hooks:
             out["hooks"] = [h.as_dict() for h in self.hooks]
         return out
+
+
+def mps_edits(root: str, group: str, limits: Mapping[str, str] | None = None) -> Edits:
+    """What a client of an MPS group gets: the group's pipe directory and the shm, writable, and the
+    variable that names the pipe, with `limits` beside it."""
+    env, mounts = container_view(pipe_dir(root, group), root)
+    return Edits(mounts=tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts),
+                 env=tuple(f"{k}={v}" for k, v in {**env, **(limits or {})}.items()))  # fmt: skip
 
 
 @dataclass(frozen=True)
