@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
-from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
@@ -74,7 +73,6 @@ class MpsSupervisor(Sink):
         self._mounted = False
         self.root_notes: list[str] = []
         self._logs = ControlLogWatch(self._trouble)
-        self._seen: tuple[tuple[Gpu, ...], Config] | None = None
         self._chores: set[asyncio.Task[None]] = set()
         # Before any daemon of ours runs (a few files, no NVML): what an nvplug killed earlier left
         # running goes, whatever the config says now. A group started again would kill its own; a
@@ -84,12 +82,7 @@ class MpsSupervisor(Sink):
             pid_file.unlink(missing_ok=True)
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
-        snap = update.snapshot
-        seen = self._seen
-        if seen is not None and seen[0] is snap.gpus and seen[1] is self._cfg:
-            return ()  # groups follow the inventory and the config alone
-        self._seen = (snap.gpus, self._cfg)
-        return self._sync(snap)
+        return self._sync(update.snapshot)
 
     @property
     def root(self) -> str:
@@ -148,7 +141,6 @@ class MpsSupervisor(Sink):
         async def commit(snapshot: Snapshot) -> None:
             self._cfg = cfg
             self._layout = RootLayout(Path(cfg.mps_root), self._selinux)
-            self._seen = (snapshot.gpus, cfg)
             for event in self._sync(snapshot):
                 self._apply(event)
 
