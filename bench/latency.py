@@ -137,10 +137,10 @@ def bench_xid(node: SimulatedNode, samples: int) -> tuple[list[float], list[floa
     for i in range(samples):
         gpu = i % len(uuids)
 
-        def xid() -> float:
+        def xid(gpu: int = gpu) -> float:
             t0 = time.monotonic()
-            node.control.xid(gpu, 79)  # noqa: B023 (called at once)
-            return first_update(node, t0, unhealthy(uuids[gpu])) - t0  # noqa: B023
+            node.control.xid(gpu, 79)
+            return first_update(node, t0, unhealthy(uuids[gpu])) - t0
 
         out.append(timed(node, OWN_XID, own, xid))
         heal(node, uuids[gpu])
