@@ -32,6 +32,7 @@ lint: setup
 bench: setup
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/dir_watch.py
 	$(BIN)/python bench/allocation.py
 	$(BIN)/python bench/labels.py
 	$(BIN)/python bench/scale.py

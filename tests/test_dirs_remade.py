@@ -18,6 +18,7 @@ from support.notify_socket import NotifySocket
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, WatchDescriptor
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
@@ -70,6 +71,9 @@ class Inside(FileSystemEventHandler):
     def on_created(self, event: FileSystemEvent) -> None:
         self._recorder.add(("created", Path(str(event.src_path))))
 
+    def overflowed(self, directory: Path) -> None:
+        self._recorder.add(("overflowed", directory))
+
 
 def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_back(short_tmp: Path) -> None:
     kubelet = short_tmp / "var-lib-kubelet"
@@ -87,8 +91,11 @@ def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_bac
             recorder.seen.clear()
             shutil.rmtree(kubelet)
             recorder.wait(lambda seen: (target, False) in seen and (ours, False) in seen, "both gone")
-            wait_until(lambda: follower.watching(target) == short_tmp, "the watch on the nearest existing parent")
-            assert follower.watching(ours) == short_tmp and not follower.exists(target)
+            wait_until(
+                lambda: follower.watching(target) == follower.watching(ours) == short_tmp,
+                "the watches on the nearest existing parent",
+            )
+            assert not follower.exists(target)
 
             # Made again two levels at once, as mkdir -p does: quicker than any new watch.
             began = time.monotonic()
@@ -162,6 +169,33 @@ def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
         recorder.wait(lambda seen: back in seen, "the directory back after the rename")
     finally:
         serving.close()
+        asyncio.run(watch.stop())
+
+
+def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path) -> None:
+    """inotify's queue overflowed: whatever the dropped events said must still reach the daemon. A new
+    kubelet.sock is told again (a Register goes only to a socket not registered with yet) and a
+    socket of ours that is gone is told gone; one that is there is not."""
+    plugin_dir = short_tmp / "device-plugins"
+    dra_dir = short_tmp / "plugins" / "gpu.nvidia.com"
+    plugin_dir.mkdir()
+    own, dra_own = plugin_dir / "nvplug-nvidia.com-gpu.sock", dra_dir / "dra.sock"
+    recorder = Recorder()
+    watch = KubeletDirWatch(plugin_dir, [own, dra_own, plugin_dir / "nvplug-other.sock"], recorder.add, [dra_dir])
+    (plugin_dir / "nvplug-other.sock").touch()
+    watch.start()
+    try:
+        # Made while the events that would tell it were lost.
+        (plugin_dir / "kubelet.sock").touch()
+        recorder.wait(lambda seen: KubeletSocketCreated() in seen, "kubelet.sock")
+        recorder.seen.clear()
+        follower = watch._follower
+        assert follower is not None
+        # What watchdog's reader does when it reads the kernel's overflow record.
+        follower._inotify.handle_event(InotifyEvent(WatchDescriptor(-1), InotifyConstants.IN_Q_OVERFLOW, 0, b""))
+        told = set(recorder.seen)
+        assert told == {KubeletSocketCreated(), PluginSocketRemoved(str(own)), PluginSocketRemoved(str(dra_own))}
+    finally:
         asyncio.run(watch.stop())
 
 

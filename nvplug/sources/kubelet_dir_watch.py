@@ -5,6 +5,10 @@ A node re-join or a kubelet reinstall may wipe /var/lib/kubelet and make it agai
 that goes has its watch moved to the nearest parent that exists, and back down as the missing part is
 made again, however many levels at once (`mkdir -p`); the sockets are served again from the events
 (`WatchedDirChanged`). Nothing polls.
+
+The watches hang straight off watchdog's inotify reader (`InotifyFD`), whose thread runs this module's
+work as it reads each event: no emitter thread and no dispatch thread in between, which were two thread
+hand-offs on the way from a new kubelet.sock to the Register (`bench/dir_watch.py`).
 """
 
 from __future__ import annotations
@@ -13,25 +17,61 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from watchdog.events import DirCreatedEvent, DirDeletedEvent, DirMovedEvent, FileSystemEvent, FileSystemEventHandler
-from watchdog.observers.api import ObservedWatch
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers.inotify_c import (
+    CallbackId,
+    InotifyConstants,
+    InotifyEvent,
+    InotifyFD,
+    Mask,
+    WatchDescriptor,
+)
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.protos import KUBELET_SOCKET
-from nvplug.sources.inotify_observer import InotifyObserver
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.events.kubelet_dir")
 
-# Told on the observer's thread: a followed directory, and whether it exists now.
+# Told on the inotify reader's thread: a followed directory, and whether it exists now.
 DirChange = Callable[[Path, bool], None]
 # How often a settle looks again when the directory it is about to watch keeps vanishing under it.
 _SETTLE_TRIES = 64
+# One mask for every watch: inotify keeps one per directory, and a second watch's would replace the first's.
+_MASK = Mask(
+    InotifyConstants.IN_CREATE
+    | InotifyConstants.IN_DELETE
+    | InotifyConstants.IN_MOVED_FROM
+    | InotifyConstants.IN_MOVED_TO
+    | InotifyConstants.IN_DELETE_SELF
+    | InotifyConstants.IN_MOVE_SELF
+    | InotifyConstants.IN_ONLYDIR
+    | InotifyConstants.IN_DONT_FOLLOW
+    | InotifyConstants.IN_EXCL_UNLINK
+)
+
+
+class DirEvents(Protocol):
+    """What is told of the entries of a followed directory that exists."""
+
+    def dispatch(self, event: FileSystemEvent) -> None: ...
+
+    def overflowed(self, directory: Path) -> None:
+        """inotify dropped events: what they would have told must be looked at in `directory`."""
 
 
 class _KubeletDirEvents(FileSystemEventHandler):
@@ -42,19 +82,25 @@ class _KubeletDirEvents(FileSystemEventHandler):
         self.own = frozenset(str(p) for p in own)
         self._emit = emit
 
-    # The directory itself also reports modifications; only paths matter.
+    # A rename onto a path comes as its creation, a rename away as its removal.
     def on_created(self, event: FileSystemEvent) -> None:
         if os.fsdecode(event.src_path) == self._kubelet_socket:
-            self._emit(KubeletSocketCreated())
-
-    def on_moved(self, event: FileSystemEvent) -> None:
-        if os.fsdecode(event.dest_path) == self._kubelet_socket:
             self._emit(KubeletSocketCreated())
 
     def on_deleted(self, event: FileSystemEvent) -> None:
         path = os.fsdecode(event.src_path)
         if path in self.own:
             self._emit(PluginSocketRemoved(path))
+
+    def overflowed(self, directory: Path) -> None:
+        # Told again from what is there: a Register goes only to a kubelet.sock not registered with yet,
+        # and a socket of ours is rebound only if it is missing.
+        kubelet_socket = Path(self._kubelet_socket)
+        if kubelet_socket.parent == directory and kubelet_socket.exists():
+            self._emit(KubeletSocketCreated())
+        for path in sorted(self.own):
+            if Path(path).parent == directory and not Path(path).exists():
+                self._emit(PluginSocketRemoved(path))
 
 
 def nearest_existing(directory: Path) -> Path:
@@ -76,24 +122,31 @@ class _Followed:
     # Its watch, and its parent's: a directory removed while a socket in it is still bound (a kubelet
     # still serving) is only freed, and tells its own deletion, once that socket closes; its parent
     # tells the removal (or a rename) at once.
-    watches: dict[Path, ObservedWatch] = field(default_factory=dict)
+    watches: dict[Path, WatchDescriptor] = field(default_factory=dict)
     exists: bool = True
-    handler: FileSystemEventHandler = field(default_factory=FileSystemEventHandler)
+    # What the inotify reader calls for its watches, and that callback's name on a watch it shares.
+    told: _Told | None = None
+
+    @property
+    def key(self) -> CallbackId:
+        return CallbackId(id(self))
 
 
-class _FollowEvents(FileSystemEventHandler):
-    """The events of the directories watched for one followed directory."""
+class _Told:
+    """The inotify reader's calls for one followed directory's watches."""
 
     def __init__(self, follower: DirFollower, followed: _Followed) -> None:
         self._follower = follower
         self._followed = followed
 
-    def dispatch(self, event: FileSystemEvent) -> None:
-        self._follower.seen(self._followed, event)
+    def on_event(self, event: InotifyEvent) -> None:
+        self._follower.told(self._followed, event)
 
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        self._follower.watch_ended(self._followed, wd)
 
-class _Recheck(DirCreatedEvent):
-    """Not from inotify: asks the dispatch thread to look at a followed directory's path again."""
+    def on_queue_overflow(self) -> None:
+        self._follower.overflowed(self._followed)
 
 
 class DirFollower:
@@ -101,47 +154,51 @@ class DirFollower:
     nearest existing parent, moved back down when the missing part is made again (and on the parent
     of whichever it is, which tells its removal at once).
 
-    All its work after `start()` runs on the observer's one dispatch thread, so it needs no lock of
-    its own (a lock beside the observer's would be taken in the opposite order by the loop's thread).
+    Its work runs on the inotify reader's thread, and at start on the caller's, under one lock. The
+    reader holds no lock of its own while it calls in, and this one is never held while waiting on it.
     """
 
-    def __init__(self, inside: FileSystemEventHandler, changed: DirChange) -> None:
-        self._observer = InotifyObserver()
-        self._observer.daemon = True
+    def __init__(self, inside: DirEvents, changed: DirChange) -> None:
+        self._inotify = InotifyFD()
         self._inside = inside
         self._changed = changed
         self._followed: dict[Path, _Followed] = {}
-        # The last removal handled: every handler of its watch gets the same event.
-        self._last_lost: FileSystemEvent | None = None
+        # Each watch's directory, as it was when watched: a moved one is lost, and watched anew.
+        self._paths: dict[WatchDescriptor, Path] = {}
+        self._lock = threading.RLock()
+        # The last removal handled: every followed directory on its watch is told the same event.
+        self._last_lost: InotifyEvent | None = None
+        # Set at stop: the reader may still hand over events read before, to watches that are gone.
+        self._stopped = False
 
     def follow(self, directory: Path, *, make: bool = False) -> None:
         """Follow `directory` (before `start`); `make`: make it again when its parent is made again."""
-        if directory in self._followed:
-            return
-        followed = _Followed(directory, make)
-        followed.handler = _FollowEvents(self, followed)
-        self._followed[directory] = followed
-        found = nearest_existing(directory)
-        # Emitters start with the observer: a directory that vanishes meanwhile is looked at again then.
-        for path in dict.fromkeys((found, found.parent)):
-            followed.watches[path] = self._observer.schedule(followed.handler, str(path), recursive=False)
-        followed.watched, followed.exists = found, found == directory
+        with self._lock:
+            if directory in self._followed:
+                return
+            followed = _Followed(directory, make)
+            followed.told = _Told(self, followed)
+            self._followed[directory] = followed
+            found = nearest_existing(directory)
+            self._watch(followed, dict.fromkeys((found, found.parent)))
+            followed.watched, followed.exists = found, found == directory
         if not followed.exists:
             log.warning("%s does not exist: watching %s until it is made", directory, found)
 
     def start(self) -> None:
-        self._observer.start()
-        # Something made between the look in follow() and the watch shows now, as no event would.
-        for followed in self._followed.values():
-            if followed.watched is not None and followed.watched in followed.watches:
-                recheck = _Recheck(str(followed.watched))
-                self._observer.event_queue.put((recheck, followed.watches[followed.watched]))
+        self._inotify.start()
+        # Something made or removed between the look in follow() and the watch shows now, as no event would.
+        with self._lock:
+            for followed in self._followed.values():
+                self._settle(followed)
 
     def stop(self) -> None:
-        self._observer.stop()
+        with self._lock:
+            self._stopped = True
+        self._inotify.stop()
 
     def join(self, timeout: float) -> None:
-        self._observer.join(timeout)
+        self._inotify.join(timeout)
 
     def exists(self, directory: Path) -> bool:
         """Whether the followed directory exists, as last said."""
@@ -151,38 +208,56 @@ class DirFollower:
         """The directory watched for a followed one: itself, or its nearest existing parent."""
         return self._followed[directory].watched
 
-    # On the observer's thread.
+    # On the inotify reader's thread.
 
-    def seen(self, followed: _Followed, event: FileSystemEvent) -> None:
-        src = Path(os.fsdecode(event.src_path))
-        dest = Path(os.fsdecode(event.dest_path)) if event.dest_path else None
-        watched = followed.watched
-        if isinstance(event, _Recheck):
-            self._settle(followed)
-        elif watched is not None and (
-            (isinstance(event, (DirDeletedEvent, DirMovedEvent)) and src == watched)
-            or (isinstance(event, DirMovedEvent) and dest == watched)
-        ):
-            # Removed (told by its parent, or by its own watch once freed), renamed away, or replaced.
-            if event is not self._last_lost:
-                self._last_lost = event
-                self._lost(watched)
-        elif watched == followed.target and followed.target in (src.parent, dest.parent if dest else None):
-            self._inside.dispatch(event)
-        elif isinstance(event, (DirCreatedEvent, DirMovedEvent)) and watched is not None:
-            made = dest or src
-            if (made == followed.target or made in followed.target.parents) and watched in made.parents:
+    def told(self, followed: _Followed, event: InotifyEvent) -> None:
+        with self._lock:
+            at = self._paths.get(event.wd)
+            if self._stopped or at is None or at not in followed.watches:
+                return  # a watch taken off since the kernel queued the event
+            # The watched directory itself gone or renamed away, or an entry in it.
+            self_event = event.is_delete_self or event.is_move_self
+            path = at if self_event else at / os.fsdecode(event.name)
+            gone = self_event or event.is_delete or event.is_moved_from
+            made = event.is_create or event.is_moved_to
+            watched = followed.watched
+            if watched is not None and path == watched and event.is_directory and (gone or event.is_moved_to):
+                # Removed (told by its parent, or by its own watch once freed), renamed away, or replaced.
+                if event is not self._last_lost:
+                    self._last_lost = event
+                    self._lost(watched)
+            elif watched == followed.target and path.parent == followed.target and (gone or made):
+                self._inside.dispatch(_entry_event(path, made=made, directory=event.is_directory))
+            elif (
+                made
+                and event.is_directory
+                and watched in path.parents
+                and (path == followed.target or path in followed.target.parents)
+            ):
                 self._settle(followed)
 
+    def watch_ended(self, followed: _Followed, wd: WatchDescriptor) -> None:
+        """The kernel ended a watch (its directory freed): what removal it was came as an event before."""
+        with self._lock:
+            for path in [p for p, w in followed.watches.items() if w == wd]:
+                del followed.watches[path]
+            self._forget(wd)
+
+    def overflowed(self, followed: _Followed) -> None:
+        """The kernel's queue overflowed and events were dropped: everything is looked at again."""
+        with self._lock:
+            if self._stopped:
+                return
+            log.warning("inotify dropped events: looking at %s again", followed.target)
+            self._settle(followed)
+            if followed.exists:
+                self._inside.overflowed(followed.target)
+
     def _lost(self, path: Path) -> None:
-        """`path` went: its watch off the observer for everyone who used it, then each settles anew."""
+        """`path` went: its watch off for everyone who used it, then each settles anew."""
         users = [f for f in self._followed.values() if path in f.watches]
-        watch = None
         for followed in users:
-            watch = followed.watches.pop(path)
-        if watch is not None:
-            with contextlib.suppress(KeyError, OSError):  # its emitter may have ended with the directory
-                self._observer.unschedule(watch)
+            self._unwatch(followed, path)
         for followed in users:
             self._settle(followed)
 
@@ -227,22 +302,39 @@ class DirFollower:
 
     def _watch(self, followed: _Followed, wanted: dict[Path, None]) -> None:
         """The watches of `followed` onto `wanted`: the new ones first, so that nothing made meanwhile is
-        missed, then the old ones off (each once no other followed directory uses it)."""
+        missed, then the old ones off (each watch stays while another followed directory uses it)."""
         for path in wanted:
             if path not in followed.watches:
-                followed.watches[path] = self._observer.schedule(followed.handler, str(path), recursive=False)
+                assert followed.told is not None
+                wd = self._inotify.add_callback(os.fsencode(path), _MASK, followed.told, followed.key)
+                if wd < 0:  # watchdog returns rather than raise on EACCES
+                    raise PermissionError(f"cannot watch {path}: permission denied")
+                followed.watches[path] = wd
+                self._paths[wd] = path
         for path in [p for p in followed.watches if p not in wanted]:
-            watch = followed.watches.pop(path)
-            shared = any(path in f.watches for f in self._followed.values())
-            with contextlib.suppress(KeyError, OSError):  # its emitter ended with the directory
-                if shared:
-                    self._observer.remove_handler_for_watch(followed.handler, watch)
-                else:
-                    self._observer.unschedule(watch)
+            self._unwatch(followed, path)
+
+    def _unwatch(self, followed: _Followed, path: Path) -> None:
+        wd = followed.watches.pop(path)
+        with contextlib.suppress(OSError):  # the kernel may have ended it with its directory
+            self._inotify.remove_callbacks([(wd, followed.key)])
+        self._forget(wd)
+
+    def _forget(self, wd: WatchDescriptor) -> None:
+        if not any(wd in f.watches.values() for f in self._followed.values()):
+            self._paths.pop(wd, None)
+
+
+def _entry_event(path: Path, *, made: bool, directory: bool) -> FileSystemEvent:
+    """An entry of a followed directory made (or renamed onto its path) or removed (or renamed away), as
+    watchdog's handlers take it."""
+    if made:
+        return DirCreatedEvent(str(path)) if directory else FileCreatedEvent(str(path))
+    return DirDeletedEvent(str(path)) if directory else FileDeletedEvent(str(path))
 
 
 class KubeletDirWatch:
-    """Runs watchdog's observer thread, which hands events to the bus."""
+    """Runs watchdog's inotify reader thread, which hands events to the bus."""
 
     name = "the kubelet directories' watch"
     blocking: BlockingRunsOn = "own thread"
@@ -277,7 +369,7 @@ class KubeletDirWatch:
         log.info("watching %s for the kubelet's socket", self.plugin_dir)
 
     def set_own(self, own_sockets: Iterable[Path]) -> None:
-        """Our sockets changed (a reload); swapped whole, so the observer thread sees one or the other."""
+        """Our sockets changed (a reload); swapped whole, so the reader thread sees one or the other."""
         self._handler.own = frozenset(str(p) for p in own_sockets)
 
     def _dir_changed(self, directory: Path, exists: bool) -> None:
@@ -287,5 +379,5 @@ class KubeletDirWatch:
         follower, self._follower = self._follower, None
         if follower is not None:
             follower.stop()
-            # Off the loop: the observer may be inside an inotify read.
+            # Off the loop: the reader may be inside an inotify read.
             await asyncio.to_thread(follower.join, 5)
