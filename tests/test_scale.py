@@ -4,6 +4,7 @@ encoder; GetPreferredAllocation's spread; the kubelet's 4 MiB message limit."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 from collections import Counter
 from pathlib import Path
@@ -245,3 +246,31 @@ def test_allocate_needs_no_projection_per_call() -> None:
 
     asyncio.run(run())
     assert len(calls) == 1
+
+
+def test_collections_wait_until_the_list_is_handed_over() -> None:
+    """A GPU's thousand new replicas set off the cyclic collector: it runs after the message is handed
+    to gRPC, not between the fault and the kubelet; and it is never left off."""
+    state = fresh_state()
+    collecting: list[bool] = []
+
+    def projection(snapshot: object, previous: Resource | None) -> Resource:
+        collecting.append(gc.isenabled())
+        return SHARED.project(state.current, previous)
+
+    svc = DevicePluginService("nvidia.com/gpu", state, projection, Path("/"))
+
+    async def run() -> None:
+        stream = svc.ListAndWatch(pb.Empty(), None)  # type: ignore[arg-type]
+        await anext(stream)
+        state.apply(XidOccurred("GPU-3", 79))
+        message = await anext(stream)
+        assert pb.ListAndWatchResponse.FromString(message).devices[3 * 16].health == "Unhealthy"
+        assert not gc.isenabled()  # handed over, and gRPC not yet past it
+        await asyncio.sleep(0)
+        assert gc.isenabled()
+        await stream.aclose()
+
+    assert gc.isenabled()
+    asyncio.run(run())
+    assert collecting == [False, False] and gc.isenabled()

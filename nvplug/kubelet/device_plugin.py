@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -247,8 +248,16 @@ class DevicePluginService:
                         yield b""
                         self._on_delivered(self.resource_name, Resource(self.resource_name))
                     return
-                revision, resource = self._current()
-                message = self._encoder.encode(resource)
+                # A changed GPU's replicas are thousands of new objects: the collections they set off
+                # run once the message is handed over, not between the event and the kubelet.
+                collecting = gc.isenabled()
+                gc.disable()
+                try:
+                    revision, resource = self._current()
+                    message = self._encoder.encode(resource)
+                finally:
+                    if collecting:
+                        asyncio.get_running_loop().call_soon(gc.enable)
                 # Several revisions may leave this resource unchanged.
                 if message == last:
                     continue

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain, repeat
+from operator import itemgetter
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -232,11 +233,9 @@ class ResourceSpec:
             elif copies and old is not None and _copies(old) == copies:
                 # The same replicas with new facts: their IDs are kept, not formatted again.
                 ids = [d.id for d in old]
-                blocks.append(tuple(map(Device, ids, repeat(gpu), repeat(health), range(copies), repeat(mig))))
+                blocks.append(_replicas(ids, gpu, health, mig))
             elif copies:
-                blocks.append(
-                    tuple(Device(f"{uuid}{REPLICA_SEPARATOR}{n}", gpu, health, n, mig) for n in range(copies))
-                )
+                blocks.append(_replicas([f"{uuid}{REPLICA_SEPARATOR}{n}" for n in range(copies)], gpu, health, mig))
             else:
                 blocks.append((Device(uuid, gpu, health, mig=mig),))
         devices = tuple(chain.from_iterable(blocks))
@@ -247,7 +246,7 @@ class ResourceSpec:
             patched = dict(previous._by_id)
             for b in blocks:
                 if kept[_key(b)] is not b:
-                    patched.update((d.id, d) for d in b)
+                    patched.update(zip(map(itemgetter(0), b), b, strict=True))
             by_id, rank = patched, previous._rank
         return Resource(
             self.name,
@@ -288,6 +287,13 @@ def device_health(snapshot: Snapshot, gpu: Gpu, mig: MigDevice | None) -> Health
     own = snapshot.health.get(mig.uuid)
     # A fault of the whole GPU is a fault of each of its MIG devices.
     return None if own is None else own if parent.healthy else parent
+
+
+def _replicas(ids: list[str], gpu: Gpu, health: HealthState, mig: MigDevice | None) -> tuple[Device, ...]:
+    """A GPU's replicas, made by tuple's own constructor: a named tuple's Python-level one costs twice as
+    much, 1,024 times on each health change of a GPU."""
+    rows = zip(ids, repeat(gpu), repeat(health), range(len(ids)), repeat(mig))
+    return tuple(map(tuple.__new__, repeat(Device), rows))
 
 
 def _key(block: tuple[Device, ...]) -> str:
