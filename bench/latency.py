@@ -179,14 +179,19 @@ def new_kubelet(node: SimulatedNode) -> float:
 
 
 def _registered_after(node: SimulatedNode, since: float) -> float:
+    """When the first message of a registration after `since` arrived: read off the view that showed it,
+    since a later registration (a plugin that registers twice) replaces the view with an empty one."""
+    arrived: list[float] = []
+
     def back(k: FakeKubelet) -> bool:
         p = k.plugin(GPU_RESOURCE)
-        return p is not None and p.registered_at >= since and len(p.updates) > 0 and p.updates[0].at >= since
+        if p is None or p.registered_at < since or not p.updates or p.updates[0].at < since:
+            return False
+        arrived.append(p.updates[0].at)
+        return True
 
     node.kubelet.wait_for(back, TIMEOUT)
-    plugin = node.kubelet.plugin(GPU_RESOURCE)
-    assert plugin is not None
-    return plugin.updates[0].at
+    return arrived[-1]
 
 
 def bench_kubelet_restart(
