@@ -237,11 +237,14 @@ class DirFollower:
                 self._settle(followed)
 
     def watch_ended(self, followed: _Followed, wd: WatchDescriptor) -> None:
-        """The kernel ended a watch (its directory freed): what removal it was came as an event before."""
+        """The kernel ended a watch: its directory was freed (the removal came as an event before, and is
+        handled) or its filesystem unmounted (no event says so): looked at again either way."""
         with self._lock:
             for path in [p for p, w in followed.watches.items() if w == wd]:
                 del followed.watches[path]
             self._forget(wd)
+            if not self._stopped:
+                self._settle(followed)
 
     def overflowed(self, followed: _Followed) -> None:
         """The kernel's queue overflowed and events were dropped: everything is looked at again."""
