@@ -495,3 +495,26 @@ def test_close_without_a_loop_or_any_save_soon_writes_the_records(tmp_path: Path
     file.close(Saved(records(1)))
     file.close(Saved(records(1)))
     assert StateFile(tmp_path / "state", "boot-a").load() == records(1)
+
+
+def test_written_gives_the_loop_a_turn_when_the_write_in_flight_is_done_but_not_yet_told(tmp_path: Path) -> None:
+    """A write's future can be done while its done callback still waits in the loop's queue (the caller's
+    step ran in the same turn as the result's arrival). written() must let that callback run, not spin
+    on a future that never changes with the loop held: an MPS group's start hung so for good."""
+    file = RecordingStateFile(tmp_path, "boot-a", interval=60.0)
+    file.follow(lambda: saved(1))
+    finished = threading.Event()
+
+    async def scenario() -> None:
+        in_flight = asyncio.get_running_loop().create_future()
+        in_flight.add_done_callback(file._done)
+        file._in_flight = in_flight
+        in_flight.set_result(None)  # its callback is queued, not run
+        assert await file.written() is None
+        assert decode(file.path.read_bytes())[1] == records(1)
+        file.close(saved(1))
+        finished.set()
+
+    # On a thread of its own: a spinning loop could not be stopped from inside.
+    threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True).start()
+    assert finished.wait(10), "written() spun on a done write with the loop held"

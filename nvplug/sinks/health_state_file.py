@@ -315,8 +315,12 @@ class StateFile:
         be written; None: it is."""
         if self._closed or self._records is None:
             return self._failing
-        while self._in_flight is not None:  # it may have taken the records before this change
-            await asyncio.shield(self._in_flight)
+        while (in_flight := self._in_flight) is not None:  # it may have taken the records before this change
+            await asyncio.shield(in_flight)
+            if self._in_flight is in_flight:
+                # Done, but its callback (which clears it) has not run yet: awaiting a done future does
+                # not give the loop a turn, so without one this would spin with the loop held.
+                await asyncio.sleep(0)
         self._dirty = True
         if self._pending is not None:
             self._pending.cancel()
