@@ -775,9 +775,12 @@ def service_dropin(
     environment: Mapping[str, str] = {},
     read_write_paths: Sequence[str] = (),
     watchdog_sec: float | None = None,
+    unlimited_starts: bool = False,
 ) -> str:
-    """A ``[Service]`` drop-in: extra environment, writable paths, a watchdog timeout."""
-    lines = ["[Service]"]
+    """A drop-in: extra environment, writable paths, a watchdog timeout; with `unlimited_starts`, no
+    start rate limit (systemd's default refuses a sixth start within 10 s)."""
+    lines = ["[Unit]", "StartLimitIntervalSec=0"] if unlimited_starts else []
+    lines.append("[Service]")
     if environment:
         lines.append("Environment=" + " ".join(shlex.quote(f"{k}={v}") for k, v in environment.items()))
     if read_write_paths:
