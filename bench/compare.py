@@ -20,21 +20,9 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from latency import (
-    OWN_REJOIN,
-    OWN_XID,
-    TIMEOUT,
-    _registered_after,
-    first_update,
-    heal,
-    new_kubelet,
-    percentile,
-    scratch,
-    timed,
-    unhealthy,
-)
+from latency import TIMEOUT, RestartFigures, percentile, scratch, xid_and_heal
 
-from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.02\n    reprobeMaxSeconds: 0.02\n"
@@ -48,7 +36,9 @@ class Side:
         self.tree = tree
         self.node = node
         self.uuids: list[str] = []
-        self.figures: dict[str, list[float]] = {}
+        self.xid: list[float] = []
+        self.xid_own: list[float] = []
+        self.restart = RestartFigures()
 
     def start(self) -> None:
         self.node.config.write_text(CONFIG)
@@ -58,33 +48,24 @@ class Side:
         self.node.kubelet.wait_for(registered_with(8), TIMEOUT)
         self.uuids = [g["uuid"] for g in self.node.scenario_gpus()]
 
-    def record(self, measure: str, seconds: float) -> None:
-        self.figures.setdefault(measure, []).append(seconds * 1000)
+    def xid_sample(self, i: int) -> None:
+        self.xid.append(xid_and_heal(self.node, self.uuids, i, self.xid_own))
 
-    def xid(self, i: int) -> None:
-        uuid, own = self.uuids[i % len(self.uuids)], []
+    def restart_sample(self, i: int) -> None:
+        self.restart.sample(self.node)
 
-        def measure() -> float:
-            t0 = time.monotonic()
-            self.node.control.xid(i % len(self.uuids), 79)
-            return first_update(self.node, t0, unhealthy(uuid)) - t0
-
-        self.record("xid", timed(self.node, OWN_XID, own, measure))
-        for seconds in own:
-            self.record("  xid, own part", seconds)
-        heal(self.node, uuid)
-        self.node.kubelet.wait_for(device_health(uuid, healthy=True), TIMEOUT)
-
-    def restart(self, i: int) -> None:
-        own: list[float] = []
-
-        def measure() -> float:
-            t0 = new_kubelet(self.node)
-            return _registered_after(self.node, t0) - t0
-
-        self.record("kubelet restart", timed(self.node, OWN_REJOIN, own, measure))
-        for seconds in own:
-            self.record("  restart, own part", seconds)
+    def figures(self) -> dict[str, list[float]]:
+        """By measure, in milliseconds."""
+        r = self.restart
+        rows = {
+            "xid": self.xid,
+            "  xid, own part": self.xid_own,
+            "kubelet restart": r.total,
+            "  restart, own part": r.own,
+            "  to Register": r.to_register,
+            "  its dial-back": r.dial_back,
+        }
+        return {measure: [s * 1000 for s in samples] for measure, samples in rows.items()}
 
 
 def alternate(sides: tuple[Side, Side], samples: int, step: Callable[[Side, int], None]) -> None:
@@ -111,12 +92,12 @@ def main() -> int:
         for side in sides:
             side.start()
         time.sleep(1.0)
-        alternate(sides, args.samples, Side.xid)
-        alternate(sides, args.samples, Side.restart)
-    ours, theirs = sides
-    print(f"{'':<20} {ours.name + ' p50 / p99':>22} {theirs.name + ' p50 / p99':>26}   ratio p50 / p99")
-    for measure, mine in ours.figures.items():
-        base = theirs.figures.get(measure, [])
+        alternate(sides, args.samples, Side.xid_sample)
+        alternate(sides, args.samples, Side.restart_sample)
+    ours, theirs = (side.figures() for side in sides)
+    print(f"{'':<20} {sides[0].name + ' p50 / p99':>22} {sides[1].name + ' p50 / p99':>26}   ratio p50 / p99")
+    for measure, mine in ours.items():
+        base = theirs.get(measure, [])
         if not mine or not base:
             continue
         a50, a99, b50, b99 = (percentile(s, p) for s in (mine, base) for p in (50, 99))

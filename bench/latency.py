@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The stand-in's client side logs every GOAWAY of a restart at info level otherwise.
@@ -36,7 +37,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, Update
-from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import UdevSender, pci_event
 
 TIMEOUT = 15.0
@@ -130,22 +131,28 @@ def timed(node: SimulatedNode, metric: str, own: list[float], measure: Callable[
     return took
 
 
+def xid_and_heal(node: SimulatedNode, uuids: list[str], i: int, own: list[float] | None = None) -> float:
+    """XID 79 on GPU `i` (modulo their count), to the first message that shows it (or its replicas)
+    Unhealthy: end to end, the control socket to the stand-in's receipt, and the daemon's own part to
+    `own` when given. Then the operator's heal, to every device of the GPU Healthy again."""
+    gpu = i % len(uuids)
+
+    def xid() -> float:
+        t0 = time.monotonic()
+        node.control.xid(gpu, 79)
+        return first_update(node, t0, unhealthy(uuids[gpu])) - t0
+
+    took = xid() if own is None else timed(node, OWN_XID, own, xid)
+    heal(node, uuids[gpu])
+    node.kubelet.wait_for(healthy_again(uuids[gpu]), TIMEOUT)
+    return took
+
+
 def bench_xid(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
-    """End to end (the control socket to the stand-in's receipt) and the daemon's own part of each."""
+    """End to end and the daemon's own part of each."""
     uuids = [g["uuid"] for g in node.scenario_gpus()]
-    out, own = [], []
-    for i in range(samples):
-        gpu = i % len(uuids)
-
-        def xid(gpu: int = gpu) -> float:
-            t0 = time.monotonic()
-            node.control.xid(gpu, 79)
-            return first_update(node, t0, unhealthy(uuids[gpu])) - t0
-
-        out.append(timed(node, OWN_XID, own, xid))
-        heal(node, uuids[gpu])
-        node.kubelet.wait_for(device_health(uuids[gpu], healthy=True), TIMEOUT)
-    return out, own
+    own: list[float] = []
+    return [xid_and_heal(node, uuids, i, own) for i in range(samples)], own
 
 
 def bench_udev(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
@@ -194,29 +201,35 @@ def _registered_after(node: SimulatedNode, since: float) -> float:
     return arrived[-1]
 
 
-def bench_kubelet_restart(
-    node: SimulatedNode, samples: int
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """End to end (the new kubelet.sock to the first message); the daemon's own part (from the last of its
-    socket gone and the new kubelet.sock, as its inotify thread saw them, to the message's hand-off); and
-    the split at the stand-in: the new kubelet.sock to our Register's arrival, and that Register's dial
-    back (the kubelet dials the plugin and asks its options before it answers)."""
-    out: list[float] = []
-    own: list[float] = []
-    to_register: list[float] = []
-    dial_back: list[float] = []
+@dataclass
+class RestartFigures:
+    """Per kubelet restart: end to end (the new kubelet.sock to the first message); the daemon's own part
+    (from the last of its socket gone and the new kubelet.sock, as its inotify thread saw them, to the
+    message's hand-off); and the split at the stand-in: the new kubelet.sock to our Register's arrival,
+    and that Register's dial-back (the kubelet dials the plugin and asks its options before it answers)."""
 
-    def restart() -> float:
-        t0 = new_kubelet(node)
-        took = _registered_after(node, t0) - t0
-        record = next(r for r in reversed(node.kubelet.registrations) if r.accepted)
-        to_register.append(record.received_at - t0)
-        dial_back.append(record.at - record.received_at)
-        return took
+    total: list[float] = field(default_factory=list)
+    own: list[float] = field(default_factory=list)
+    to_register: list[float] = field(default_factory=list)
+    dial_back: list[float] = field(default_factory=list)
 
+    def sample(self, node: SimulatedNode) -> None:
+        def restart() -> float:
+            t0 = new_kubelet(node)
+            took = _registered_after(node, t0) - t0
+            record = next(r for r in reversed(node.kubelet.registrations) if r.accepted)
+            self.to_register.append(record.received_at - t0)
+            self.dial_back.append(record.at - record.received_at)
+            return took
+
+        self.total.append(timed(node, OWN_REJOIN, self.own, restart))
+
+
+def bench_kubelet_restart(node: SimulatedNode, samples: int) -> RestartFigures:
+    figures = RestartFigures()
     for _ in range(samples):
-        out.append(timed(node, OWN_REJOIN, own, restart))
-    return out, own, to_register, dial_back
+        figures.sample(node)
+    return figures
 
 
 def bench_socket_deleted(node: SimulatedNode, samples: int) -> list[float]:
@@ -249,12 +262,7 @@ def xid_cycles(node: SimulatedNode, seconds: float) -> int:
     uuids = [g["uuid"] for g in node.scenario_gpus()]
     cycles, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        gpu = cycles % len(uuids)
-        t0 = time.monotonic()
-        node.control.xid(gpu, 79)
-        first_update(node, t0, unhealthy(uuids[gpu]))
-        heal(node, uuids[gpu])
-        node.kubelet.wait_for(healthy_again(uuids[gpu]), TIMEOUT)
+        xid_and_heal(node, uuids, cycles)
         cycles += 1
     return cycles
 
@@ -420,11 +428,11 @@ def main() -> int:
             row("udev remove", removes)
         elif not args.only:
             print("udev add/remove: skipped (sending udev netlink messages needs root)")
-        restart, own, to_register, dial_back = bench_kubelet_restart(node, args.samples)
-        row("kubelet restart", restart)
-        row("  own", own, "kubelet restart")
-        row("  to Register", to_register, "kubelet restart")
-        row("  its dial-back", dial_back, "kubelet restart")
+        restart = bench_kubelet_restart(node, args.samples)
+        row("kubelet restart", restart.total)
+        row("  own", restart.own, "kubelet restart")
+        row("  to Register", restart.to_register, "kubelet restart")
+        row("  its dial-back", restart.dial_back, "kubelet restart")
         if args.only:
             return 0
         row("own socket deleted", bench_socket_deleted(node, args.samples))
