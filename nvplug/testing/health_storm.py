@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
 from nvplug.sinks.health_state_file import LAG_BOUND, WRITE_INTERVAL
 from nvplug.status import status_client
 from nvplug.testing.fakenvml import Control
@@ -121,24 +124,27 @@ def lag_bound(slowest: float | None) -> float:
     return max(LAG_BOUND, WRITE_INTERVAL + 2 * (slowest or 0.0))
 
 
+class _Renamed(FileSystemEventHandler):
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.count = 0
+
+    def on_moved(self, event: FileSystemEvent) -> None:
+        if str(event.dest_path) == self.target:
+            self.count += 1
+
+
 class RenameCounter:
     """Counts the atomic writes of one file, as inotify sees them: each is a rename onto its name."""
 
     def __init__(self, path: Path) -> None:
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer
-
-        target = str(path)
-        self.count = 0
-        counter = self
-
-        class Renamed(FileSystemEventHandler):
-            def on_moved(self, event: FileSystemEvent) -> None:
-                if str(event.dest_path) == target:
-                    counter.count += 1
-
+        self._renamed = _Renamed(str(path))
         self._observer = Observer()
-        self._observer.schedule(Renamed(), str(path.parent))
+        self._observer.schedule(self._renamed, str(path.parent))
+
+    @property
+    def count(self) -> int:
+        return self._renamed.count
 
     def __enter__(self) -> RenameCounter:
         self._observer.start()
