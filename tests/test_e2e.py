@@ -3,7 +3,6 @@ libnvidia-ml.so.1, and the kubelet stand-in, all on real unix sockets."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import stat
 import time
@@ -12,7 +11,7 @@ import grpc
 import pytest
 
 from nvplug.kubelet.device_plugin import LISTENERS
-from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0
 
@@ -222,7 +221,7 @@ def test_a_kubelet_restart_links_the_name_again_to_the_listener_that_never_stopp
     assert "serving on" in after and "again" in after and "stopped serving" not in after
     # The whole directory gone and made again: its listener went with it, and a new server serves the name.
     node.kubelet.stop()
-    shutil.rmtree(node.plugin_dir)
+    remove_tree(node.plugin_dir)  # the daemon links the name again as it goes: rmtree races it
     node.plugin_dir.mkdir()
     node.kubelet.start()
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
