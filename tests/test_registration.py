@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nvplug.kubelet.registrar import REGISTER_TIMEOUT, Registrar
+from nvplug.kubelet.registrar import LIST_WAIT, REGISTER_TIMEOUT, Registrar
 from nvplug.protos import KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.status import status_client as statusclient
@@ -78,6 +78,8 @@ def test_a_new_kubelet_sock_cancels_a_register_stuck_on_a_hung_kubelet(node: Sim
     # Once this line is in, so is every line before it.
     log = node.wait_log("registered with the kubelet", after=mark)
     cancelled = log.count("Register to the old kubelet cancelled: a new kubelet.sock appeared")
+    # The new kubelet's ListAndWatch was served before the registration's own log line was written.
+    assert log.rindex("kubelet opened ListAndWatch") < log.rindex("registered with the kubelet"), log
     print(
         f"new kubelet.sock -> Register received: {delay * 1000:.1f} ms "
         f"(after {hung_kubelets} hung kubelets; {cancelled} Registers cancelled)"
@@ -210,6 +212,100 @@ def test_the_creation_event_of_the_kubelet_sock_a_register_went_to_registers_no_
             await asyncio.gather(first.stop(), second.stop())
 
     asyncio.run(main())
+
+
+class Lists:
+    """A server's first lists, as the registrar's Listing sees them: each is sent when the test says."""
+
+    def __init__(self) -> None:
+        self.streams_listed = 0
+        self.asked: list[int] = []
+        self._sent = asyncio.Event()
+
+    async def listed_after(self, count: int) -> None:
+        self.asked.append(count)
+        while self.streams_listed <= count:
+            await self._sent.wait()
+
+    def send_first_list(self) -> None:
+        self.streams_listed += 1
+        self._sent.set()
+        self._sent = asyncio.Event()
+
+
+def test_a_register_s_bookkeeping_waits_for_the_first_list_the_kubelet_opens(short_tmp: Path) -> None:
+    """The kubelet opens ListAndWatch as it answers Register: the first list goes out before the log and
+    the status line of the registration. A kubelet that never lists delays them by LIST_WAIT at most."""
+
+    async def main() -> None:
+        lists = Lists()
+        flips: list[tuple[bool, int]] = []
+        registrar: Registrar
+
+        def changed() -> None:
+            flips.append((registrar.registered.is_set(), lists.streams_listed))
+
+        registrar = Registrar(
+            short_tmp, "example.com/gpu", "plug.sock", pb.DevicePluginOptions(), on_change=changed, listing=lists
+        )
+        kubelet = Registration(short_tmp, hang=False)
+        await kubelet.start()
+        run = asyncio.create_task(registrar.run())
+        try:
+            await _until(lambda: lists.asked == [0], 5.0)
+            # Answered and counted, but not yet said: the kubelet's list comes first.
+            assert registrar.registrations == 1 and not registrar.registered.is_set()
+            lists.send_first_list()
+            await asyncio.wait_for(registrar.registered.wait(), 1.0)
+            assert flips[-1] == (True, 1)
+
+            # A kubelet that answers and never lists: registered all the same, LIST_WAIT later.
+            registrar.wake()
+            woken = time.monotonic()
+            await asyncio.wait_for(registrar.registered.wait(), LIST_WAIT + 2.0)
+            waited = time.monotonic() - woken
+            assert (registrar.registrations, lists.asked, lists.streams_listed) == (2, [0, 1], 1)
+            assert LIST_WAIT <= waited < LIST_WAIT + 2.0
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await kubelet.stop()
+
+    asyncio.run(main())
+
+
+def test_a_new_kubelet_sock_while_waiting_for_the_list_registers_again(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answered by the old kubelet, then a new kubelet.sock before its list: that is a registration (no
+    cancelled Register), and the new kubelet gets one of its own."""
+    caplog.set_level(logging.INFO, logger="nvplug.kubelet.registrar")
+
+    async def main() -> None:
+        lists = Lists()
+        registrar = Registrar(short_tmp, "example.com/gpu", "plug.sock", pb.DevicePluginOptions(), listing=lists)
+        old = Registration(short_tmp, hang=False)
+        await old.start()
+        run = asyncio.create_task(registrar.run())
+        new = Registration(short_tmp, hang=False)
+        try:
+            await _until(lambda: lists.asked == [0], 5.0)
+            old.path.unlink()
+            await new.start()
+            registrar.kubelet_came()
+            await _until(lambda: len(new.received) == 1 and len(lists.asked) == 2, 5.0)
+            lists.send_first_list()
+            await asyncio.wait_for(registrar.registered.wait(), 1.0)
+            assert (len(old.received), len(new.received), registrar.registrations, registrar.failures) == (1, 1, 2, 0)
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await asyncio.gather(old.stop(), new.stop())
+
+    asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "cancelled" in m], said
+    assert sum("registered with the kubelet" in m for m in said) == 2, said
 
 
 def test_registrar_cancelled_mid_register_leaves_no_call_behind(short_tmp: Path) -> None:

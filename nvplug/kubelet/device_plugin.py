@@ -187,6 +187,10 @@ class DevicePluginService:
         self._streams = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Streams that have handed their first list to gRPC, counted; the Event is swapped for a fresh
+        # one on each, so a waiter waits on the one it saw.
+        self.streams_listed = 0
+        self._listed = asyncio.Event()
 
     def open(self) -> None:
         self._closing = asyncio.Event()
@@ -207,6 +211,11 @@ class DevicePluginService:
         self._state.wake()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
+
+    async def listed_after(self, count: int) -> None:
+        """Returns once more than `count` streams have handed their first list to gRPC."""
+        while self.streams_listed <= count:
+            await self._listed.wait()
 
     def resource(self) -> Resource:
         return self._current()[1]
@@ -262,7 +271,12 @@ class DevicePluginService:
                 if message == last:
                     continue
                 # Measured at the hand-off: after `yield`, we run again only when gRPC wants the next one.
-                self._on_send(self.resource_name, revision, last is None)
+                first = last is None
+                self._on_send(self.resource_name, revision, first)
+                if first:
+                    self.streams_listed += 1
+                    listed, self._listed = self._listed, asyncio.Event()
+                    listed.set()
                 last = message
                 yield message
                 log.info(

@@ -415,7 +415,9 @@ class PluginFleet(Sink):
             spec.name, self._state, spec.project, self._dev_root, policy, hooks.sent, hooks.delivered, hooks.allocated
         )
         server = PluginServer(service, self._plugin_dir / socket_name(spec.name))
-        registrar = Registrar(self._plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=hooks.changed)
+        registrar = Registrar(
+            self._plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=hooks.changed, listing=service
+        )
         return PluginEndpoint(spec, server, registrar)
 
     async def _open(self, plugin: PluginEndpoint) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -27,9 +29,22 @@ REGISTER_TIMEOUT = 15.0
 # Against a kubelet.sock that exists but does not answer yet: short, jittered, capped at 2 s.
 REGISTER_BACKOFF = Backoff(first=0.05, maximum=2.0, jitter=True)
 
+# How long a Register's own bookkeeping waits for the kubelet's first ListAndWatch, which it opens as
+# it answers: a kubelet that lists later only delays the bookkeeping.
+LIST_WAIT = 0.25
+
 
 class RegistrationFailed(Exception):
     pass
+
+
+class Listing(Protocol):
+    """The server the kubelet lists from, which counts the ListAndWatch streams it has sent a first list on."""
+
+    @property
+    def streams_listed(self) -> int: ...
+
+    async def listed_after(self, count: int) -> None: ...
 
 
 class Registrar:
@@ -50,6 +65,7 @@ class Registrar:
         options: pb.DevicePluginOptions,
         backoff: Backoff = REGISTER_BACKOFF,
         on_change: Callable[[], None] = lambda: None,
+        listing: Listing | None = None,
     ) -> None:
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self.resource_name = resource_name
@@ -63,6 +79,9 @@ class Registrar:
         self.failures = 0
         # Told whenever `registered` flips, for the status line.
         self._on_change = on_change
+        self._listing = listing
+        # Whether the Register in flight was answered: a wake after that is no cancelled Register.
+        self._answered = False
         # The kubelet.sock the last Register went to (its device, inode and change time).
         self._with: tuple[int, int, int] | None = None
 
@@ -111,6 +130,7 @@ class Registrar:
     async def _register_unless_woken(self) -> bool:
         """One Register, raced against wake(). False when a wake came first: the call
         is cancelled and `registered` stays clear, since it was not this kubelet's."""
+        self._answered = False
         call = asyncio.create_task(self._register_once(), name=f"Register {self.resource_name}")
         woken = asyncio.create_task(self._wanted.wait())
         try:
@@ -121,6 +141,9 @@ class Registrar:
             # Let the cancelled call close its channel before anything else runs.
             await asyncio.wait((call, woken))
         if call.cancelled():
+            if self._answered:
+                self._log_registered()  # by the kubelet that a new kubelet.sock has just replaced
+                return False
             log.info(
                 "%s: Register to the old kubelet cancelled: a new kubelet.sock appeared (%s)",
                 self.resource_name,
@@ -145,19 +168,34 @@ class Registrar:
             async with grpc.aio.insecure_channel(
                 grpc_target(self.kubelet_socket), options=[("grpc.use_local_subchannel_pool", 1)]
             ) as channel:
+                listed = self._listing.streams_listed if self._listing is not None else 0
                 await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
+                self._answered = True
+                self.registrations += 1
+                await self._listed_after(listed)
         except grpc.aio.AioRpcError as err:
             self.failures += 1
             raise RegistrationFailed(
                 f"{self.resource_name}: Register on {self.kubelet_socket} failed: {err.code().name}: {err.details()}"
             ) from err
-        self.registrations += 1
+        self._log_registered()
+
+    def _log_registered(self) -> None:
         log.info(
             "%s: registered with the kubelet on %s (endpoint %s)",
             self.resource_name,
             self.kubelet_socket,
             self._endpoint,
         )
+
+    async def _listed_after(self, count: int) -> None:
+        """The kubelet opens ListAndWatch as it answers Register. Its first list goes out before this
+        Register's own bookkeeping (the channel's close, the log, the status line): run first, that
+        held the loop while the stream's request waited for it."""
+        if self._listing is None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._listing.listed_after(count), LIST_WAIT)
 
     @staticmethod
     def _log_retry(state: RetryCallState) -> None:
