@@ -7,13 +7,19 @@ samples alternate between the two, the order flipped every pair, so that a busy 
 machine falls on both alike: the ratios are of one run, as bench/README.md asks. Measured as
 bench/latency.py measures them; it asserts nothing.
 
+With `--bare` instead, the other side is bench/bare_plugin.py, a plugin that does nothing but what a
+kubelet restart asks: the restart alone is compared, against the floor that gRPC between two Python
+processes and the stand-in set.
+
     .venv/bin/python bench/compare.py --against /tmp/before [--samples 300]
+    .venv/bin/python bench/compare.py --bare [--samples 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -68,6 +74,25 @@ class Side:
         return {measure: [s * 1000 for s in samples] for measure, samples in rows.items()}
 
 
+class BareSide(Side):
+    """bench/bare_plugin.py on its node's stand-in: kubelet restarts only, and no own part to read."""
+
+    def __init__(self, node: SimulatedNode, stack: ExitStack) -> None:
+        super().__init__("bare plugin", HERE, node)
+        self._stack = stack
+
+    def start(self) -> None:
+        self.node.kubelet.start()
+        argv = [sys.executable, str(HERE / "bench" / "bare_plugin.py"), str(self.node.plugin_dir)]
+        plugin = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self._stack.callback(plugin.wait)
+        self._stack.callback(plugin.kill)
+        self.node.kubelet.wait_for(registered_with(8), TIMEOUT)
+
+    def restart_sample(self, i: int) -> None:
+        self.restart.sample(self.node, own=False)
+
+
 def alternate(sides: tuple[Side, Side], samples: int, step: Callable[[Side, int], None]) -> None:
     for i in range(samples):
         for side in sides if i % 2 == 0 else sides[::-1]:
@@ -76,24 +101,28 @@ def alternate(sides: tuple[Side, Side], samples: int, step: Callable[[Side, int]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", type=Path, required=True, help="another checkout of nvplug")
+    against = parser.add_mutually_exclusive_group(required=True)
+    against.add_argument("--against", type=Path, help="another checkout of nvplug")
+    against.add_argument("--bare", action="store_true", help="bench/bare_plugin.py, for the kubelet restart")
     parser.add_argument("--samples", type=int, default=300)
     args = parser.parse_args()
-    other = args.against.resolve()
-    if not (other / "nvplug" / "__main__.py").is_file():
+    other = None if args.bare else args.against.resolve()
+    if other is not None and not (other / "nvplug" / "__main__.py").is_file():
         parser.error(f"{other} is not a checkout of nvplug (no nvplug/__main__.py)")
     with ExitStack() as stack:
         roots = [stack.enter_context(scratch(f"nvc{n}-")) for n in range(2)]
         os.chdir(roots[0])
+        nodes = [stack.enter_context(SimulatedNode(root)) for root in roots]
         sides = (
-            Side("this tree", HERE, stack.enter_context(SimulatedNode(roots[0]))),
-            Side(f"{other.name}", other, stack.enter_context(SimulatedNode(roots[1]))),
+            Side("this tree", HERE, nodes[0]),
+            BareSide(nodes[1], stack) if other is None else Side(other.name, other, nodes[1]),
         )
         for side in sides:
             side.start()
         time.sleep(1.0)
-        alternate(sides, args.samples, Side.xid_sample)
-        alternate(sides, args.samples, Side.restart_sample)
+        if other is not None:  # the bare plugin has no NVML behind it
+            alternate(sides, args.samples, Side.xid_sample)
+        alternate(sides, args.samples, lambda side, i: side.restart_sample(i))
     ours, theirs = (side.figures() for side in sides)
     print(f"{'':<20} {sides[0].name + ' p50 / p99':>22} {sides[1].name + ' p50 / p99':>26}   ratio p50 / p99")
     for measure, mine in ours.items():

@@ -213,7 +213,9 @@ class RestartFigures:
     to_register: list[float] = field(default_factory=list)
     dial_back: list[float] = field(default_factory=list)
 
-    def sample(self, node: SimulatedNode) -> None:
+    def sample(self, node: SimulatedNode, own: bool = True) -> None:
+        """One restart; `own`: read the daemon's own part from its /metrics (a plugin that is no nvplug has none)."""
+
         def restart() -> float:
             t0 = new_kubelet(node)
             took = _registered_after(node, t0) - t0
@@ -222,7 +224,7 @@ class RestartFigures:
             self.dial_back.append(record.at - record.received_at)
             return took
 
-        self.total.append(timed(node, OWN_REJOIN, self.own, restart))
+        self.total.append(timed(node, OWN_REJOIN, self.own, restart) if own else restart())
 
 
 def bench_kubelet_restart(node: SimulatedNode, samples: int) -> RestartFigures:

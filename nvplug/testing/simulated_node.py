@@ -315,6 +315,13 @@ class SimulatedNode:
         ]  # fmt: skip
         full_env = self.daemon_env(nvml)
         full_env.update(env or {})
+        if echo is None:
+            # Written by the daemon itself, as to the journal: no thread of this process (which may be
+            # the kubelet stand-in's, timed) copies each line.
+            with self.log_path.open("ab") as log:
+                self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=log)
+            self._log_pump = None
+            return self.daemon
         self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         assert self.daemon.stderr is not None
         self._log_pump = threading.Thread(

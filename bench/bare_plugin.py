@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""A bare device plugin: what a kubelet restart costs any Python plugin on grpc.aio, and no more.
+
+It does only what a kubelet restart asks of a plugin: one asyncio loop that reads inotify itself (no
+thread), the socket name linked again to a listener that never stops (as nvplug does), a Register
+from a new channel, GetDevicePluginOptions, and a ListAndWatch that sends one list encoded at start.
+No NVML, no health, no state, no sinks, no logs. `compare.py --bare` runs it beside nvplug, each on
+its own kubelet stand-in, sample by sample: the difference is nvplug's own, the rest is gRPC between
+two Python processes and the stand-in.
+
+    python bench/bare_plugin.py PLUGIN_DIR [--devices 8]
+
+It prints `ready` once served and registered, and runs until it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import os
+import secrets
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from nvplug.protos import API_VERSION, KUBELET_SOCKET
+from nvplug.protos import deviceplugin_pb2 as pb
+from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
+
+RESOURCE = "nvidia.com/gpu"
+ENDPOINT = "bare.sock"
+IN_CREATE = 0x100
+# struct inotify_event: wd, mask, cookie, len, then the name padded with NULs.
+EVENT = struct.Struct("iIII")
+# A kubelet.sock is bound before it listens: a Register in between is refused, and tried again soon.
+RETRY = 0.001
+
+
+class BarePlugin:
+    def __init__(self, plugin_dir: Path, devices: int) -> None:
+        self.name = plugin_dir / ENDPOINT
+        self.kubelet = plugin_dir / KUBELET_SOCKET
+        self.listener = plugin_dir / ".bare" / secrets.token_hex(4)
+        devs = [pb.Device(ID=f"GPU-bare-{i:04d}", health="Healthy") for i in range(devices)]
+        self.message = pb.ListAndWatchResponse(devices=devs).SerializeToString()
+        self.registering: asyncio.Task[None] | None = None
+        self.registered = asyncio.Event()
+
+    async def serve(self) -> grpc.aio.Server:
+        async def options(request: pb.Empty, context: object) -> pb.DevicePluginOptions:
+            return pb.DevicePluginOptions()
+
+        async def list_and_watch(request: pb.Empty, context: object) -> AsyncIterator[bytes]:
+            yield self.message
+            await asyncio.Event().wait()  # until the kubelet goes
+
+        handlers = {
+            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+                options, pb.Empty.FromString, pb.DevicePluginOptions.SerializeToString
+            ),
+            "ListAndWatch": grpc.unary_stream_rpc_method_handler(list_and_watch, pb.Empty.FromString, bytes),
+        }
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers),))
+        self.listener.parent.mkdir(mode=0o700, exist_ok=True)
+        server.add_insecure_port(f"unix:{self.listener}")
+        await server.start()
+        os.link(self.listener, self.name)
+        return server
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(self.kubelet.parent), IN_CREATE) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify on {self.kubelet.parent}")
+        loop.add_reader(fd, self._read, fd)
+
+    def _read(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        offset = 0
+        while offset < len(data):
+            _, mask, _, length = EVENT.unpack_from(data, offset)
+            name = data[offset + EVENT.size : offset + EVENT.size + length].rstrip(b"\0")
+            offset += EVENT.size + length
+            if mask & IN_CREATE and name == KUBELET_SOCKET.encode():
+                self.kubelet_came()
+
+    def kubelet_came(self) -> None:
+        """A new kubelet wiped our name with every other socket: link it again, then register."""
+        if not self.name.exists():
+            os.link(self.listener, self.name)
+        if self.registering is not None:
+            self.registering.cancel()
+        self.registering = asyncio.get_running_loop().create_task(self._register())
+
+    async def _register(self) -> None:
+        request = pb.RegisterRequest(
+            version=API_VERSION, endpoint=ENDPOINT, resource_name=RESOURCE, options=pb.DevicePluginOptions()
+        )
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(
+                    f"unix:{self.kubelet}", options=[("grpc.use_local_subchannel_pool", 1)]
+                ) as channel:
+                    await pb_grpc.RegistrationStub(channel).Register(request, timeout=10)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(RETRY)
+                continue
+            self.registered.set()
+            return
+
+
+async def run(plugin_dir: Path, devices: int) -> None:
+    plugin = BarePlugin(plugin_dir, devices)
+    server = await plugin.serve()
+    plugin.watch(asyncio.get_running_loop())
+    if plugin.kubelet.exists():
+        plugin.kubelet_came()
+    await plugin.registered.wait()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("plugin_dir", type=Path)
+    parser.add_argument("--devices", type=int, default=8)
+    args = parser.parse_args()
+    asyncio.run(run(args.plugin_dir, args.devices))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
