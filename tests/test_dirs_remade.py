@@ -8,19 +8,22 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import pytest
 from support.notify_socket import NotifySocket
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, WatchDescriptor
+from watchdog.observers.inotify_c import InotifyConstants
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
+from nvplug.sources.inotify_reader import parse
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
@@ -41,6 +44,40 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -
 
 # ---------------------------------------------------------------------------
 # The parent-watching logic alone, on real inotify
+
+_T = TypeVar("_T")
+
+
+class LoopThread:
+    """An event loop in a thread of its own, as the daemon's: the watch reads inotify on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(TIMEOUT)
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        async def call() -> _T:
+            return fn()
+
+        return self.run(call())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(TIMEOUT)
+        self.loop.close()
+
+
+@pytest.fixture
+def on_loop() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    try:
+        yield loop
+    finally:
+        loop.close()
 
 
 class Recorder:
@@ -75,7 +112,9 @@ class Inside(FileSystemEventHandler):
         self._recorder.add(("overflowed", directory))
 
 
-def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_back(short_tmp: Path) -> None:
+def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_back(
+    short_tmp: Path, on_loop: LoopThread
+) -> None:
     kubelet = short_tmp / "var-lib-kubelet"
     target = kubelet / "device-plugins"
     ours = kubelet / "plugins" / "gpu.nvidia.com"
@@ -85,7 +124,7 @@ def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_bac
     follower = DirFollower(Inside(recorder), lambda path, exists: recorder.add((path, exists)))
     follower.follow(target)
     follower.follow(ours, make=True)  # nvplug's own: made again once its parent is back
-    follower.start()
+    on_loop.call(follower.start)
     try:
         for n in range(3):
             recorder.seen.clear()
@@ -124,11 +163,12 @@ def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_bac
         ours.mkdir()
         recorder.wait(lambda seen: (ours, True) in seen, "ours back")
     finally:
-        follower.stop()
-        follower.join(5)
+        on_loop.call(follower.stop)
 
 
-def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(short_tmp: Path) -> None:
+def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
+    short_tmp: Path, on_loop: LoopThread
+) -> None:
     plugin_dir = short_tmp / "kubelet" / "device-plugins"
     plugin_dir.mkdir(parents=True)
     own = plugin_dir / "nvplug-nvidia.com-gpu.sock"
@@ -139,7 +179,7 @@ def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
         return [e for e in seen if isinstance(e, (WatchedDirChanged, KubeletSocketCreated, PluginSocketRemoved))]
 
     watch = KubeletDirWatch(plugin_dir, [own], recorder.add)
-    watch.start()
+    on_loop.call(watch.start)
     # A kubelet still serving on its socket in the directory: the removed directory is not freed (so
     # it does not tell its own deletion) until that socket closes; its parent tells the removal.
     serving = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,10 +209,10 @@ def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
         recorder.wait(lambda seen: back in seen, "the directory back after the rename")
     finally:
         serving.close()
-        asyncio.run(watch.stop())
+        on_loop.run(watch.stop())
 
 
-def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path) -> None:
+def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path, on_loop: LoopThread) -> None:
     """inotify's queue overflowed: whatever the dropped events said must still reach the daemon. A new
     kubelet.sock is told again (a Register goes only to a socket not registered with yet) and a
     socket of ours that is gone is told gone; one that is there is not."""
@@ -183,7 +223,7 @@ def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path) 
     recorder = Recorder()
     watch = KubeletDirWatch(plugin_dir, [own, dra_own, plugin_dir / "nvplug-other.sock"], recorder.add, [dra_dir])
     (plugin_dir / "nvplug-other.sock").touch()
-    watch.start()
+    on_loop.call(watch.start)
     try:
         # Made while the events that would tell it were lost.
         (plugin_dir / "kubelet.sock").touch()
@@ -191,12 +231,14 @@ def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path) 
         recorder.seen.clear()
         follower = watch._follower
         assert follower is not None
-        # What watchdog's reader does when it reads the kernel's overflow record.
-        follower._inotify.handle_event(InotifyEvent(WatchDescriptor(-1), InotifyConstants.IN_Q_OVERFLOW, 0, b""))
+        # The kernel's overflow record as a read returns it: no watch (wd -1), no name.
+        [overflow] = parse(struct.pack("iIII", -1, InotifyConstants.IN_Q_OVERFLOW, 0, 0))
+        assert overflow.is_queue_overflow
+        on_loop.call(lambda: follower._inotify.handle_event(overflow))
         told = set(recorder.seen)
         assert told == {KubeletSocketCreated(), PluginSocketRemoved(str(own)), PluginSocketRemoved(str(dra_own))}
     finally:
-        asyncio.run(watch.stop())
+        on_loop.run(watch.stop())
 
 
 # ---------------------------------------------------------------------------

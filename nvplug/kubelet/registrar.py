@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import grpc
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.base.grpc_target import grpc_target
@@ -84,6 +82,8 @@ class Registrar:
         self._answered = False
         # The kubelet.sock the last Register went to (its device, inode and change time).
         self._with: tuple[int, int, int] | None = None
+        # The Register in flight, which a wake cancels.
+        self._call: asyncio.Task[None] | None = None
 
     def kubelet_came(self) -> None:
         """A kubelet.sock was created: register with it, unless the Register in flight (or done) is with
@@ -98,6 +98,8 @@ class Registrar:
         A Register in flight or a backoff sleep is cut short, and a fresh attempt starts."""
         self.registered.clear()
         self._wanted.set()
+        if self._call is not None:
+            self._call.cancel()
         self._on_change()
 
     async def run(self) -> None:
@@ -110,36 +112,39 @@ class Registrar:
             await self._register_with_retry()
 
     async def _register_with_retry(self) -> None:
-        retrying = AsyncRetrying(
-            wait=self._backoff.wait(),
-            retry=retry_if_exception_type(RegistrationFailed),
-            # A new kubelet socket cuts the backoff short.
-            sleep=functools.partial(sleep_unless, self._wanted),
-            before_sleep=self._log_retry,
-        )
-        async for attempt in retrying:
-            with attempt:
-                if not self.kubelet_socket.exists():
-                    return  # the kubelet went away again; its next socket wakes us
-                self._wanted.clear()
+        # Paced by the policy as a schedule, not a retry loop's machinery: the first attempt is the one a
+        # kubelet restart waits for, and it starts in the loop turn after the wake.
+        retries = self._backoff.schedule()
+        while True:
+            if not self.kubelet_socket.exists():
+                return  # the kubelet went away again; its next socket wakes us
+            self._wanted.clear()
+            try:
                 if not await self._register_unless_woken():
                     return  # run() starts over at once, against the new kubelet.sock
+            except RegistrationFailed as err:
+                delay = retries.next()
+                log.warning("%s; retry %d in %.2fs", err, retries.failures, delay)
+                # A new kubelet socket cuts the backoff short.
+                await sleep_unless(self._wanted, delay)
+                continue
+            break
         self.registered.set()
         self._on_change()
 
     async def _register_unless_woken(self) -> bool:
-        """One Register, raced against wake(). False when a wake came first: the call
-        is cancelled and `registered` stays clear, since it was not this kubelet's."""
+        """One Register, which wake() cancels. False when a wake came first: `registered` stays clear,
+        since the call was not this kubelet's."""
         self._answered = False
-        call = asyncio.create_task(self._register_once(), name=f"Register {self.resource_name}")
-        woken = asyncio.create_task(self._wanted.wait())
+        call = self._call = asyncio.create_task(self._register_once(), name=f"Register {self.resource_name}")
         try:
-            await asyncio.wait((call, woken), return_when=asyncio.FIRST_COMPLETED)
+            # Waited on, not awaited: the wake's cancel of the call is no cancel of this task.
+            await asyncio.wait((call,))
         finally:
+            self._call = None
             call.cancel()
-            woken.cancel()
             # Let the cancelled call close its channel before anything else runs.
-            await asyncio.wait((call, woken))
+            await asyncio.wait((call,))
         if call.cancelled():
             if self._answered:
                 self._log_registered()  # by the kubelet that a new kubelet.sock has just replaced
@@ -196,13 +201,6 @@ class Registrar:
             return
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._listing.listed_after(count), LIST_WAIT)
-
-    @staticmethod
-    def _log_retry(state: RetryCallState) -> None:
-        outcome = state.outcome
-        err = outcome.exception() if outcome is not None else None
-        delay = state.next_action.sleep if state.next_action is not None else 0.0
-        log.warning("%s; retry %d in %.2fs", err, state.attempt_number, delay)
 
 
 def socket_identity(path: Path) -> tuple[int, int, int] | None:

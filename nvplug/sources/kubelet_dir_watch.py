@@ -6,18 +6,16 @@ that goes has its watch moved to the nearest parent that exists, and back down a
 made again, however many levels at once (`mkdir -p`); the sockets are served again from the events
 (`WatchedDirChanged`). Nothing polls.
 
-The watches hang straight off watchdog's inotify reader (`InotifyFD`), whose thread runs this module's
-work as it reads each event: no emitter thread and no dispatch thread in between, which were two thread
-hand-offs on the way from a new kubelet.sock to the Register (`bench/dir_watch.py`).
+The inotify descriptor is read on the event loop (`InotifyReader`, a loop reader), which runs this
+module's work as it reads each event: no thread in between, whose hand-off to the loop was on the way from
+a new kubelet.sock (or our socket gone) to the Register (`bench/dir_watch.py`, `bench/compare.py --bare`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,23 +29,17 @@ from watchdog.events import (
     FileSystemEvent,
     FileSystemEventHandler,
 )
-from watchdog.observers.inotify_c import (
-    CallbackId,
-    InotifyConstants,
-    InotifyEvent,
-    InotifyFD,
-    Mask,
-    WatchDescriptor,
-)
+from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.protos import KUBELET_SOCKET
+from nvplug.sources.inotify_reader import InotifyReader
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.events.kubelet_dir")
 
-# Told on the inotify reader's thread: a followed directory, and whether it exists now.
+# Told on the loop, as the inotify reader reads: a followed directory, and whether it exists now.
 DirChange = Callable[[Path, bool], None]
 # How often a settle looks again when the directory it is about to watch keeps vanishing under it.
 _SETTLE_TRIES = 64
@@ -154,18 +146,16 @@ class DirFollower:
     nearest existing parent, moved back down when the missing part is made again (and on the parent
     of whichever it is, which tells its removal at once).
 
-    Its work runs on the inotify reader's thread, and at start on the caller's, under one lock. The
-    reader holds no lock of its own while it calls in, and this one is never held while waiting on it.
+    Its work runs on the loop: at start, and as the inotify reader reads each event.
     """
 
     def __init__(self, inside: DirEvents, changed: DirChange) -> None:
-        self._inotify = InotifyFD()
+        self._inotify = InotifyReader()
         self._inside = inside
         self._changed = changed
         self._followed: dict[Path, _Followed] = {}
         # Each watch's directory, as it was when watched: a moved one is lost, and watched anew.
         self._paths: dict[WatchDescriptor, Path] = {}
-        self._lock = threading.RLock()
         # The last removal handled: every followed directory on its watch is told the same event.
         self._last_lost: InotifyEvent | None = None
         # Set at stop: the reader may still hand over events read before, to watches that are gone.
@@ -173,32 +163,26 @@ class DirFollower:
 
     def follow(self, directory: Path, *, make: bool = False) -> None:
         """Follow `directory` (before `start`); `make`: make it again when its parent is made again."""
-        with self._lock:
-            if directory in self._followed:
-                return
-            followed = _Followed(directory, make)
-            followed.told = _Told(self, followed)
-            self._followed[directory] = followed
-            found = nearest_existing(directory)
-            self._watch(followed, dict.fromkeys((found, found.parent)))
-            followed.watched, followed.exists = found, found == directory
+        if directory in self._followed:
+            return
+        followed = _Followed(directory, make)
+        followed.told = _Told(self, followed)
+        self._followed[directory] = followed
+        found = nearest_existing(directory)
+        self._watch(followed, dict.fromkeys((found, found.parent)))
+        followed.watched, followed.exists = found, found == directory
         if not followed.exists:
             log.warning("%s does not exist: watching %s until it is made", directory, found)
 
     def start(self) -> None:
         self._inotify.start()
         # Something made or removed between the look in follow() and the watch shows now, as no event would.
-        with self._lock:
-            for followed in self._followed.values():
-                self._settle(followed)
+        for followed in self._followed.values():
+            self._settle(followed)
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
+        self._stopped = True
         self._inotify.stop()
-
-    def join(self, timeout: float) -> None:
-        self._inotify.join(timeout)
 
     def exists(self, directory: Path) -> bool:
         """Whether the followed directory exists, as last said."""
@@ -208,53 +192,50 @@ class DirFollower:
         """The directory watched for a followed one: itself, or its nearest existing parent."""
         return self._followed[directory].watched
 
-    # On the inotify reader's thread.
+    # On the loop, as the inotify reader reads.
 
     def told(self, followed: _Followed, event: InotifyEvent) -> None:
-        with self._lock:
-            at = self._paths.get(event.wd)
-            if self._stopped or at is None or at not in followed.watches:
-                return  # a watch taken off since the kernel queued the event
-            # The watched directory itself gone or renamed away, or an entry in it.
-            self_event = event.is_delete_self or event.is_move_self
-            path = at if self_event else at / os.fsdecode(event.name)
-            gone = self_event or event.is_delete or event.is_moved_from
-            made = event.is_create or event.is_moved_to
-            watched = followed.watched
-            if watched is not None and path == watched and event.is_directory and (gone or event.is_moved_to):
-                # Removed (told by its parent, or by its own watch once freed), renamed away, or replaced.
-                if event is not self._last_lost:
-                    self._last_lost = event
-                    self._lost(watched)
-            elif watched == followed.target and path.parent == followed.target and (gone or made):
-                self._inside.dispatch(_entry_event(path, made=made, directory=event.is_directory))
-            elif (
-                made
-                and event.is_directory
-                and watched in path.parents
-                and (path == followed.target or path in followed.target.parents)
-            ):
-                self._settle(followed)
+        at = self._paths.get(event.wd)
+        if self._stopped or at is None or at not in followed.watches:
+            return  # a watch taken off since the kernel queued the event
+        # The watched directory itself gone or renamed away, or an entry in it.
+        self_event = event.is_delete_self or event.is_move_self
+        path = at if self_event else at / os.fsdecode(event.name)
+        gone = self_event or event.is_delete or event.is_moved_from
+        made = event.is_create or event.is_moved_to
+        watched = followed.watched
+        if watched is not None and path == watched and event.is_directory and (gone or event.is_moved_to):
+            # Removed (told by its parent, or by its own watch once freed), renamed away, or replaced.
+            if event is not self._last_lost:
+                self._last_lost = event
+                self._lost(watched)
+        elif watched == followed.target and path.parent == followed.target and (gone or made):
+            self._inside.dispatch(_entry_event(path, made=made, directory=event.is_directory))
+        elif (
+            made
+            and event.is_directory
+            and watched in path.parents
+            and (path == followed.target or path in followed.target.parents)
+        ):
+            self._settle(followed)
 
     def watch_ended(self, followed: _Followed, wd: WatchDescriptor) -> None:
         """The kernel ended a watch: its directory was freed (the removal came as an event before, and is
         handled) or its filesystem unmounted (no event says so): looked at again either way."""
-        with self._lock:
-            for path in [p for p, w in followed.watches.items() if w == wd]:
-                del followed.watches[path]
-            self._forget(wd)
-            if not self._stopped:
-                self._settle(followed)
+        for path in [p for p, w in followed.watches.items() if w == wd]:
+            del followed.watches[path]
+        self._forget(wd)
+        if not self._stopped:
+            self._settle(followed)
 
     def overflowed(self, followed: _Followed) -> None:
         """The kernel's queue overflowed and events were dropped: everything is looked at again."""
-        with self._lock:
-            if self._stopped:
-                return
-            log.warning("inotify dropped events: looking at %s again", followed.target)
-            self._settle(followed)
-            if followed.exists:
-                self._inside.overflowed(followed.target)
+        if self._stopped:
+            return
+        log.warning("inotify dropped events: looking at %s again", followed.target)
+        self._settle(followed)
+        if followed.exists:
+            self._inside.overflowed(followed.target)
 
     def _lost(self, path: Path) -> None:
         """`path` went: its watch off for everyone who used it, then each settles anew."""
@@ -310,8 +291,6 @@ class DirFollower:
             if path not in followed.watches:
                 assert followed.told is not None
                 wd = self._inotify.add_callback(os.fsencode(path), _MASK, followed.told, followed.key)
-                if wd < 0:  # watchdog returns rather than raise on EACCES
-                    raise PermissionError(f"cannot watch {path}: permission denied")
                 followed.watches[path] = wd
                 self._paths[wd] = path
         for path in [p for p in followed.watches if p not in wanted]:
@@ -337,10 +316,10 @@ def _entry_event(path: Path, *, made: bool, directory: bool) -> FileSystemEvent:
 
 
 class KubeletDirWatch:
-    """Runs watchdog's inotify reader thread, which hands events to the bus."""
+    """Follows the kubelet's directories with inotify read on the loop, and hands events to the bus."""
 
     name = "the kubelet directories' watch"
-    blocking: BlockingRunsOn = "own thread"
+    blocking: BlockingRunsOn = "loop reader"
     without: str | None = None  # no registration without it
 
     def __init__(
@@ -372,7 +351,7 @@ class KubeletDirWatch:
         log.info("watching %s for the kubelet's socket", self.plugin_dir)
 
     def set_own(self, own_sockets: Iterable[Path]) -> None:
-        """Our sockets changed (a reload); swapped whole, so the reader thread sees one or the other."""
+        """Our sockets changed (a reload)."""
         self._handler.own = frozenset(str(p) for p in own_sockets)
 
     def _dir_changed(self, directory: Path, exists: bool) -> None:
@@ -382,5 +361,3 @@ class KubeletDirWatch:
         follower, self._follower = self._follower, None
         if follower is not None:
             follower.stop()
-            # Off the loop: the reader may be inside an inotify read.
-            await asyncio.to_thread(follower.join, 5)
