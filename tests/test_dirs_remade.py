@@ -20,10 +20,10 @@ from support.notify_socket import NotifySocket
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers.inotify_c import InotifyConstants
+from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
-from nvplug.sources.inotify_reader import parse
+from nvplug.sources.inotify_reader import InotifyReader, parse
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
@@ -210,6 +210,54 @@ def test_the_kubelet_dir_watch_tells_the_directory_and_a_new_kubelet_sock_in_it(
     finally:
         serving.close()
         on_loop.run(watch.stop())
+
+
+class Callback:
+    """A WatchCallback that records what it is told, by name."""
+
+    def __init__(self, recorder: Recorder, name: str) -> None:
+        self._recorder, self._name = recorder, name
+
+    def on_event(self, event: InotifyEvent) -> None:
+        if event.is_create:
+            self._recorder.add((self._name, event.name.decode()))
+
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        self._recorder.add((self._name, "watch ended"))
+
+    def on_queue_overflow(self) -> None:
+        self._recorder.add((self._name, "overflow"))
+
+
+def test_the_inotify_reader_shares_a_directory_s_watch_and_tells_its_end(short_tmp: Path, on_loop: LoopThread) -> None:
+    """Read on the loop, with watchdog's bookkeeping: one watch per directory shared by its callbacks, taken
+    off with the last of them, and its end (the directory freed) told to those left."""
+    directory = short_tmp / "watched"
+    directory.mkdir()
+    recorder = Recorder()
+    reader = on_loop.call(InotifyReader)
+    mask = Mask(InotifyConstants.IN_CREATE)
+    a, b = Callback(recorder, "a"), Callback(recorder, "b")
+    try:
+        wd_a = on_loop.call(lambda: reader.add_callback(bytes(directory), mask, a, CallbackId(1)))
+        wd_b = on_loop.call(lambda: reader.add_callback(bytes(directory), mask, b, CallbackId(2)))
+        assert wd_a == wd_b
+        on_loop.call(reader.start)
+        (directory / "one").touch()
+        recorder.wait(lambda seen: {("a", "one"), ("b", "one")} <= set(seen), "both told")
+        on_loop.call(lambda: reader.remove_callbacks([(wd_a, CallbackId(1))]))
+        (directory / "two").touch()
+        recorder.wait(lambda seen: ("b", "two") in seen, "b told")
+        directory.joinpath("one").unlink()
+        directory.joinpath("two").unlink()
+        directory.rmdir()
+        recorder.wait(lambda seen: ("b", "watch ended") in seen, "the watch's end")
+        assert ("a", "two") not in recorder.seen and ("a", "watch ended") not in recorder.seen
+        with pytest.raises(FileNotFoundError, match="cannot watch"):
+            on_loop.call(lambda: reader.add_callback(bytes(directory), mask, a, CallbackId(1)))
+    finally:
+        on_loop.call(reader.stop)
+        on_loop.call(reader.stop)  # again: nothing
 
 
 def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path, on_loop: LoopThread) -> None:
