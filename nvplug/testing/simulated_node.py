@@ -115,7 +115,8 @@ class SimulatedNode:
         self.mps_control = self.bin_dir / mps_control.BINARY_NAME
         self.kubelet = KubeletThread(self.plugin_dir)
         self.daemon: subprocess.Popen[bytes] | None = None
-        self._log_pump: threading.Thread | None = None
+        # What copies the daemon's log into log_path: a thread here (to echo it), or a process of its own.
+        self._log_pump: threading.Thread | subprocess.Popen[bytes] | None = None
 
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.sysfs_root.mkdir(exist_ok=True)
@@ -316,11 +317,16 @@ class SimulatedNode:
         full_env = self.daemon_env(nvml)
         full_env.update(env or {})
         if echo is None:
-            # Written by the daemon itself, as to the journal: no thread of this process (which may be
-            # the kubelet stand-in's, timed) copies each line.
-            with self.log_path.open("ab") as log:
-                self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=log)
-            self._log_pump = None
+            # A pipe read by a process of its own, as the journal's stream is: no thread of this process
+            # (which may be the kubelet stand-in's, timed) copies each line.
+            read_end, write_end = os.pipe()
+            try:
+                with self.log_path.open("ab") as log:
+                    self._log_pump = subprocess.Popen(["cat"], stdin=read_end, stdout=log)
+                self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=write_end)
+            finally:
+                os.close(read_end)
+                os.close(write_end)
             return self.daemon
         self.daemon = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         assert self.daemon.stderr is not None
@@ -349,8 +355,12 @@ class SimulatedNode:
         except subprocess.TimeoutExpired:
             daemon.kill()
             code = daemon.wait()
-        if self._log_pump is not None:
+        if isinstance(self._log_pump, threading.Thread):
             self._log_pump.join(5)
+        elif self._log_pump is not None:
+            # The daemon's end is the pipe's, unless a child of its holds it still (cleaned up at close).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._log_pump.wait(5)
         return code
 
     def scenario_gpus(self) -> list[dict[str, str]]:
@@ -391,6 +401,9 @@ class SimulatedNode:
         if self._kernel_log_fd >= 0:
             os.close(self._kernel_log_fd)
             self._kernel_log_fd = -1
+        if isinstance(self._log_pump, subprocess.Popen) and self._log_pump.poll() is None:
+            self._log_pump.kill()
+            self._log_pump.wait()
 
     def __enter__(self) -> SimulatedNode:
         return self
