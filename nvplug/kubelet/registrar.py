@@ -194,9 +194,9 @@ class Registrar:
         )
 
     async def _listed_after(self, count: int) -> None:
-        """The kubelet opens ListAndWatch as it answers Register. Its first list goes out before this
-        Register's own bookkeeping (the channel's close, the log, the status line): run first, that
-        held the loop while the stream's request waited for it."""
+        """The kubelet opens ListAndWatch as it answers Register: its first list goes out before this
+        Register's own bookkeeping (the channel's close, the log, the status line), which would otherwise
+        hold the loop while that stream's request waits."""
         if self._listing is None:
             return
         with contextlib.suppress(asyncio.TimeoutError):
