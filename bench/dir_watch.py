@@ -15,15 +15,12 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 from nvplug.core.events import KubeletSocketCreated
 from nvplug.sources.event_bus import EventBus
 from nvplug.sources.kubelet_dir_watch import KubeletDirWatch
-
-_T = TypeVar("_T")
+from nvplug.testing.loop_thread import LoopThread
 
 
 def percentile(samples: list[float], p: float) -> float:
@@ -35,12 +32,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=300)
     args = parser.parse_args()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="loop", daemon=True).start()
-
-    def on_loop(coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
-
     told: list[float] = []
     arrived = threading.Event()
 
@@ -51,7 +42,7 @@ def main() -> int:
                 told.append(time.monotonic())
                 arrived.set()
 
-    with tempfile.TemporaryDirectory(prefix="nvb-", dir="/tmp") as scratch:
+    with LoopThread(5.0) as on_loop, tempfile.TemporaryDirectory(prefix="nvb-", dir="/tmp") as scratch:
         plugin_dir = Path(scratch)
         kubelet_socket = plugin_dir / "kubelet.sock"
 
@@ -62,7 +53,7 @@ def main() -> int:
             watch.start()
             return watch, asyncio.create_task(consume(bus))
 
-        watch, consumer = on_loop(start())
+        watch, consumer = on_loop.run(start())
         took: list[float] = []
         try:
             for _ in range(args.samples):
@@ -77,9 +68,8 @@ def main() -> int:
                 kubelet_socket.unlink()
                 time.sleep(0.003)
         finally:
-            loop.call_soon_threadsafe(consumer.cancel)
-            on_loop(watch.stop())
-            loop.call_soon_threadsafe(loop.stop)
+            on_loop.call(consumer.cancel)
+            on_loop.run(watch.stop())
     print(
         f"{'kubelet.sock bound -> loop':<28} n={len(took)}  p50 {percentile(took, 50):6.3f} ms  "
         f"p99 {percentile(took, 99):6.3f} ms  max {max(took):6.3f} ms"

@@ -5,15 +5,14 @@ doctor say why, naming the directory. Real inotify, real sockets, the real daemo
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from support.notify_socket import NotifySocket
@@ -27,6 +26,7 @@ from nvplug.sources.inotify_reader import InotifyReader, parse
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.loop_thread import LoopThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0
@@ -45,39 +45,12 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -
 # ---------------------------------------------------------------------------
 # The parent-watching logic alone, on real inotify
 
-_T = TypeVar("_T")
-
-
-class LoopThread:
-    """An event loop in a thread of its own, as the daemon's: the watch reads inotify on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(TIMEOUT)
-
-    def call(self, fn: Callable[[], _T]) -> _T:
-        async def call() -> _T:
-            return fn()
-
-        return self.run(call())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(TIMEOUT)
-        self.loop.close()
-
 
 @pytest.fixture
 def on_loop() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
+    """A loop in a thread, as the daemon's: the watch reads inotify on it."""
+    with LoopThread(TIMEOUT) as loop:
         yield loop
-    finally:
-        loop.close()
 
 
 class Recorder:

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -20,9 +19,9 @@ import pytest
 
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletError, KubeletThread, extended_resource_name_error
+from nvplug.testing.loop_thread import LoopThread
 
 RES = "example.com/gpu"
-_T = TypeVar("_T")
 
 
 def dev(id_: str, health: str = "Healthy", numa: tuple[int, ...] = ()) -> pb.Device:
@@ -476,21 +475,6 @@ def test_wait_for_timeout_describes_state(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------
 # The sync wrapper, with the plugin on another thread's loop (like another process)
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(15)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 def test_kubelet_thread(tmp_path: Path) -> None:
