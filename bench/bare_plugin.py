@@ -17,25 +17,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import os
 import secrets
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
+from nvplug.sources.inotify_reader import InotifyReader
 
 RESOURCE = "nvidia.com/gpu"
 ENDPOINT = "bare.sock"
-IN_CREATE = 0x100
-# struct inotify_event: wd, mask, cookie, len, then the name padded with NULs.
-EVENT = struct.Struct("iIII")
 # A kubelet.sock is bound before it listens: a Register in between is refused, and tried again soon.
 RETRY = 0.001
 
@@ -72,25 +68,23 @@ class BarePlugin:
         os.link(self.listener, self.name)
         return server
 
-    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(self.kubelet.parent), IN_CREATE) < 0:
-            raise OSError(ctypes.get_errno(), f"inotify on {self.kubelet.parent}")
-        loop.add_reader(fd, self._read, fd)
+    def watch(self) -> None:
+        """inotify on the plugin directory, read on the loop as nvplug reads it (`InotifyReader`)."""
+        reader = InotifyReader()
+        reader.add_callback(os.fsencode(self.kubelet.parent), Mask(InotifyConstants.IN_CREATE), self, CallbackId(0))
+        reader.start()
 
-    def _read(self, fd: int) -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        offset = 0
-        while offset < len(data):
-            _, mask, _, length = EVENT.unpack_from(data, offset)
-            name = data[offset + EVENT.size : offset + EVENT.size + length].rstrip(b"\0")
-            offset += EVENT.size + length
-            if mask & IN_CREATE and name == KUBELET_SOCKET.encode():
-                self.kubelet_came()
+    # What the reader calls (watchdog's WatchCallback).
+
+    def on_event(self, event: InotifyEvent) -> None:
+        if event.is_create and event.name == KUBELET_SOCKET.encode():
+            self.kubelet_came()
+
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        pass  # the directory stays for the bench's run
+
+    def on_queue_overflow(self) -> None:
+        pass  # a handful of events per restart
 
     def kubelet_came(self) -> None:
         """A new kubelet wiped our name with every other socket: link it again, then register."""
@@ -120,7 +114,7 @@ class BarePlugin:
 async def run(plugin_dir: Path, devices: int) -> None:
     plugin = BarePlugin(plugin_dir, devices)
     server = await plugin.serve()
-    plugin.watch(asyncio.get_running_loop())
+    plugin.watch()
     if plugin.kubelet.exists():
         plugin.kubelet_came()
     await plugin.registered.wait()

@@ -121,7 +121,7 @@ def main() -> int:
             side.start()
         time.sleep(1.0)
         if other is not None:  # the bare plugin has no NVML behind it
-            alternate(sides, args.samples, Side.xid_sample)
+            alternate(sides, args.samples, lambda side, i: side.xid_sample(i))
         alternate(sides, args.samples, lambda side, i: side.restart_sample(i))
     ours, theirs = (side.figures() for side in sides)
     print(f"{'':<20} {sides[0].name + ' p50 / p99':>22} {sides[1].name + ' p50 / p99':>26}   ratio p50 / p99")
