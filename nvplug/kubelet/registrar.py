@@ -78,8 +78,6 @@ class Registrar:
         # Told whenever `registered` flips, for the status line.
         self._on_change = on_change
         self._listing = listing
-        # Whether the Register in flight was answered: a wake after that is no cancelled Register.
-        self._answered = False
         # The kubelet.sock the last Register went to (its device, inode and change time).
         self._with: tuple[int, int, int] | None = None
         # The Register in flight, which a wake cancels.
@@ -135,7 +133,8 @@ class Registrar:
     async def _register_unless_woken(self) -> bool:
         """One Register, which wake() cancels. False when a wake came first: `registered` stays clear,
         since the call was not this kubelet's."""
-        self._answered = False
+        # Counted as the kubelet answers: a wake after that cancels no Register, only the wait for the list.
+        registrations = self.registrations
         call = self._call = asyncio.create_task(self._register_once(), name=f"Register {self.resource_name}")
         try:
             # Waited on, not awaited: the wake's cancel of the call is no cancel of this task.
@@ -146,7 +145,7 @@ class Registrar:
             # Let the cancelled call close its channel before anything else runs.
             await asyncio.wait((call,))
         if call.cancelled():
-            if self._answered:
+            if self.registrations > registrations:
                 self._log_registered()  # by the kubelet that a new kubelet.sock has just replaced
                 return False
             log.info(
@@ -175,7 +174,6 @@ class Registrar:
             ) as channel:
                 listed = self._listing.streams_listed if self._listing is not None else 0
                 await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
-                self._answered = True
                 self.registrations += 1
                 await self._listed_after(listed)
         except grpc.aio.AioRpcError as err:
