@@ -25,7 +25,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from latency import count, first_update, percentile  # bench/ is on the path of a script run from it
 
 from nvplug.testing.simulated_node import SimulatedNode, registered_with
-from nvplug.testing.udev_sender import UdevSender, pci_event
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 GFD_INTERVAL = 60.0  # seconds between GFD's relabels (--sleep-interval)
@@ -56,7 +56,7 @@ def run(samples: int) -> None:
             node.kubelet.wait_for(registered_with(8), TIMEOUT)
             wait_file(node.feature_file, lambda t: "nvidia.com/gpu.count=8\n" in t)
             file_add, file_remove, list_add, list_remove = [], [], [], []
-            with UdevSender() as udev:
+            with node.udev() as udev:
                 for i in range(samples):
                     uuid = f"GPU-bench{i:03d}-0000-4000-8000-000000000000"
                     bus = f"0001:{i % 256:02x}:{i // 256:02x}.0"

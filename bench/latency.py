@@ -38,7 +38,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, Update
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev_sender import UdevSender, pci_event
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 # (target, unit, what NVIDIA's plugin does) per measure.
@@ -157,7 +157,7 @@ def bench_xid(node: SimulatedNode, samples: int) -> tuple[list[float], list[floa
 
 def bench_udev(node: SimulatedNode, samples: int) -> tuple[list[float], list[float]]:
     adds, removes = [], []
-    with UdevSender() as udev:
+    with node.udev() as udev:
         for i in range(samples):
             uuid = f"GPU-bench{i:03d}-0000-4000-8000-000000000000"
             # Domain 0001: clear of the scenario's GPUs.

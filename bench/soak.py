@@ -44,7 +44,7 @@ from nvplug.status import status_client as statusclient
 from nvplug.testing.fakenvml import ControlError
 from nvplug.testing.kubelet_standin import FakeKubelet
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev_sender import UdevSender, pci_event
+from nvplug.testing.udev_sender import pci_event
 
 CONVERGE = 0.1  # seconds the stand-in may lag the daemon
 TIMEOUT = 15.0
@@ -85,7 +85,7 @@ class Soak:
         self.slots: dict[str, int] = {}  # their slot: minor 100+slot, bus 0002:<slot>:00.0
         self.serial = 0
         self.fatal_13 = False
-        self.udev = UdevSender() if os.geteuid() == 0 else None
+        self.udev = node.udev() if node.netns is not None else None
         # GPUs whose last reset-class fault has had no repair since: they must stay Unhealthy.
         self.broken: set[str] = set()
         # Reset-class XIDs the daemon never showed, by how they were sent: through NVML alone,

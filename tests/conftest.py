@@ -11,6 +11,7 @@ import pytest
 from support.notify_socket import NotifySocket
 
 from nvplug.testing import fakenvml
+from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.simulated_node import SimulatedNode
 
 
@@ -47,3 +48,10 @@ def notify(short_tmp: Path) -> Iterator[NotifySocket]:
     sock = NotifySocket(short_tmp / "notify.sock")
     yield sock
     sock.close()
+
+
+@pytest.fixture
+def netns() -> Iterator[NetNamespace]:
+    """A network namespace of the test's own, for udev sent and heard in-process (needs root)."""
+    with NetNamespace() as ns:
+        yield ns

@@ -22,7 +22,7 @@ from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing.kubelet_standin import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev_sender import pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 
@@ -76,8 +76,8 @@ def recording_node(node: SimulatedNode) -> ListRecorder:
     return recorder
 
 
-def udev(action: str, bus_id: str) -> None:
-    send_uevent(pci_event(action, bus_id, driver="nvidia" if action == "bind" else None))
+def udev(node: SimulatedNode, action: str, bus_id: str) -> None:
+    node.send_uevent(pci_event(action, bus_id, driver="nvidia" if action == "bind" else None))
 
 
 def test_a_hot_added_gpu_is_in_the_spec_before_it_is_in_the_list(node: SimulatedNode) -> None:
@@ -85,8 +85,8 @@ def test_a_hot_added_gpu_is_in_the_spec_before_it_is_in_the_list(node: Simulated
     new = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
     assert new not in spec_names(node.cdi_dir)
     node.add_gpu(NEW_GPU)
-    udev("add", "0000:cc:00.0")
-    udev("bind", "0000:cc:00.0")
+    udev(node, "add", "0000:cc:00.0")
+    udev(node, "bind", "0000:cc:00.0")
     node.kubelet.wait_for(registered_with(9), TIMEOUT)
     assert any(new in ids for ids, _ in recorder.lists)
     # Every list, the first included, found each of its devices already in the spec.
@@ -101,7 +101,7 @@ def test_a_removed_gpu_leaves_the_spec_after_it_leaves_the_list(node: SimulatedN
     gpus = node.scenario_gpus()
     gone = gpus[7]["uuid"]
     node.control.remove(7)
-    udev("remove", gpus[7]["bus"])
+    udev(node, "remove", gpus[7]["bus"])
     node.kubelet.wait_for(registered_with(7), TIMEOUT)
     wait_until(lambda: gone not in spec_names(node.cdi_dir), "the removed GPU to leave the spec")
     # Each list that still held it found its entry in the spec.

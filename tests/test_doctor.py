@@ -141,8 +141,9 @@ def status_server(node: SimulatedNode) -> Iterator[FakeStatusServer]:
 
 
 def nvplug(node: SimulatedNode, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # On the node, as an operator runs it: in its network namespace, where its API server is.
     return subprocess.run(
-        [sys.executable, "-m", "nvplug", *args],
+        node.isolated([sys.executable, "-m", "nvplug", *args]),
         env=dict(env if env is not None else doctor_env(node)),
         text=True,
         capture_output=True,

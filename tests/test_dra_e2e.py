@@ -35,7 +35,7 @@ from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing.podresources_standin import ClaimDevice, Container, Pod
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev_sender import pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 DRIVER = "gpu.nvidia.com"
@@ -113,7 +113,7 @@ def serving(node: SimulatedNode, api: FakeApiServer, kubelet: DraKubelet) -> Ite
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
     # A 1.34 control plane: DRADeviceTaints is alpha and off, so an Unhealthy device leaves the pool.
-    api = FakeApiServer(versions=("v1", "v1beta1"), taints=False)
+    api = FakeApiServer(versions=("v1", "v1beta1"), taints=False, netns=node.netns)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.34", api))
 
@@ -197,8 +197,8 @@ def test_health_changes_and_hot_adds_reach_the_slices_within_milliseconds(dra: D
             f'uuid={new} name="NVIDIA H100 80GB HBM3" minor=8 bus=0000:CC:00.0 numa=1 memory_mib=81559 cc=9.0'
         )
         began = time.monotonic()
-        send_uevent(pci_event("add", "0000:cc:00.0"))
-        send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
+        dra.node.send_uevent(pci_event("add", "0000:cc:00.0"))
+        dra.node.send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
         dra.wait(lambda: "gpu-8" in dra.pool(), "the hot-added GPU in the pool")
         print(f"hot add -> ResourceSlice with gpu-8: {(time.monotonic() - began) * 1000:.1f} ms")
         assert dra.pool()["gpu-8"]["attributes"]["uuid"] == {"string": new}

@@ -28,14 +28,14 @@ TIMEOUT = 15.0
 
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",))
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
 
 
 @pytest.fixture
 def dra_137(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",))
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.37", api))
 

@@ -39,7 +39,7 @@ NODE_KIND = "k8s.device-plugin.nvidia.com/gpu"
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
     # 1.36: taints kept, resource health watched.
-    api = FakeApiServer(versions=("v1",))
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
     # Whatever a test left: the claims' control daemons quit at SIGTERM (stop_daemon), none run on.

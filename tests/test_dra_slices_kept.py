@@ -25,7 +25,7 @@ LATE = 0.3
 
 @pytest.fixture
 def late(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",))
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
     api.bookmark_seconds = 0.2
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.32", api, late_wipe=LATE))

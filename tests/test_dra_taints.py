@@ -27,7 +27,7 @@ ADMIN = {"key": "example.com/maintenance", "value": "rack-7", "effect": "NoSched
 
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",))
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
     api.start()
     yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
 

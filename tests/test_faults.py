@@ -20,7 +20,7 @@ import pytest
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev_sender import UdevSender, pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 
@@ -229,7 +229,7 @@ def test_gpu_lost_during_a_rescan(node: SimulatedNode) -> None:
     lost = gpus[5]["uuid"]
     node.add_gpu(NEW_GPU)
     # At the same moment: the hotplug that rescans, and another GPU falling off the bus.
-    send_uevent(pci_event("add", "0000:cc:00.0"))
+    node.send_uevent(pci_event("add", "0000:cc:00.0"))
     node.control.lose(5)
     expected = {g["uuid"]: g["uuid"] != lost for g in gpus} | {NEW_UUID: True}
     node.kubelet.wait_for(health_is(expected), TIMEOUT)
@@ -270,7 +270,7 @@ def test_nvml_init_failing_at_start_comes_alive_on_bind(node: SimulatedNode) -> 
     node.wait_log("Driver Not Loaded")
     node.control.init_error(0)
     bound = time.monotonic()
-    send_uevent(pci_event("bind", node.scenario_gpus()[0]["bus"], driver="nvidia"))
+    node.send_uevent(pci_event("bind", node.scenario_gpus()[0]["bus"], driver="nvidia"))
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
     report(f"alive {time.monotonic() - bound:.2f}s after the bind")
     node.wait_log("NVML works again")
@@ -295,7 +295,7 @@ def test_udev_and_xid_floods(node: SimulatedNode) -> None:
     # 10,000 udev messages: a bus id no scenario GPU has, and each GPU's "change".
     buses = ["0000:ee:00.0"] + [g["bus"] for g in gpus]
     began = time.monotonic()
-    with UdevSender() as sender:
+    with node.udev() as sender:
         for i in range(10_000):
             sender.send(pci_event("change", buses[i % len(buses)], driver="nvidia"))
     udev_s = time.monotonic() - began

@@ -16,7 +16,7 @@ import pytest
 from nvplug.status import status_client as statusclient
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev_sender import pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 
@@ -242,8 +242,8 @@ def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evi
             node.kubelet.wait_for(device_health(uuids[index], healthy=index in healthy), TIMEOUT)
 
     # GPU 0: the driver unbound and re-bound (a reset through sysfs, or nvidia-smi -r).
-    send_uevent(pci_event("unbind", gpus[0]["bus"].lower()))
-    send_uevent(pci_event("bind", gpus[0]["bus"].lower(), driver="nvidia"))
+    node.send_uevent(pci_event("unbind", gpus[0]["bus"].lower()))
+    node.send_uevent(pci_event("bind", gpus[0]["bus"].lower(), driver="nvidia"))
     only({0})
     node.wait_log("healthy: recovered: driver unbound and re-bound, probe passed")
     # GPU 1: NVML's recovery action asks for a reset, then reads NONE.
@@ -259,7 +259,7 @@ def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evi
     only({0, 1, 3})
     # GPU 2: the driver was reloaded (a new /sys/module/nvidia), and re-bound the GPUs.
     node.reload_driver()
-    send_uevent(pci_event("bind", gpus[2]["bus"].lower(), driver="nvidia"))
+    node.send_uevent(pci_event("bind", gpus[2]["bus"].lower(), driver="nvidia"))
     only({0, 1, 2, 3})
     node.wait_log("healthy: recovered: the NVIDIA driver was reloaded, probe passed")
 

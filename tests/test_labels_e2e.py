@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from nvplug.testing.simulated_node import SimulatedNode, registered_with
-from nvplug.testing.udev_sender import pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sending udev netlink messages needs root")
 
@@ -58,8 +58,8 @@ def test_labels_at_start_and_after_a_hot_add(node: SimulatedNode) -> None:
     assert node.feature_file.stat().st_mode & 0o777 == 0o644
     node.add_gpu(NEW_GPU)
     sent = time.monotonic()
-    send_uevent(pci_event("add", "0000:cc:00.0"))
-    send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
+    node.send_uevent(pci_event("add", "0000:cc:00.0"))
+    node.send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
     wait_labels(node, lambda lb: lb.get("gpu.count") == "9", "9 GPUs")
     assert time.monotonic() - sent < 5.0
     node.wait_log("node labels written to")

@@ -14,7 +14,7 @@ from test_mig_e2e import mig_node, streaming
 
 from nvplug.sinks.cdi.cdi_spec import GPU_KIND
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
-from nvplug.testing.udev_sender import pci_event, send_uevent
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -187,8 +187,8 @@ def test_a_hot_added_gpu_of_a_new_model_brings_its_resource_up(node: SimulatedNo
     node.kubelet.wait_for(registered_with(16, "nvidia.com/a100"), TIMEOUT)
     l40s = "GPU-5eb1a1d2-0c1e-4b7a-9e36-3d0c2a1f9b08"
     node.add_gpu(f'uuid={l40s} name="NVIDIA L40S" minor=8 bus=0000:CC:00.0 numa=1 memory_mib=46068 cc=8.9')
-    send_uevent(pci_event("add", "0000:cc:00.0"))
-    send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
+    node.send_uevent(pci_event("add", "0000:cc:00.0"))
+    node.send_uevent(pci_event("bind", "0000:cc:00.0", driver="nvidia"))
     # No pattern names an L40S: it is nvidia.com/gpu, served now that a GPU has that name.
     node.kubelet.wait_for(registered_with(1, GPU_RESOURCE), TIMEOUT)
     plugin = node.kubelet.plugin(GPU_RESOURCE)
@@ -196,7 +196,7 @@ def test_a_hot_added_gpu_of_a_new_model_brings_its_resource_up(node: SimulatedNo
     assert node.kubelet.accepted_registrations("nvidia.com/a100") == 1
     # Gone again: the resource retires with an empty list; the others stay registered.
     node.control.remove(8)
-    send_uevent(pci_event("remove", "0000:cc:00.0"))
+    node.send_uevent(pci_event("remove", "0000:cc:00.0"))
     node.kubelet.wait_for(lambda k: (p := k.plugin(GPU_RESOURCE)) is not None and not p.stream_open, TIMEOUT)
     gone = node.kubelet.plugin(GPU_RESOURCE)
     assert gone is not None and gone.updates[-1].devices == () and gone.stream_end == "EOF"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from nvplug.testing.kubelet_standin import FakeKubelet
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
-from nvplug.testing.udev_sender import UdevSender, pci_event
+from nvplug.testing.udev_sender import pci_event
 
 ROUNDS = 10
 TIMEOUT = 15.0
@@ -96,7 +96,7 @@ class _Flood:
             time.sleep(0.0001)
 
     def _udev(self) -> None:
-        with UdevSender() as sender:
+        with self._node.udev() as sender:
             i = 0
             while not self._done.is_set():
                 sender.send(pci_event("change", self._buses[i % len(self._buses)], driver="nvidia"))

@@ -153,10 +153,10 @@ def test_journald_priorities_when_stderr_is_the_journal(node: SimulatedNode, sho
         st = os.fstat(stream.fileno())
         env = node.daemon_env()
         env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-        argv = [sys.executable, "-m", "nvplug", "run", "--device-plugin-dir", str(node.plugin_dir),
+        argv = node.isolated([sys.executable, "-m", "nvplug", "run", "--device-plugin-dir", str(node.plugin_dir),
                 "--config", str(node.config), "--dev-root", str(node.dev_root),
                 *node.cdi_args(), "--state-dir", str(node.state_dir),
-                "--nfd-feature-file", str(node.feature_file)]  # fmt: skip
+                "--nfd-feature-file", str(node.feature_file)])  # fmt: skip
         daemon = subprocess.Popen(argv, env=env, stderr=stream, stdin=subprocess.DEVNULL)
         try:
             node.kubelet.wait_for(registered_with(8), TIMEOUT)

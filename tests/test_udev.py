@@ -1,7 +1,8 @@
 """The udev source and the test-side udevd stand-in, through real netlink (no mocks).
 
-Other tests may run a daemon that also listens on group 2, so every bus id here
-is in the made-up PCI domain 7e57 and assertions look only at that domain.
+Each test sends and receives in a network namespace of its own (`netns`), so no
+other test's daemon, nor the machine's own nvplug, hears it or is heard. Bus ids
+are in the made-up PCI domain 7e57 all the same, and assertions look only there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyudev  # type: ignore[import-untyped]
 
 from nvplug.core.events import Event, PciChanged
 from nvplug.sources.udev_monitor import UdevSource, WarningLimiter
+from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.udev_sender import UdevSender, encode_uevent, murmur_hash2, pci_event
 
 pytestmark = pytest.mark.skipif(
@@ -55,6 +57,7 @@ async def _wait(condition: Callable[[], bool], timeout: float) -> bool:
 
 
 def run_source(
+    netns: NetNamespace,
     send: Callable[[UdevSender], None],
     done: Callable[[Run], bool],
     *,
@@ -62,7 +65,7 @@ def run_source(
     after: Callable[[Run, UdevSender], None] | None = None,
     receive_buffer_size: int | None = None,
 ) -> Run:
-    """Starts a UdevSource, sends, and collects our domain's events until `done` (or timeout).
+    """Starts a UdevSource in `netns`, sends there, and collects our domain's events until `done` (or timeout).
 
     `after`, if given, runs once `done` holds (or timed out) and must itself send
     a SENTINEL event, which is then awaited.
@@ -83,7 +86,7 @@ def run_source(
         source = UdevSource(emit, overflowed, receive_buffer_size=receive_buffer_size)
         source.start()
         try:
-            with UdevSender() as sender:
+            with UdevSender(netns) as sender:
                 send(sender)
                 await _wait(lambda: done(run), timeout)
                 if after is not None:
@@ -93,7 +96,8 @@ def run_source(
         finally:
             await source.stop()
 
-    asyncio.run(main())
+    # The loop runs in a thread inside the namespace: the source's socket is made there.
+    netns.run(lambda: asyncio.run(main()))
     assert run.loop_errors == []
     return run
 
@@ -149,12 +153,12 @@ def test_pci_event_follows_the_kernel() -> None:
         assert "DRIVER" not in pci_event(action, "0000:18:00.0")
 
 
-def test_plain_pyudev_monitor_receives_what_the_sender_sends() -> None:
-    monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
+def test_plain_pyudev_monitor_receives_what_the_sender_sends(netns: NetNamespace) -> None:
+    monitor = netns.run(lambda: pyudev.Monitor.from_netlink(pyudev.Context(), source="udev"))
     monitor.filter_by(subsystem="pci")
     monitor.start()
     sent = pci_event("bind", GPU)
-    with UdevSender() as sender:
+    with UdevSender(netns) as sender:
         sender.send(sent)
     deadline = time.monotonic() + 3
     got = None
@@ -170,7 +174,41 @@ def test_plain_pyudev_monitor_receives_what_the_sender_sends() -> None:
     assert device.driver == "nvidia"
 
 
-def test_source_emits_nvidia_actions_with_normalised_bus_ids(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_namespace_keeps_its_messages_to_itself(netns: NetNamespace) -> None:
+    """What is sent in one namespace reaches a monitor there, and neither the machine's own
+    namespace (this process's) nor another namespace: a node's uevents stay with its daemon."""
+    elsewhere = NetNamespace()
+    try:
+        monitors = {
+            "inside": netns.run(lambda: pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")),
+            "machine": pyudev.Monitor.from_netlink(pyudev.Context(), source="udev"),
+            "elsewhere": elsewhere.run(lambda: pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")),
+        }
+        for monitor in monitors.values():
+            monitor.start()
+        with UdevSender(netns) as sender:
+            sender.send(pci_event("bind", GPU))
+            sender.send(pci_event("bind", SENTINEL))
+        heard: dict[str, list[str]] = {name: [] for name in monitors}
+        deadline = time.monotonic() + 10
+        while SENTINEL not in heard["inside"] and time.monotonic() < deadline:
+            device = monitors["inside"].poll(timeout=0.5)
+            if device is not None:
+                heard["inside"].append(device.properties.get("PCI_SLOT_NAME", ""))
+        # Whatever leaked would be queued by now: it was sent before what "inside" heard last.
+        for name in ("machine", "elsewhere"):
+            while (device := monitors[name].poll(timeout=0)) is not None:
+                heard[name].append(device.properties.get("PCI_SLOT_NAME", ""))
+        assert heard["inside"] == [GPU, SENTINEL]
+        assert [bus for bus in heard["machine"] if bus.lower().startswith(DOMAIN)] == []
+        assert heard["elsewhere"] == []
+    finally:
+        elsewhere.close()
+
+
+def test_source_emits_nvidia_actions_with_normalised_bus_ids(
+    netns: NetNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
     actions = ["add", "bind", "change", "unbind", "remove"]
 
     def send(sender: UdevSender) -> None:
@@ -178,7 +216,7 @@ def test_source_emits_nvidia_actions_with_normalised_bus_ids(caplog: pytest.LogC
             sender.send(pci_event(action, GPU))
         sender.send(pci_event("add", "7e57:ac:00.1", pci_id="10de:2331", driver=None))
 
-    run = run_source(send, lambda r: len(r.events) >= 6)
+    run = run_source(netns, send, lambda r: len(r.events) >= 6)
     assert run.events == [
         PciChanged("add", GPU_NORM, None, "10DE:2330"),
         PciChanged("bind", GPU_NORM, "nvidia", "10DE:2330"),
@@ -190,7 +228,7 @@ def test_source_emits_nvidia_actions_with_normalised_bus_ids(caplog: pytest.LogC
     assert _warnings(caplog) == []
 
 
-def test_source_ignores_other_vendors_and_subsystems(caplog: pytest.LogCaptureFixture) -> None:
+def test_source_ignores_other_vendors_and_subsystems(netns: NetNamespace, caplog: pytest.LogCaptureFixture) -> None:
     virtio = pci_event("add", "7e57:01:00.0", pci_id="1AF4:1041", pci_class="20000", subsys_id="1AF4:1100")
     usb = {"ACTION": "add", "DEVPATH": "/devices/usb9/9-1", "SUBSYSTEM": "usb", "PCI_SLOT_NAME": "7e57:02:00.0"}
 
@@ -200,7 +238,7 @@ def test_source_ignores_other_vendors_and_subsystems(caplog: pytest.LogCaptureFi
         sender.send({**usb, "PCI_ID": "10DE:2330"}, subsystem="usb")
         sender.send(pci_event("bind", SENTINEL))
 
-    run = run_source(send, _sentinel_seen)
+    run = run_source(netns, send, _sentinel_seen)
     assert [e.bus_id for e in run.events] == [SENTINEL]
     assert _warnings(caplog) == []
 
@@ -223,20 +261,22 @@ GARBAGE: dict[str, tuple[Mapping[str, str | bytes], str]] = {
 
 
 @pytest.mark.parametrize("case", GARBAGE)
-def test_source_drops_garbage_with_one_warning_and_keeps_working(case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_source_drops_garbage_with_one_warning_and_keeps_working(
+    netns: NetNamespace, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     message, fragment = GARBAGE[case]
     caplog.set_level(logging.WARNING, LOGGER)
-    run = run_source(_with_sentinel(message), _sentinel_seen)
+    run = run_source(netns, _with_sentinel(message), _sentinel_seen)
     assert [e.bus_id for e in run.events] == [SENTINEL]
     warnings = _warnings(caplog)
     assert len(warnings) == 1, warnings
     assert fragment in warnings[0]
 
 
-def test_repeated_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+def test_repeated_warnings_are_rate_limited(netns: NetNamespace, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, LOGGER)
     bad = {**pci_event("add", GPU), "PCI_ID": "nvidia"}
-    run = run_source(_with_sentinel(*[bad] * 20), _sentinel_seen)
+    run = run_source(netns, _with_sentinel(*[bad] * 20), _sentinel_seen)
     assert [e.bus_id for e in run.events] == [SENTINEL]
     assert len(_warnings(caplog)) == 1
 
@@ -271,14 +311,14 @@ def _send_burst(sender: UdevSender) -> None:
         sender.send(pci_event("change", _burst_bus_id(i)))
 
 
-def test_burst_arrives_whole() -> None:
-    run = run_source(_send_burst, lambda r: len(r.events) >= BURST or r.overflows > 0)
+def test_burst_arrives_whole(netns: NetNamespace) -> None:
+    run = run_source(netns, _send_burst, lambda r: len(r.events) >= BURST or r.overflows > 0)
     # With the 16 MiB floor (libudev itself asks for 128 MiB) nothing should be lost.
     assert run.overflows == 0
     assert [e.bus_id for e in run.events] == [_burst_bus_id(i) for i in range(BURST)]
 
 
-def test_overflow_calls_back_and_the_source_recovers(caplog: pytest.LogCaptureFixture) -> None:
+def test_overflow_calls_back_and_the_source_recovers(netns: NetNamespace, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, LOGGER)
 
     def send_sentinel(_run: Run, sender: UdevSender) -> None:
@@ -286,6 +326,7 @@ def test_overflow_calls_back_and_the_source_recovers(caplog: pytest.LogCaptureFi
 
     # 64 KiB holds a few dozen messages; the burst is sent before the loop reads any.
     run = run_source(
+        netns,
         _send_burst,
         lambda r: r.overflows > 0,
         after=send_sentinel,
@@ -297,7 +338,7 @@ def test_overflow_calls_back_and_the_source_recovers(caplog: pytest.LogCaptureFi
     assert any("overflowed" in w for w in _warnings(caplog))
 
 
-def test_stop_closes_the_socket() -> None:
+def test_stop_closes_the_socket(netns: NetNamespace) -> None:
     async def main() -> tuple[str | None, int]:
         loop = asyncio.get_running_loop()
         source = UdevSource(lambda _event: None)
@@ -312,7 +353,7 @@ def test_stop_closes_the_socket() -> None:
         assert not loop.remove_reader(fd)
         return link, fd
 
-    link, fd = asyncio.run(main())
+    link, fd = netns.run(lambda: asyncio.run(main()))
     assert link is not None
     assert _fd_target(fd) != link  # closed, or the number reused for something else
 

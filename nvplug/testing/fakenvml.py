@@ -20,6 +20,7 @@ from typing import Literal, TypeAlias
 
 from nvplug.testing import c_build
 from nvplug.testing.c_build import CBuildError
+from nvplug.testing.net_namespace import NetNamespace
 
 __all__ = [
     "ANY_GPU",
@@ -265,8 +266,10 @@ class Control:
     replies and :class:`TimeoutError` when no reply comes in time.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, netns: NetNamespace | None = None) -> None:
         self.path = Path(path)
+        # Where the library runs: the reply comes to an abstract address, which lives in a network namespace.
+        self._netns = netns
 
     def send(self, command: str, timeout: float = 5.0) -> str:
         """Send one command line and return the reply."""
@@ -274,7 +277,7 @@ class Control:
             raise ValueError("one command per call")
         deadline = time.monotonic() + timeout
         payload = command.encode()
-        with _client_socket() as sock:
+        with _client_socket(self._netns) as sock:
             while True:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 try:
@@ -500,13 +503,23 @@ def _word(value: object) -> str:
 
 
 @contextlib.contextmanager
-def _client_socket() -> Iterator[socket.socket]:
+def _client_socket(netns: NetNamespace | None) -> Iterator[socket.socket]:
     """A datagram socket bound to an address, so that the library can reply to it.
 
     Linux autobind gives a unique abstract address: no file to clean up, and a
-    library in another mount namespace (a container sharing our network
-    namespace) can still reach it.
+    library in another mount namespace (a container) can still reach it. An
+    abstract address belongs to a network namespace: the socket is made in the
+    library's (`netns`, or ours).
     """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind("")
+
+    def bound() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind("")
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    with netns.run(bound) if netns is not None else bound() as sock:
         yield sock

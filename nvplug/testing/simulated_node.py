@@ -1,5 +1,6 @@
 """A simulated GPU node: the fake NVML library, a kubelet stand-in and the real
-daemon as a child process, all in one directory. Used by the tests and the demo."""
+daemon as a child process, all in one directory and, for udev, one network
+namespace of its own. Used by the tests and the demo."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from nvplug.testing import fakenvml
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.net_namespace import NamespaceUnavailable, NetNamespace, isolated
+from nvplug.testing.udev_sender import UdevSender
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # The simulated machine's DMI product name (/sys/class/dmi/id/product_name).
@@ -114,6 +117,17 @@ class SimulatedNode:
         self.mps_root = root / "mps"
         self.mps_control = self.bin_dir / mps_control.BINARY_NAME
         self.kubelet = KubeletThread(self.plugin_dir)
+        # The daemon's network namespace, where this node's udev messages go; None where none can be
+        # made (not root), and then why: such a node sends no udev message at all.
+        self.netns: NetNamespace | None = None
+        self.no_netns_reason = ""
+        if os.geteuid() != 0:
+            self.no_netns_reason = "sending udev netlink messages needs root"
+        else:
+            try:
+                self.netns = NetNamespace()
+            except NamespaceUnavailable as exc:
+                self.no_netns_reason = str(exc)
         self.daemon: subprocess.Popen[bytes] | None = None
         # What copies the daemon's log into log_path: a thread here (to echo it), or a process of its own.
         self._log_pump: threading.Thread | subprocess.Popen[bytes] | None = None
@@ -268,11 +282,26 @@ class SimulatedNode:
 
     @property
     def control(self) -> fakenvml.Control:
-        return fakenvml.Control(self.control_path)
+        return fakenvml.Control(self.control_path, self.netns)
 
     @property
     def plugin_socket(self) -> Path:
         return self.plugin_dir / "nvplug-nvidia.com-gpu.sock"
+
+    def udev(self) -> UdevSender:
+        """A udevd stand-in that sends in this node's network namespace only."""
+        if self.netns is None:
+            raise NamespaceUnavailable(errno.EPERM, f"no network namespace for udev: {self.no_netns_reason}")
+        return UdevSender(self.netns)
+
+    def send_uevent(self, properties: Mapping[str, str | bytes]) -> None:
+        """One uevent on a throwaway socket (SEQNUM 1): use udev() for sequences."""
+        with self.udev() as sender:
+            sender.send(properties)
+
+    def isolated(self, argv: Sequence[str]) -> list[str]:
+        """`argv` in this node's network namespace (or one of its own, not root): every daemon runs so."""
+        return isolated(argv, self.netns)
 
     def daemon_env(self, nvml: NvmlSource = "fake") -> dict[str, str]:
         env = dict(os.environ)
@@ -297,7 +326,7 @@ class SimulatedNode:
             self.build_library()
         # A real /dev/kmsg shows each reader the log from its oldest record: a restarted daemon sees it all again.
         self.replay_kernel_log()
-        argv: Sequence[str] = [
+        argv = self.isolated([
             sys.executable, "-m", "nvplug", "run",
             "--device-plugin-dir", str(self.plugin_dir),
             "--dev-root", str(self.dev_root),
@@ -313,7 +342,7 @@ class SimulatedNode:
             "--kernel-log", str(self.kernel_log_path),
             "--mps-root", str(self.mps_root),
             *extra,
-        ]  # fmt: skip
+        ])  # fmt: skip
         full_env = self.daemon_env(nvml)
         full_env.update(env or {})
         if echo is None:
@@ -404,6 +433,8 @@ class SimulatedNode:
         if isinstance(self._log_pump, subprocess.Popen) and self._log_pump.poll() is None:
             self._log_pump.kill()
             self._log_pump.wait()
+        if self.netns is not None:
+            self.netns.close()
 
     def __enter__(self) -> SimulatedNode:
         return self

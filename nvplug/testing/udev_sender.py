@@ -3,6 +3,9 @@
 No udevd runs on the test machines, so this is how tests get udev traffic that a
 `pyudev.Monitor.from_netlink(ctx, source="udev")` accepts. Receivers drop
 messages from senders whose uid is not 0, so sending needs root.
+
+A sender always sends in a simulated node's own network namespace, never in the
+machine's: there, a real nvplug serving real GPUs would hear it too.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import socket
 import struct
 from collections.abc import Mapping
 from types import TracebackType
+
+from nvplug.testing.net_namespace import NetNamespace
 
 NETLINK_KOBJECT_UEVENT = 15
 UDEV_GROUP = 2  # udevd re-broadcasts here; group 1 is the kernel's own
@@ -83,15 +88,15 @@ def encode_uevent(properties: Mapping[str, str | bytes], subsystem: str = "pci",
 
 
 class UdevSender:
-    """One netlink socket that broadcasts uevents as udevd would. Needs root.
+    """One netlink socket, made in `netns`, that broadcasts uevents there as udevd would. Needs root.
 
     SEQNUM, which every receiver requires, is filled in from this sender's own
     counter (starting at 1) when the properties lack it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, netns: NetNamespace) -> None:
         try:
-            self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_KOBJECT_UEVENT)
+            self._sock = netns.run(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_KOBJECT_UEVENT))
         except OSError as exc:
             raise OSError(exc.errno, f"cannot open a NETLINK_KOBJECT_UEVENT socket: {exc.strerror}") from exc
         self._seqnum = itertools.count(1)
@@ -121,9 +126,11 @@ class UdevSender:
         self.close()
 
 
-def send_uevent(properties: Mapping[str, str | bytes], subsystem: str = "pci", devtype: str | None = None) -> None:
-    """Send one uevent on a throwaway socket. SEQNUM defaults to 1: use a UdevSender for sequences."""
-    with UdevSender() as sender:
+def send_uevent(
+    netns: NetNamespace, properties: Mapping[str, str | bytes], subsystem: str = "pci", devtype: str | None = None
+) -> None:
+    """Send one uevent in `netns` on a throwaway socket. SEQNUM defaults to 1: use a UdevSender for sequences."""
+    with UdevSender(netns) as sender:
         sender.send(properties, subsystem, devtype)
 
 

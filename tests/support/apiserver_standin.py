@@ -48,6 +48,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
+from nvplug.testing.net_namespace import NetNamespace
+
 Obj = dict[str, Any]
 
 GROUP = "resource.k8s.io"
@@ -898,6 +900,7 @@ class FakeApiServer:
         port: int = 0,
         *,
         taints: bool = True,
+        netns: NetNamespace | None = None,
     ) -> None:
         if not versions or len(set(versions)) != len(versions):
             raise ValueError(f"versions must be distinct and not empty: {versions!r}")
@@ -911,6 +914,8 @@ class FakeApiServer:
         # Whether a taint may have the effect None (1.35 on); False refuses it, as 1.33 and 1.34 do.
         self.effect_none = True
         self._port = port
+        # Where 127.0.0.1 is the daemon's: a simulated node's network namespace, or this process's.
+        self._netns = netns
         self._lock = threading.Lock()
         # Signalled, under _lock, at every event for the watches and when they must end.
         self._changed = threading.Condition(self._lock)
@@ -955,7 +960,8 @@ class FakeApiServer:
         with self._life_lock:
             if self._server is not None:
                 raise RuntimeError("FakeApiServer already started")
-            server = _Server(("127.0.0.1", self._port), self)
+            address = ("127.0.0.1", self._port)
+            server = self._netns.run(lambda: _Server(address, self)) if self._netns else _Server(address, self)
             self._port = int(server.server_address[1])
             thread = threading.Thread(
                 target=server.serve_forever,

@@ -524,6 +524,9 @@ class Container:
         root = self.run_dir / "root"
         argv = [
             "systemd-nspawn", "--quiet", "--boot", "--console=pipe", "--register=no", "--keep-unit",
+            # A network namespace of its own: the nvplug inside hears no uevent of the machine's (nor
+            # of another test's), and a real nvplug on the machine hears none of the container's.
+            "--private-network",
             f"--machine={self.name}", f"--directory={root}", *(b.option() for b in self.binds),
         ]  # fmt: skip
         if self.snapshot == "overlay":
