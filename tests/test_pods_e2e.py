@@ -7,6 +7,7 @@ import sys
 import time
 
 from nvplug.status import status_client as statusclient
+from nvplug.status.status_report import PODS_READER_WAIT
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
@@ -150,10 +151,11 @@ def test_a_slow_kubelet_does_not_stall_status(node: SimulatedNode) -> None:
     gpus = start(node)
     node.kubelet.admit("ml", "trainer-0", "main", GPU_RESOURCE, [gpus[1]["uuid"]])
     assert status(node)["pods_error"] is None
-    node.kubelet.pod_resources.delay = 3.0
+    # Slower than the bound below by far, which is ten times what the daemon waits for the kubelet.
+    node.kubelet.pod_resources.delay = 30.0
     time.sleep(2.2)  # past the cache
     began = time.monotonic()
-    doc = status(node)  # the client gives up after 5 s; the daemon answers well before
-    assert time.monotonic() - began < 1.5
+    doc = statusclient.status(f"unix:{node.status_socket}", timeout=30)
+    assert time.monotonic() - began < 10 * PODS_READER_WAIT
     # The last answer serves while the kubelet is slow.
     assert [p["pod"] for p in doc["gpus"][1]["pods"]] == ["trainer-0"]  # type: ignore[index]

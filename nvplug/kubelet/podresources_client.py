@@ -112,6 +112,9 @@ class PodResourcesClient:
         self._timeout = timeout
         self._channel: grpc.aio.Channel | None = None
         self._refused_until = 0.0
+        # What the kubelet's refusal said: while we hold off, that is still the reason, in the same
+        # words (a reason is logged once; new words for it would log it again).
+        self._refusal = ""
         self.calls = 0
 
     async def list_pods(self) -> tuple[ContainerDevices, ...]:
@@ -142,7 +145,7 @@ class PodResourcesClient:
         if not self.socket.is_socket():
             raise PodResourcesUnavailable(f"no PodResources socket at {self.socket} (kubelet down, or older than 1.13)")
         if time.monotonic() < self._refused_until:
-            raise PodResourcesUnavailable("the kubelet's rate limit refused us a moment ago")
+            raise PodResourcesUnavailable(self._refusal)
         wait = self._bucket.delay()
         if wait:
             await asyncio.sleep(wait)
@@ -157,12 +160,14 @@ class PodResourcesClient:
         try:
             answer: R = await call(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
+            reason = f"{method} on {self.socket}: {err.code().name}: {err.details()}"
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._refused_until = time.monotonic() + REFUSED_FOR
+                self._refusal = reason
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # A restarted kubelet made a new socket: dial again next time.
                 await self.close()
-            raise PodResourcesUnavailable(f"{method} on {self.socket}: {err.code().name}: {err.details()}") from err
+            raise PodResourcesUnavailable(reason) from err
         return answer
 
 
