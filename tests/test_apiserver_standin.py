@@ -832,8 +832,9 @@ def test_watch_bad_requests(api: FakeApiServer) -> None:
 def test_watch_timeout_seconds_ends_the_stream(api: FakeApiServer) -> None:
     started = time.monotonic()
     with WatchStream(api, "watch=true&timeoutSeconds=1") as watch:
-        assert watch.next(timeout=3) is None
-        assert 0.9 <= time.monotonic() - started < 2.5
+        # Ended by timeoutSeconds: not before it, and long before the wait would give up.
+        assert watch.next(timeout=30) is None
+        assert 0.9 <= time.monotonic() - started < 10
         # The connection is kept, as the API server keeps it.
         status, watch.headers = watch.send("GET", SLICES)
         assert status == 200 and watch.body()["kind"] == "ResourceSliceList"
@@ -873,7 +874,8 @@ def test_stop_ends_watches_quickly(api: FakeApiServer) -> None:
     assert api.watchers == 2
     started = time.monotonic()
     api.stop()
-    assert time.monotonic() - started < 1.0
+    # Below the 5 s that closing a connection waits for a watch left running.
+    assert time.monotonic() - started < 4.0
     for watch in watches:
         with pytest.raises((EOFError, ConnectionResetError)):
             watch.next(timeout=2)

@@ -371,7 +371,7 @@ def test_yaml_bomb_is_refused_without_expanding_it() -> None:
     # The same bomb under a key that is not in the schema.
     with pytest.raises(config.ConfigError, match=r"line 1: bomb: unknown key"):
         config.parse("bomb:\n" + _laughs(9).replace("sharing:", "  x:"), "bomb.yaml")
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # expanded, it would take hours
 
 
 def test_aliases_that_fan_out_are_cut_off_at_the_node_limit() -> None:
@@ -382,7 +382,8 @@ def test_aliases_that_fan_out_are_cut_off_at_the_node_limit() -> None:
     start = time.monotonic()
     with pytest.raises(config.ConfigError, match=r"more than 100000 YAML nodes \(aliases expanded\); refusing"):
         config.parse(text + "\n".join(items) + "\n", "fan.yaml")
-    assert time.monotonic() - start < 2
+    # The refusal is the proof; this catches a reading gone quadratic (it takes under 2 s when idle).
+    assert time.monotonic() - start < 20
 
 
 def test_deep_nesting_and_recursive_aliases_are_errors_not_crashes() -> None:

@@ -39,7 +39,7 @@ def test_a_hung_call_is_left_behind_and_nothing_queues_behind_it() -> None:
         started = time.monotonic()
         with pytest.raises(NvmlHung, match="since"):
             await calls.run("probe", "GPU-2", lambda: "never runs")
-        assert time.monotonic() - started < 0.05
+        assert time.monotonic() - started < 1.0  # the hung call it would queue behind runs for 10 s
         # ... another GPU's call runs on a fresh worker, and a scan (every GPU) waits.
         assert await calls.run("probe", "GPU-1", lambda: "answered") == "answered"
         with pytest.raises(NvmlHung):

@@ -75,17 +75,17 @@ def test_journal_stream_matches_device_and_inode(tmp_path: Path) -> None:
 
 def test_daemon_notifies_ready_status_watchdog_reload_and_stopping(node: SimulatedNode, notify: NotifySocket) -> None:
     node.kubelet.start()
-    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "2000000"})
     ready = notify.receive("READY")
     assert "nvidia.com/gpu" in ready["STATUS"] and "8 devices, 8 healthy" in ready["STATUS"]
     notify.receive("STATUS=nvidia.com/gpu registered: 8 devices, 8 healthy")
-    # Pings from the loop at half the watchdog timeout.
+    # Pings from the loop at half the watchdog timeout (1 s), each well within the timeout.
     pings = []
     while len(pings) < 4:
         notify.receive("WATCHDOG")
         pings.append(notify.messages[-1][0])
     gaps = [b - a for a, b in itertools.pairwise(pings)]
-    assert all(0.1 < g < 0.4 for g in gaps), gaps
+    assert all(0.5 < g < 2.0 for g in gaps), gaps
     node.control.xid(3, 79)
     notify.receive("STATUS=nvidia.com/gpu registered: 8 devices, 7 healthy")
     assert node.daemon is not None
