@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import assert_never
 
 from nvplug.core.events import (
     AutoResetStep,
@@ -47,7 +48,6 @@ from nvplug.core.events import (
     SwitchXid,
     WatchedDirChanged,
     XidOccurred,
-    assert_never,
 )
 from nvplug.core.node_state import NodeState, changed_between
 from nvplug.dra.dra_driver import DraDriver

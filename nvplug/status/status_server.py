@@ -393,7 +393,7 @@ class StatusServer:
                 # Read whatever was sent before answering: a client still writing would get EPIPE.
                 data = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
                 status, ctype, body = await self._answer(method, target.split("?", 1)[0], data, writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
         writer.write(
             f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
