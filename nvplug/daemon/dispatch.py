@@ -49,7 +49,8 @@ from nvplug.core.events import (
     WatchedDirChanged,
     XidOccurred,
 )
-from nvplug.core.node_state import NodeState, changed_between
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import changed_between
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet

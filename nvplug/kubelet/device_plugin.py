@@ -18,7 +18,8 @@ from google.protobuf.message import Message
 
 from nvplug.base.grpc_target import grpc_target
 from nvplug.core.device_nodes import host_path
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.shaping.resource_plan import Device, Resource

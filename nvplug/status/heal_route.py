@@ -22,7 +22,8 @@ from typing import Any
 from nvplug.core.events import Event, EvidenceFound, HealthReported
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears
-from nvplug.core.node_state import NodeState, find_gpu
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import find_gpu
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.status.status_server import Answer, Peer

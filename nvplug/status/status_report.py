@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from nvplug.core.events import Event
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note

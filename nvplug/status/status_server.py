@@ -30,7 +30,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nvplug import __version__
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.kubelet.pod_holders import Holder
 
