@@ -24,8 +24,7 @@ from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocat
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.shaping.resource_plan import Device, Resource
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.kubelet.server")
+log = logging.getLogger(__name__)
 
 # Projects a snapshot onto the devices of this resource, reusing what the last projection holds.
 Projection = Callable[[Snapshot, Resource | None], Resource]

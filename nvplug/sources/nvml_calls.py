@@ -29,7 +29,7 @@ from nvplug.core.snapshot import HungCall
 from nvplug.edges.edge_protocols import Publish
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 
-log = logging.getLogger("nvplug.events.nvml_calls")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -20,8 +20,7 @@ from nvplug.core.events import Event, ProbeResult
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Commit, Publish, Sink, StateUpdate
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.recovery")
+log = logging.getLogger(__name__)
 
 Probe = Callable[[str, str], Awaitable[ProbeResult]]
 

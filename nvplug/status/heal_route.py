@@ -28,8 +28,7 @@ from nvplug.sources.nvml_discovery import NvmlUnavailable
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.status.status_server import Answer, Peer
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.heal")
+log = logging.getLogger(__name__)
 
 # nvidia-smi -r takes seconds, more on GPUs behind NVSwitches; past this it is stuck.
 RESET_TIMEOUT = 120.0

@@ -34,8 +34,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.kubelet.pod_holders import Holder
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.status")
+log = logging.getLogger(__name__)
 
 MAX_REQUEST = 8192
 READ_TIMEOUT = 5.0
