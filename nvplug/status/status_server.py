@@ -60,10 +60,11 @@ def status_document(
     pods_error: str | None = None,
     excluded: Mapping[str, str] | None = None,
     dra: Mapping[str, list[dict[str, Any]]] | None = None,
+    roots: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why).
     `excluded`: GPUs nvplug.devices leaves out, and why. `dra`: by GPU UUID, its devices in the DRA
-    pool and the claims prepared with them."""
+    pool and the claims prepared with them. `roots`: where the daemon reads the node (Options.roots)."""
     excluded = excluded or {}
     dra = dra or {}
 
@@ -132,6 +133,8 @@ def status_document(
     return {
         "version": __version__,
         "revision": snapshot.revision,
+        # Where the daemon reads the node (--sysfs-root and the like): doctor reads there too.
+        "roots": dict(roots) if roots is not None else None,
         "nvml_error": snapshot.nvml_error,
         "health_watch_error": snapshot.health_watch_error,
         "kernel_log": {
