@@ -12,7 +12,8 @@ from nvplug.core.events import CdiChecked, InventoryFound
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.health import Health
 from nvplug.core.mig import CapMinors
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.allocation import AllocationPolicy, allocate
 from nvplug.shaping.resource_plan import ResourceSpec
 from nvplug.sinks.cdi import driver_files as driverfiles

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import json
 import os
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from nvplug.cli.doctor.daemon_roots import resolve_roots
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
@@ -549,6 +551,64 @@ def test_end_to_end_with_the_daemon(node: SimulatedNode) -> None:
     d = doctor(node, listen="")
     assert d.rc == 1
     assert d.verdict(7) == "FAIL", d
+
+
+def test_against_the_daemon_doctor_reads_where_it_does(node: SimulatedNode) -> None:
+    """Given no --device-plugin-dir, --dev-root, --proc-root or --sysfs-root, doctor reads the node
+    where the daemon it asks does (its /status shows its roots), not the machine's /sys, /proc, /dev."""
+    prepare(node)
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(8), 30)
+    args = doctor_args(node, f"unix:{node.status_socket}")
+    for flag in ("--device-plugin-dir", "--dev-root", "--proc-root", "--sys-root"):
+        at = args.index(flag)
+        del args[at : at + 2]
+    d = Doctor(nvplug(node, *args))
+    taken = f"--device-plugin-dir {node.plugin_dir}, --dev-root {node.dev_root}, --proc-root {node.proc_root}, "
+    assert f"reading the node where the running daemon does: {taken}--sysfs-root {node.sysfs_root}" in d.out, d
+    assert d.verdict(1) == "PASS" and f"{node.proc_root}/driver/nvidia/version: NVRM" in d.text(1), d
+    assert d.verdict(4) == "PASS" and f"{node.dev_root}/dev: " in d.text(4), d
+    assert d.verdict(5) == "PASS" and f"{node.plugin_dir}: " in d.text(5), d
+    assert d.verdict(6) == "PASS" and f"{node.plugin_dir}/kubelet.sock: gRPC channel ready" in d.text(6), d
+    # No proc file: the driver is found by its sysfs module, under the daemon's --sysfs-root.
+    (node.proc_root / "driver/nvidia/version").unlink()
+    d = Doctor(nvplug(node, *args))
+    assert d.verdict(1) == "PASS" and f"{node.driver_module} exists" in d.text(1), d
+
+
+def test_roots_given_stay_and_without_a_daemon_are_the_defaults(short_tmp: Path) -> None:
+    """A root on the command line is never the daemon's; one the daemon does not give is the option's default."""
+    args = argparse.Namespace(
+        status_listen=f"unix:{short_tmp}/none.sock",
+        config=short_tmp / "none.yaml",
+        device_plugin_dir=None,
+        dev_root=None,
+        proc_root=short_tmp / "proc",
+        sysfs_root=None,
+    )
+    resolved, taken = resolve_roots(args)
+    assert taken == []
+    assert (resolved.device_plugin_dir, resolved.dev_root, resolved.proc_root, resolved.sysfs_root) == (
+        Path("/var/lib/kubelet/device-plugins"),
+        None,  # the config's flags.nvidiaDevRoot, as before
+        short_tmp / "proc",
+        Path("/sys"),
+    )
+    roots = {"device_plugin_dir": "/var/lib/kubelet/device-plugins", "dev_root": "/n/dev-root", "proc_root": "/n/proc"}
+    server = FakeStatusServer(short_tmp / "status.sock", {"roots": roots})
+    try:
+        resolved, taken = resolve_roots(argparse.Namespace(**{**vars(args), "status_listen": server.listen}))
+    finally:
+        server.close()
+    # The plugin dir is where doctor would look anyway; --proc-root was given; no sysfs root was shown.
+    assert taken == ["--dev-root /n/dev-root"]
+    assert (resolved.device_plugin_dir, resolved.dev_root, resolved.proc_root, resolved.sysfs_root) == (
+        Path("/var/lib/kubelet/device-plugins"),
+        Path("/n/dev-root"),
+        short_tmp / "proc",
+        Path("/sys"),
+    )
 
 
 def test_the_kubelets_view_against_nvplugs(node: SimulatedNode) -> None:

@@ -17,7 +17,7 @@ from test_health import heal
 
 from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears, Fault, Health, HealthState
-from nvplug.core.node_state import HungCall, Snapshot
+from nvplug.core.snapshot import HungCall, Snapshot
 from nvplug.dra.dra_devices import offered
 from nvplug.dra.dra_driver import health_reports
 from nvplug.dra.resource_health import RESEND_SECONDS, TIMEOUT_SECONDS

@@ -304,7 +304,7 @@ def test_a_corrupt_state_file_is_logged_and_ignored(node: SimulatedNode) -> None
     start(node)
     plugin = node.kubelet.plugin(GPU_RESOURCE)
     assert plugin is not None and plugin.allocatable == 8
-    node.wait_log("WARNING nvplug.statefile: health state file")
+    node.wait_log("WARNING nvplug.sinks.health_state_file: health state file")
     assert "ignored: not JSON" in node.log_text()
     assert node.daemon is not None and node.daemon.poll() is None
 

@@ -42,7 +42,7 @@ from nvplug.sources import kernel_log
 from nvplug.sources.kernel_log import KernelLogSource
 from nvplug.testing.simulated_node import SimulatedNode
 
-LOGGER = "nvplug.events.kernel_log"
+LOGGER = "nvplug.sources.kernel_log"
 UUID = "GPU-b850f46d-d5ea-c752-ddf3-c4453e44d3f7"
 
 

@@ -10,7 +10,8 @@ import pytest
 from nvplug import config
 from nvplug.core.events import InventoryFound, XidOccurred
 from nvplug.core.gpu import Gpu, MigAttributes, MigDevice
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.sinks.gfd_labels import UNHEALTHY_COUNT, Machine, model_gpus, node_labels, render
 
 H100 = "NVIDIA H100 80GB HBM3"

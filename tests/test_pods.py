@@ -8,7 +8,8 @@ from pathlib import Path
 from nvplug.cli.doctor.crosscheck import CheckpointEntry, cross_check, read_checkpoint, unhealthy_ids
 from nvplug.core.events import InventoryFound
 from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.pod_holders import ContainerDevices, Holder, holders, of_gpu, resolve
 from nvplug.kubelet.podresources_client import TokenBucket
 

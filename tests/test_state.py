@@ -17,6 +17,8 @@ from nvplug.core.events import (
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears, Health
 from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import NODE_FIELDS
+from nvplug.core.snapshot_draft import SnapshotDraft
 from nvplug.core.xid_policy import XidPolicy
 from nvplug.shaping.resource_plan import ResourceSpec
 
@@ -84,6 +86,12 @@ def test_non_state_events_do_not_touch_state() -> None:
     state = NodeState()
     assert state.apply(KubeletSocketCreated()) == []
     assert state.current.revision == 0
+
+
+def test_the_draft_types_only_fields_a_snapshot_has() -> None:
+    # The draft copies and builds every field from the Snapshot's own list; its annotations only
+    # type them for the fold, so a renamed field must not live on there.
+    assert set(SnapshotDraft.__annotations__) <= set(NODE_FIELDS)
 
 
 def test_waiters_see_one_wakeup_for_a_burst() -> None:

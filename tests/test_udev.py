@@ -34,7 +34,7 @@ DOMAIN = "7e57:"
 GPU = "7E57:AB:00.0"  # upper case on purpose: the source must normalise it
 GPU_NORM = "7e57:ab:00.0"
 SENTINEL = "7e57:ff:1f.7"
-LOGGER = "nvplug.events.udev"
+LOGGER = "nvplug.sources.udev_monitor"
 
 
 @dataclass

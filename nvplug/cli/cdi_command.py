@@ -4,32 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
-from pathlib import Path
 
 from nvplug import config
 from nvplug.base.atomic_write import write_atomically
+from nvplug.cli.node_cdi_specs import node_specs
 from nvplug.sinks.cdi.cdi_files import DIR_MODE, SPEC_MODE
-from nvplug.sinks.cdi.cdi_publisher import CdiSettings, SpecPublisher
-from nvplug.sinks.cdi.cdi_spec import CdiSpec
-from nvplug.sources.nvml_snapshot import scan_snapshot
-
-
-@dataclass(frozen=True)
-class NodeSpecs:
-    """The specs the daemon would write for this node now; the devices left out and the driver files
-    not found, each with why."""
-
-    specs: list[CdiSpec]
-    skipped: dict[str, str]
-    problems: tuple[str, ...]
-
-
-def node_specs(cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc_root: Path) -> NodeSpecs:
-    # Without a spec directory: nothing written, nothing logged; the caller says what it found.
-    publisher = SpecPublisher(replace(CdiSettings.from_config(cfg, dev_root), spec_dir=None))
-    specs, skipped = publisher.specs(scan_snapshot(sysfs_root, proc_root))
-    return NodeSpecs(specs, skipped, publisher.driver_problems())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,9 +31,20 @@ class Argument:
     action: str | None = None
     aliases: tuple[str, ...] = ()  # old spellings: accepted, always hidden from --help
 
+    @property
+    def dest(self) -> str:
+        """Its attribute in the parsed arguments: `--sysfs-root` is `sysfs_root`."""
+        return self.flag.lstrip("-").replace("-", "_")
+
     def worded(self, help: str | None, *, metavar: str | None = None) -> Argument:
         """The same option (flag, type, default) in one subcommand's words."""
         return replace(self, help=help, metavar=metavar or self.metavar)
+
+    def unset_until_resolved(self, help: str | None) -> Argument:
+        """The same option for a command that first looks elsewhere (`nvplug doctor`: the running
+        daemon) when it is not given: None in the parsed arguments, so the command can tell; the
+        command falls back to this option's default itself."""
+        return replace(self, help=help, default=None)
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         settings: dict[str, Any] = {
@@ -48,10 +59,9 @@ class Argument:
             if value is not None
         }
         parser.add_argument(self.flag, help=self.help, **settings)
-        dest = self.flag.lstrip("-").replace("-", "_")
         for alias in self.aliases:
             # SUPPRESS as the default: the alias sets the value only when it is given.
-            parser.add_argument(alias, dest=dest, help=HIDDEN, **{**settings, "default": argparse.SUPPRESS})
+            parser.add_argument(alias, dest=self.dest, help=HIDDEN, **{**settings, "default": argparse.SUPPRESS})
 
 
 # --- shared by several subcommands ---------------------------------------------------------------

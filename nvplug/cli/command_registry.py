@@ -40,7 +40,7 @@ from nvplug.cli.cli_arguments import (
     SYSFS_ROOT,
     Argument,
 )
-from nvplug.cli.doctor import doctor_command
+from nvplug.cli.doctor import daemon_roots, doctor_command
 
 Run = Callable[[argparse.Namespace], int]
 
@@ -116,10 +116,7 @@ COMMANDS: tuple[Command, ...] = (
         "check the chain from the kernel driver to the kubelet, step by step",
         (
             *ASKS_THE_DAEMON,
-            DEVICE_PLUGIN_DIR,
-            DEV_ROOT.worded("root under which /dev/nvidia* live (default: the config's flags.nvidiaDevRoot, /)"),
-            PROC_ROOT.worded("where the driver's proc files live (default: /proc)"),
-            SYSFS_ROOT,
+            *daemon_roots.ROOTS,
             CDI_SPEC_DIR.worded("where nvplug writes its CDI spec (default: the config's)"),
             CDI_RUNTIME_DIRS,
             NVIDIA_CTK_PATH,

@@ -469,7 +469,6 @@ class Config:
     """The whole config. Dotted keys sit in groups of the file; groups and sections are read in field order."""
 
     source: str = "built-in defaults"
-    resource_name: str = GPU_RESOURCE
     # config show has always written nvplug.health after nvplug's other keys.
     health: HealthConfig = field(
         default_factory=HealthConfig,

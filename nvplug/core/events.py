@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, NoReturn
+from typing import ClassVar
 
 from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears, Fault
@@ -362,8 +362,3 @@ Event = (
     | MpsGroupRemoved
     | ComputeModeRecorded
 )
-
-
-def assert_never(event: NoReturn) -> NoReturn:
-    """The end of a `match` over events: mypy flags a kind that no case handles (typing's is 3.11+)."""
-    raise AssertionError(f"unhandled event: {event!r}")

@@ -1,4 +1,4 @@
-"""The node's state: inventory plus health per GPU, under one revision number.
+"""NodeState: the fold of events into the node's next Snapshot (snapshot.py), under one revision number.
 
 Pure: events go in, a new immutable Snapshot comes out. Sinks wait for a
 revision newer than the one they last acted on, so a burst of events costs
@@ -11,6 +11,7 @@ for a fault that needs a reset, evidence of one (the PCI device removed and
 added or unbound and re-bound, NVML's recovery action back to none after it
 asked for something, a reloaded driver, an operator's heal) followed by a
 passing probe. A passing probe alone never clears a fault that needs a reset.
+The steps each change takes (fault, heal, evidence) are SnapshotDraft's, in snapshot_draft.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
-from functools import cached_property
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
+from typing import assert_never
 
 from nvplug.core.events import (
     AutoResetStep,
@@ -39,22 +40,25 @@ from nvplug.core.events import (
     KernelLogLost,
     KernelLogState,
     KernelXid,
+    KubeletSocketCreated,
+    MigConfigChanged,
     MpsGroupChanged,
     MpsGroupRemoved,
     NvmlCallHung,
     NvmlFailed,
     PciChanged,
+    PluginSocketRemoved,
     ProbeResult,
     RecoveryActionChanged,
     SwitchXid,
+    WatchedDirChanged,
     XidOccurred,
 )
-from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.health import RESET_GPU, Clears, Fault, Health, HealthState, Recorded, merged_remedy
-from nvplug.core.mig import CapMinors
-from nvplug.core.mps_state import MpsGroupState, apply_group, unit_health
-from nvplug.core.readiness import unready
-from nvplug.core.topology import Topology
+from nvplug.core.gpu import Gpu
+from nvplug.core.health import RESET_GPU, Clears, Fault, Health, HealthState, Recorded
+from nvplug.core.mps_state import apply_group
+from nvplug.core.snapshot import Change, HungCall, LoggedFault, Snapshot, SwitchErrors
+from nvplug.core.snapshot_draft import SnapshotDraft
 from nvplug.core.xid_policy import Verdict, XidPolicy
 
 RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset"}
@@ -68,172 +72,7 @@ XID_SOURCES = (XidOccurred.source, KernelXid.source)
 MAX_WAITING_REPORTS = 256
 # Changes after which a GPU's earlier Xid reports are no one's word on a later fault.
 ENDS_A_FAULT = ("healthy", "recovery evidence", "removed")
-# Snapshot fields that are counts for operators, not the node's picture: they bump no revision.
-COUNTERS = frozenset({"xids", "xids_matched", "kernel_log_seq", "kernel_log_lost", "switch_errors"})
 FELL_OFF_THE_BUS = 79  # the kernel's "fallen off the bus" line is Xid 79's fault, with or without the Xid
-
-
-@dataclass(frozen=True)
-class SwitchErrors:
-    """The SXids of one NVSwitch this boot: counted and shown, no GPU fault."""
-
-    switch: str
-    count: int
-    last_code: int
-    last_message: str
-
-
-@dataclass(frozen=True)
-class LoggedFault:
-    """A fault the kernel log printed for a GPU that no scan has found yet."""
-
-    reason: str
-    seq: int
-    remedy: str | None = None
-    xid: int | None = None
-
-
-@dataclass(frozen=True)
-class HungCall:
-    """An NVML call past its deadline that has not returned."""
-
-    call: str
-    uuid: str | None
-    index: int | None
-    since: float  # wall-clock seconds
-
-    @property
-    def subject(self) -> str:
-        """The call and its GPU: `scan (gpu 2)`, `probe (GPU-...)`."""
-        gpu = self.uuid or (f"gpu {self.index}" if self.index is not None else "no GPU yet")
-        return f"{self.call} ({gpu})"
-
-    def describe(self) -> str:
-        since = time.strftime("%H:%M:%S", time.localtime(self.since))
-        return f"NVML has not returned from {self.subject} since {since}"
-
-
-def find_gpu(gpus: tuple[Gpu, ...], uuid: str | None = None, bus_id: str | None = None) -> Gpu | None:
-    return next((g for g in gpus if g.uuid == uuid or g.bus_id == bus_id), None)
-
-
-def devices_of(health: Mapping[str, HealthState], gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-    """The GPU's own health, then each of its MIG devices'."""
-    for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)):
-        state = health.get(uuid)
-        if state is not None:
-            yield uuid, state
-
-
-def _frozen(mapping: Mapping[str, HealthState] | None = None) -> Mapping[str, HealthState]:
-    return MappingProxyType(dict(mapping or {}))
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    revision: int
-    gpus: tuple[Gpu, ...] = ()
-    health: Mapping[str, HealthState] = field(default_factory=_frozen)
-    # Why NVML cannot be used right now; None while it works.
-    nvml_error: str | None = None
-    # Why health events cannot be received right now; None while they can.
-    health_watch_error: str | None = None
-    # Links between GPUs, read with the inventory.
-    topology: Topology = field(default_factory=Topology)
-    # The /dev/nvidia-caps minors of the MIG instances, read with the inventory.
-    cap_minors: CapMinors = field(default_factory=CapMinors)
-    # Which load of the kernel driver the last scan saw; None: unknown.
-    driver_instance: str | None = None
-    # Devices the last scan found Allocate could not hand out, and why.
-    unready: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # Devices whose CDI names would not resolve (the spec could not be written), and why.
-    unresolved: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # The driver's version and its CUDA version (12040: 12.4) as the last scan read them; None: unknown.
-    driver_version: str | None = None
-    cuda_version: int | None = None
-    # Faults from the state file for devices not seen yet in this run, by UUID.
-    restored: Mapping[str, Recorded] = field(default_factory=lambda: MappingProxyType({}))
-    # The NVIDIA device nodes the dev watch listed last; None while nothing watches them.
-    device_nodes: frozenset[str] | None = None
-    # Why the kernel log cannot be read; None while it can (or is not read).
-    kernel_log_error: str | None = None
-    # The newest kernel log record taken in, and how many the reader is known to have missed.
-    kernel_log_seq: int | None = None
-    kernel_log_lost: int = 0
-    # Faults the kernel log printed for GPUs not found yet, by bus id.
-    logged: Mapping[str, LoggedFault] = field(default_factory=lambda: MappingProxyType({}))
-    # NVSwitch SXids by the switch's bus id.
-    switch_errors: Mapping[str, SwitchErrors] = field(default_factory=lambda: MappingProxyType({}))
-    # NVML calls past their deadline, by the call's number.
-    hung_calls: Mapping[int, HungCall] = field(default_factory=lambda: MappingProxyType({}))
-    # Xids taken in per GPU this run, each once however many sources reported it.
-    xids: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    # Xids that both NVML and the kernel log reported, taken in once.
-    xids_matched: int = 0
-    # nvplug's own resets: the last step per GPU UUID, and the times of the resets this boot.
-    auto_reset: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    auto_resets: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: MappingProxyType({}))
-    # The MPS groups' daemons by group.
-    mps: Mapping[str, MpsGroupState] = field(default_factory=lambda: MappingProxyType({}))
-    # The compute modes GPUs had before nvplug set EXCLUSIVE_PROCESS for MPS, by UUID: restored on stop.
-    compute_modes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-
-    @cached_property
-    def mps_units(self) -> Mapping[str, HealthState]:
-        """Each MPS device's daemon health by its UUID: derived once per snapshot, looked up per device."""
-        return unit_health(self.mps)
-
-    def gpu(self, uuid: str) -> Gpu | None:
-        return find_gpu(self.gpus, uuid=uuid)
-
-    def by_bus_id(self, bus_id: str) -> Gpu | None:
-        return find_gpu(self.gpus, bus_id=bus_id)
-
-    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        return devices_of(self.health, gpu)
-
-    def unhealthy(self) -> tuple[Gpu, ...]:
-        """GPUs that are Unhealthy or hold an Unhealthy MIG device."""
-        return tuple(g for g in self.gpus if not all(s.healthy for _, s in self.devices_of(g)))
-
-    def reprobe_due(self) -> tuple[Gpu, ...]:
-        """GPUs a passing probe could heal: unreachable ones, and those whose reset evidence is in."""
-        return tuple(g for g in self.gpus if any(not s.healthy and s.probe_clears for _, s in self.devices_of(g)))
-
-    @property
-    def kernel_log_cursor(self) -> int | None:
-        """The last kernel log record a restart need not read again: none a fault still waits on."""
-        if self.logged:
-            return min(f.seq for f in self.logged.values()) - 1
-        return self.kernel_log_seq
-
-    def records(self) -> dict[str, Recorded]:
-        """Every Unhealthy device with its fault, and the restored ones not seen yet: the state file's content."""
-        out = dict(self.restored)
-        for gpu in self.gpus:
-            out.update((uuid, Recorded(gpu.bus_id, s)) for uuid, s in self.devices_of(gpu) if not s.healthy)
-        return out
-
-
-# Every field of the node's picture, and named parts of it that sinks depend on (Sink.reads).
-NODE_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name != "revision")
-# Whatever changes the picture: every field but the counters.
-REVISED = frozenset(NODE_FIELDS) - COUNTERS
-# What the node has: the GPUs and their MIG devices, links, device nodes, the driver.
-INVENTORY = frozenset(
-    {"gpus", "topology", "cap_minors", "driver_instance", "driver_version", "cuda_version", "device_nodes"}
-)
-# Whether each device may be used: its health, and what Allocate could not hand out.
-HEALTH = frozenset({"health", "restored", "unready", "unresolved", "nvml_error", "health_watch_error", "hung_calls"})
-
-
-@dataclass(frozen=True)
-class Change:
-    """One thing an event changed or meant, for the log and later for metrics."""
-
-    what: str
-    gpu: Gpu | None = None
-    reason: str = ""
 
 
 class NodeState:
@@ -276,55 +115,63 @@ class NodeState:
 
     def apply(self, event: Event) -> list[Change]:
         """Fold one event into the state; bump the revision only if the picture changed."""
-        draft = _Draft(self._current, self._clock())
-        if isinstance(event, InventoryFound):
-            self._inventory(draft, event)
-        elif isinstance(event, ProbeResult):
-            self._probe(draft, event)
-        elif isinstance(event, HealthReported):
-            draft.fault(event.uuid, event.reason, event.clears, kind=event.fault)
-        elif isinstance(event, EvidenceFound):
-            gpu = draft.gpu(event.uuid)
-            if gpu is not None:
-                draft.evidence(gpu, event.evidence)
-        elif isinstance(event, XidOccurred):
-            self._xid_event(draft, event)
-        elif isinstance(event, RecoveryActionChanged):
-            self._recovery_action(draft, event)
-        elif isinstance(event, PciChanged):
-            self._pci(draft, event)
-        elif isinstance(event, NvmlFailed):
-            self._nvml_failed(draft, event)
-        elif isinstance(event, CdiChecked):
-            draft.unresolved = MappingProxyType(dict(event.unresolved))
-            draft.recheck()
-        elif isinstance(event, DeviceNodesChanged):
-            # The same check a scan makes, from the nodes the watch listed: no NVML call needed.
-            draft.device_nodes = event.present
-            draft.check_ready(draft.unready)
-        elif isinstance(event, (KernelXid, GpuFellOffBus, DriverLoaded, GpuNamedInLog, SwitchXid)):
-            self._kernel_record(draft, event)
-        elif isinstance(event, AutoResetStep):
-            self._auto_reset(draft, event)
-        elif isinstance(event, NvmlCallHung):
-            self._hung_call(draft, event)
-        elif isinstance(event, (MpsGroupChanged, MpsGroupRemoved)):
-            self._mps(draft, event)
-        elif isinstance(event, ComputeModeRecorded):
-            modes = {u: m for u, m in draft.compute_modes.items() if u != event.uuid}
-            if event.original is not None:
-                modes[event.uuid] = event.original
-            draft.compute_modes = MappingProxyType(modes)
-        elif isinstance(event, KernelLogLost):
-            draft.kernel_log_lost += event.count or 0
-            draft.note(Change("kernel log records lost", reason=event.why))
-        elif isinstance(event, KernelLogState) and draft.kernel_log_error != event.error:
-            draft.kernel_log_error = event.error
-            draft.note(Change("kernel log unreadable" if event.error else "kernel log read", reason=event.error or ""))
-        elif isinstance(event, HealthWatchChanged) and draft.health_watch_error != event.error:
-            draft.health_watch_error = event.error
-            what = "health watch failed" if event.error else "health watch running"
-            draft.note(Change(what, reason=event.error or ""))
+        draft = SnapshotDraft(self._current, self._clock())
+        match event:
+            case InventoryFound():
+                self._inventory(draft, event)
+            case ProbeResult():
+                self._probe(draft, event)
+            case HealthReported():
+                draft.fault(event.uuid, event.reason, event.clears, kind=event.fault)
+            case EvidenceFound():
+                gpu = draft.gpu(event.uuid)
+                if gpu is not None:
+                    draft.evidence(gpu, event.evidence)
+            case XidOccurred():
+                self._xid_event(draft, event)
+            case RecoveryActionChanged():
+                self._recovery_action(draft, event)
+            case PciChanged():
+                self._pci(draft, event)
+            case NvmlFailed():
+                self._nvml_failed(draft, event)
+            case CdiChecked():
+                draft.unresolved = MappingProxyType(dict(event.unresolved))
+                draft.recheck()
+            case DeviceNodesChanged():
+                # The same check a scan makes, from the nodes the watch listed: no NVML call needed.
+                draft.device_nodes = event.present
+                draft.check_ready(draft.unready)
+            case KernelXid() | GpuFellOffBus() | DriverLoaded() | GpuNamedInLog() | SwitchXid():
+                self._kernel_record(draft, event)
+            case AutoResetStep():
+                self._auto_reset(draft, event)
+            case NvmlCallHung():
+                self._hung_call(draft, event)
+            case MpsGroupChanged() | MpsGroupRemoved():
+                self._mps(draft, event)
+            case ComputeModeRecorded():
+                modes = {u: m for u, m in draft.compute_modes.items() if u != event.uuid}
+                if event.original is not None:
+                    modes[event.uuid] = event.original
+                draft.compute_modes = MappingProxyType(modes)
+            case KernelLogLost():
+                draft.kernel_log_lost += event.count or 0
+                draft.note(Change("kernel log records lost", reason=event.why))
+            case KernelLogState():
+                if draft.kernel_log_error != event.error:
+                    draft.kernel_log_error = event.error
+                    what = "kernel log unreadable" if event.error else "kernel log read"
+                    draft.note(Change(what, reason=event.error or ""))
+            case HealthWatchChanged():
+                if draft.health_watch_error != event.error:
+                    draft.health_watch_error = event.error
+                    what = "health watch failed" if event.error else "health watch running"
+                    draft.note(Change(what, reason=event.error or ""))
+            case KubeletSocketCreated() | PluginSocketRemoved() | MigConfigChanged() | WatchedDirChanged():
+                pass  # work for the dispatcher (register, rescan), nothing in the node's picture
+            case _:
+                assert_never(event)
         # A report from before a repair cannot be the other source's word on a fault after it.
         repaired = {c.gpu.uuid for c in draft.changes if c.gpu and c.what in ENDS_A_FAULT}
         if repaired:
@@ -355,7 +202,7 @@ class NodeState:
         self._current = snap
         self.wake()
 
-    def _mps(self, draft: _Draft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
+    def _mps(self, draft: SnapshotDraft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
         before = draft.mps.get(event.group)
         draft.mps, what = apply_group(draft.mps, event, draft.now)
         if what is None:
@@ -365,7 +212,7 @@ class NodeState:
         reason = event.reason if isinstance(event, MpsGroupChanged) else "no MPS resource has its devices now"
         draft.note(Change(what, owner, f"MPS group {event.group}: {reason}"))
 
-    def _inventory(self, draft: _Draft, event: InventoryFound) -> None:
+    def _inventory(self, draft: SnapshotDraft, event: InventoryFound) -> None:
         before = {g.uuid: g for g in draft.gpus}
         after = {g.uuid: g for g in event.gpus}
         # A GPU NVML still counts but cannot name (it fell off the bus) is not gone: keep
@@ -420,7 +267,7 @@ class NodeState:
             self._probe(draft, probe)
 
     @staticmethod
-    def _first_health(draft: _Draft, uuid: str, gpu: Gpu) -> HealthState:
+    def _first_health(draft: SnapshotDraft, uuid: str, gpu: Gpu) -> HealthState:
         """Healthy, unless the state file holds a fault of this device from this boot."""
         record = draft.restored.pop(uuid, None)
         if record is None:
@@ -428,7 +275,7 @@ class NodeState:
         draft.note(Change("restored unhealthy", gpu, f"{record.state.reason} (recorded before this start)"))
         return record.state
 
-    def _nvml_failed(self, draft: _Draft, event: NvmlFailed) -> None:
+    def _nvml_failed(self, draft: SnapshotDraft, event: NvmlFailed) -> None:
         if draft.nvml_error == event.reason:
             return
         draft.nvml_error = event.reason
@@ -437,7 +284,7 @@ class NodeState:
         for gpu in draft.gpus:
             draft.fault(gpu.uuid, f"NVML unavailable: {event.reason}", Clears.PROBE, kind=Fault.UNMONITORED)
 
-    def _probe(self, draft: _Draft, probe: ProbeResult) -> None:
+    def _probe(self, draft: SnapshotDraft, probe: ProbeResult) -> None:
         gpu = draft.gpu(probe.uuid)
         if gpu is None:
             return
@@ -455,7 +302,7 @@ class NodeState:
             )
             draft.heal(uuid, reason)
 
-    def _xid_event(self, draft: _Draft, event: XidOccurred) -> None:
+    def _xid_event(self, draft: SnapshotDraft, event: XidOccurred) -> None:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
@@ -483,7 +330,7 @@ class NodeState:
         else:
             draft.note(Change("xid, reading the recovery action", gpu, decision.reason))
 
-    def _auto_reset(self, draft: _Draft, event: AutoResetStep) -> None:
+    def _auto_reset(self, draft: SnapshotDraft, event: AutoResetStep) -> None:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
@@ -498,7 +345,7 @@ class NodeState:
                     draft.health[uuid] = replace(state, reason=f"{event.detail}; {state.reason}", remedy=None)
         draft.note(Change(f"auto-reset {event.step}", gpu, event.detail))
 
-    def _hung_call(self, draft: _Draft, event: NvmlCallHung) -> None:
+    def _hung_call(self, draft: SnapshotDraft, event: NvmlCallHung) -> None:
         hung = dict(draft.hung_calls)
         gpu = draft.gpu(event.uuid) if event.uuid is not None else None
         if gpu is None and event.index is not None:
@@ -517,7 +364,7 @@ class NodeState:
                 draft.note(Change("nvml call hung", gpu, hung[event.number].describe()))
         draft.hung_calls = MappingProxyType(hung)
 
-    def _seen_before(self, gpu: Gpu, code: int, source: str, draft: _Draft) -> bool:
+    def _seen_before(self, gpu: Gpu, code: int, source: str, draft: SnapshotDraft) -> bool:
         """Whether the other source reported this Xid already; if not, it waits for that report.
 
         One report matches one earlier report of the other source (same GPU, same code, within
@@ -540,7 +387,7 @@ class NodeState:
         return False
 
     def _kernel_record(
-        self, draft: _Draft, event: KernelXid | GpuFellOffBus | DriverLoaded | GpuNamedInLog | SwitchXid
+        self, draft: SnapshotDraft, event: KernelXid | GpuFellOffBus | DriverLoaded | GpuNamedInLog | SwitchXid
     ) -> None:
         draft.kernel_log_seq = max(event.seq, draft.kernel_log_seq or event.seq)
         if isinstance(event, SwitchXid):
@@ -592,7 +439,7 @@ class NodeState:
             return
         draft.fault(gpu.uuid, reason, Clears.RESET, remedy=remedy, kind=Fault.XID, xid=code)
 
-    def _recovery_action(self, draft: _Draft, event: RecoveryActionChanged) -> None:
+    def _recovery_action(self, draft: SnapshotDraft, event: RecoveryActionChanged) -> None:
         gpu = draft.gpu(event.uuid)
         if gpu is None:
             return
@@ -604,7 +451,7 @@ class NodeState:
             # The driver says nothing is needed any more, having asked for something: a probe must still confirm it.
             draft.evidence(gpu, "NVML recovery action back to none", after_recovery_action=True)
 
-    def _pci(self, draft: _Draft, event: PciChanged) -> None:
+    def _pci(self, draft: SnapshotDraft, event: PciChanged) -> None:
         gpu = draft.by_bus_id(event.bus_id)
         if event.action in ("remove", "unbind"):
             # A fault recorded before this start, of a GPU not seen yet, was for the device just reset.
@@ -623,201 +470,3 @@ class NodeState:
             # again only once re-bound, so the unbind is the evidence of the re-bind to come.
             draft.fault(gpu.uuid, "driver unbound from the PCI device", Clears.RESET, kind=Fault.LOST)
             draft.evidence(gpu, "driver unbound and re-bound")
-
-
-class _Draft:
-    """The next snapshot under construction, with what changed on the way."""
-
-    def __init__(self, base: Snapshot, now: float) -> None:
-        self.base = base
-        self.now = now
-        self.gpus = base.gpus
-        self.health = dict(base.health)
-        self.nvml_error = base.nvml_error
-        self.health_watch_error = base.health_watch_error
-        self.topology = base.topology
-        self.cap_minors = base.cap_minors
-        self.driver_instance = base.driver_instance
-        self.unready = base.unready
-        self.unresolved = base.unresolved
-        self.driver_version = base.driver_version
-        self.cuda_version = base.cuda_version
-        self.restored = dict(base.restored)
-        self.device_nodes = base.device_nodes
-        self.kernel_log_error = base.kernel_log_error
-        self.kernel_log_seq = base.kernel_log_seq
-        self.kernel_log_lost = base.kernel_log_lost
-        self.logged = base.logged
-        self.switch_errors = base.switch_errors
-        self.hung_calls = base.hung_calls
-        self.xids = base.xids
-        self.xids_matched = base.xids_matched
-        self.auto_reset = base.auto_reset
-        self.auto_resets = base.auto_resets
-        self.mps = base.mps
-        self.compute_modes = base.compute_modes
-        self.changes: list[Change] = []
-
-    def gpu(self, uuid: str) -> Gpu | None:
-        return find_gpu(self.gpus, uuid=uuid)
-
-    def by_bus_id(self, bus_id: str) -> Gpu | None:
-        return find_gpu(self.gpus, bus_id=bus_id)
-
-    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        return devices_of(self.health, gpu)
-
-    def note(self, change: Change) -> None:
-        self.changes.append(change)
-
-    def count_xid(self, gpu: Gpu) -> None:
-        xids = dict(self.xids)
-        xids[gpu.uuid] = xids.get(gpu.uuid, 0) + 1
-        self.xids = MappingProxyType(xids)
-
-    def fault(
-        self,
-        uuid: str,
-        reason: str,
-        clears: Clears,
-        recovery_action: int = 0,
-        remedy: str | None = None,
-        *,
-        kind: Fault = Fault.OTHER,
-        xid: int | None = None,
-    ) -> None:
-        """A fault of a GPU or MIG device (logged under its GPU, the MIG device named first).
-
-        It replaces the fault a device already has only when it needs more to clear, or when it
-        comes after the evidence that would have cleared that one: evidence must follow the fault.
-        """
-        found = self.subject(uuid)
-        current = self.health.get(uuid)
-        if found is None or current is None:
-            return
-        gpu, subject = found
-        replaces = (
-            current.healthy
-            or current.clears is None
-            or clears.rank > current.clears.rank
-            or (clears is Clears.RESET and current.evidence is not None)
-            # "Cannot be checked" gives way to what a check then found (NVML back, the GPU lost).
-            or (current.fault is Fault.UNMONITORED and kind is not Fault.UNMONITORED)
-        )
-        if not replaces:
-            kept = replace(
-                current,
-                recovery_action=recovery_action or current.recovery_action,
-                # A second fault that needs a reset too may ask for more than a reset.
-                remedy=merged_remedy(current.remedy, remedy) if clears is Clears.RESET else current.remedy,
-            )
-            if kept != current:
-                self.health[uuid] = kept
-            return
-        instance = self.driver_instance if clears is Clears.RESET else None
-        self.health[uuid] = HealthState(
-            Health.UNHEALTHY,
-            reason,
-            self.now,
-            clears,
-            None,
-            recovery_action or current.recovery_action,
-            instance,
-            remedy if clears is Clears.RESET else None,
-            kind,
-            xid,
-        )
-        self.note(Change("unhealthy" if current.healthy else "fault while unhealthy", gpu, subject + reason))
-
-    def unallocatable(self, uuid: str) -> str | None:
-        """Why Allocate could not hand the device out (a node missing, its CDI name unresolved), if so."""
-        return self.unready.get(uuid) or self.unresolved.get(uuid)
-
-    def check_ready(self, scanned: Mapping[str, str]) -> None:
-        """What Allocate could not hand out: from the dev watch's listing where it runs (newer than a
-        scan's look at /dev, which it may have overtaken on the bus), else as the scan found it."""
-        nodes = self.device_nodes
-        found = unready(self.gpus, self.cap_minors, nodes.__contains__) if nodes is not None else scanned
-        self.unready = MappingProxyType(dict(found))
-        self.recheck()
-
-    def recheck(self) -> None:
-        """Fault the devices Allocate could not hand out; heal those it could again."""
-        for uuid, state in list(self.health.items()):
-            problem = self.unallocatable(uuid)
-            if problem is not None:
-                self.fault(uuid, f"cannot be allocated: {problem}", Clears.CHECK)
-            elif state.clears is Clears.CHECK:
-                self.heal(uuid, "recovered: what Allocate needs is present now")
-
-    def heal(self, uuid: str, reason: str) -> None:
-        found = self.subject(uuid)
-        current = self.health.get(uuid)
-        if found is None or current is None or current.healthy:
-            return
-        problem = self.unallocatable(uuid)
-        if problem is not None:
-            # Never Healthy while Allocate would refuse it.
-            self.health[uuid] = HealthState(
-                Health.UNHEALTHY, f"cannot be allocated: {problem}", self.now, Clears.CHECK, fault=Fault.OTHER
-            )
-            self.note(Change("fault while unhealthy", found[0], found[1] + self.health[uuid].reason))
-            return
-        self.health[uuid] = HealthState(Health.HEALTHY, reason, self.now)
-        self.note(Change("healthy", found[0], found[1] + reason))
-
-    def evidence(
-        self, gpu: Gpu, text: str, *, after_recovery_action: bool = False, reloaded_from: str | None = None
-    ) -> None:
-        """Evidence of a repair for the GPU's faults (its MIG devices' too) that have none yet."""
-        noted = False
-        for uuid, state in list(self.devices_of(gpu)):
-            if state.healthy or state.evidence is not None:
-                continue
-            if after_recovery_action and not state.recovery_action:
-                continue  # "back to none" counts only after the driver asked for something
-            if reloaded_from is not None and state.driver_instance in (None, reloaded_from):
-                continue  # the fault happened under this driver instance, or we cannot tell
-            self.health[uuid] = replace(state, evidence=text)
-            noted = True
-        if noted:
-            self.note(Change("recovery evidence", gpu, text))
-
-    def subject(self, uuid: str) -> tuple[Gpu, str] | None:
-        """The GPU to log a change under, and how the device is named before the reason."""
-        gpu = self.gpu(uuid)
-        if gpu is not None:
-            return gpu, ""
-        found = self.mig_owner(uuid)
-        if found is None:
-            return None
-        gpu, mig = found
-        return gpu, f"MIG {mig.profile} gi {mig.gpu_instance} ci {mig.compute_instance} ({mig.uuid}): "
-
-    def mig_owner(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
-        return next(((g, m) for g in self.gpus for m in g.mig if m.uuid == uuid), None)
-
-    def build(self) -> tuple[Snapshot, bool] | None:
-        """The next snapshot, and whether it is a new revision; None when nothing changed.
-
-        Counters alone (COUNTERS) change the snapshot, not its revision: a flood of harmless Xids
-        or kernel log records must not wake every ListAndWatch stream and sink for each one."""
-        base = self.base
-        values = {name: getattr(self, name) for name in NODE_FIELDS}
-        values["health"] = MappingProxyType(self.health)
-        values["restored"] = MappingProxyType(self.restored)
-        changed = frozenset(name for name, value in values.items() if _differs(value, getattr(base, name)))
-        if not changed:
-            return None
-        bumped = bool(changed - COUNTERS)
-        return replace(base, revision=base.revision + bumped, **values), bumped
-
-
-def _differs(new: object, old: object) -> bool:
-    # Most fields are the very object the base had: no comparison of a whole inventory for them.
-    return new is not old and new != old
-
-
-def changed_between(older: Snapshot, newer: Snapshot) -> frozenset[str]:
-    """The fields (of NODE_FIELDS) in which two snapshots differ: what a sink may depend on."""
-    return frozenset(name for name in NODE_FIELDS if _differs(getattr(newer, name), getattr(older, name)))

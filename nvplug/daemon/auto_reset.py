@@ -24,7 +24,7 @@ from nvplug.base.child_process import run_child
 from nvplug.config import Config, HealthConfig
 from nvplug.core.events import AutoResetStep, Event
 from nvplug.core.gpu import Gpu
-from nvplug.core.node_state import HEALTH, INVENTORY, Snapshot
+from nvplug.core.snapshot import HEALTH, INVENTORY, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.pod_holders import Holder
 from nvplug.sources.nvml_discovery import NvmlUnavailable

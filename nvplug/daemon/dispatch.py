@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import assert_never
 
 from nvplug.core.events import (
     AutoResetStep,
@@ -47,9 +48,9 @@ from nvplug.core.events import (
     SwitchXid,
     WatchedDirChanged,
     XidOccurred,
-    assert_never,
 )
-from nvplug.core.node_state import NodeState, changed_between
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import changed_between
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet

@@ -19,7 +19,8 @@ from nvplug import config
 from nvplug.config import Config
 from nvplug.core.events import NvmlFailed
 from nvplug.core.kernel_log_backlog import settle
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier

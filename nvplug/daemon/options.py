@@ -35,6 +35,18 @@ class Options:
     cdi_runtime_dirs: tuple[Path, ...] | None = None
     nvidia_ctk_path: Path | None = None
 
+    def roots(self) -> dict[str, str]:
+        """Where the daemon reads the node, by the names of their options: /status shows them, so that
+        `nvplug doctor` reads the node where the daemon does unless told otherwise."""
+        paths = {
+            "device_plugin_dir": self.plugin_dir,
+            "dev_root": self.dev_root,
+            "sysfs_root": self.sysfs_root,
+            "proc_root": self.proc_root,
+        }
+        # Absolute: a doctor run from another directory must not read them elsewhere.
+        return {name: str(path.absolute()) for name, path in paths.items()}
+
     def configured(self, cfg: Config) -> Config:
         """A loaded config with the command line's overrides of its keys, at the start and at each reload."""
         return with_paths(

@@ -7,8 +7,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.systemd")
+log = logging.getLogger(__name__)
 
 
 class Notifier:

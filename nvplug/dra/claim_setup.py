@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from nvplug.core.gpu import Gpu, MigDevice, uuid_of
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.dra.claim_specs import ClaimSpecs
 from nvplug.dra.claims import ClaimError, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.dra.dra_devices import DraDevice

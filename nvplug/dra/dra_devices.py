@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from nvplug.config import TaintEffects
 from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.dra.device_taints import Taint, taints_for
 from nvplug.shaping.resource_plan import Naming, device_health
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config
 from nvplug.core.events import Event
-from nvplug.core.node_state import REVISED, Snapshot
+from nvplug.core.snapshot import REVISED, Snapshot
 from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
 from nvplug.dra.claim_setup import ClaimDaemons, ClaimSetup

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 
 from nvplug.config import Config
 from nvplug.core.events import Event
-from nvplug.core.node_state import Change, Snapshot
+from nvplug.core.snapshot import Change, Snapshot
 
 Publish = Callable[[Event], None]
 """The bus's publish: safe from any thread."""
@@ -76,7 +76,7 @@ class Sink(Protocol):
     """
 
     name: str
-    # The snapshot's fields `update` depends on (node_state's NODE_FIELDS, or its INVENTORY, HEALTH,
+    # The snapshot's fields `update` depends on (snapshot.py's NODE_FIELDS, or its INVENTORY, HEALTH,
     # REVISED): it is skipped when only other fields changed. None: every update, with or without a
     # new revision (it reads `changes`, the log's lines).
     reads: frozenset[str] | None = None

@@ -18,13 +18,13 @@ from google.protobuf.message import Message
 
 from nvplug.base.grpc_target import grpc_target
 from nvplug.core.device_nodes import host_path
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.shaping.resource_plan import Device, Resource
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.kubelet.server")
+log = logging.getLogger(__name__)
 
 # Projects a snapshot onto the devices of this resource, reusing what the last projection holds.
 Projection = Callable[[Snapshot, Resource | None], Resource]

@@ -17,7 +17,8 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
 from nvplug.kubelet.device_plugin import (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvplug.core.gpu import Gpu
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.shaping.resource_plan import REPLICA_SEPARATOR
 
 # Device IDs of resources in this domain may be ours, even under a name we no longer serve.

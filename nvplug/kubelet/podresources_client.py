@@ -221,7 +221,7 @@ class PodView:
             self._inflight = asyncio.ensure_future(self._ask(self.client))
         try:
             return await asyncio.wait_for(asyncio.shield(self._inflight), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._answer.entries is not None:
                 return self._answer
             return PodsAnswer(None, f"the kubelet's PodResources did not answer within {wait:g} s", time.monotonic())

@@ -17,8 +17,7 @@ from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.kubelet.registrar")
+log = logging.getLogger(__name__)
 
 # The kubelet dials back inside Register with a 10 s timeout of its own.
 REGISTER_TIMEOUT = 15.0

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
 from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks, kill_leftover

@@ -17,7 +17,7 @@ from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
 from nvplug.core.health import HealthState
 from nvplug.core.mig import CapMinors
 from nvplug.core.mps_state import NOT_STARTED
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.core.topology import Topology
 from nvplug.shaping.mps_groups import MpsGroup, MpsShare, groups_of, too_old
 

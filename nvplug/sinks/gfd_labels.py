@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from nvplug.config import GPU_RESOURCE, Config, ReplicatedResource
 from nvplug.core.gpu import Gpu, MigDevice
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.shaping.resource_plan import Naming
 
 PREFIX = "nvidia.com/"

@@ -22,8 +22,7 @@ from typing import Any
 from nvplug.base.checkpoint import Checkpoint, CheckpointError, seal, unseal, write_checkpoint
 from nvplug.core.health import Clears, Fault, Health, HealthState, Recorded
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.statefile")
+log = logging.getLogger(__name__)
 
 KIND = "nvplug.health"
 # 1: {"format": 1, "boot_id", "devices"}, no envelope; 2: the same devices in the envelope.

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nvplug.core.events import Event
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.sinks.health_state_file import LAG_BOUND, Saved, StateFile
 

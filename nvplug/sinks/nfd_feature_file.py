@@ -15,7 +15,7 @@ from pathlib import Path
 from nvplug.base.atomic_write import write_atomically
 from nvplug.config import Config, off_or_path
 from nvplug.core.events import Event
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.sinks.gfd_labels import LABEL_READS, Machine, node_labels, render
 

@@ -23,7 +23,7 @@ from nvplug.core.mig import CAPS_DIR
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.sources.inotify_observer import InotifyObserver
 
-log = logging.getLogger("nvplug.events.dev_nodes")
+log = logging.getLogger(__name__)
 
 NODE_PREFIX = "nvidia"
 

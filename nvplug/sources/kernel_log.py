@@ -24,8 +24,7 @@ from nvplug.core.events import Event, KernelLogLost, KernelLogState
 from nvplug.core.kernel_log_records import RecordError, RecordSplitter, classify, parse_record
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.events.kernel_log")
+log = logging.getLogger(__name__)
 
 # /dev/kmsg answers EINVAL to a buffer smaller than the record; a FIFO is drained in one read.
 READ_SIZE = 64 * 1024

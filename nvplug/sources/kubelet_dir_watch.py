@@ -36,8 +36,7 @@ from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.protos import KUBELET_SOCKET
 from nvplug.sources.inotify_reader import InotifyReader
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.events.kubelet_dir")
+log = logging.getLogger(__name__)
 
 # Told on the loop, as the inotify reader reads: a followed directory, and whether it exists now.
 DirChange = Callable[[Path, bool], None]

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nvplug.core.events import NvmlCallHung
-from nvplug.core.node_state import HungCall
+from nvplug.core.snapshot import HungCall
 from nvplug.edges.edge_protocols import Publish
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 
-log = logging.getLogger("nvplug.events.nvml_calls")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

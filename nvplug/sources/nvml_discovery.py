@@ -23,8 +23,7 @@ from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors, profile_name, read_mig_minors
 from nvplug.core.topology import Link, PcieLevel, Topology
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.nvml")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -32,8 +32,7 @@ from nvplug.core.health import Clears, Fault
 from nvplug.core.xid_policy import READS_RECOVERY_ACTION
 from nvplug.sources.nvml_discovery import recovery_action
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.events.nvml")
+log = logging.getLogger(__name__)
 
 XID = pynvml.nvmlEventTypeXidCriticalError
 DOUBLE_BIT_ECC = pynvml.nvmlEventTypeDoubleBitEccError

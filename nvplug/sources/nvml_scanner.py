@@ -26,8 +26,7 @@ from nvplug.sources.nvml_calls import NvmlCalls, NvmlHung
 from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.events.scanner")
+log = logging.getLogger(__name__)
 
 # NVML may come up long after us (a driver loading at boot); don't hammer it.
 RESCAN_BACKOFF = Backoff(first=1.0, maximum=300.0, jitter=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from nvplug.core.events import InventoryFound
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 
 
 def scan_snapshot(sysfs_root: Path, proc_root: Path) -> Snapshot:

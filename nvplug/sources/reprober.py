@@ -17,11 +17,10 @@ from tenacity import AsyncRetrying, retry_if_exception_type
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.config import Config
 from nvplug.core.events import Event, ProbeResult
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Commit, Publish, Sink, StateUpdate
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.recovery")
+log = logging.getLogger(__name__)
 
 Probe = Callable[[str, str], Awaitable[ProbeResult]]
 

@@ -27,8 +27,7 @@ from nvplug.core.events import PciChanged
 from nvplug.core.gpu import normalize_bus_id
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.events.udev")
+log = logging.getLogger(__name__)
 
 NVIDIA_VENDOR = "10DE"
 ACTIONS = frozenset({"add", "remove", "bind", "unbind", "change"})

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from nvplug.core.events import Event
-from nvplug.core.node_state import Change, Snapshot
+from nvplug.core.snapshot import Change, Snapshot
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.pod_holders import Holder, of_gpu
 from nvplug.kubelet.podresources_client import PodView

@@ -22,13 +22,13 @@ from typing import Any
 from nvplug.core.events import Event, EvidenceFound, HealthReported
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears
-from nvplug.core.node_state import NodeState, find_gpu
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import find_gpu
 from nvplug.sources.nvml_discovery import NvmlUnavailable
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.status.status_server import Answer, Peer
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.heal")
+log = logging.getLogger(__name__)
 
 # nvidia-smi -r takes seconds, more on GPUs behind NVSwitches; past this it is stuck.
 RESET_TIMEOUT = 120.0

@@ -6,10 +6,11 @@ status; nothing is kept twice. The status line goes to systemd whenever it chang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nvplug.core.events import Event
-from nvplug.core.node_state import NodeState, Snapshot
+from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
@@ -43,6 +44,7 @@ class StatusReport(Sink):
         cdi: CdiSink,
         dra: DraDriver | None,
         push: Callable[[str], None],
+        roots: Mapping[str, str] | None = None,
     ) -> None:
         self._state = state
         self._fleet = fleet
@@ -50,6 +52,7 @@ class StatusReport(Sink):
         self._cdi = cdi
         self._dra = dra
         self._push = push
+        self._roots = roots
         # Every sink, in the dispatcher's order: their notes and their parts of /status.
         self.sinks: Sequence[Sink] = ()
         self._said = ""
@@ -114,6 +117,7 @@ class StatusReport(Sink):
             answer.error,
             self._fleet.excluded,
             self._dra.by_gpu() if self._dra is not None else None,
+            self._roots,
         )
         for sink in self.sinks:
             part = sink.status()

@@ -30,12 +30,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nvplug import __version__
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.kubelet.pod_holders import Holder
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.status")
+log = logging.getLogger(__name__)
 
 MAX_REQUEST = 8192
 READ_TIMEOUT = 5.0
@@ -61,10 +60,11 @@ def status_document(
     pods_error: str | None = None,
     excluded: Mapping[str, str] | None = None,
     dra: Mapping[str, list[dict[str, Any]]] | None = None,
+    roots: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`pods`: the holders by device UUID, from PodResources; None when unknown (`pods_error` says why).
     `excluded`: GPUs nvplug.devices leaves out, and why. `dra`: by GPU UUID, its devices in the DRA
-    pool and the claims prepared with them."""
+    pool and the claims prepared with them. `roots`: where the daemon reads the node (Options.roots)."""
     excluded = excluded or {}
     dra = dra or {}
 
@@ -133,6 +133,8 @@ def status_document(
     return {
         "version": __version__,
         "revision": snapshot.revision,
+        # Where the daemon reads the node (--sysfs-root and the like): doctor reads there too.
+        "roots": dict(roots) if roots is not None else None,
         "nvml_error": snapshot.nvml_error,
         "health_watch_error": snapshot.health_watch_error,
         "kernel_log": {
@@ -393,7 +395,7 @@ class StatusServer:
                 # Read whatever was sent before answering: a client still writing would get EPIPE.
                 data = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
                 status, ctype, body = await self._answer(method, target.split("?", 1)[0], data, writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
         writer.write(
             f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"

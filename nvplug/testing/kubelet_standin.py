@@ -510,7 +510,7 @@ class FakeKubelet:
         try:
             try:
                 await asyncio.wait_for(channel.channel_ready(), self._dial_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise KubeletError(
                     f"dial-back to {target} for {req.resource_name!r} timed out after "
                     f"{self._dial_timeout:g}s (is the plugin serving on that socket?)"
@@ -717,7 +717,7 @@ class FakeKubelet:
                 )
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue  # re-check once more, then report
 
     # -- bookkeeping ----------------------------------------------------------------------

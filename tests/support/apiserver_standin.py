@@ -39,7 +39,7 @@ import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
@@ -520,7 +520,7 @@ def _prepare_slice(obj: Obj, keep_taints: bool, now: str) -> None:
             if added is None:
                 taint["timeAdded"] = now
             elif parsed is not None:
-                taint["timeAdded"] = parsed.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                taint["timeAdded"] = parsed.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _devices_in_shape(devices: list[Obj], version: str) -> list[Obj]:

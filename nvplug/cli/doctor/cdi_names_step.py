@@ -27,7 +27,7 @@ def resolvable(files: list[SpecFile]) -> set[str]:
 
 def check_cdi(ctx: DoctorContext) -> Check:
     """Every name nvplug would hand out resolves in the runtimes' spec directories, defined once."""
-    from nvplug.cli.cdi_command import node_specs
+    from nvplug.cli.node_cdi_specs import node_specs
     from nvplug.sinks.cdi.cdi_files import conflicts
 
     cfg = loaded_config(ctx)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nvplug.cli.doctor.daemon_roots import resolve_roots
 from nvplug.cli.doctor.doctor_step import Check, DoctorContext
 from nvplug.cli.doctor.doctor_steps import STEPS
 from nvplug.cli.doctor.npd_brief import run_brief
@@ -32,6 +33,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     if getattr(args, "brief", False):
         return run_brief(args, out)
     stream = out or sys.stdout
+    args, taken = resolve_roots(args)
+    if taken:
+        print(f"reading the node where the running daemon does: {', '.join(taken)}\n", file=stream)
     ctx = DoctorContext(args)
     counts = {"PASS": 0, "WARN": 0, "FAIL": 0}
     for number, step in enumerate(STEPS, 1):

@@ -37,11 +37,16 @@ class DoctorContext:
         """
         if self.args.dev_root is not None:
             return Path(self.args.dev_root)
-        try:
-            cfg = config.load(self.args.config)
-        except (config.ConfigError, OSError):
-            cfg = config.Config()
-        return Path(cfg.flags.nvidia_dev_root)
+        return configured_dev_root(self.args.config)
+
+
+def configured_dev_root(config_path: Path | None) -> Path:
+    """The config's flags.nvidiaDevRoot; the built-in one where the config does not load."""
+    try:
+        cfg = config.load(config_path)
+    except (config.ConfigError, OSError):
+        cfg = config.Config()
+    return Path(cfg.flags.nvidia_dev_root)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ import yaml
 from nvplug.base.atomic_write import write_atomically
 from nvplug.sinks.cdi.cdi_spec import CdiSpec, qualified
 
-# The name it had before the layout by role: it is part of every log line.
-log = logging.getLogger("nvplug.cdi.writer")
+log = logging.getLogger(__name__)
 
 SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 # A spec holds no secrets, and every runtime must read it.

@@ -20,7 +20,7 @@ from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
 from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
-from nvplug.core.node_state import Snapshot
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
 from nvplug.sinks.cdi import driver_files as driverfiles
