@@ -9,9 +9,8 @@ from pathlib import Path
 
 from nvplug import config
 from nvplug.base.atomic_write import write_atomically
-from nvplug.sinks.cdi.cdi_files import DIR_MODE, SPEC_MODE
+from nvplug.cdi.cdi_spec import DIR_MODE, SPEC_MODE, CdiSpec
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, SpecPublisher
-from nvplug.sinks.cdi.cdi_spec import CdiSpec
 from nvplug.sources.nvml_snapshot import scan_snapshot
 
 

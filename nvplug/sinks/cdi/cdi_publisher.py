@@ -16,16 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, Schedule
-from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
-from nvplug.config.selectors import DeviceFilter
-from nvplug.core.events import CdiChecked, Event
-from nvplug.core.gpu import uuid_of
-from nvplug.core.node_state import Snapshot
-from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
-from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
-from nvplug.sinks.cdi import driver_files as driverfiles
-from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
-from nvplug.sinks.cdi.cdi_spec import (
+from nvplug.cdi.cdi_spec import (
     GPU_KIND,
     CdiSpec,
     DriverFiles,
@@ -39,6 +30,15 @@ from nvplug.sinks.cdi.cdi_spec import (
     optional_specs,
     shared_edits,
 )
+from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
+from nvplug.config.selectors import DeviceFilter
+from nvplug.core.events import CdiChecked, Event
+from nvplug.core.gpu import uuid_of
+from nvplug.core.node_state import Snapshot
+from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
+from nvplug.sinks.cdi import driver_files as driverfiles
+from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 
 log = logging.getLogger("nvplug")
 
