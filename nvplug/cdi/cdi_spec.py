@@ -37,6 +37,9 @@ OPTIONAL_CLASSES: Mapping[str, tuple[str, ...]] = {
     "gdrcopy": ("/dev/gdrdrv",),
 }
 
+# The snapshot's fields a spec is made of (the device nodes: the control and optional nodes it lists).
+CDI_READS = frozenset({"gpus", "cap_minors", "mps", "driver_version", "driver_instance", "device_nodes"})
+
 # One device as a container sees it: a whole GPU, or a MIG device on its GPU.
 Unit = tuple[Gpu, MigDevice | None]
 

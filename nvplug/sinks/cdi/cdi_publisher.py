@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nvplug.base.backoff import Backoff, Schedule
 from nvplug.cdi.cdi_spec import (
+    CDI_READS,
     GPU_KIND,
     CdiSpec,
     DriverFiles,
@@ -253,9 +254,6 @@ class SpecPublisher:
                 units.setdefault(uuid, unit)
         return list(units.values())
 
-
-# The snapshot's fields a spec is made of (the device nodes: the control and optional nodes it lists).
-CDI_READS = frozenset({"gpus", "cap_minors", "mps", "driver_version", "driver_instance", "device_nodes"})
 
 # Retrying a spec that could not be written: nothing else may change for hours.
 RETRY_BACKOFF = Backoff(first=1.0, maximum=300.0)
