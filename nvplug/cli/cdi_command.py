@@ -32,7 +32,7 @@ def node_specs(cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvplug.sources.nvml_discovery import NvmlUnavailable
+    from nvplug.nvml.nvml_errors import NvmlUnavailable
 
     try:
         cfg = config.load(args.config)

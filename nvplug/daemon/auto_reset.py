@@ -27,7 +27,7 @@ from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import HEALTH, INVENTORY, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.pod_holders import Holder
-from nvplug.sources.nvml_discovery import NvmlUnavailable
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.status.heal_route import Validate
 
 WHO = "nvplug's auto-reset (nvplug.health.autoReset)"

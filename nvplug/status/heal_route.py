@@ -23,7 +23,7 @@ from nvplug.core.events import Event, EvidenceFound, HealthReported
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears
 from nvplug.core.node_state import NodeState, find_gpu
-from nvplug.sources.nvml_discovery import NvmlUnavailable
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.status.status_server import Answer, Peer
 
