@@ -33,7 +33,7 @@ from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.kubelet.pod_holders import ContainerDevices, Holder
+from nvplug.pods.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
 
 log = logging.getLogger("nvplug.dra")

@@ -13,8 +13,8 @@ from nvplug.core.node_state import NodeState, Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
-from nvplug.kubelet.pod_holders import Holder, holders
 from nvplug.kubelet.podresources_client import PodView
+from nvplug.pods.pod_holders import Holder, holders
 from nvplug.sinks.cdi.cdi_publisher import CdiSink
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 

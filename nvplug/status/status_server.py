@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from nvplug import __version__
 from nvplug.core.node_state import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
-from nvplug.kubelet.pod_holders import Holder
+from nvplug.pods.pod_holders import Holder
 
 # The name it had before the layout by role: it is part of every log line.
 log = logging.getLogger("nvplug.status")
