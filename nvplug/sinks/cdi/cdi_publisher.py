@@ -316,6 +316,11 @@ class CdiSink(Sink):
 
         return commit
 
+    @property
+    def enforced_error(self) -> str | None:
+        """Why the spec is not written, where a cdi strategy hands out its names: nothing resolves then."""
+        return self.publisher.error if self.publisher.settings.enforce else None
+
     def notes(self) -> list[str]:
         error = self.publisher.error
         return [f"CDI spec not written: {error}"] if error else []
