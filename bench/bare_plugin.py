@@ -25,10 +25,10 @@ from pathlib import Path
 import grpc
 from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
+from nvplug.inotify.inotify_reader import InotifyReader
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
-from nvplug.sources.inotify_reader import InotifyReader
 
 RESOURCE = "nvidia.com/gpu"
 ENDPOINT = "bare.sock"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pynvml  # type: ignore[import-untyped]
 
-from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable, recovery_action, session
+from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
 from nvplug.sources.nvml_events import WANTED
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nvplug import config
+from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.core.events import HealthReported, InventoryFound
 from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState
@@ -17,7 +18,6 @@ from nvplug.kubelet.allocation import (
     preferred,
 )
 from nvplug.shaping.resource_plan import Resource, ResourceSpec
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND
 
 
 @pytest.fixture

@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 from nvplug import config
+from nvplug.cdi.cdi_spec import (
+    ALL,
+    CDI_VERSION,
+    GPU_KIND,
+    DriverFiles,
+    Roots,
+    device_name,
+    gpu_spec,
+    shared_edits,
+)
 from nvplug.core.events import CdiChecked, InventoryFound
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.health import Health
@@ -19,16 +29,6 @@ from nvplug.shaping.resource_plan import ResourceSpec
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, SpecPublisher
-from nvplug.sinks.cdi.cdi_spec import (
-    ALL,
-    CDI_VERSION,
-    GPU_KIND,
-    DriverFiles,
-    Roots,
-    device_name,
-    gpu_spec,
-    shared_edits,
-)
 from nvplug.testing import fake_driver_root as driverroot
 
 MIG = MigDevice("MIG-aaaa", gpu_instance=3, compute_instance=0, profile="1g.10gb")

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing.kubelet_standin import KubeletThread

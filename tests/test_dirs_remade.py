@@ -22,7 +22,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
-from nvplug.sources.inotify_reader import InotifyReader, parse
+from nvplug.inotify.inotify_reader import InotifyReader, parse
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread

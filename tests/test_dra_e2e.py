@@ -30,7 +30,7 @@ from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
 
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing.podresources_standin import ClaimDevice, Container, Pod

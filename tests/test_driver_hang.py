@@ -13,7 +13,8 @@ from nvplug.core.events import Event, InventoryFound, NvmlCallHung
 from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears
 from nvplug.core.node_state import NodeState
-from nvplug.sources.nvml_calls import NvmlCalls, NvmlHung
+from nvplug.nvml.nvml_calls import NvmlCalls
+from nvplug.nvml.nvml_errors import NvmlHung
 from nvplug.status import status_client
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 

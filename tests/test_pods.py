@@ -10,8 +10,8 @@ from nvplug.core.events import InventoryFound
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.kubelet.pod_holders import ContainerDevices, Holder, holders, of_gpu, resolve
 from nvplug.kubelet.podresources_client import TokenBucket
+from nvplug.pods.pod_holders import ContainerDevices, Holder, holders, of_gpu, resolve
 
 MIGS = (MigDevice("MIG-a", 1, 0, "3g.40gb"), MigDevice("MIG-b", 2, 0, "1g.10gb"))
 GPUS = (Gpu("GPU-0", 0, "0000:18:00.0"), Gpu("GPU-1", 1, "0000:2a:00.0", mig_enabled=True, mig=MIGS))

@@ -12,7 +12,7 @@ import pytest
 from test_devices import devices
 from test_mig_e2e import mig_node, streaming
 
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event
 

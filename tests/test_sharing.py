@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND
+from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0

@@ -7,12 +7,12 @@ import sys
 
 from nvplug import config
 from nvplug.base.atomic_write import write_atomically
+from nvplug.cdi.cdi_spec import DIR_MODE, SPEC_MODE
 from nvplug.cli.node_cdi_specs import node_specs
-from nvplug.sinks.cdi.cdi_files import DIR_MODE, SPEC_MODE
 
 
 def run(args: argparse.Namespace) -> int:
-    from nvplug.sources.nvml_discovery import NvmlUnavailable
+    from nvplug.nvml.nvml_errors import NvmlUnavailable
 
     try:
         cfg = config.load(args.config)

@@ -18,7 +18,7 @@ from typing import Any
 from nvplug import config
 from nvplug.core.health import Health, HealthState
 from nvplug.core.snapshot import Snapshot
-from nvplug.kubelet.pod_holders import Holder
+from nvplug.pods.pod_holders import Holder
 from nvplug.shaping.resource_plan import plan
 from nvplug.sinks.gfd_labels import node_labels
 from nvplug.sinks.gfd_labels import render as render_labels

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nvplug import config
+from nvplug.cdi.cdi_spec import CdiSpec
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, SpecPublisher
-from nvplug.sinks.cdi.cdi_spec import CdiSpec
 from nvplug.sources.nvml_snapshot import scan_snapshot
 
 

@@ -26,8 +26,8 @@ from nvplug.core.events import AutoResetStep, Event
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import HEALTH, INVENTORY, Snapshot
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.kubelet.pod_holders import Holder
-from nvplug.sources.nvml_discovery import NvmlUnavailable
+from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.pods.pod_holders import Holder
 from nvplug.status.heal_route import Validate
 
 WHO = "nvplug's auto-reset (nvplug.health.autoReset)"

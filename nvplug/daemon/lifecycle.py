@@ -25,7 +25,7 @@ from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
-from nvplug.kubelet.pod_holders import Holder
+from nvplug.pods.pod_holders import Holder
 from nvplug.shaping.resource_plan import moved
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
 from nvplug.sinks.health_state_sink import saved

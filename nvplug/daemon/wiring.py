@@ -19,9 +19,9 @@ from nvplug.daemon.sd_notify import Notifier
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, Source
 from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
-from nvplug.kubelet.pod_holders import Holder
 from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
 from nvplug.mps.mps_supervisor import MpsSupervisor
+from nvplug.pods.pod_holders import Holder
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
 from nvplug.sinks.health_state_file import StateFile
 from nvplug.sinks.health_state_sink import HealthStateSink

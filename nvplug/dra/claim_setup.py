@@ -19,6 +19,7 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from nvplug.cdi.cdi_spec import mps_edits
 from nvplug.core.gpu import Gpu, MigDevice, uuid_of
 from nvplug.core.snapshot import Snapshot
 from nvplug.dra.claim_specs import ClaimSpecs
@@ -27,7 +28,6 @@ from nvplug.dra.dra_devices import DraDevice
 from nvplug.dra.opaque_config import ClaimMps
 from nvplug.dra.time_slices import DEFAULT_INTERVAL, TimeSliceError, TimeSlicer
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, MpsGroup
-from nvplug.sinks.cdi.cdi_spec import mps_edits
 
 log = logging.getLogger("nvplug.dra")
 

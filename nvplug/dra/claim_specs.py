@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nvplug.base.atomic_write import write_atomically
-from nvplug.sinks.cdi.cdi_files import DIR_MODE, SPEC_MODE
-from nvplug.sinks.cdi.cdi_spec import CdiSpec, Edits, qualified
+from nvplug.cdi.cdi_spec import DIR_MODE, SPEC_MODE, CdiSpec, Edits, qualified
 
 VENDOR = "k8s.gpu.nvidia.com"
 CLAIM_KIND = f"{VENDOR}/claim"

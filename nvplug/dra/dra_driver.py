@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.snapshot import REVISED, Snapshot
@@ -32,9 +33,8 @@ from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.kubelet.pod_holders import ContainerDevices, Holder
+from nvplug.pods.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
 log = logging.getLogger("nvplug.dra")
 

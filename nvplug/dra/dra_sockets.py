@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
+from nvplug.base.unix_grpc_server import remove_stale_socket, serve_unix
 from nvplug.dra.claims import ClaimError, ClaimRef, PreparedClaim
-from nvplug.kubelet.device_plugin import remove_stale_socket, serve_unix
 from nvplug.protos import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
 
 log = logging.getLogger("nvplug.dra")

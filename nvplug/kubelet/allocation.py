@@ -11,12 +11,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.core.device_nodes import CONTROL_NODES
 from nvplug.core.gpu import Gpu, uuid_of
 from nvplug.core.topology import best_set
 from nvplug.shaping.mps_groups import client_limits, container_view
 from nvplug.shaping.resource_plan import Device, Resource
-from nvplug.sinks.cdi.cdi_spec import GPU_KIND, device_name, qualified
 
 # Driver-wide nodes every GPU container needs, when the host has them.
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"

@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import secrets
-import stat
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from nvplug.base.grpc_target import grpc_target
+from nvplug.base.unix_grpc_server import SocketBindFailed, remove_stale_socket, serve_unix
 from nvplug.core.device_nodes import host_path
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
@@ -498,40 +497,3 @@ def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[A
             pb.PreStartContainerResponse.SerializeToString,
         ),
     }
-
-
-class SocketBindFailed(RuntimeError):
-    """A socket could not be served: its directory is missing, or gRPC refused the bind."""
-
-
-async def serve_unix(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc.aio.Server:
-    """A gRPC server on a unix socket at `path` (a stale socket there is replaced), root's only."""
-    if not path.parent.is_dir():
-        # Said here, in words: gRPC would log its own bind error at ERROR on every retry.
-        raise SocketBindFailed(f"cannot serve on {path}: the directory {path.parent} does not exist")
-    remove_stale_socket(path)
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(handlers)
-    # Nobody but root may talk to the plugin.
-    old_umask = os.umask(0o077)
-    try:
-        try:
-            server.add_insecure_port(grpc_target(path))
-        except RuntimeError as err:
-            where = "" if path.parent.is_dir() else f": the directory {path.parent} is gone"
-            raise SocketBindFailed(f"cannot serve on {path}{where} ({err})") from err
-        await server.start()
-    finally:
-        os.umask(old_umask)
-    return server
-
-
-def remove_stale_socket(path: Path) -> None:
-    """Remove a socket left behind; refuse to touch anything that is not one."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise RuntimeError(f"{path} exists and is not a unix socket; refusing to replace it")
-    path.unlink()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.cdi.cdi_spec import CDI_READS
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState
@@ -31,7 +32,6 @@ from nvplug.kubelet.device_plugin import (
 )
 from nvplug.kubelet.registrar import Registrar
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
-from nvplug.sinks.cdi.cdi_publisher import CDI_READS
 
 log = logging.getLogger("nvplug")
 

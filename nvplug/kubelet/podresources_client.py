@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from nvplug.base.grpc_target import grpc_target
-from nvplug.kubelet.pod_holders import ContainerDevices
+from nvplug.pods.pod_holders import ContainerDevices
 from nvplug.protos import podresources_pb2 as pb
 
 log = logging.getLogger("nvplug")

@@ -16,8 +16,8 @@ from nvplug.core.events import ComputeModeRecorded, Event
 from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState
 from nvplug.mps.control_daemon import ComputeModeError
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.shaping.mps_groups import MpsGroup
-from nvplug.sources.nvml_discovery import NvmlUnavailable
 
 log = logging.getLogger("nvplug.mps")
 T = TypeVar("T")

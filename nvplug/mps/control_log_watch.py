@@ -18,7 +18,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import ObservedWatch
 
-from nvplug.sources.inotify_observer import InotifyObserver
+from nvplug.inotify.inotify_observer import InotifyObserver
 
 log = logging.getLogger("nvplug.mps")
 

@@ -28,9 +28,9 @@ from nvplug.mps.compute_modes import ComputeModes, ModeCalls
 from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks, kill_leftover
 from nvplug.mps.control_log_watch import ControlLogWatch
 from nvplug.mps.mps_dirs import PID_FILE, RootLayout
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.shaping.mps_groups import MpsGroup
 from nvplug.shaping.resource_plan import mps_groups
-from nvplug.sources.nvml_discovery import NvmlUnavailable
 
 log = logging.getLogger("nvplug.mps")
 

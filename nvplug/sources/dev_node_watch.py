@@ -21,7 +21,7 @@ from watchdog.observers.api import ObservedWatch
 from nvplug.core.events import DeviceNodesChanged
 from nvplug.core.mig import CAPS_DIR
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
-from nvplug.sources.inotify_observer import InotifyObserver
+from nvplug.inotify.inotify_observer import InotifyObserver
 
 log = logging.getLogger(__name__)
 

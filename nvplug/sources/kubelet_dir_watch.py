@@ -33,8 +33,8 @@ from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEv
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
+from nvplug.inotify.inotify_reader import InotifyReader
 from nvplug.protos import KUBELET_SOCKET
-from nvplug.sources.inotify_reader import InotifyReader
 
 log = logging.getLogger(__name__)
 

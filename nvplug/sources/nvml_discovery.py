@@ -22,6 +22,7 @@ from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigAttributes, MigDevice, normali
 from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors, profile_name, read_mig_minors
 from nvplug.core.topology import Link, PcieLevel, Topology
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,6 @@ _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 
 
 RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-
-
-class NvmlUnavailable(Exception):
-    """NVML cannot be loaded or initialised; the message carries the library's text."""
 
 
 @dataclass(frozen=True)

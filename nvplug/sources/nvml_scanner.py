@@ -2,7 +2,7 @@
 
 Everything that calls NVML from the loop's side goes through NvmlCalls: one worker thread, so a
 rescan can take NVML's init count to zero without racing a probe, and a deadline on each call, so
-a hung driver is reported and never waited on (see nvml_calls.py).
+a hung driver is reported and never waited on (see nvplug/nvml/nvml_calls.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from nvplug.core.events import InventoryFound, NvmlFailed, ProbeResult
 from nvplug.core.health import Fault
 from nvplug.core.readiness import unready
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
-from nvplug.sources.nvml_calls import NvmlCalls, NvmlHung
-from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
+from nvplug.nvml.nvml_calls import NvmlCalls
+from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
+from nvplug.sources.nvml_discovery import Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from nvplug.core.events import Event
 from nvplug.core.snapshot import Change, Snapshot
 from nvplug.edges.edge_protocols import Sink, StateUpdate
-from nvplug.kubelet.pod_holders import Holder, of_gpu
 from nvplug.kubelet.podresources_client import PodView
+from nvplug.pods.pod_holders import Holder, of_gpu
 from nvplug.status.status_server import Metrics, reason_class
 
 log = logging.getLogger("nvplug")

@@ -15,17 +15,16 @@ import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from nvplug.core.events import Event, EvidenceFound, HealthReported
+from nvplug.core.events import Event, EvidenceFound, HealthReported, InventoryFound, NvmlFailed, ProbeResult
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import find_gpu
-from nvplug.sources.nvml_discovery import NvmlUnavailable
-from nvplug.sources.nvml_scanner import Scanner
+from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.status.status_server import Answer, Peer
 
 log = logging.getLogger(__name__)
@@ -35,6 +34,20 @@ RESET_TIMEOUT = 120.0
 
 # A check of a reset GPU: None when it passed, else what failed.
 Validate = Callable[[Gpu], Awaitable[str | None]]
+
+
+class HealCalls(Protocol):
+    """The NVML calls a heal makes, through the scanner's worker and deadlines; `processes` and `reset`
+    raise NvmlUnavailable (NvmlHung too). The NVML source's Scanner meets it, and daemon/wiring.py hands
+    that in: status reads no source."""
+
+    async def probe(self, uuid: str, evidence: str) -> ProbeResult: ...
+
+    async def processes(self, uuid: str) -> tuple[int, ...]: ...
+
+    async def reset(self, command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]: ...
+
+    async def scan(self) -> InventoryFound | NvmlFailed | None: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class Healer:
     def __init__(
         self,
         state: NodeState,
-        scanner: Scanner,
+        scanner: HealCalls,
         handle: Callable[[Event], Awaitable[None]],
         nvidia_smi: str = "nvidia-smi",
     ) -> None:

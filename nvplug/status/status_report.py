@@ -7,6 +7,7 @@ status; nothing is kept twice. The status line goes to systemd whenever it chang
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState
@@ -14,13 +15,22 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
-from nvplug.kubelet.pod_holders import Holder, holders
 from nvplug.kubelet.podresources_client import PodView
-from nvplug.sinks.cdi.cdi_publisher import CdiSink
+from nvplug.pods.pod_holders import Holder, holders
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
 PODS_READER_WAIT = 0.5
+
+
+class CdiHealth(Protocol):
+    """What /healthz asks of the CDI spec's sink: the CDI sink meets it, and daemon/wiring.py hands
+    that in (status reads no sink's module)."""
+
+    @property
+    def enforced_error(self) -> str | None: ...
+
+    def notes(self) -> list[str]: ...
 
 
 def node_notes(snap: Snapshot) -> list[str]:
@@ -41,7 +51,7 @@ class StatusReport(Sink):
         state: NodeState,
         fleet: PluginFleet,
         pods: PodView,
-        cdi: CdiSink,
+        cdi: CdiHealth,
         dra: DraDriver | None,
         push: Callable[[str], None],
         roots: Mapping[str, str] | None = None,
@@ -94,9 +104,9 @@ class StatusReport(Sink):
 
     def healthz(self) -> Answer:
         """200 when the loop answers (it does, or nothing would) and everything is registered."""
-        fleet, cdi, snap = self._fleet, self._cdi.publisher, self._state.current
+        fleet, snap = self._fleet, self._state.current
         # A hung NVML call: serving goes on from the state, but the node needs a person.
-        refused = fleet.plan_error or fleet.refused or (cdi.error and cdi.settings.enforce) or snap.hung_calls
+        refused = fleet.plan_error or fleet.refused or self._cdi.enforced_error or snap.hung_calls
         # DRA sockets that cannot be served (a directory gone with the kubelet's): the line names it.
         dra_unserved = self._dra is not None and self._dra.not_served
         if fleet.registered and not refused and not dra_unserved:

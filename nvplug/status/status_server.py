@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from nvplug import __version__
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
-from nvplug.kubelet.pod_holders import Holder
+from nvplug.pods.pod_holders import Holder
 
 log = logging.getLogger(__name__)
 

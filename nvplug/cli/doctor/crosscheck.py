@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nvplug.kubelet.pod_holders import OUR_DOMAIN, ContainerDevices
+from nvplug.pods.pod_holders import OUR_DOMAIN, ContainerDevices
 
 # The kubelet's device-manager checkpoint, in its device-plugin directory.
 CHECKPOINT = "kubelet_internal_checkpoint"

@@ -11,8 +11,9 @@ def check_mps(ctx: DoctorContext) -> Check:
 
     from nvplug.mps.compute_modes import EXCLUSIVE_PROCESS, mode_name
     from nvplug.mps.control_client import ControlClient, MpsControlError
+    from nvplug.nvml.nvml_errors import NvmlUnavailable
     from nvplug.shaping.mps_groups import pipe_dir
-    from nvplug.sources.nvml_discovery import Nvml, NvmlUnavailable
+    from nvplug.sources.nvml_discovery import Nvml
 
     cfg = loaded_config(ctx)
     if isinstance(cfg, Check):

@@ -12,14 +12,11 @@ from pathlib import Path
 import yaml
 
 from nvplug.base.atomic_write import write_atomically
-from nvplug.sinks.cdi.cdi_spec import CdiSpec, qualified
+from nvplug.cdi.cdi_spec import DIR_MODE, SPEC_MODE, CdiSpec, qualified
 
 log = logging.getLogger(__name__)
 
 SPEC_SUFFIXES = (".json", ".yaml", ".yml")
-# A spec holds no secrets, and every runtime must read it.
-SPEC_MODE = 0o644
-DIR_MODE = 0o755
 # Bigger than any real spec; a bigger file is not read whole.
 MAX_SPEC_BYTES = 16 << 20
 

@@ -16,16 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, Schedule
-from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
-from nvplug.config.selectors import DeviceFilter
-from nvplug.core.events import CdiChecked, Event
-from nvplug.core.gpu import uuid_of
-from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
-from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
-from nvplug.sinks.cdi import driver_files as driverfiles
-from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
-from nvplug.sinks.cdi.cdi_spec import (
+from nvplug.cdi.cdi_spec import (
+    CDI_READS,
     GPU_KIND,
     CdiSpec,
     DriverFiles,
@@ -39,6 +31,15 @@ from nvplug.sinks.cdi.cdi_spec import (
     optional_specs,
     shared_edits,
 )
+from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
+from nvplug.config.selectors import DeviceFilter
+from nvplug.core.events import CdiChecked, Event
+from nvplug.core.gpu import uuid_of
+from nvplug.core.snapshot import Snapshot
+from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
+from nvplug.sinks.cdi import driver_files as driverfiles
+from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 
 log = logging.getLogger("nvplug")
 
@@ -254,9 +255,6 @@ class SpecPublisher:
         return list(units.values())
 
 
-# The snapshot's fields a spec is made of (the device nodes: the control and optional nodes it lists).
-CDI_READS = frozenset({"gpus", "cap_minors", "mps", "driver_version", "driver_instance", "device_nodes"})
-
 # Retrying a spec that could not be written: nothing else may change for hours.
 RETRY_BACKOFF = Backoff(first=1.0, maximum=300.0)
 
@@ -317,6 +315,11 @@ class CdiSink(Sink):
                     self._feed(event)
 
         return commit
+
+    @property
+    def enforced_error(self) -> str | None:
+        """Why the spec is not written, where a cdi strategy hands out its names: nothing resolves then."""
+        return self.publisher.error if self.publisher.settings.enforce else None
 
     def notes(self) -> list[str]:
         error = self.publisher.error

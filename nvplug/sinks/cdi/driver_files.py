@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
+from nvplug.cdi.cdi_spec import IMEX_CHANNELS, OPTIONAL_CLASSES, DriverFiles
 from nvplug.core.device_nodes import CONTROL_NODES
 from nvplug.sinks.cdi import ld_cache as ldcache
-from nvplug.sinks.cdi.cdi_spec import IMEX_CHANNELS, OPTIONAL_CLASSES, DriverFiles
 
 LD_CACHE = "etc/ld.so.cache"
 BINARIES = (

@@ -23,6 +23,9 @@ IMEX_KIND = f"{VENDOR}/imex-channel"
 # The newest version whose features we use (deviceNodes.hostPath came in 0.5.0); containerd 1.7,
 # CRI-O 1.24+ and podman 4.x all read it.
 CDI_VERSION = "0.5.0"
+# A spec file holds no secrets, and every runtime must read it.
+SPEC_MODE = 0o644
+DIR_MODE = 0o755
 ALL = "all"
 READ_ONLY = ("ro", "nosuid", "nodev", "bind")
 WRITABLE = ("rw", "nosuid", "nodev", "bind")
@@ -33,6 +36,9 @@ OPTIONAL_CLASSES: Mapping[str, tuple[str, ...]] = {
     "mofed": ("/dev/infiniband/uverbs*", "/dev/infiniband/rdma_cm"),
     "gdrcopy": ("/dev/gdrdrv",),
 }
+
+# The snapshot's fields a spec is made of (the device nodes: the control and optional nodes it lists).
+CDI_READS = frozenset({"gpus", "cap_minors", "mps", "driver_version", "driver_instance", "device_nodes"})
 
 # One device as a container sees it: a whole GPU, or a MIG device on its GPU.
 Unit = tuple[Gpu, MigDevice | None]

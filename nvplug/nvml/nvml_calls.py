@@ -27,15 +27,11 @@ from typing import Any, TypeVar
 from nvplug.core.events import NvmlCallHung
 from nvplug.core.snapshot import HungCall
 from nvplug.edges.edge_protocols import Publish
-from nvplug.sources.nvml_discovery import NvmlUnavailable
+from nvplug.nvml.nvml_errors import NvmlHung
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class NvmlHung(NvmlUnavailable):
-    """A call did not return by its deadline, or was refused because an earlier one on its GPU has not."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Which pod holds which device, pure: shared by the PodResources reader, the DRA driver and the status routes."""
