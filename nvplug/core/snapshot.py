@@ -79,8 +79,24 @@ def _frozen(mapping: Mapping[str, HealthState] | None = None) -> Mapping[str, He
     return MappingProxyType(dict(mapping or {}))
 
 
+class GpuLookups:
+    """The lookups a snapshot and its draft share, over their own `gpus` and `health`."""
+
+    gpus: tuple[Gpu, ...]
+    health: Mapping[str, HealthState]
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return find_gpu(self.gpus, uuid=uuid)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        return find_gpu(self.gpus, bus_id=bus_id)
+
+    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
+        return devices_of(self.health, gpu)
+
+
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(GpuLookups):
     revision: int
     gpus: tuple[Gpu, ...] = ()
     health: Mapping[str, HealthState] = field(default_factory=_frozen)
@@ -132,15 +148,6 @@ class Snapshot:
     def mps_units(self) -> Mapping[str, HealthState]:
         """Each MPS device's daemon health by its UUID: derived once per snapshot, looked up per device."""
         return unit_health(self.mps)
-
-    def gpu(self, uuid: str) -> Gpu | None:
-        return find_gpu(self.gpus, uuid=uuid)
-
-    def by_bus_id(self, bus_id: str) -> Gpu | None:
-        return find_gpu(self.gpus, bus_id=bus_id)
-
-    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        return devices_of(self.health, gpu)
 
     def unhealthy(self) -> tuple[Gpu, ...]:
         """GPUs that are Unhealthy or hold an Unhealthy MIG device."""

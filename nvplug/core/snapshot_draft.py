@@ -6,7 +6,7 @@ check), so that each keeps the rules in node_state.py's docstring and notes what
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -19,18 +19,17 @@ from nvplug.core.snapshot import (
     COUNTERS,
     NODE_FIELDS,
     Change,
+    GpuLookups,
     HungCall,
     LoggedFault,
     Snapshot,
     SwitchErrors,
-    devices_of,
     differs,
-    find_gpu,
 )
 from nvplug.core.topology import Topology
 
 
-class SnapshotDraft:
+class SnapshotDraft(GpuLookups):
     """The next snapshot under construction, with what changed on the way (its Changes)."""
 
     # The snapshot's fields (NODE_FIELDS), typed for the fold: __init__ copies each from the base,
@@ -69,15 +68,6 @@ class SnapshotDraft:
         self.health = dict(base.health)
         self.restored = dict(base.restored)
         self.changes: list[Change] = []
-
-    def gpu(self, uuid: str) -> Gpu | None:
-        return find_gpu(self.gpus, uuid=uuid)
-
-    def by_bus_id(self, bus_id: str) -> Gpu | None:
-        return find_gpu(self.gpus, bus_id=bus_id)
-
-    def devices_of(self, gpu: Gpu) -> Iterator[tuple[str, HealthState]]:
-        return devices_of(self.health, gpu)
 
     def note(self, change: Change) -> None:
         self.changes.append(change)
