@@ -5,10 +5,12 @@ exactly as it was found."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,9 @@ from nvplug.testing import fakenvml
 MACHINE_DIR = Path("/var/run/cdi")
 SPEC = MACHINE_DIR / "k8s.device-plugin.nvidia.com-gpu.json"
 REPO = Path(__file__).resolve().parent.parent
+# The machine's directory is one for every suite on the machine: a second run of the suite, beside
+# this one, waits for it here, so neither finds the other's spec (or removes it from under it).
+LOCK = Path(tempfile.gettempdir()) / "nvplug-tests-machine-cdi.lock"
 # The tests that read the machine's directories before the simulated node had its own.
 TESTS = (
     "tests/test_doctor.py::test_all_pass_on_a_healthy_node",
@@ -46,6 +51,12 @@ def snapshot(directory: Path) -> dict[str, bytes] | None:
 def foreign_spec() -> Iterator[Path]:
     """nvplug's spec in the machine's /var/run/cdi, naming the simulated node's own GPUs; one that is
     there already (a real nvplug's) is used as it is."""
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _foreign_spec()
+
+
+def _foreign_spec() -> Iterator[Path]:
     before = snapshot(MACHINE_DIR)
     made_dir = before is None
     made_spec = not SPEC.exists()
