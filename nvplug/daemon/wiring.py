@@ -132,7 +132,7 @@ def wire(
             failed=request_stop,
         ),
     )
-    report = StatusReport(state, fleet, pods, cdi, dra, notifier.status, options.roots())
+    report = StatusReport(state, fleet, pods, dra, notifier.status, options.roots())
     dispatcher = Dispatcher(state, report.metrics, fleet, scanner, dra)
     healer = Healer(state, scanner, dispatcher.handle)
 

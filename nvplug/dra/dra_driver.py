@@ -32,7 +32,7 @@ from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
 from nvplug.pods.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
 
@@ -256,6 +256,12 @@ class DraDriver(Sink):
             why = f" ({change['what']} by someone else)" if change else ""
             return [f"DRA {self.driver} {how}: the API server does not hold its ResourceSlices yet{why}; writing them"]
         return [f"DRA {self.driver} {how}: {healthy} devices in {len(self.publisher.slice_names)} ResourceSlices"]
+
+    def verdict(self) -> HealthVerdict:
+        """Unhealthy while its sockets cannot be served; while the API server does not hold its slices yet,
+        /healthz says what it does hold (not what nvplug last wrote)."""
+        waiting = self.registered and not self.publisher.published
+        return HealthVerdict(not self.not_served, tuple(self.notes()) if waiting else ())
 
     def offer(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed, its health streamed."""

@@ -66,6 +66,18 @@ class StateUpdate:
         )
 
 
+@dataclass(frozen=True)
+class HealthVerdict:
+    """A part's say in /healthz. Unhealthy: /healthz answers 503 with the status line, whose notes say
+    why. Healthy: `notes` are what /healthz adds after "ok" (what is served, but not all of it)."""
+
+    healthy: bool = True
+    notes: tuple[str, ...] = ()
+
+
+HEALTHY = HealthVerdict()
+
+
 class Sink(Protocol):
     """Something that reacts to each new snapshot. Subclass it for the defaults.
 
@@ -102,6 +114,10 @@ class Sink(Protocol):
     def notes(self) -> list[str]:
         """What the status line says of it; nothing when all is well."""
         return []
+
+    def verdict(self) -> HealthVerdict:
+        """Whether /healthz may say "ok" as far as this part goes, and what it adds if so."""
+        return HEALTHY
 
     def status(self) -> object:
         """Its part of /status, under its name; None leaves it out."""

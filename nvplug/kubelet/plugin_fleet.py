@@ -20,7 +20,7 @@ from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
 from nvplug.kubelet.device_plugin import (
     MAX_MESSAGE,
@@ -259,6 +259,10 @@ class PluginFleet(Sink):
         notes = [f"advertising nothing: {self.plan_error}"] if self.plan_error else []
         notes += [f"not advertised: {problem}" for problem in self.refused.values()]
         return notes + unready_note(self._state.current)
+
+    def verdict(self) -> HealthVerdict:
+        """Healthy once everything planned is served and registered, and nothing planned was refused."""
+        return HealthVerdict(self.registered and not (self.plan_error or self.refused))
 
     def status(self) -> dict[str, object]:
         """Why a resource is not served now (its directory gone, a bind failing), for /status and doctor."""
