@@ -18,7 +18,7 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.config import Config
-from nvplug.core.events import Event
+from nvplug.core.events import Event, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.snapshot import REVISED, Snapshot
 from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
@@ -77,6 +77,8 @@ class DraDriver(Sink):
 
     name = "dra"
     reads = REVISED
+    # Before the fleet's (the wiring's order): its sockets lie beside the device plugins'.
+    works = frozenset({PluginSocketRemoved, WatchedDirChanged})
 
     def __init__(
         self,
@@ -141,6 +143,15 @@ class DraDriver(Sink):
                 if not self.sockets.serving(path):
                     self._lose(path)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
+
+    async def work(self, event: Event) -> None:
+        match event:
+            case PluginSocketRemoved(path=path):
+                self.socket_removed(Path(path))
+            case WatchedDirChanged(path=path, exists=exists):
+                self.dir_changed(Path(path), exists)
+            case _:
+                pass
 
     def socket_removed(self, path: Path) -> None:
         """One of the sockets in the watched directories vanished: serve it again if it is ours."""

@@ -48,6 +48,16 @@ class Source(Protocol):
     async def stop(self) -> None: ...
 
 
+class Worker(Protocol):
+    """A part that does the work some events ask for (kubelet.sock came, a socket or directory went, a
+    rescan is wanted, a new inventory to follow): the dispatcher hands each event whose type is in
+    `works` to `work`, in the wiring's order, after the state took it (if it is state at all)."""
+
+    works: frozenset[type]
+
+    async def work(self, event: Event) -> None: ...
+
+
 @dataclass(frozen=True)
 class StateUpdate:
     """What one event did (or several, merged for the sinks after the list): the snapshot after it,
@@ -96,12 +106,18 @@ class Sink(Protocol):
     # those run at once, in order. The others run in the loop turn after the message's hand-off, in
     # order, with every update since merged into one: no fsync, label file or log line holds up a list.
     before_list: bool = False
+    # The event types it does work for (Worker): none by default.
+    works: frozenset[type] = frozenset()
 
     def wants(self, update: StateUpdate) -> bool:
         return self.reads is None or not self.reads.isdisjoint(update.changed)
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         return ()
+
+    async def work(self, event: Event) -> None:
+        """What an event of a type in `works` asks of it."""
+        return None  # noqa: RET501 (a body: a protocol's method without one is abstract)
 
     async def admit(self, cfg: Config) -> None:
         """Before `prepare`, what a reload may only be refused for after asking the node (NVML, a
