@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, cast
 
 import pytest
 
@@ -48,8 +47,8 @@ class Failing(Sink):
 
 
 def dispatcher(state: NodeState, sinks: Sequence[Sink]) -> Dispatcher:
-    # apply() touches neither the fleet, the scanner nor DRA: they route work, not state.
-    d = Dispatcher(state, Metrics(list), cast(Any, None), cast(Any, None), None)
+    # No part does work for these events: apply() is all they go through.
+    d = Dispatcher(state, Metrics(list))
     d.sinks = sinks
     return d
 

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import assert_never
 
 from nvplug.core.events import (
@@ -51,17 +50,12 @@ from nvplug.core.events import (
 )
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import changed_between
-from nvplug.dra.dra_driver import DraDriver
-from nvplug.edges.edge_protocols import Sink, StateUpdate
-from nvplug.kubelet.plugin_fleet import PluginFleet
+from nvplug.edges.edge_protocols import Sink, StateUpdate, Worker
 from nvplug.sources.event_bus import EventBus
-from nvplug.sources.nvml_scanner import Scanner
 from nvplug.status.status_server import Metrics
 
 log = logging.getLogger("nvplug")
 
-# udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
-RESCAN_ACTIONS = {"add", "bind", "remove", "change"}
 # How many recent revisions keep their event's arrival time, for the event-to-list latency.
 TIMED_REVISIONS = 1024
 
@@ -84,14 +78,11 @@ def failed_call(event: Event) -> str | None:
 class Dispatcher:
     """Applies events to the state and runs the sinks; routes the events that ask for work instead."""
 
-    def __init__(
-        self, state: NodeState, metrics: Metrics, fleet: PluginFleet, scanner: Scanner, dra: DraDriver | None
-    ) -> None:
+    def __init__(self, state: NodeState, metrics: Metrics, workers: Sequence[Worker] = ()) -> None:
         self.state = state
         self._metrics = metrics
-        self._fleet = fleet
-        self._scanner = scanner
-        self._dra = dra
+        # The parts that do work for events, in the wiring's order.
+        self._workers = tuple(workers)
         # Every sink, in the wiring's order, and split by whether a list waits for it.
         self._sinks: tuple[Sink, ...] = ()
         self._for_list: tuple[Sink, ...] = ()
@@ -111,38 +102,25 @@ class Dispatcher:
             await self.handle(*await bus.next())
 
     async def handle(self, event: Event, arrived: float | None = None) -> None:
-        """One event, from a source through the bus (published at `arrived`) or from an operator's heal."""
+        """One event, from a source through the bus (published at `arrived`) or from an operator's heal:
+        into the state if it is state, then to each part that does work for its type, in order."""
         match event:
             case KubeletSocketCreated():
                 self._count(event)
                 self._rejoin(arrived)
                 log.info("kubelet.sock appeared: registering")
-                self._fleet.kubelet_started()
-            case MigConfigChanged(uuid=uuid):
-                self._count(event)
-                self._scanner.request(f"MIG layout of {uuid} changed")
-            case PluginSocketRemoved(path=path):
+            case PluginSocketRemoved():
                 self._count(event)
                 self._rejoin(arrived)
-                if self._dra is not None:
-                    self._dra.socket_removed(Path(path))
-                await self._fleet.socket_removed(Path(path))
-            case WatchedDirChanged(path=path, exists=exists):
+            case WatchedDirChanged() | MigConfigChanged():
                 # Work, not state: the sockets in a directory that came back are served again.
                 self._count(event)
-                if self._dra is not None:
-                    self._dra.dir_changed(Path(path), exists)
-                await self._fleet.dir_changed(Path(path), exists)
             case PciChanged(action=action, bus_id=bus_id, driver=driver):
                 log.info("udev: %s %s %s", action, bus_id, driver or "")
-                if action in RESCAN_ACTIONS:
-                    self._scanner.request(f"udev {action} of {bus_id}")
                 self.apply(event, arrived)
-            case InventoryFound():
-                self.apply(event, arrived)
-                await self._fleet.follow_inventory()
             case (
-                ProbeResult()
+                InventoryFound()
+                | ProbeResult()
                 | NvmlFailed()
                 | HealthReported()
                 | EvidenceFound()
@@ -167,6 +145,9 @@ class Dispatcher:
                 self.apply(event, arrived)
             case _:
                 assert_never(event)
+        for worker in self._workers:
+            if type(event) in worker.works:
+                await worker.work(event)
 
     def apply(self, event: Event, arrived: float | None = None) -> None:
         """Into the state, then through the sinks the list needs (no await, so no list goes out in
@@ -252,7 +233,7 @@ class Dispatcher:
         """The kubelet's socket, or ours, went or came: each resource's next stream is timed from the last
         of these, the moment nvplug knew all it needed."""
         at = time.monotonic() if arrived is None else arrived
-        self._rejoining = {plugin.name: at for plugin in self._fleet.endpoints}
+        self._rejoining = {view.resource.name: at for view in self._metrics.resources()}
 
     def _count(self, event: Event) -> None:
         self._metrics.events.labels(event.source, type(event).__name__).inc()

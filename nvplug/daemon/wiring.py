@@ -132,8 +132,9 @@ def wire(
             failed=request_stop,
         ),
     )
-    report = StatusReport(state, fleet, pods, cdi, dra, notifier.status, options.roots())
-    dispatcher = Dispatcher(state, report.metrics, fleet, scanner, dra)
+    report = StatusReport(state, fleet, pods, dra, notifier.status, options.roots())
+    # Who works for which events, in order: DRA's sockets before the device plugins'.
+    dispatcher = Dispatcher(state, report.metrics, (scanner, *((dra,) if dra is not None else ()), fleet))
     healer = Healer(state, scanner, dispatcher.handle)
 
     async def holders_now() -> Mapping[str, list[Holder]] | None:

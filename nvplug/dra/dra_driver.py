@@ -18,7 +18,7 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.config import Config
-from nvplug.core.events import Event
+from nvplug.core.events import Event, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.snapshot import REVISED, Snapshot
 from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
@@ -32,7 +32,7 @@ from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
 from nvplug.pods.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
 
@@ -77,6 +77,8 @@ class DraDriver(Sink):
 
     name = "dra"
     reads = REVISED
+    # Before the fleet's (the wiring's order): its sockets lie beside the device plugins'.
+    works = frozenset({PluginSocketRemoved, WatchedDirChanged})
 
     def __init__(
         self,
@@ -141,6 +143,15 @@ class DraDriver(Sink):
                 if not self.sockets.serving(path):
                     self._lose(path)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
+
+    async def work(self, event: Event) -> None:
+        match event:
+            case PluginSocketRemoved(path=path):
+                self.socket_removed(Path(path))
+            case WatchedDirChanged(path=path, exists=exists):
+                self.dir_changed(Path(path), exists)
+            case _:
+                pass
 
     def socket_removed(self, path: Path) -> None:
         """One of the sockets in the watched directories vanished: serve it again if it is ours."""
@@ -256,6 +267,12 @@ class DraDriver(Sink):
             why = f" ({change['what']} by someone else)" if change else ""
             return [f"DRA {self.driver} {how}: the API server does not hold its ResourceSlices yet{why}; writing them"]
         return [f"DRA {self.driver} {how}: {healthy} devices in {len(self.publisher.slice_names)} ResourceSlices"]
+
+    def verdict(self) -> HealthVerdict:
+        """Unhealthy while its sockets cannot be served; while the API server does not hold its slices yet,
+        /healthz says what it does hold (not what nvplug last wrote)."""
+        waiting = self.registered and not self.publisher.published
+        return HealthVerdict(not self.not_served, tuple(self.notes()) if waiting else ())
 
     def offer(self, snapshot: Snapshot) -> None:
         """A new state: the pool as it is now, published if it changed, its health streamed."""

@@ -48,6 +48,16 @@ class Source(Protocol):
     async def stop(self) -> None: ...
 
 
+class Worker(Protocol):
+    """A part that does the work some events ask for (kubelet.sock came, a socket or directory went, a
+    rescan is wanted, a new inventory to follow): the dispatcher hands each event whose type is in
+    `works` to `work`, in the wiring's order, after the state took it (if it is state at all)."""
+
+    works: frozenset[type]
+
+    async def work(self, event: Event) -> None: ...
+
+
 @dataclass(frozen=True)
 class StateUpdate:
     """What one event did (or several, merged for the sinks after the list): the snapshot after it,
@@ -64,6 +74,18 @@ class StateUpdate:
         return StateUpdate(
             later.snapshot, self.changes + later.changes, self.revised or later.revised, self.changed | later.changed
         )
+
+
+@dataclass(frozen=True)
+class HealthVerdict:
+    """A part's say in /healthz. Unhealthy: /healthz answers 503 with the status line, whose notes say
+    why. Healthy: `notes` are what /healthz adds after "ok" (what is served, but not all of it)."""
+
+    healthy: bool = True
+    notes: tuple[str, ...] = ()
+
+
+HEALTHY = HealthVerdict()
 
 
 class Sink(Protocol):
@@ -84,12 +106,18 @@ class Sink(Protocol):
     # those run at once, in order. The others run in the loop turn after the message's hand-off, in
     # order, with every update since merged into one: no fsync, label file or log line holds up a list.
     before_list: bool = False
+    # The event types it does work for (Worker): none by default.
+    works: frozenset[type] = frozenset()
 
     def wants(self, update: StateUpdate) -> bool:
         return self.reads is None or not self.reads.isdisjoint(update.changed)
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         return ()
+
+    async def work(self, event: Event) -> None:
+        """What an event of a type in `works` asks of it."""
+        return None  # noqa: RET501 (a body: a protocol's method without one is abstract)
 
     async def admit(self, cfg: Config) -> None:
         """Before `prepare`, what a reload may only be refused for after asking the node (NVML, a
@@ -102,6 +130,10 @@ class Sink(Protocol):
     def notes(self) -> list[str]:
         """What the status line says of it; nothing when all is well."""
         return []
+
+    def verdict(self) -> HealthVerdict:
+        """Whether /healthz may say "ok" as far as this part goes, and what it adds if so."""
+        return HEALTHY
 
     def status(self) -> object:
         """Its part of /status, under its name; None leaves it out."""

@@ -17,10 +17,10 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.cdi.cdi_spec import CDI_READS
 from nvplug.config import Config, ConfigError
-from nvplug.core.events import Event
+from nvplug.core.events import Event, InventoryFound, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
 from nvplug.kubelet.device_plugin import (
     MAX_MESSAGE,
@@ -153,6 +153,7 @@ class PluginFleet(Sink):
     # Its streams follow the state themselves; as a sink it takes the CDI spec's optional names.
     reads = CDI_READS
     before_list = True
+    works = frozenset({KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged, InventoryFound})
 
     def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, dev_root: Path, hooks: FleetHooks) -> None:
         self._state = state
@@ -260,6 +261,10 @@ class PluginFleet(Sink):
         notes += [f"not advertised: {problem}" for problem in self.refused.values()]
         return notes + unready_note(self._state.current)
 
+    def verdict(self) -> HealthVerdict:
+        """Healthy once everything planned is served and registered, and nothing planned was refused."""
+        return HealthVerdict(self.registered and not (self.plan_error or self.refused))
+
     def status(self) -> dict[str, object]:
         """Why a resource is not served now (its directory gone, a bind failing), for /status and doctor."""
         return {
@@ -346,6 +351,19 @@ class PluginFleet(Sink):
         return [p.server.socket_path for p in self.endpoints]
 
     # The kubelet's side.
+
+    async def work(self, event: Event) -> None:
+        match event:
+            case KubeletSocketCreated():
+                self.kubelet_started()
+            case PluginSocketRemoved(path=path):
+                await self.socket_removed(Path(path))
+            case WatchedDirChanged(path=path, exists=exists):
+                await self.dir_changed(Path(path), exists)
+            case InventoryFound():
+                await self.follow_inventory()
+            case _:
+                pass
 
     def kubelet_started(self) -> None:
         """A (new) kubelet.sock: register everything again, rebinding any socket it wiped."""

@@ -18,7 +18,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.device_nodes import host_path
-from nvplug.core.events import InventoryFound, NvmlFailed, ProbeResult
+from nvplug.core.events import Event, InventoryFound, MigConfigChanged, NvmlFailed, PciChanged, ProbeResult
 from nvplug.core.health import Fault
 from nvplug.core.readiness import unready
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
@@ -28,6 +28,9 @@ from nvplug.sources.nvml_discovery import Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
 log = logging.getLogger(__name__)
+
+# udev actions after which NVML must enumerate again ("change": a MIG layout, for one).
+RESCAN_ACTIONS = frozenset({"add", "bind", "remove", "change"})
 
 # NVML may come up long after us (a driver loading at boot); don't hammer it.
 RESCAN_BACKOFF = Backoff(first=1.0, maximum=300.0, jitter=True)
@@ -64,6 +67,18 @@ class Scanner:
         # A scan that left GPUs without event subscriptions is retried, with backoff, until none is left.
         self._resubscribe: asyncio.TimerHandle | None = None
         self._resubscribing = RESUBSCRIBE_BACKOFF.schedule()
+
+    # A changed MIG layout, and udev's actions after which NVML must enumerate again ("change": a MIG layout).
+    works = frozenset({MigConfigChanged, PciChanged})
+
+    async def work(self, event: Event) -> None:
+        match event:
+            case MigConfigChanged(uuid=uuid):
+                self.request(f"MIG layout of {uuid} changed")
+            case PciChanged(action=action, bus_id=bus_id) if action in RESCAN_ACTIONS:
+                self.request(f"udev {action} of {bus_id}")
+            case _:
+                pass
 
     def request(self, why: str) -> None:
         """Rescan soon; requests that arrive during a scan fold into one more."""

@@ -7,7 +7,6 @@ status; nothing is kept twice. The status line goes to systemd whenever it chang
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 from nvplug.core.events import Event
 from nvplug.core.node_state import NodeState
@@ -21,16 +20,6 @@ from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_a
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
 PODS_READER_WAIT = 0.5
-
-
-class CdiHealth(Protocol):
-    """What /healthz asks of the CDI spec's sink: the CDI sink meets it, and daemon/wiring.py hands
-    that in (status reads no sink's module)."""
-
-    @property
-    def enforced_error(self) -> str | None: ...
-
-    def notes(self) -> list[str]: ...
 
 
 def node_notes(snap: Snapshot) -> list[str]:
@@ -51,7 +40,6 @@ class StatusReport(Sink):
         state: NodeState,
         fleet: PluginFleet,
         pods: PodView,
-        cdi: CdiHealth,
         dra: DraDriver | None,
         push: Callable[[str], None],
         roots: Mapping[str, str] | None = None,
@@ -59,7 +47,6 @@ class StatusReport(Sink):
         self._state = state
         self._fleet = fleet
         self._pods = pods
-        self._cdi = cdi
         self._dra = dra
         self._push = push
         self._roots = roots
@@ -103,17 +90,13 @@ class StatusReport(Sink):
         return out
 
     def healthz(self) -> Answer:
-        """200 when the loop answers (it does, or nothing would) and everything is registered."""
-        fleet, snap = self._fleet, self._state.current
+        """200 when the loop answers (it does, or nothing would) and every part says it is healthy."""
+        snap = self._state.current
+        verdicts = [sink.verdict() for sink in self.sinks if sink is not self]
         # A hung NVML call: serving goes on from the state, but the node needs a person.
-        refused = fleet.plan_error or fleet.refused or self._cdi.enforced_error or snap.hung_calls
-        # DRA sockets that cannot be served (a directory gone with the kubelet's): the line names it.
-        dra_unserved = self._dra is not None and self._dra.not_served
-        if fleet.registered and not refused and not dra_unserved:
+        if not snap.hung_calls and all(v.healthy for v in verdicts):
             # Serving; but say which devices are out because Allocate could not hand them out.
-            notes = [*unready_note(self._state.current), *self._cdi.notes()]
-            if self._dra is not None and self._dra.registered and not self._dra.publisher.published:
-                notes += self._dra.notes()  # what the API server holds, not what nvplug last wrote
+            notes = [*unready_note(snap), *(note for v in verdicts for note in v.notes)]
             return 200, "text/plain", "; ".join(["ok", *notes]).encode() + b"\n"
         return 503, "text/plain", (self.line() or "nothing to advertise").encode() + b"\n"
 

@@ -175,6 +175,8 @@ class Metrics:
         dra: Callable[[], Mapping[str, Any] | None] = lambda: None,
         snapshot: Callable[[], Snapshot] | None = None,
     ) -> None:
+        # What is advertised, per resource (the fleet's views): the rejoin metric times each one.
+        self.resources = resources
         self.registry = reg = CollectorRegistry()
         self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
         self.transitions = Counter(

@@ -36,7 +36,7 @@ from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Publish, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, HealthVerdict, Publish, Sink, StateUpdate
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
@@ -324,6 +324,10 @@ class CdiSink(Sink):
     def notes(self) -> list[str]:
         error = self.publisher.error
         return [f"CDI spec not written: {error}"] if error else []
+
+    def verdict(self) -> HealthVerdict:
+        """Unhealthy while a cdi strategy hands out names the unwritten spec cannot resolve."""
+        return HealthVerdict(self.enforced_error is None, tuple(self.notes()))
 
     def status(self) -> dict[str, object]:
         return self.publisher.status()
