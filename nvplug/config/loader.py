@@ -1,6 +1,6 @@
 """Loading the YAML config: a superset of NVIDIA's k8s-device-plugin config file, version v1.
 
-The keys, their types, defaults and readers are declared once, on the model's fields (model.py);
+The keys, their types, defaults and readers are declared once, on the model's fields (model.py, nvidia_sections.py);
 this module reads a file through those declarations, adds the checks that cross keys, and writes
 the config back as YAML. Every unknown key, wrong type and impossible value is an error that names
 the file, the key path and the line.
@@ -15,15 +15,11 @@ from typing import Any
 
 import yaml
 
-from nvplug.config.model import (
-    DEFAULT_PATH,
+from nvplug.config.model import DEFAULT_PATH, SECTIONS, Config, HealthConfig, MpsLimits
+from nvplug.config.nvidia_sections import (
     GPU_RESOURCE,
-    SECTIONS,
     SHARED_SUFFIX,
-    Config,
     Flags,
-    HealthConfig,
-    MpsLimits,
     ReplicatedResource,
     ReplicatedResources,
     ResourcePattern,
