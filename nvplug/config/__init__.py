@@ -1,6 +1,6 @@
 """The YAML config: its model (keys declared once), its loader and the selectors of nvplug.devices. Import from here."""
 
-from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml, with_paths
+from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml
 from nvplug.config.model import (
     DEFAULT_CDI_RUNTIME_DIRS,
     DEFAULT_CDI_SPEC_DIR,
@@ -39,6 +39,7 @@ from nvplug.config.nvidia_sections import (
     Sharing,
     SharingStrategy,
 )
+from nvplug.config.overrides import Overrides, overridden
 from nvplug.config.value_readers import (
     ANNOTATION_KEY_LENGTH,
     MAX_ANNOTATION_NAME,
@@ -86,6 +87,7 @@ __all__ = [
     "MigStrategy",
     "MpsConfig",
     "MpsLimits",
+    "Overrides",
     "PluginFlags",
     "ReplicatedResource",
     "ReplicatedResources",
@@ -99,7 +101,7 @@ __all__ = [
     "as_dict",
     "load",
     "off_or_path",
+    "overridden",
     "parse",
     "to_yaml",
-    "with_paths",
 ]

@@ -8,7 +8,7 @@ the file, the key path and the line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -108,25 +108,6 @@ def parse(text: str, source: str) -> Config:
             known = ", ".join(sorted(mps_names)) or "none"
             raise ConfigError(f"{limits.where}.name: {limits.name} is no MPS resource of sharing.mps "
                               f"(those are: {known})")  # fmt: skip
-    return cfg
-
-
-def with_paths(
-    cfg: Config,
-    *,
-    mps_root: Path | None = None,
-    cdi_runtime_dirs: Sequence[Path] | None = None,
-    nvidia_ctk_path: Path | None = None,
-) -> Config:
-    """The config with the command line's paths in place of its keys, each where given: a simulated node
-    keeps to its own root this way, for the daemon and for doctor alike."""
-    if mps_root is not None:
-        cfg = replace(cfg, mps=replace(cfg.mps, root=str(mps_root)))
-    if cdi_runtime_dirs is not None:
-        cfg = replace(cfg, cdi_runtime_dirs=tuple(str(d) for d in cdi_runtime_dirs))
-    if nvidia_ctk_path is not None:
-        plugin = replace(cfg.flags.plugin, nvidia_ctk_path=str(nvidia_ctk_path))
-        cfg = replace(cfg, flags=replace(cfg.flags, plugin=plugin))
     return cfg
 
 
