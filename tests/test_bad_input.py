@@ -823,7 +823,8 @@ def test_hostile_config_files_are_refused_fast_in_process(
     started = time.monotonic()
     with pytest.raises(config.ConfigError, match=pattern) as info:
         config.load(path)
-    assert time.monotonic() - started < 3.0
+    # The refusal is the proof; this catches a reading gone quadratic (the widest takes under 2 s when idle).
+    assert time.monotonic() - started < 20
     assert str(info.value).startswith(str(path))
 
 

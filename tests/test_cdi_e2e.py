@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -193,3 +194,42 @@ def test_the_runtime_dirs_on_the_command_line_are_absolute() -> None:
     argv = [sys.executable, "-m", "nvplug", "doctor", "--cdi-runtime-dirs", "/etc/cdi,var/run/cdi"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "var/run/cdi: not an absolute path" in done.stderr, done.stderr
+
+
+def host_paths(spec_dir: Path, name: str) -> list[str]:
+    """The host paths of one device's nodes in the spec on disk."""
+    devices = json.loads((spec_dir / SPEC).read_text())["devices"]
+    device = next(d for d in devices if d["name"] == name)
+    return [n["hostPath"] for n in device["containerEdits"]["deviceNodes"]]
+
+
+def allocated_nodes(node: SimulatedNode, uuid: str, dev_root: Path) -> bool:
+    """Whether Allocate hands out the GPU's node and the driver's control nodes, all under `dev_root`."""
+    response = node.kubelet.allocate(GPU_RESOURCE, [uuid]).container_responses[0]
+    paths = [d.host_path for d in response.devices]
+    assert f"{dev_root}/dev/nvidia2" in paths and f"{dev_root}/dev/nvidiactl" in paths
+    return all(p.startswith(f"{dev_root}/dev/") for p in paths)
+
+
+def test_a_reload_that_moves_the_dev_root_reaches_the_spec_and_allocate(node: SimulatedNode) -> None:
+    """Without --dev-root, flags.nvidiaDevRoot says where the device nodes are: a reload that moves it
+    moves the spec's device nodes and Allocate's device specs, with no restart."""
+    cfg = "version: v1\nflags:\n  nvidiaDevRoot: {root}\n  plugin:\n    deviceListStrategy: cdi-cri\n"
+    node.config.write_text(cfg.format(root=node.dev_root))
+    node.kubelet.start()
+    daemon = node.start_daemon(dev_root_flag=False)
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    uuid = node.scenario_gpus()[2]["uuid"]
+    assert host_paths(node.cdi_dir, uuid) == [f"{node.dev_root}/dev/nvidia2"]
+    assert allocated_nodes(node, uuid, node.dev_root)
+
+    moved = node.root / "dev-moved"
+    shutil.copytree(node.dev_root, moved)
+    node.config.write_text(cfg.format(root=moved))
+    daemon.send_signal(1)  # SIGHUP
+    node.wait_log("reloaded the config")
+    assert host_paths(node.cdi_dir, uuid) == [f"{moved}/dev/nvidia2"]
+    assert allocated_nodes(node, uuid, moved)
+    # doctor reads the node where the daemon does, and the device nodes' watch lists the new root.
+    assert statusclient.status(f"unix:{node.status_socket}")["roots"]["dev_root"] == str(moved)
+    node.wait_log(f"watching {moved}/dev for NVIDIA device nodes")

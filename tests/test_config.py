@@ -490,3 +490,32 @@ def test_a_large_file_is_read_by_libyaml_with_pyyamls_errors_and_nodes() -> None
         config.parse("version: v1\nnvplug:\n  health:\n    fatalXids: [[79]\n", "big.yaml")
     assert "not valid YAML: while parsing a flow sequence" in str(big.value)
     assert str(big.value).splitlines()[:2] == str(small.value).splitlines()[:2]
+
+
+def test_each_command_line_override_is_written_onto_its_key() -> None:
+    cfg = config.parse("version: v1\nflags:\n  nvidiaDevRoot: /run/nvidia/driver\n", "c.yaml")
+    assert config.overridden(cfg, config.Overrides()) == cfg  # nothing given: the file's keys hold
+    out = config.overridden(
+        cfg,
+        config.Overrides(
+            nvidia_dev_root=Path("/n/dev"),
+            nvidia_ctk_path=Path("/n/bin/nvidia-ctk"),
+            status_listen="unix:/n/status.sock",
+            cdi_spec_dir=Path("/n/cdi"),
+            cdi_runtime_dirs=(Path("/n/etc/cdi"), Path("/n/var/run/cdi")),
+            feature_file=Path("/n/features.d/nvplug"),
+            pod_resources_socket=Path("/n/kubelet.sock"),
+            mps_root=Path("/n/mps"),
+        ),
+    )
+    assert out.flags.nvidia_dev_root == "/n/dev"
+    assert out.flags.plugin.nvidia_ctk_path == "/n/bin/nvidia-ctk"
+    assert out.status_listen == "unix:/n/status.sock"
+    assert out.cdi_spec_dir == "/n/cdi"
+    assert out.cdi_runtime_dirs == ("/n/etc/cdi", "/n/var/run/cdi")
+    assert out.feature_file == "/n/features.d/nvplug"
+    assert out.pod_resources_socket == "/n/kubelet.sock"
+    assert out.mps_root == "/n/mps"
+    # The rest of the file is untouched, and a flag's path named `off` is a path, never the key's `off`.
+    assert out.flags.nvidia_driver_root == cfg.flags.nvidia_driver_root and out.source == cfg.source
+    assert config.off_or_path(config.overridden(cfg, config.Overrides(cdi_spec_dir=Path("off"))).cdi_spec_dir)

@@ -24,6 +24,7 @@ class NodeSpecs:
 
 def node_specs(cfg: config.Config, dev_root: Path | None, sysfs_root: Path, proc_root: Path) -> NodeSpecs:
     # Without a spec directory: nothing written, nothing logged; the caller says what it found.
-    publisher = SpecPublisher(replace(CdiSettings.from_config(cfg, dev_root), spec_dir=None))
+    cfg = config.overridden(cfg, config.Overrides(nvidia_dev_root=dev_root))
+    publisher = SpecPublisher(replace(CdiSettings.from_config(cfg), spec_dir=None))
     specs, skipped = publisher.specs(scan_snapshot(sysfs_root, proc_root))
     return NodeSpecs(specs, skipped, publisher.driver_problems())

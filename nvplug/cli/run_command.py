@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import replace
-from pathlib import Path
 
 from nvplug import config
 from nvplug.cli import journal_logging as logs
@@ -24,24 +22,26 @@ def run(args: argparse.Namespace) -> int:
     except config.ConfigError as err:
         log.error("%s", err)
         return 2
-    options = Options(
-        plugin_dir=args.device_plugin_dir,
-        dev_root=args.dev_root or Path(cfg.flags.nvidia_dev_root),
-        sysfs_root=args.sysfs_root,
-        config=cfg,
-        config_path=args.config,
-        proc_root=args.proc_root,
+    overrides = config.Overrides(
+        nvidia_dev_root=args.dev_root,
+        nvidia_ctk_path=args.nvidia_ctk_path,
         status_listen=args.status_listen,
-        state_dir=args.state_dir,
         cdi_spec_dir=args.cdi_spec_dir,
+        cdi_runtime_dirs=args.cdi_runtime_dirs,
         feature_file=args.nfd_feature_file,
         pod_resources_socket=args.pod_resources_socket,
-        kernel_log=args.kernel_log,
         mps_root=args.mps_root,
-        cdi_runtime_dirs=args.cdi_runtime_dirs,
-        nvidia_ctk_path=args.nvidia_ctk_path,
     )
-    options = replace(options, config=options.configured(cfg))
+    options = Options(
+        plugin_dir=args.device_plugin_dir,
+        sysfs_root=args.sysfs_root,
+        config=config.overridden(cfg, overrides),
+        config_path=args.config,
+        proc_root=args.proc_root,
+        state_dir=args.state_dir,
+        kernel_log=args.kernel_log,
+        overrides=overrides,
+    )
     try:
         asyncio.run(serve(options))
     except Exception:

@@ -1,6 +1,6 @@
 """The YAML config: its model (keys declared once), its loader and the selectors of nvplug.devices. Import from here."""
 
-from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml, with_paths
+from nvplug.config.loader import as_dict, load, off_or_path, parse, to_yaml
 from nvplug.config.model import (
     DEFAULT_CDI_RUNTIME_DIRS,
     DEFAULT_CDI_SPEC_DIR,
@@ -12,20 +12,24 @@ from nvplug.config.model import (
     DEFAULT_PLUGINS_REGISTRY,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_STATUS_LISTEN,
-    GPU_RESOURCE,
     SECTIONS,
-    SHARED_SUFFIX,
     Config,
+    DraConfig,
+    HealthConfig,
+    MpsConfig,
+    MpsLimits,
+    TaintEffect,
+    TaintEffects,
+)
+from nvplug.config.nvidia_sections import (
+    GPU_RESOURCE,
+    SHARED_SUFFIX,
     DeviceDiscoveryStrategy,
     DeviceIDStrategy,
     DeviceListStrategy,
-    DraConfig,
     Flags,
-    HealthConfig,
     Imex,
     MigStrategy,
-    MpsConfig,
-    MpsLimits,
     PluginFlags,
     ReplicatedResource,
     ReplicatedResources,
@@ -34,9 +38,8 @@ from nvplug.config.model import (
     SharedPolicy,
     Sharing,
     SharingStrategy,
-    TaintEffect,
-    TaintEffects,
 )
+from nvplug.config.overrides import Overrides, overridden
 from nvplug.config.value_readers import (
     ANNOTATION_KEY_LENGTH,
     MAX_ANNOTATION_NAME,
@@ -84,6 +87,7 @@ __all__ = [
     "MigStrategy",
     "MpsConfig",
     "MpsLimits",
+    "Overrides",
     "PluginFlags",
     "ReplicatedResource",
     "ReplicatedResources",
@@ -97,7 +101,7 @@ __all__ = [
     "as_dict",
     "load",
     "off_or_path",
+    "overridden",
     "parse",
     "to_yaml",
-    "with_paths",
 ]

@@ -1,6 +1,6 @@
 """Loading the YAML config: a superset of NVIDIA's k8s-device-plugin config file, version v1.
 
-The keys, their types, defaults and readers are declared once, on the model's fields (model.py);
+The keys, their types, defaults and readers are declared once, on the model's fields (model.py, nvidia_sections.py);
 this module reads a file through those declarations, adds the checks that cross keys, and writes
 the config back as YAML. Every unknown key, wrong type and impossible value is an error that names
 the file, the key path and the line.
@@ -8,22 +8,18 @@ the file, the key path and the line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from nvplug.config.model import (
-    DEFAULT_PATH,
+from nvplug.config.model import DEFAULT_PATH, SECTIONS, Config, HealthConfig, MpsLimits
+from nvplug.config.nvidia_sections import (
     GPU_RESOURCE,
-    SECTIONS,
     SHARED_SUFFIX,
-    Config,
     Flags,
-    HealthConfig,
-    MpsLimits,
     ReplicatedResource,
     ReplicatedResources,
     ResourcePattern,
@@ -112,25 +108,6 @@ def parse(text: str, source: str) -> Config:
             known = ", ".join(sorted(mps_names)) or "none"
             raise ConfigError(f"{limits.where}.name: {limits.name} is no MPS resource of sharing.mps "
                               f"(those are: {known})")  # fmt: skip
-    return cfg
-
-
-def with_paths(
-    cfg: Config,
-    *,
-    mps_root: Path | None = None,
-    cdi_runtime_dirs: Sequence[Path] | None = None,
-    nvidia_ctk_path: Path | None = None,
-) -> Config:
-    """The config with the command line's paths in place of its keys, each where given: a simulated node
-    keeps to its own root this way, for the daemon and for doctor alike."""
-    if mps_root is not None:
-        cfg = replace(cfg, mps=replace(cfg.mps, root=str(mps_root)))
-    if cdi_runtime_dirs is not None:
-        cfg = replace(cfg, cdi_runtime_dirs=tuple(str(d) for d in cdi_runtime_dirs))
-    if nvidia_ctk_path is not None:
-        plugin = replace(cfg.flags.plugin, nvidia_ctk_path=str(nvidia_ctk_path))
-        cfg = replace(cfg, flags=replace(cfg.flags, plugin=plugin))
     return cfg
 
 

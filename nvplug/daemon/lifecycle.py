@@ -107,7 +107,7 @@ class Daemon:
                 await parts.dra.start()
             report = parts.report
             status = StatusServer(
-                opts.status_listen or self.config.status_listen,
+                self.config.status_listen,
                 {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
                 {"/heal": parts.healer.route},
             )

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from nvplug.config import Config, off_or_path
 from nvplug.core.node_state import NodeState
 from nvplug.daemon.auto_reset import AutoReset
+from nvplug.daemon.dev_root_follow import DevRootFollower
 from nvplug.daemon.dispatch import Dispatcher
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
@@ -70,10 +72,12 @@ def wire(
     once the daemon runs, when every part exists.
     """
     health = cfg.health
+    # The command line's paths are the config's keys by now (Options.configured): each part reads its key.
+    dev_root = Path(cfg.flags.nvidia_dev_root)
     scanner = Scanner(
         Nvml(options.sysfs_root, options.proc_root),
         bus.publish,
-        dev_root=options.dev_root,
+        dev_root=dev_root,
         deadline=health.nvml_call_deadline_seconds,
         hang_limit=health.driver_hang_seconds,
     )
@@ -93,7 +97,7 @@ def wire(
         report.refresh()
 
     cdi = CdiSink(
-        lambda c: CdiSettings.from_config(c, options.dev_root, options.cdi_spec_dir),
+        CdiSettings.from_config,
         cfg,
         lambda event: dispatcher.apply(event),
         cdi_retried,
@@ -107,7 +111,7 @@ def wire(
     )
     dra_dirs = [p.parent for p in dra.sockets.sockets] if dra is not None else []
     kubelet_dir = KubeletDirWatch(options.plugin_dir, [], bus.publish, dra_dirs)
-    socket = options.pod_resources_socket or off_or_path(cfg.pod_resources_socket)
+    socket = off_or_path(cfg.pod_resources_socket)
     pods = PodView(PodResourcesClient(socket) if socket is not None else None)
 
     dra_sockets = list(dra.sockets.sockets) if dra is not None else []
@@ -120,7 +124,6 @@ def wire(
         state,
         cfg,
         options.plugin_dir,
-        options.dev_root,
         FleetHooks(
             cdi_extra=lambda: cdi.extra_names,
             sent=lambda resource, revision, first: dispatcher.sent(resource, revision, first),
@@ -132,7 +135,8 @@ def wire(
             failed=request_stop,
         ),
     )
-    report = StatusReport(state, fleet, pods, dra, notifier.status, options.roots())
+    roots = options.roots(cfg)
+    report = StatusReport(state, fleet, pods, dra, notifier.status, roots)
     # Who works for which events, in order: DRA's sockets before the device plugins'.
     dispatcher = Dispatcher(state, report.metrics, (scanner, *((dra,) if dra is not None else ()), fleet))
     healer = Healer(state, scanner, dispatcher.handle)
@@ -141,14 +145,16 @@ def wire(
         await pods.fresh(wait=PODS_READER_WAIT)
         return report.holders()
 
+    dev_nodes = DevNodeWatch(dev_root, bus.publish)
     sinks: tuple[Sink, ...] = (
+        DevRootFollower(cfg, scanner, dev_nodes, roots),  # first: a reload's new dev root, before what reads it
         reprober,
         ChangeLog(pods, report.holders, report.metrics),
         mps,  # before the CDI spec, which holds the groups' directories
         cdi,  # before anything that lists or hands out devices
         fleet,
         HealthStateSink(state_file, state),
-        FeatureFile(cfg, options.sysfs_root, options.feature_file),
+        FeatureFile(cfg, options.sysfs_root),
         AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.handle),
         *((dra,) if dra is not None else ()),
         report,  # last: the status line says what the others did
@@ -160,7 +166,7 @@ def wire(
         scanner,
         UdevSource(bus.publish, on_overflow=lambda: scanner.request("udev events were lost")),
         kubelet_dir,
-        DevNodeWatch(options.dev_root, bus.publish),
+        dev_nodes,
         reprober,
         *((kernel_log,) if kernel_log is not None else ()),
     )

@@ -169,7 +169,8 @@ class DevicePluginService:
         self.resource_name = resource_name
         self._state = state
         self._project = project
-        self._dev_root = dev_root
+        # Where Allocate's device specs point on the host; a reload of flags.nvidiaDevRoot sets it.
+        self.dev_root = dev_root
         self.policy = policy or AllocationPolicy()
         # Told (resource, revision) as each ListAndWatch message goes out, for the latency metric.
         self._on_send = on_send
@@ -364,7 +365,7 @@ class DevicePluginService:
         return pb.PreStartContainerResponse()
 
     def _host_path(self, path: str) -> str:
-        return host_path(self._dev_root, path)
+        return host_path(self.dev_root, path)
 
 
 # Beside the kubelet's sockets, in a directory it leaves alone when it restarts (it removes the

@@ -155,11 +155,12 @@ class PluginFleet(Sink):
     before_list = True
     works = frozenset({KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged, InventoryFound})
 
-    def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, dev_root: Path, hooks: FleetHooks) -> None:
+    def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, hooks: FleetHooks) -> None:
         self._state = state
         self._cfg = cfg
         self._plugin_dir = plugin_dir
-        self._dev_root = dev_root
+        # flags.nvidiaDevRoot: where Allocate's device specs point, for endpoints made now and later.
+        self._dev_root = Path(cfg.flags.nvidia_dev_root)
         self._hooks = hooks
         self.endpoints: list[PluginEndpoint] = []
         self._lock = asyncio.Lock()
@@ -248,8 +249,10 @@ class PluginFleet(Sink):
         async def commit(snapshot: Snapshot) -> None:
             specs = self.planned(cfg, found)
             allocation = self.policy(cfg)
+            self._dev_root = Path(cfg.flags.nvidia_dev_root)
             for plugin in self.endpoints:
                 plugin.server.service.policy = allocation
+                plugin.server.service.dev_root = self._dev_root
             if specs != self.specs:
                 await self.apply(specs, allocation)
             self._cfg = cfg

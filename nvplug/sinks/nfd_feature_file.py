@@ -41,9 +41,9 @@ def read_machine(sysfs_root: Path, bus_ids: Iterable[str]) -> Machine:
     return Machine(product, classes)
 
 
-def feature_file_path(cfg: Config, override: Path | None = None) -> Path | None:
-    """--nfd-feature-file, else the config's nvplug.labels.featureFile; None when off."""
-    return override if override is not None else off_or_path(cfg.feature_file)
+def feature_file_path(cfg: Config) -> Path | None:
+    """The config's nvplug.labels.featureFile (--nfd-feature-file is written onto it); None when off."""
+    return off_or_path(cfg.feature_file)
 
 
 def label_reads(cfg: Config) -> frozenset[str]:
@@ -56,11 +56,10 @@ class FeatureFile(Sink):
 
     name = "labels"
 
-    def __init__(self, cfg: Config, sysfs_root: Path, override: Path | None = None) -> None:
-        self._override = override
+    def __init__(self, cfg: Config, sysfs_root: Path) -> None:
         self._cfg = cfg
         self.reads = label_reads(cfg)
-        self.path = feature_file_path(cfg, override)
+        self.path = feature_file_path(cfg)
         self._sysfs_root = sysfs_root
         self._machine: Machine | None = None
         self._machine_for: tuple[str, ...] = ()
@@ -74,7 +73,7 @@ class FeatureFile(Sink):
         return ()
 
     def prepare(self, cfg: Config) -> Commit:
-        path = feature_file_path(cfg, self._override)
+        path = feature_file_path(cfg)
 
         async def commit(snapshot: Snapshot) -> None:
             # Strategy and sharing are in the labels.

@@ -107,6 +107,24 @@ class DevNodeWatch:
         except OSError as err:
             log.warning("cannot watch %s: %s", self.caps_dir, err)
 
+    async def follow(self, dev_root: Path) -> None:
+        """A reload moved flags.nvidiaDevRoot: watch the new root's directories, and publish its nodes."""
+        if dev_root == self._dev_root:
+            return
+        running = self._observer is not None
+        await self.stop()
+        self.dev_dir, self.caps_dir = dev_root / "dev", dev_root / CAPS_DIR.lstrip("/")
+        self._dev_root = dev_root
+        self._caps_watch = None
+        with self._lock:
+            self._last = None  # the new root's first listing is published, even if it lists the same names
+        if not running:
+            return
+        try:
+            self.start()
+        except OSError as err:
+            log.error("cannot watch %s: %s; %s (until a restart)", self.dev_dir, err, self.without)
+
     async def stop(self) -> None:
         observer, self._observer = self._observer, None
         if observer is not None:

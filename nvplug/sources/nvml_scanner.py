@@ -55,7 +55,8 @@ class Scanner:
         hang_limit: float = 60.0,
     ) -> None:
         self._nvml = nvml
-        self._dev_root = dev_root
+        # Public: a reload that moves flags.nvidiaDevRoot sets it.
+        self.dev_root = dev_root
         self._publish = publish
         self._running: asyncio.Task[None] | None = None
         self._stopped = False
@@ -238,7 +239,7 @@ class Scanner:
         )
 
     def _node_exists(self, path: str) -> bool:
-        return Path(host_path(self._dev_root, path)).exists()
+        return Path(host_path(self.dev_root, path)).exists()
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -320,8 +320,10 @@ class SimulatedNode:
         log_level: str = "debug",
         env: Mapping[str, str] | None = None,
         echo: Callable[[str], None] | None = None,
+        dev_root_flag: bool = True,
     ) -> subprocess.Popen[bytes]:
-        """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`."""
+        """Start `nvplug run`. Its log goes to log_path and, if given, line by line to `echo`.
+        Without `dev_root_flag`, the config's flags.nvidiaDevRoot says where the dev root is."""
         if nvml == "fake":
             self.build_library()
         # A real /dev/kmsg shows each reader the log from its oldest record: a restarted daemon sees it all again.
@@ -329,7 +331,7 @@ class SimulatedNode:
         argv = self.isolated([
             sys.executable, "-m", "nvplug", "run",
             "--device-plugin-dir", str(self.plugin_dir),
-            "--dev-root", str(self.dev_root),
+            *(["--dev-root", str(self.dev_root)] if dev_root_flag else []),
             "--sysfs-root", str(self.sysfs_root),
             "--proc-root", str(self.proc_root),
             "--status-listen", f"unix:{self.status_socket}",

@@ -59,10 +59,9 @@ def loaded_config(ctx: DoctorContext) -> config.Config | Check:
     """The config for the steps that need it; a config that does not load is step 8's failure."""
     try:
         # The command line's paths over the config's, as the daemon takes them.
-        return config.with_paths(
+        return config.overridden(
             config.load(ctx.args.config),
-            cdi_runtime_dirs=ctx.args.cdi_runtime_dirs,
-            nvidia_ctk_path=ctx.args.nvidia_ctk_path,
+            config.Overrides(cdi_runtime_dirs=ctx.args.cdi_runtime_dirs, nvidia_ctk_path=ctx.args.nvidia_ctk_path),
         )
     except config.ConfigError as err:
         return Check("WARN", "not checked: the config is invalid (step 8)", [str(err)])

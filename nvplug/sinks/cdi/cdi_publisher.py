@@ -68,9 +68,9 @@ class CdiSettings:
     runtime_dirs: tuple[Path, ...] = tuple(Path(d) for d in DEFAULT_CDI_RUNTIME_DIRS)
 
     @classmethod
-    def from_config(cls, cfg: Config, dev_root: Path | None = None, spec_dir: Path | None = None) -> CdiSettings:
+    def from_config(cls, cfg: Config) -> CdiSettings:
         flags, plugin = cfg.flags, cfg.flags.plugin
-        directory = spec_dir or off_or_path(cfg.cdi_spec_dir)
+        directory = off_or_path(cfg.cdi_spec_dir)
         # As NVIDIA's plugin: files are read through containerDriverRoot where this process has it.
         container_root = Path(plugin.container_driver_root)
         read_root = container_root if container_root.is_dir() else Path(flags.nvidia_driver_root)
@@ -79,7 +79,7 @@ class CdiSettings:
         return cls(
             directory,
             plugin.device_id_strategy,
-            Roots(flags.nvidia_driver_root, str(dev_root) if dev_root is not None else flags.nvidia_dev_root),
+            Roots(flags.nvidia_driver_root, flags.nvidia_dev_root),
             read_root,
             plugin.nvidia_ctk_path,
             optional,
