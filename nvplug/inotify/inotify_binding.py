@@ -156,3 +156,8 @@ def _error(what: str) -> OSError:
     code = ctypes.get_errno()
     # OSError picks the subclass from the code: FileNotFoundError, PermissionError, ...
     return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def reason(err: OSError) -> str:
+    """What a call's error says, without the path: for a log line that names the path itself."""
+    return os.strerror(err.errno) if err.errno else str(err)
