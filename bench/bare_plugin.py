@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
-from nvplug.inotify.inotify_reader import InotifyReader
+from nvplug.inotify.inotify_binding import IN_CREATE, InotifyEvent, WatchDescriptor
+from nvplug.inotify.inotify_reader import CallbackId, InotifyReader
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
@@ -71,10 +71,10 @@ class BarePlugin:
     def watch(self) -> None:
         """inotify on the plugin directory, read on the loop as nvplug reads it (`InotifyReader`)."""
         reader = InotifyReader()
-        reader.add_callback(os.fsencode(self.kubelet.parent), Mask(InotifyConstants.IN_CREATE), self, CallbackId(0))
+        reader.add_callback(os.fsencode(self.kubelet.parent), IN_CREATE, self, CallbackId(0))
         reader.start()
 
-    # What the reader calls (watchdog's WatchCallback).
+    # What the reader calls (`WatchCallback`).
 
     def on_event(self, event: InotifyEvent) -> None:
         if event.is_create and event.name == KUBELET_SOCKET.encode():

@@ -280,7 +280,7 @@ def restart_cycles(node: SimulatedNode, seconds: float) -> int:
 PROFILED: dict[str, Callable[[SimulatedNode, float], int]] = {"xid": xid_cycles, "restart": restart_cycles}
 TOP_FRAMES = 25
 # Frames where a thread waits, although py-spy saw it run: counted apart, not among the work.
-WAITING = ("EpollSelector.select", "Condition.wait", "InotifyFD._check_inotify_fd", "nvmlEventSetWait")
+WAITING = ("EpollSelector.select", "Condition.wait", "nvmlEventSetWait")
 
 
 def profile(node: SimulatedNode, pid: int, what: str, seconds: float, out: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears
 from nvplug.core.node_state import NodeState
 from nvplug.sources.dev_node_watch import DevNodeWatch, list_nodes
+from nvplug.testing.loop_thread import LoopThread
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
@@ -54,9 +54,10 @@ def test_the_watch_publishes_each_new_listing(tmp_path: Path) -> None:
     (tmp_path / "dev").mkdir()
     seen: queue.Queue[Event] = queue.Queue()
 
-    async def scenario() -> None:
+    # A loop in a thread, as the daemon's: the watch reads inotify on it while this thread waits.
+    with LoopThread(TIMEOUT) as loop:
         watch = DevNodeWatch(tmp_path, seen.put)
-        watch.start()
+        loop.call(watch.start)
         try:
             assert seen.get(timeout=5) == DeviceNodesChanged(frozenset())
             (tmp_path / "dev/nvidia3").touch()
@@ -72,9 +73,7 @@ def test_the_watch_publishes_each_new_listing(tmp_path: Path) -> None:
             assert seen.get(timeout=5) == DeviceNodesChanged(frozenset(expected - {"/dev/nvidia3"}))
             assert seen.empty()
         finally:
-            await watch.stop()
-
-    asyncio.run(scenario())
+            loop.run(watch.stop())
 
 
 def test_a_late_device_node_turns_its_gpu_healthy_without_a_scan(tmp_path: Path) -> None:

@@ -18,11 +18,10 @@ import pytest
 from support.notify_socket import NotifySocket
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
 
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
-from nvplug.inotify.inotify_reader import InotifyReader, parse
+from nvplug.inotify.inotify_binding import IN_CREATE, IN_Q_OVERFLOW, InotifyEvent, WatchDescriptor, parse
+from nvplug.inotify.inotify_reader import CallbackId, InotifyReader
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
@@ -74,12 +73,15 @@ class Recorder:
                 self._cond.wait(remaining)
 
 
-class Inside(FileSystemEventHandler):
+class Inside:
     def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
 
-    def on_created(self, event: FileSystemEvent) -> None:
-        self._recorder.add(("created", Path(str(event.src_path))))
+    def made(self, path: Path) -> None:
+        self._recorder.add(("created", path))
+
+    def removed(self, path: Path) -> None:
+        pass
 
     def overflowed(self, directory: Path) -> None:
         self._recorder.add(("overflowed", directory))
@@ -203,13 +205,13 @@ class Callback:
 
 
 def test_the_inotify_reader_shares_a_directory_s_watch_and_tells_its_end(short_tmp: Path, on_loop: LoopThread) -> None:
-    """Read on the loop, with watchdog's bookkeeping: one watch per directory shared by its callbacks, taken
+    """Read on the loop: one watch per directory shared by its callbacks, taken
     off with the last of them, and its end (the directory freed) told to those left."""
     directory = short_tmp / "watched"
     directory.mkdir()
     recorder = Recorder()
     reader = on_loop.call(InotifyReader)
-    mask = Mask(InotifyConstants.IN_CREATE)
+    mask = IN_CREATE
     a, b = Callback(recorder, "a"), Callback(recorder, "b")
     try:
         wd_a = on_loop.call(lambda: reader.add_callback(bytes(directory), mask, a, CallbackId(1)))
@@ -253,7 +255,7 @@ def test_events_the_kernel_dropped_are_told_from_what_is_there(short_tmp: Path, 
         follower = watch._follower
         assert follower is not None
         # The kernel's overflow record as a read returns it: no watch (wd -1), no name.
-        [overflow] = parse(struct.pack("iIII", -1, InotifyConstants.IN_Q_OVERFLOW, 0, 0))
+        [overflow] = parse(struct.pack("iIII", -1, IN_Q_OVERFLOW, 0, 0))
         assert overflow.is_queue_overflow
         on_loop.call(lambda: follower._inotify.handle_event(overflow))
         told = set(recorder.seen)

@@ -45,6 +45,6 @@ def setup(level: str = "info", environ: Mapping[str, str] | None = None) -> None
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
-    # grpc and watchdog are chatty at debug; their problems still show at warning.
-    for noisy in ("grpc", "watchdog", "asyncio"):
+    # grpc and asyncio are chatty at debug; their problems still show at warning.
+    for noisy in ("grpc", "asyncio"):
         logging.getLogger(noisy).setLevel(max(numeric, logging.INFO))

@@ -1,2 +1,2 @@
-"""inotify, read on watchdog's observer thread or on the loop: shared by the sources' watches and by
-MPS's control.log watch."""
+"""inotify read on the loop, through our own libc binding: shared by the sources' watches and by MPS's
+control.log watch."""

@@ -1,55 +1,56 @@
 """inotify read on the event loop: a non-blocking descriptor that the loop watches (a reader, no thread).
 
-Its watches and their callbacks are kept as watchdog's `InotifyFD` keeps them (one watch per directory,
-shared by callbacks told apart by id), and it hands over watchdog's own `InotifyEvent` to the same
-`WatchCallback`s; only the reading moved, from a thread of its own onto the loop. A new kubelet.sock
-then reaches the loop with no thread hand-off at all.
+One watch per directory, shared by the callbacks that asked for it and told apart by an id; the watch
+goes with its last callback, and its end (its directory freed, its filesystem unmounted) is told to
+those left. Each event is handled as it is read, on the loop: no thread hand-off, whose wait was on
+the way from a new kubelet.sock to the Register.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import errno
 import os
-import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from typing import NewType, Protocol
 
-from watchdog.observers.inotify_c import (
-    CallbackId,
+from nvplug.inotify.inotify_binding import (
     InotifyEvent,
-    Mask,
-    WatchCallback,
     WatchDescriptor,
     inotify_add_watch,
     inotify_init,
     inotify_rm_watch,
+    parse,
 )
 
-# struct inotify_event: wd, mask, cookie, len, then `len` bytes of name padded with NULs.
-_HEADER = struct.Struct("iIII")
+# Tells apart the callbacks that share a watch.
+CallbackId = NewType("CallbackId", int)
 # Whole events only, as many as a read can give: the kernel never splits one across reads.
 _READ_SIZE = 64 * 1024
+
+
+class WatchCallback(Protocol):
+    """What a watch's user is told, on the loop."""
+
+    def on_event(self, event: InotifyEvent) -> None: ...
+
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        """The kernel ended the watch (IN_IGNORED): its directory was freed, or its filesystem unmounted."""
+
+    def on_queue_overflow(self) -> None:
+        """The kernel's queue overflowed: events were dropped, on any watch."""
 
 
 class InotifyReader:
     """One inotify instance, read on the running loop between `start` and `stop`."""
 
     def __init__(self) -> None:
-        fd = inotify_init()
-        if fd < 0:
-            raise _error("cannot make an inotify instance")
-        os.set_blocking(fd, False)
-        os.set_inheritable(fd, False)
-        self._fd = fd
+        self._fd = inotify_init()
         self._watches: dict[WatchDescriptor, dict[CallbackId, WatchCallback]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def add_callback(self, path: bytes, mask: Mask, callback: WatchCallback, id_: CallbackId) -> WatchDescriptor:
+    def add_callback(self, path: bytes, mask: int, callback: WatchCallback, id_: CallbackId) -> WatchDescriptor:
         """Watch `path` (the watch it has already, if any: inotify keeps one per inode, with the last mask)."""
         wd = inotify_add_watch(self._fd, path, mask)
-        if wd < 0:
-            raise _error(f"cannot watch {os.fsdecode(path)}")
         self._watches.setdefault(wd, {})[id_] = callback
         return wd
 
@@ -62,8 +63,7 @@ class InotifyReader:
             users.pop(id_, None)
             if not users:
                 del self._watches[wd]
-                if inotify_rm_watch(self._fd, wd) < 0 and ctypes.get_errno() != errno.EINVAL:
-                    raise _error(f"cannot remove inotify watch {wd}")
+                inotify_rm_watch(self._fd, wd)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -100,20 +100,6 @@ class InotifyReader:
         except (BlockingIOError, InterruptedError):
             return
         for event in parse(data):
+            if self._fd < 0:
+                return  # a callback stopped the reader: the rest is for nobody
             self.handle_event(event)
-
-
-def parse(data: bytes) -> Iterator[InotifyEvent]:
-    """The events of one read, in order; the kernel's overflow record has no watch (wd -1)."""
-    offset = 0
-    while offset + _HEADER.size <= len(data):
-        wd, mask, cookie, length = _HEADER.unpack_from(data, offset)
-        start = offset + _HEADER.size
-        name = data[start : start + length].rstrip(b"\0")
-        offset = start + length
-        yield InotifyEvent(WatchDescriptor(wd), Mask(mask), cookie, name)
-
-
-def _error(what: str) -> OSError:
-    code = ctypes.get_errno()
-    return OSError(code, f"{what}: {os.strerror(code)}")

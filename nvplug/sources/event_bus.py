@@ -17,7 +17,7 @@ class EventBus:
         self._loop_thread = threading.get_ident()
 
     def publish(self, event: Event) -> None:
-        """From any thread: the loop's own (a reader, a task) or a source's (NVML wait, watchdog observer)."""
+        """From any thread: the loop's own (a reader, a task) or a source's (NVML wait)."""
         item = (event, time.monotonic())
         if threading.get_ident() == self._loop_thread:
             self._queue.put_nowait(item)

@@ -21,19 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from watchdog.events import (
-    DirCreatedEvent,
-    DirDeletedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers.inotify_c import CallbackId, InotifyConstants, InotifyEvent, Mask, WatchDescriptor
-
 from nvplug.core.events import Event, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
-from nvplug.inotify.inotify_reader import InotifyReader
+from nvplug.inotify.inotify_binding import (
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_DONT_FOLLOW,
+    IN_EXCL_UNLINK,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    InotifyEvent,
+    WatchDescriptor,
+)
+from nvplug.inotify.inotify_reader import CallbackId, InotifyReader
 from nvplug.protos import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
@@ -43,29 +46,32 @@ DirChange = Callable[[Path, bool], None]
 # How often a settle looks again when the directory it is about to watch keeps vanishing under it.
 _SETTLE_TRIES = 64
 # One mask for every watch: inotify keeps one per directory, and a second watch's would replace the first's.
-_MASK = Mask(
-    InotifyConstants.IN_CREATE
-    | InotifyConstants.IN_DELETE
-    | InotifyConstants.IN_MOVED_FROM
-    | InotifyConstants.IN_MOVED_TO
-    | InotifyConstants.IN_DELETE_SELF
-    | InotifyConstants.IN_MOVE_SELF
-    | InotifyConstants.IN_ONLYDIR
-    | InotifyConstants.IN_DONT_FOLLOW
-    | InotifyConstants.IN_EXCL_UNLINK
+_MASK = (
+    IN_CREATE
+    | IN_DELETE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
+    | IN_DONT_FOLLOW
+    | IN_EXCL_UNLINK
 )
 
 
 class DirEvents(Protocol):
     """What is told of the entries of a followed directory that exists."""
 
-    def dispatch(self, event: FileSystemEvent) -> None: ...
+    # A rename onto a path comes as its making, a rename away as its removal.
+    def made(self, path: Path) -> None: ...
+
+    def removed(self, path: Path) -> None: ...
 
     def overflowed(self, directory: Path) -> None:
         """inotify dropped events: what they would have told must be looked at in `directory`."""
 
 
-class _KubeletDirEvents(FileSystemEventHandler):
+class _KubeletDirEvents:
     """What happens inside a watched directory: kubelet.sock made, one of our sockets removed."""
 
     def __init__(self, kubelet_socket: str, own: Iterable[Path], emit: Callable[[Event], None]) -> None:
@@ -73,15 +79,13 @@ class _KubeletDirEvents(FileSystemEventHandler):
         self.own = frozenset(str(p) for p in own)
         self._emit = emit
 
-    # A rename onto a path comes as its creation, a rename away as its removal.
-    def on_created(self, event: FileSystemEvent) -> None:
-        if os.fsdecode(event.src_path) == self._kubelet_socket:
+    def made(self, path: Path) -> None:
+        if str(path) == self._kubelet_socket:
             self._emit(KubeletSocketCreated())
 
-    def on_deleted(self, event: FileSystemEvent) -> None:
-        path = os.fsdecode(event.src_path)
-        if path in self.own:
-            self._emit(PluginSocketRemoved(path))
+    def removed(self, path: Path) -> None:
+        if str(path) in self.own:
+            self._emit(PluginSocketRemoved(str(path)))
 
     def overflowed(self, directory: Path) -> None:
         # Told again from what is there: a Register goes only to a kubelet.sock not registered with yet,
@@ -209,7 +213,10 @@ class DirFollower:
                 self._last_lost = event
                 self._lost(watched)
         elif watched == followed.target and path.parent == followed.target and (gone or made):
-            self._inside.dispatch(_entry_event(path, made=made, directory=event.is_directory))
+            if made:
+                self._inside.made(path)
+            else:
+                self._inside.removed(path)
         elif (
             made
             and event.is_directory
@@ -304,14 +311,6 @@ class DirFollower:
     def _forget(self, wd: WatchDescriptor) -> None:
         if not any(wd in f.watches.values() for f in self._followed.values()):
             self._paths.pop(wd, None)
-
-
-def _entry_event(path: Path, *, made: bool, directory: bool) -> FileSystemEvent:
-    """An entry of a followed directory made (or renamed onto its path) or removed (or renamed away), as
-    watchdog's handlers take it."""
-    if made:
-        return DirCreatedEvent(str(path)) if directory else FileCreatedEvent(str(path))
-    return DirDeletedEvent(str(path)) if directory else FileDeletedEvent(str(path))
 
 
 class KubeletDirWatch:
