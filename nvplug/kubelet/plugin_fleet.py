@@ -84,11 +84,6 @@ class PluginEndpoint:
     def name(self) -> str:
         return self.spec.name
 
-    @property
-    def endpoint(self) -> str:
-        """What Register names: the socket's file name within the plugin directory."""
-        return self.server.socket_path.name
-
 
 @dataclass(frozen=True)
 class ResourceView:
@@ -304,7 +299,7 @@ class PluginFleet(Sink):
         return [
             ResourceView(
                 p.service.resource(),
-                p.endpoint,
+                p.server.socket_path.name,
                 p.registrar.registered.is_set(),
                 p.registrar.registrations,
                 p.registrar.failures,
