@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from nvplug.kubelet.device_plugin import LISTENERS
+from nvplug.base.linked_socket_server import LISTENERS
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0

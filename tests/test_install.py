@@ -30,7 +30,7 @@ from support import nspawn
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 
-from nvplug.kubelet.device_plugin import LISTENERS
+from nvplug.base.linked_socket_server import LISTENERS
 from nvplug.testing import fakenvml
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread

@@ -155,7 +155,7 @@ class DraDriver(Sink):
 
     def socket_removed(self, path: Path) -> None:
         """One of the sockets in the watched directories vanished: serve it again if it is ours."""
-        # Only if it is still gone: the stop inside a rebind removes the old socket too.
+        # Only if it is still gone: a rebind whose listener went too stops the old server, which removes the name.
         if path in self.sockets.sockets and not path.exists() and path not in self._lost:
             log.warning("%s was removed: serving it again", path)
             if path == self.sockets.registration_socket:

@@ -5,6 +5,9 @@ dials the endpoint it names (`plugins/<driver>/dra.sock`) and says through
 NotifyRegistrationStatus whether that worked. The DRA service answers as v1 (kubelets
 1.34 and later) and as v1beta1 (1.32, 1.33) on the same socket: the messages are the same,
 only the package differs, and each kubelet picks the first of our services it knows.
+
+Each socket name is a hard link to its server's listener under `.nvplug/` beside it, as the
+device plugin's are: a socket removed is served again by linking its name again.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from nvplug.base.unix_grpc_server import remove_stale_socket, serve_unix
+from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
 from nvplug.dra.claims import ClaimError, ClaimRef, PreparedClaim
 from nvplug.protos import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
 
@@ -55,51 +58,42 @@ class DraSockets:
         self._prepare = prepare
         self._unprepare = unprepare
         self._on_registration = on_registration
-        self._extra = list(extra)
         self._services = (*SERVICES, *extra_services)
-        self._servers: dict[Path, grpc.aio.Server] = {}
+        dra = [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS]
+        # The plugin's first: the kubelet dials it inside registration.
+        self._servers = {
+            self.plugin_socket: LinkedSocketServer(self.plugin_socket, [*dra, *extra], driver, log),
+            self.registration_socket: LinkedSocketServer(
+                self.registration_socket, [self._registration_handler()], driver, log
+            ),
+        }
 
     @property
     def sockets(self) -> tuple[Path, Path]:
         return self.plugin_socket, self.registration_socket
 
     async def start(self) -> None:
-        # At start the directories are made, as the unit's first run on a node may need.
-        await self._serve(self.plugin_socket, make_dir=True)
-        await self._serve(self.registration_socket, make_dir=True)
+        for path, server in self._servers.items():
+            # At start the directories are made, as the unit's first run on a node may need.
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftover_listeners(path.parent)
+            await server.start()
 
     def serving(self, path: Path) -> bool:
-        return path in self._servers
+        return self._servers[path].serving
 
     async def stop(self) -> None:
         # Registration first: once its socket is gone the kubelet deregisters us.
         for path in (self.registration_socket, self.plugin_socket):
-            server = self._servers.pop(path, None)
-            if server is not None:
-                await server.stop(0.5)
-                remove_stale_socket(path)
+            await self._servers[path].stop(0.5)
 
     async def rebind(self, path: Path) -> None:
-        """One of our sockets was removed: serve it again (the registration one re-registers us).
+        """One of our sockets was removed: serve it again, by a link to its listener (the registration
+        one re-registers us); by a new server only if the listener went too (its directory did).
 
         Its directory is not made here: one that went with the kubelet's is made again by the kubelet
         (or, ours, by the directory watch once its parent is back), never in the middle of a wipe."""
-        server = self._servers.pop(path, None)
-        if server is not None:
-            await server.stop(0)
-        await self._serve(path, make_dir=False)
-
-    async def _serve(self, path: Path, make_dir: bool) -> None:
-        """One of the two sockets, with its services: DRA in each version, or registration."""
-        if path == self.plugin_socket:
-            handlers = [_dra_handler(pb, self._node_prepare, self._node_unprepare) for pb in _VERSIONS]
-            handlers += self._extra
-        else:
-            handlers = [self._registration_handler()]
-        if make_dir:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._servers[path] = await serve_unix(path, handlers)
-        log.info("%s: serving on %s", self.driver, path)
+        await self._servers[path].rebind()
 
     def _registration_handler(self) -> grpc.GenericRpcHandler:
         pb = pluginregistration_pb2

@@ -1,4 +1,4 @@
-"""The DevicePlugin gRPC service for one resource name, on its own unix socket."""
+"""The DevicePlugin gRPC service for one resource name, its ListAndWatch encoding, and the server of its socket."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import contextlib
 import gc
 import logging
 import os
-import secrets
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from nvplug.base.unix_grpc_server import SocketBindFailed, remove_stale_socket, serve_unix
+from nvplug.base.linked_socket_server import LinkedSocketServer
 from nvplug.core.device_nodes import host_path
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
@@ -368,113 +367,11 @@ class DevicePluginService:
         return host_path(self.dev_root, path)
 
 
-# Beside the kubelet's sockets, in a directory it leaves alone when it restarts (it removes the
-# directory's sockets, not its subdirectories): each server's own socket, which the name the kubelet
-# dials is a hard link to.
-LISTENERS = ".nvplug"
-
-
-class PluginServer:
-    """One grpc.aio server serving one socket name, which can be served again after the kubelet wipes it.
-
-    The server listens on a socket of its own under LISTENERS, and the name in the plugin directory is
-    a hard link to it: when the kubelet removes that name, linking it again serves it again, with no
-    new server. Only when the listener itself is gone (the whole directory was removed) does a new
-    server start.
-    """
-
-    def __init__(self, service: DevicePluginService, socket_path: Path) -> None:
-        self.service = service
-        self.socket_path = socket_path
-        self._server: grpc.aio.Server | None = None
-        self._listener: Path | None = None
-
-    @property
-    def endpoint(self) -> str:
-        """What Register names: the socket's file name within the plugin directory."""
-        return self.socket_path.name
-
-    async def start(self) -> None:
-        self.service.open()
-        handler = grpc.method_handlers_generic_handler(SERVICE, _handlers(self.service))
-        listeners = self.socket_path.parent / LISTENERS
-        if not self.socket_path.parent.is_dir():
-            raise SocketBindFailed(
-                f"cannot serve on {self.socket_path}: the directory {self.socket_path.parent} does not exist"
-            )
-        listeners.mkdir(mode=0o700, exist_ok=True)
-        # A name of its own per start (a server that stops unlinks its path, which must not be a later
-        # one's), and a short one: a unix socket's path has 107 bytes at most.
-        listener = listeners / secrets.token_hex(4)
-        while listener.exists():
-            listener = listeners / secrets.token_hex(4)
-        self._server = await serve_unix(listener, [handler])
-        self._listener = listener
-        try:
-            self._link()
-        except OSError:
-            await self.stop(grace=0)
-            raise
-        log.info("%s: serving on %s", self.service.resource_name, self.socket_path)
-
-    async def stop(self, grace: float = 0.5) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        # Looked at first: gRPC unlinks the listener as it stops.
-        ours = self._listener is not None and _same_file(self.socket_path, self._listener)
-        # Streams end without a last message: an empty list would drop capacity.
-        self.service.close()
-        await server.stop(grace)
-        if ours:
-            self.socket_path.unlink(missing_ok=True)
-        if self._listener is not None:
-            remove_stale_socket(self._listener)
-        log.info("%s: stopped serving on %s", self.service.resource_name, self.socket_path)
-
-    async def rebind(self) -> None:
-        """Serve the name again: linked again to the listener, or a new server if that is gone too."""
-        if self._server is not None and self._listener is not None and self._listener.exists():
-            try:
-                self._link()
-            except FileNotFoundError:
-                pass  # the listener went meanwhile
-            else:
-                log.info("%s: serving on %s again", self.service.resource_name, self.socket_path)
-                return
-        # Stop first: gRPC unlinks its socket path when the old listener closes.
-        await self.stop(grace=0)
-        await self.start()
-
-    def _link(self) -> None:
-        assert self._listener is not None
-        remove_stale_socket(self.socket_path)
-        try:
-            os.link(self._listener, self.socket_path)
-        except FileExistsError:
-            # Made in between by someone else: replaced, as a stale one would be.
-            remove_stale_socket(self.socket_path)
-            os.link(self._listener, self.socket_path)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)
-    except OSError:
-        return False
-
-
-def remove_leftover_listeners(plugin_dir: Path) -> None:
-    """At start: the listeners a killed nvplug left (only one nvplug serves a plugin directory)."""
-    try:
-        found = list((plugin_dir / LISTENERS).iterdir())
-    except OSError:
-        return
-    for path in found:
-        try:
-            remove_stale_socket(path)
-        except (OSError, RuntimeError) as err:
-            log.warning("cannot remove the leftover listener %s: %s", path, err)
+def plugin_server(service: DevicePluginService, socket_path: Path) -> LinkedSocketServer:
+    """The service served on its socket name, which comes back by a link after the kubelet wipes it.
+    Its streams end cleanly, without a last message, before each stop: an empty list would drop capacity."""
+    handler = grpc.method_handlers_generic_handler(SERVICE, _handlers(service))
+    return LinkedSocketServer(socket_path, [handler], service.resource_name, log, service.open, service.close)
 
 
 def _handlers(service: DevicePluginService) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:

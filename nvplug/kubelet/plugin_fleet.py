@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
 from nvplug.cdi.cdi_spec import CDI_READS
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, InventoryFound, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
@@ -26,9 +27,8 @@ from nvplug.kubelet.device_plugin import (
     MAX_MESSAGE,
     PLUGIN_OPTIONS,
     DevicePluginService,
-    PluginServer,
     list_size,
-    remove_leftover_listeners,
+    plugin_server,
 )
 from nvplug.kubelet.registrar import Registrar
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
@@ -66,10 +66,11 @@ class FleetHooks:
 
 @dataclass
 class PluginEndpoint:
-    """One resource as served: its spec, its gRPC server and socket, and its registration."""
+    """One resource as served: its spec, its service, the server of its socket, and its registration."""
 
     spec: ResourceSpec
-    server: PluginServer
+    service: DevicePluginService
+    server: LinkedSocketServer
     registrar: Registrar
     registering: asyncio.Task[None] | None = None
     rebinding: asyncio.Task[None] | None = None
@@ -237,7 +238,7 @@ class PluginFleet(Sink):
         """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
         extra = self._hooks.cdi_extra()
         for plugin in self.endpoints:
-            service = plugin.server.service
+            service = plugin.service
             if service.policy.cdi_extra != extra:
                 service.policy = replace(service.policy, cdi_extra=extra)
 
@@ -251,8 +252,8 @@ class PluginFleet(Sink):
             allocation = self.policy(cfg)
             self._dev_root = Path(cfg.flags.nvidia_dev_root)
             for plugin in self.endpoints:
-                plugin.server.service.policy = allocation
-                plugin.server.service.dev_root = self._dev_root
+                plugin.service.policy = allocation
+                plugin.service.dev_root = self._dev_root
             if specs != self.specs:
                 await self.apply(specs, allocation)
             self._cfg = cfg
@@ -305,8 +306,8 @@ class PluginFleet(Sink):
     def views(self) -> list[ResourceView]:
         return [
             ResourceView(
-                p.server.service.resource(),
-                p.server.endpoint,
+                p.service.resource(),
+                p.server.socket_path.name,
                 p.registrar.registered.is_set(),
                 p.registrar.registrations,
                 p.registrar.failures,
@@ -333,7 +334,7 @@ class PluginFleet(Sink):
         """The status line's lead: each resource, whether it is registered, and its devices."""
         parts = []
         for plugin in self.endpoints:
-            resource = plugin.server.service.resource()
+            resource = plugin.service.resource()
             if (why := self._not_served(plugin)) is not None:
                 how = f"not served: {why}"
             elif plugin.registrar.registered.is_set():
@@ -417,7 +418,7 @@ class PluginFleet(Sink):
                     if spec != plugin.spec:
                         log.info("%s: advertised devices unchanged, no re-registration", spec.name)
                         plugin.spec = spec
-                        plugin.server.service.reproject(spec.project)
+                        plugin.service.reproject(spec.project)
                     keep.append(plugin)
                     del wanted[plugin.spec.name]
                 else:
@@ -436,11 +437,16 @@ class PluginFleet(Sink):
         service = DevicePluginService(
             spec.name, self._state, spec.project, self._dev_root, policy, hooks.sent, hooks.delivered, hooks.allocated
         )
-        server = PluginServer(service, self._plugin_dir / socket_name(spec.name))
+        server = plugin_server(service, self._plugin_dir / socket_name(spec.name))
         registrar = Registrar(
-            self._plugin_dir, spec.name, server.endpoint, PLUGIN_OPTIONS, on_change=hooks.changed, listing=service
+            self._plugin_dir,
+            spec.name,
+            server.socket_path.name,
+            PLUGIN_OPTIONS,
+            on_change=hooks.changed,
+            listing=service,
         )
-        return PluginEndpoint(spec, server, registrar)
+        return PluginEndpoint(spec, service, server, registrar)
 
     async def _open(self, plugin: PluginEndpoint) -> None:
         """Serve first, then register: the kubelet dials back inside Register."""
@@ -460,7 +466,7 @@ class PluginFleet(Sink):
             plugin.registering.cancel()
             await asyncio.gather(plugin.registering, return_exceptions=True)
         if retire:
-            await plugin.server.service.retire()
+            await plugin.service.retire()
         await plugin.server.stop()
         self._hooks.retired(plugin.spec.name)
 
