@@ -49,7 +49,7 @@ from nvplug.core.events import (
     XidOccurred,
 )
 from nvplug.core.node_state import NodeState
-from nvplug.core.snapshot import changed_between
+from nvplug.core.snapshot import COUNTERS, changed_between
 from nvplug.edges.edge_protocols import Sink, StateUpdate, Worker
 from nvplug.sources.event_bus import EventBus
 from nvplug.status.status_server import Metrics
@@ -158,13 +158,15 @@ class Dispatcher:
         changes = tuple(self.state.apply(event))
         snap = self.state.current
         revised = snap.revision != before.revision
+        changed = changed_between(before, snap)
         if revised:
             self._arrived[snap.revision] = arrived
             if len(self._arrived) > TIMED_REVISIONS:
                 del self._arrived[min(self._arrived)]
-        if not (changes or revised):
+        # Counters alone wake no sink; an unlisted field (the CDI spec's optional names) does, with no revision.
+        if not (changes or revised or changed - COUNTERS):
             return
-        update = self._run(self._for_list, StateUpdate(snap, changes, revised, changed_between(before, snap)))
+        update = self._run(self._for_list, StateUpdate(snap, changes, revised, changed))
         self._later = update if self._later is None else self._later.then(update)
         if self._later_turn is None:
             self._later_turn = asyncio.get_running_loop().call_soon(self._run_later)
@@ -181,7 +183,8 @@ class Dispatcher:
             if fed_back and self.state.current is not before:
                 # The sinks after this one go on from the newer state, as the earlier ones saw it.
                 now = self.state.current
-                update = StateUpdate(now, update.changes, True, update.changed | changed_between(before, now))
+                revised = update.revised or now.revision != before.revision
+                update = StateUpdate(now, update.changes, revised, update.changed | changed_between(before, now))
         return update
 
     def _run_later(self) -> None:

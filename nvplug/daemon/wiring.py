@@ -87,16 +87,11 @@ def wire(
         options.sysfs_root / "fs/selinux/enforce",
     )
 
-    def cdi_retried() -> None:
-        """A retry wrote the spec: its optional names may be new, and its error gone."""
-        fleet.sync_cdi_extra()
-        report.refresh()
-
     cdi = CdiSink(
         lambda c: CdiSettings.from_config(c, options.dev_root, options.cdi_spec_dir),
         cfg,
         lambda event: dispatcher.apply(event),
-        cdi_retried,
+        lambda: report.refresh(),  # a retry wrote the spec: its error is gone
     )
     # The claims' MPS groups are the supervisor's; their specs go beside the node's.
     spec_dir = cdi.publisher.settings.spec_dir
@@ -122,7 +117,6 @@ def wire(
         options.plugin_dir,
         options.dev_root,
         FleetHooks(
-            cdi_extra=lambda: cdi.extra_names,
             sent=lambda resource, revision, first: dispatcher.sent(resource, revision, first),
             delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
             retired=cdi.forget,
