@@ -66,10 +66,12 @@ def wire(
 ) -> Wiring:
     """Every part, built from the options and the config, and joined to its neighbours.
 
-    The lambdas name parts made further down (the report, the dispatcher): they are called only
-    once the daemon runs, when every part exists.
+    The dispatcher comes first: each part that feeds events back is handed its `emit`. The lambdas
+    name parts made further down (the report): they are called only once the daemon runs, when every
+    part exists.
     """
     health = cfg.health
+    dispatcher = Dispatcher(state)
     scanner = Scanner(
         Nvml(options.sysfs_root, options.proc_root),
         bus.publish,
@@ -82,7 +84,7 @@ def wire(
         cfg,
         scanner,
         state,
-        lambda event: dispatcher.apply(event),
+        dispatcher.emit,
         state_file.written,
         options.sysfs_root / "fs/selinux/enforce",
     )
@@ -90,7 +92,7 @@ def wire(
     cdi = CdiSink(
         lambda c: CdiSettings.from_config(c, options.dev_root, options.cdi_spec_dir),
         cfg,
-        lambda event: dispatcher.apply(event),
+        dispatcher.emit,
         lambda: report.refresh(),  # a retry wrote the spec: its error is gone
     )
     # The claims' MPS groups are the supervisor's; their specs go beside the node's.
@@ -117,7 +119,7 @@ def wire(
         options.plugin_dir,
         options.dev_root,
         FleetHooks(
-            sent=lambda resource, revision, first: dispatcher.sent(resource, revision, first),
+            sent=dispatcher.sent,
             delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
             retired=cdi.forget,
             allocated=allocated,
@@ -127,9 +129,10 @@ def wire(
         ),
     )
     report = StatusReport(state, fleet, pods, dra, notifier.status, options.roots())
+    dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
-    dispatcher = Dispatcher(state, report.metrics, (scanner, *((dra,) if dra is not None else ()), fleet))
-    healer = Healer(state, scanner, dispatcher.handle)
+    dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet)
+    healer = Healer(state, scanner, dispatcher.emit)
 
     async def holders_now() -> Mapping[str, list[Holder]] | None:
         await pods.fresh(wait=PODS_READER_WAIT)
@@ -143,7 +146,7 @@ def wire(
         fleet,
         HealthStateSink(state_file, state),
         FeatureFile(cfg, options.sysfs_root, options.feature_file),
-        AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.handle),
+        AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.emit),
         *((dra,) if dra is not None else ()),
         report,  # last: the status line says what the others did
     )

@@ -36,7 +36,7 @@ from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, HealthVerdict, Publish, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
@@ -276,7 +276,7 @@ class CdiSink(Sink):
         self,
         settings: Callable[[Config], CdiSettings],
         cfg: Config,
-        feed: Publish,
+        feed: Emit,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._settings = settings
