@@ -10,11 +10,12 @@ from dataclasses import replace
 import pytest
 
 from nvplug.config import Config
-from nvplug.core.events import Event, InventoryFound, XidOccurred
+from nvplug.core.events import CdiChecked, Event, InventoryFound, XidOccurred
 from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState
 from nvplug.daemon.dispatch import Dispatcher
 from nvplug.edges.edge_protocols import Sink, StateUpdate
+from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.sinks.cdi.cdi_publisher import CdiSink
 from nvplug.sinks.health_state_sink import HealthStateSink
 from nvplug.sinks.nfd_feature_file import label_reads
@@ -115,5 +116,23 @@ def test_a_sink_after_the_list_that_fails_fails_the_dispatcher() -> None:
         d.apply(InventoryFound((gpu(0),)))
         with pytest.raises(ValueError, match="a sink's bug"):
             await asyncio.wait_for(d.failed(), 5)
+
+    asyncio.run(scenario())
+
+
+def test_the_cdi_specs_optional_names_reach_the_fleet_with_no_new_revision() -> None:
+    """Allocate adds them to every container; no list carries them, so no stream wakes for them."""
+    calls: list[str] = []
+    fleet = Recording("device plugins", PluginFleet.reads, True, calls)
+
+    async def scenario() -> None:
+        state = NodeState()
+        d = dispatcher(state, [fleet])
+        d.apply(InventoryFound((gpu(0),)))
+        revision = state.current.revision
+        d.apply(CdiChecked({}, ("k8s.device-plugin.nvidia.com/gds=all",)))
+        assert calls == ["device plugins"] and state.current.revision == revision
+        assert fleet.updates[-1].snapshot.cdi_extra == ("k8s.device-plugin.nvidia.com/gds=all",)
+        assert not fleet.updates[-1].revised
 
     asyncio.run(scenario())

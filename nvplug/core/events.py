@@ -158,11 +158,13 @@ class PciChanged:
 
 @dataclass(frozen=True)
 class CdiChecked:
-    """The CDI spec was written (or not): devices whose CDI names would not resolve, and why."""
+    """The CDI spec was written (or not): devices whose CDI names would not resolve, and why; and
+    the names every container also gets (its optional classes, IMEX channels)."""
 
     source: ClassVar[str] = "nvplug"
 
     unresolved: Mapping[str, str] = field(default_factory=dict)
+    extra: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

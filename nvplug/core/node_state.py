@@ -137,6 +137,7 @@ class NodeState:
                 self._nvml_failed(draft, event)
             case CdiChecked():
                 draft.unresolved = MappingProxyType(dict(event.unresolved))
+                draft.cdi_extra = event.extra
                 draft.recheck()
             case DeviceNodesChanged():
                 # The same check a scan makes, from the nodes the watch listed: no NVML call needed.

@@ -143,6 +143,8 @@ class Snapshot(GpuLookups):
     mps: Mapping[str, MpsGroupState] = field(default_factory=lambda: MappingProxyType({}))
     # The compute modes GPUs had before nvplug set EXCLUSIVE_PROCESS for MPS, by UUID: restored on stop.
     compute_modes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The CDI names every container also gets (the spec's optional classes, IMEX channels), as last written.
+    cdi_extra: tuple[str, ...] = ()
 
     @cached_property
     def mps_units(self) -> Mapping[str, HealthState]:
@@ -183,8 +185,11 @@ class Change:
 
 # Every field of the node's picture, and named parts of it that sinks depend on (Sink.reads).
 NODE_FIELDS = tuple(f.name for f in fields(Snapshot) if f.name != "revision")
-# Whatever changes the picture: every field but the counters.
-REVISED = frozenset(NODE_FIELDS) - COUNTERS
+# Fields that bump no revision, yet wake the sinks that read them: no list changes with them (Allocate
+# adds the CDI spec's optional names to every container).
+UNLISTED = frozenset({"cdi_extra"})
+# Whatever changes the picture: every field but the counters and the unlisted.
+REVISED = frozenset(NODE_FIELDS) - COUNTERS - UNLISTED
 # What the node has: the GPUs and their MIG devices, links, device nodes, the driver.
 INVENTORY = frozenset(
     {"gpus", "topology", "cap_minors", "driver_instance", "driver_version", "cuda_version", "device_nodes"}

@@ -16,8 +16,8 @@ from nvplug.core.mig import CapMinors
 from nvplug.core.mps_state import MpsGroupState
 from nvplug.core.readiness import unready
 from nvplug.core.snapshot import (
-    COUNTERS,
     NODE_FIELDS,
+    REVISED,
     Change,
     GpuLookups,
     HungCall,
@@ -59,6 +59,7 @@ class SnapshotDraft(GpuLookups):
     auto_resets: Mapping[str, tuple[float, ...]]
     mps: Mapping[str, MpsGroupState]
     compute_modes: Mapping[str, int]
+    cdi_extra: tuple[str, ...]
 
     def __init__(self, base: Snapshot, now: float) -> None:
         self.base = base
@@ -203,7 +204,8 @@ class SnapshotDraft(GpuLookups):
         """The next snapshot, and whether it is a new revision; None when nothing changed.
 
         Counters alone (COUNTERS) change the snapshot, not its revision: a flood of harmless Xids
-        or kernel log records must not wake every ListAndWatch stream and sink for each one."""
+        or kernel log records must not wake every ListAndWatch stream and sink for each one. Nor
+        do the UNLISTED fields, which no list carries."""
         base = self.base
         values = {name: getattr(self, name) for name in NODE_FIELDS}
         values["health"] = MappingProxyType(self.health)
@@ -211,5 +213,5 @@ class SnapshotDraft(GpuLookups):
         changed = frozenset(name for name, value in values.items() if differs(value, getattr(base, name)))
         if not changed:
             return None
-        bumped = bool(changed - COUNTERS)
+        bumped = not changed.isdisjoint(REVISED)
         return replace(base, revision=base.revision + bumped, **values), bumped

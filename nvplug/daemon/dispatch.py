@@ -3,7 +3,8 @@
 The rule that keeps lists true is written here once: between `NodeState.apply` and the last sink a
 list depends on (`Sink.before_list`: the CDI spec, the device-plugin fleet) there is no await, so
 each has seen the new snapshot before any ListAndWatch stream, which waits on the state's
-revision, runs again. What a sink feeds back (the CDI check) is applied at once, inside the same step.
+revision, runs again. What a sink feeds back (the CDI check) is applied at once, inside the same step;
+so is what a part emits outside a dispatch (`emit`, handed to each part that feeds events back).
 
 The stream runs in the loop turn right after the change; the other sinks (the log, the state file,
 labels, DRA, the status line) in the turn after that, with every update since merged into one.
@@ -49,7 +50,7 @@ from nvplug.core.events import (
     XidOccurred,
 )
 from nvplug.core.node_state import NodeState
-from nvplug.core.snapshot import changed_between
+from nvplug.core.snapshot import COUNTERS, changed_between
 from nvplug.edges.edge_protocols import Sink, StateUpdate, Worker
 from nvplug.sources.event_bus import EventBus
 from nvplug.status.status_server import Metrics
@@ -78,11 +79,12 @@ def failed_call(event: Event) -> str | None:
 class Dispatcher:
     """Applies events to the state and runs the sinks; routes the events that ask for work instead."""
 
-    def __init__(self, state: NodeState, metrics: Metrics, workers: Sequence[Worker] = ()) -> None:
+    def __init__(self, state: NodeState, metrics: Metrics | None = None, workers: Sequence[Worker] = ()) -> None:
         self.state = state
-        self._metrics = metrics
+        # Made first, so that every part is built with its `emit`: the metrics and the parts join later.
+        self.metrics = metrics
         # The parts that do work for events, in the wiring's order.
-        self._workers = tuple(workers)
+        self.workers = tuple(workers)
         # Every sink, in the wiring's order, and split by whether a list waits for it.
         self._sinks: tuple[Sink, ...] = ()
         self._for_list: tuple[Sink, ...] = ()
@@ -102,8 +104,22 @@ class Dispatcher:
             await self.handle(*await bus.next())
 
     async def handle(self, event: Event, arrived: float | None = None) -> None:
-        """One event, from a source through the bus (published at `arrived`) or from an operator's heal:
-        into the state if it is state, then to each part that does work for its type, in order."""
+        """One event from a source, through the bus (published at `arrived`): into the state if it is
+        state, then to each part that does work for its type, in order."""
+        self._take(event, arrived)
+        await self._work(event)
+
+    def emit(self, event: Event) -> asyncio.Future[None]:
+        """An event a part feeds back (edge_protocols.Emit): into the state at once, as `handle` does;
+        the work it asks for, if any, in a task of its own, which the result is."""
+        self._take(event, None)
+        if not any(type(event) in worker.works for worker in self.workers):
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return asyncio.ensure_future(self._work(event))
+
+    def _take(self, event: Event, arrived: float | None) -> None:
         match event:
             case KubeletSocketCreated():
                 self._count(event)
@@ -145,7 +161,9 @@ class Dispatcher:
                 self.apply(event, arrived)
             case _:
                 assert_never(event)
-        for worker in self._workers:
+
+    async def _work(self, event: Event) -> None:
+        for worker in self.workers:
             if type(event) in worker.works:
                 await worker.work(event)
 
@@ -158,13 +176,15 @@ class Dispatcher:
         changes = tuple(self.state.apply(event))
         snap = self.state.current
         revised = snap.revision != before.revision
+        changed = changed_between(before, snap)
         if revised:
             self._arrived[snap.revision] = arrived
             if len(self._arrived) > TIMED_REVISIONS:
                 del self._arrived[min(self._arrived)]
-        if not (changes or revised):
+        # Counters alone wake no sink; an unlisted field (the CDI spec's optional names) does, with no revision.
+        if not (changes or revised or changed - COUNTERS):
             return
-        update = self._run(self._for_list, StateUpdate(snap, changes, revised, changed_between(before, snap)))
+        update = self._run(self._for_list, StateUpdate(snap, changes, revised, changed))
         self._later = update if self._later is None else self._later.then(update)
         if self._later_turn is None:
             self._later_turn = asyncio.get_running_loop().call_soon(self._run_later)
@@ -181,7 +201,8 @@ class Dispatcher:
             if fed_back and self.state.current is not before:
                 # The sinks after this one go on from the newer state, as the earlier ones saw it.
                 now = self.state.current
-                update = StateUpdate(now, update.changes, True, update.changed | changed_between(before, now))
+                revised = update.revised or now.revision != before.revision
+                update = StateUpdate(now, update.changes, revised, update.changed | changed_between(before, now))
         return update
 
     def _run_later(self) -> None:
@@ -220,25 +241,31 @@ class Dispatcher:
     def sent(self, resource: str, revision: int, first: bool) -> None:
         """A ListAndWatch message carrying `revision` went out: the first of each revision times its event,
         and a new stream's first after the kubelet's socket or ours changed times the rejoin."""
+        if self.metrics is None:
+            return
         now = time.monotonic()
         if revision > self._timed.get(resource, -1):
             self._timed[resource] = revision
             arrived = self._arrived.get(revision)
             if arrived is not None:
-                self._metrics.latency.labels(resource).observe(now - arrived)
+                self.metrics.latency.labels(resource).observe(now - arrived)
         if first and resource in self._rejoining:
-            self._metrics.rejoin.labels(resource).observe(now - self._rejoining.pop(resource))
+            self.metrics.rejoin.labels(resource).observe(now - self._rejoining.pop(resource))
 
     def _rejoin(self, arrived: float | None) -> None:
         """The kubelet's socket, or ours, went or came: each resource's next stream is timed from the last
         of these, the moment nvplug knew all it needed."""
+        if self.metrics is None:
+            return
         at = time.monotonic() if arrived is None else arrived
-        self._rejoining = {view.resource.name: at for view in self._metrics.resources()}
+        self._rejoining = {view.resource.name: at for view in self.metrics.resources()}
 
     def _count(self, event: Event) -> None:
-        self._metrics.events.labels(event.source, type(event).__name__).inc()
+        if self.metrics is None:
+            return
+        self.metrics.events.labels(event.source, type(event).__name__).inc()
         if isinstance(event, AutoResetStep):
-            self._metrics.auto_reset.labels(event.step).inc()
+            self.metrics.auto_reset.labels(event.step).inc()
         failed = failed_call(event)
         if failed:
-            self._metrics.nvml_errors.labels(failed).inc()
+            self.metrics.nvml_errors.labels(failed).inc()

@@ -68,12 +68,14 @@ def wire(
 ) -> Wiring:
     """Every part, built from the options and the config, and joined to its neighbours.
 
-    The lambdas name parts made further down (the report, the dispatcher): they are called only
-    once the daemon runs, when every part exists.
+    The dispatcher comes first: each part that feeds events back is handed its `emit`. The lambdas
+    name parts made further down (the report): they are called only once the daemon runs, when every
+    part exists.
     """
     health = cfg.health
     # The command line's paths are the config's keys by now (Options.configured): each part reads its key.
     dev_root = Path(cfg.flags.nvidia_dev_root)
+    dispatcher = Dispatcher(state)
     scanner = Scanner(
         Nvml(options.sysfs_root, options.proc_root),
         bus.publish,
@@ -86,21 +88,16 @@ def wire(
         cfg,
         scanner,
         state,
-        lambda event: dispatcher.apply(event),
+        dispatcher.emit,
         state_file.written,
         options.sysfs_root / "fs/selinux/enforce",
     )
 
-    def cdi_retried() -> None:
-        """A retry wrote the spec: its optional names may be new, and its error gone."""
-        fleet.sync_cdi_extra()
-        report.refresh()
-
     cdi = CdiSink(
         CdiSettings.from_config,
         cfg,
-        lambda event: dispatcher.apply(event),
-        cdi_retried,
+        dispatcher.emit,
+        lambda: report.refresh(),  # a retry wrote the spec: its error is gone
     )
     # The claims' MPS groups are the supervisor's; their specs go beside the node's.
     spec_dir = cdi.publisher.settings.spec_dir
@@ -125,8 +122,7 @@ def wire(
         cfg,
         options.plugin_dir,
         FleetHooks(
-            cdi_extra=lambda: cdi.extra_names,
-            sent=lambda resource, revision, first: dispatcher.sent(resource, revision, first),
+            sent=dispatcher.sent,
             delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
             retired=cdi.forget,
             allocated=allocated,
@@ -137,9 +133,10 @@ def wire(
     )
     roots = options.roots(cfg)
     report = StatusReport(state, fleet, pods, dra, notifier.status, roots)
+    dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
-    dispatcher = Dispatcher(state, report.metrics, (scanner, *((dra,) if dra is not None else ()), fleet))
-    healer = Healer(state, scanner, dispatcher.handle)
+    dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet)
+    healer = Healer(state, scanner, dispatcher.emit)
 
     async def holders_now() -> Mapping[str, list[Holder]] | None:
         await pods.fresh(wait=PODS_READER_WAIT)
@@ -155,7 +152,7 @@ def wire(
         fleet,
         HealthStateSink(state_file, state),
         FeatureFile(cfg, options.sysfs_root),
-        AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.handle),
+        AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.emit),
         *((dra,) if dra is not None else ()),
         report,  # last: the status line says what the others did
     )

@@ -19,6 +19,11 @@ from nvplug.core.snapshot import Change, Snapshot
 Publish = Callable[[Event], None]
 """The bus's publish: safe from any thread."""
 
+Emit = Callable[[Event], Awaitable[None]]
+"""How a part feeds an event back, on the loop (a retry, an operator's heal, a daemon that quit): the state
+takes it at once, as the dispatcher does with the bus's; what it returns is done once the parts that work
+for it have (a caller outside a coroutine need not wait)."""
+
 BlockingRunsOn = Literal["loop reader", "own thread", "nothing blocks"]
 """Where a source's blocking call runs; never on the loop itself."""
 

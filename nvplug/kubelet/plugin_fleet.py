@@ -16,7 +16,6 @@ from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
-from nvplug.cdi.cdi_spec import CDI_READS
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, InventoryFound, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.node_state import NodeState
@@ -46,8 +45,6 @@ REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 class FleetHooks:
     """What the fleet tells the rest of the daemon, and asks of it."""
 
-    # The CDI names every container also gets (optional classes, IMEX channels).
-    cdi_extra: Callable[[], tuple[str, ...]] = tuple
     # A ListAndWatch message went out (resource, revision, whether a new stream's first), for the latency metrics.
     sent: Callable[[str, int, bool], None] = lambda resource, revision, first: None
     # A list was delivered: the CDI entries of devices it no longer holds may go.
@@ -152,7 +149,7 @@ class PluginFleet(Sink):
 
     name = "device plugins"
     # Its streams follow the state themselves; as a sink it takes the CDI spec's optional names.
-    reads = CDI_READS
+    reads = frozenset({"cdi_extra"})
     before_list = True
     works = frozenset({KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged, InventoryFound})
 
@@ -214,7 +211,7 @@ class PluginFleet(Sink):
         return found.served
 
     def policy(self, cfg: Config) -> AllocationPolicy:
-        return replace(allocation_policy(cfg), cdi_extra=self._hooks.cdi_extra())
+        return replace(allocation_policy(cfg), cdi_extra=self._state.current.cdi_extra)
 
     async def start(self) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
@@ -230,17 +227,13 @@ class PluginFleet(Sink):
     # As a sink.
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
-        if update.revised:
-            self.sync_cdi_extra()
-        return ()
-
-    def sync_cdi_extra(self) -> None:
         """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
-        extra = self._hooks.cdi_extra()
+        extra = update.snapshot.cdi_extra
         for plugin in self.endpoints:
             service = plugin.service
             if service.policy.cdi_extra != extra:
                 service.policy = replace(service.policy, cdi_extra=extra)
+        return ()
 
     def prepare(self, cfg: Config) -> Commit:
         found = self.plan(cfg)

@@ -47,7 +47,7 @@ class ComputeModeError(RuntimeError):
 class DaemonHooks:
     """What a daemon needs from the supervisor."""
 
-    publish: Callable[[MpsGroupChanged], None]
+    publish: Callable[[MpsGroupChanged], object]
     # The group's GPUs in EXCLUSIVE_PROCESS (recorded first), and released at the daemon's final stop.
     exclusive: Callable[[MpsGroup], Awaitable[None]]
     release: Callable[[MpsGroup], Awaitable[None]]

@@ -23,7 +23,7 @@ from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
 from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks, kill_leftover
 from nvplug.mps.control_log_watch import ControlLogWatch
@@ -53,7 +53,7 @@ class MpsSupervisor(Sink):
         cfg: Config,
         calls: MpsCalls,
         state: NodeState,
-        apply: Callable[[Event], None],
+        apply: Emit,
         written: Callable[[], Awaitable[str | None]],
         selinux_enforce: Path = Path("/sys/fs/selinux/enforce"),
     ) -> None:

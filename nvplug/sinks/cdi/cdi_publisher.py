@@ -36,7 +36,7 @@ from nvplug.config.selectors import DeviceFilter
 from nvplug.core.events import CdiChecked, Event
 from nvplug.core.gpu import uuid_of
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, HealthVerdict, Publish, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
@@ -263,7 +263,8 @@ class CdiSink(Sink):
     """The spec kept equal to the node: written at each revision, retried on a timer while it cannot be.
 
     Devices whose CDI names would not resolve are fed back as `CdiChecked`, applied before any
-    list goes out, so that they are not offered Healthy.
+    list goes out, so that they are not offered Healthy; so are the spec's optional names, which
+    Allocate adds to every container.
     """
 
     name = "cdi"
@@ -275,7 +276,7 @@ class CdiSink(Sink):
         self,
         settings: Callable[[Config], CdiSettings],
         cfg: Config,
-        feed: Publish,
+        feed: Emit,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._settings = settings
@@ -284,6 +285,8 @@ class CdiSink(Sink):
         self._feed = feed
         self._on_change = on_change
         self._snapshot: Snapshot | None = None
+        # The optional names as last fed back: the snapshot kept for a retry may be older than that.
+        self._extra: tuple[str, ...] = ()
         self._retry: asyncio.TimerHandle | None = None
         self._retrying: Schedule = RETRY_BACKOFF.schedule()
 
@@ -300,10 +303,6 @@ class CdiSink(Sink):
     def forget(self, resource: str) -> None:
         """A resource stopped: what it last delivered no longer holds CDI entries in place."""
         self.publisher.forget(resource)
-
-    @property
-    def extra_names(self) -> tuple[str, ...]:
-        return self.publisher.extra_names
 
     def prepare(self, cfg: Config) -> Commit:
         settings = self._settings(cfg)
@@ -344,7 +343,11 @@ class CdiSink(Sink):
             self._retrying.reset()
         elif self._retry is None:
             self._retry = asyncio.get_running_loop().call_later(self._retrying.next(), self._retry_due)
-        return [CdiChecked(unresolved)] if unresolved != snap.unresolved else []
+        extra = self.publisher.extra_names
+        if unresolved == snap.unresolved and extra == self._extra:
+            return []
+        self._extra = extra
+        return [CdiChecked(unresolved, extra)]
 
     def _republish(self) -> None:
         """Outside a dispatch (a timer, a delivered list): what it finds is fed to the state at once."""
