@@ -18,9 +18,12 @@ class Ran:
 async def run_child(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> Ran:
     """Raises OSError where the command cannot be started."""
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *argv,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

@@ -109,8 +109,10 @@ def mps_edits(root: str, group: str, limits: Mapping[str, str] | None = None) ->
     """What a client of an MPS group gets: the group's pipe directory and the shm, writable, and the
     variable that names the pipe, with `limits` beside it."""
     env, mounts = container_view(pipe_dir(root, group), root)
-    return Edits(mounts=tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts),
-                 env=tuple(f"{k}={v}" for k, v in {**env, **(limits or {})}.items()))  # fmt: skip
+    return Edits(
+        mounts=tuple(CdiMount(inside, host, WRITABLE) for inside, host in mounts),
+        env=tuple(f"{k}={v}" for k, v in {**env, **(limits or {})}.items()),
+    )
 
 
 @dataclass(frozen=True)

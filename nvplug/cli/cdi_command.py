@@ -29,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"nvplug cdi generate: {problem}", file=sys.stderr)
     gpu, *optional = found.specs
     for spec in optional:
-        print(f"nvplug cdi generate: the daemon also writes {spec.file_name} ({len(spec.devices)} devices)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"nvplug cdi generate: the daemon also writes {spec.file_name} ({len(spec.devices)} devices)",
+            file=sys.stderr,
+        )
     if args.output is None:
         sys.stdout.buffer.write(gpu.render())
         return 0

@@ -76,8 +76,10 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
     if dra:
         state = "registered" if dra.get("registered") else "NOT registered"
         slices = ", ".join(dra.get("slices") or []) or "none"
-        lines.append(f"  DRA {dra.get('driver')}: {state}, {dra.get('pool_devices', 0)} devices in the pool "
-                     f"(ResourceSlices: {slices}), {len(dra.get('claims') or [])} claims prepared")  # fmt: skip
+        lines.append(
+            f"  DRA {dra.get('driver')}: {state}, {dra.get('pool_devices', 0)} devices in the pool "
+            f"(ResourceSlices: {slices}), {len(dra.get('claims') or [])} claims prepared"
+        )
         if dra.get("error"):
             lines.append(f"  DRA error: {dra['error']}")
     lines += mps_lines(doc.get("mps") or {}, time.time())
@@ -90,8 +92,10 @@ def _daemon_header(doc: Mapping[str, Any]) -> list[str]:
     if kernel_log.get("lost"):
         lines.append(f"  kernel log records lost: {kernel_log['lost']}")
     for switch in doc.get("nvswitches") or []:
-        lines.append(f"  NVSwitch {switch.get('switch')} ({switch.get('bus_id')}): {switch.get('sxids')} SXids, "
-                     f"last {switch.get('last_code')} (no GPU is Unhealthy for these)")  # fmt: skip
+        lines.append(
+            f"  NVSwitch {switch.get('switch')} ({switch.get('bus_id')}): {switch.get('sxids')} SXids, "
+            f"last {switch.get('last_code')} (no GPU is Unhealthy for these)"
+        )
     return lines
 
 

@@ -68,14 +68,20 @@ def parse(text: str, source: str) -> Config:
     cdi = [s for s in cfg.flags.plugin.device_list_strategy if s.startswith("cdi")]
     if cdi and cfg.cdi_spec_dir == "off":
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "cdi")
-        raise ctx.error(node, "nvplug.cdi.specDir", f"is off, but flags.plugin.deviceListStrategy {cdi} hands out "
-                        "CDI names that nothing would define")  # fmt: skip
+        raise ctx.error(
+            node,
+            "nvplug.cdi.specDir",
+            f"is off, but flags.plugin.deviceListStrategy {cdi} hands out CDI names that nothing would define",
+        )
     sliced = cfg.sharing.time_slicing.shared_devices_allocation_policy
     flagged = cfg.flags.plugin.shared_devices_allocation_policy
     if sliced is not None and flagged is not None and sliced != flagged:
         node = _key_node(ctx, found["sharing"], "sharing", known_keys(Sharing), "timeSlicing")
-        raise ctx.error(node, "sharing.timeSlicing.sharedDevicesAllocationPolicy",
-                        f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}")  # fmt: skip
+        raise ctx.error(
+            node,
+            "sharing.timeSlicing.sharedDevicesAllocationPolicy",
+            f"{sliced} disagrees with flags.plugin.sharedDevicesAllocationPolicy: {flagged}",
+        )
     if cfg.dra.extended_resources and not cfg.dra.enabled:
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
         raise ctx.error(node, "nvplug.dra.extendedResources", "needs nvplug.dra.enabled: true (DRA serves them)")
@@ -85,13 +91,18 @@ def parse(text: str, source: str) -> Config:
     unknown = [n for n in cfg.dra.extended_resources if n not in models]
     if unknown:
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
-        why = (f"{unknown[0]} is no whole GPU's name (resources.gpus names {', '.join(models)}); "
-               "a MIG device or a shared replica is not served by name")  # fmt: skip
+        why = (
+            f"{unknown[0]} is no whole GPU's name (resources.gpus names {', '.join(models)}); "
+            "a MIG device or a shared replica is not served by name"
+        )
         raise ctx.error(node, "nvplug.dra.extendedResources", why)
     if cfg.dra.enabled and cfg.cdi_spec_dir == "off":
         node = _key_node(ctx, found["nvplug"], "nvplug", known_keys(Config, "nvplug"), "dra")
-        raise ctx.error(node, "nvplug.dra.enabled", "needs the CDI spec (nvplug.cdi.specDir is off): "
-                        "NodePrepareResources hands out CDI device names")  # fmt: skip
+        raise ctx.error(
+            node,
+            "nvplug.dra.enabled",
+            "needs the CDI spec (nvplug.cdi.specDir is off): NodePrepareResources hands out CDI device names",
+        )
     if cfg.flags.mig_strategy == "mixed":
         # A resource holds whole GPUs or MIG devices, never both: Allocate hands out one kind.
         whole = {r.name: r for r in cfg.resources.gpus}
@@ -100,14 +111,17 @@ def parse(text: str, source: str) -> Config:
                 ResourcePattern("*", r.name, "the default") if r.name == GPU_RESOURCE else None
             )
             if clash is not None:
-                raise ConfigError(f"{r.where}.name: {r.name} also names whole GPUs ({clash.where}) under "
-                                  "flags.migStrategy: mixed; MIG devices need a name of their own")  # fmt: skip
+                raise ConfigError(
+                    f"{r.where}.name: {r.name} also names whole GPUs ({clash.where}) under "
+                    "flags.migStrategy: mixed; MIG devices need a name of their own"
+                )
     mps_names = {r.advertised_name for r in cfg.sharing.mps.resources}
     for limits in cfg.mps.resources:
         if limits.name not in mps_names:
             known = ", ".join(sorted(mps_names)) or "none"
-            raise ConfigError(f"{limits.where}.name: {limits.name} is no MPS resource of sharing.mps "
-                              f"(those are: {known})")  # fmt: skip
+            raise ConfigError(
+                f"{limits.where}.name: {limits.name} is no MPS resource of sharing.mps (those are: {known})"
+            )
     return cfg
 
 
@@ -187,8 +201,11 @@ def _sharing(found: Found, values: dict[str, Any]) -> Sharing:
     forced = NodeMap(found.ctx, mps, f"{found.path}.mps").items(known_keys(ReplicatedResources))
     flag = forced.get("failRequestsGreaterThanOne")
     if flag is not None and not is_null(flag) and not sharing.mps.fail_requests_greater_than_one:
-        raise found.ctx.error(flag, f"{found.path}.mps.failRequestsGreaterThanOne",
-                              "must be true for MPS: a container gets one replica, and its limits")  # fmt: skip
+        raise found.ctx.error(
+            flag,
+            f"{found.path}.mps.failRequestsGreaterThanOne",
+            "must be true for MPS: a container gets one replica, and its limits",
+        )
     return Sharing(sharing.time_slicing, replace(sharing.mps, fail_requests_greater_than_one=True))
 
 
@@ -209,8 +226,11 @@ def _replicated_resource(found: Found, read: dict[str, Any]) -> ReplicatedResour
         both = _overlap(other.devices, read.get("devices", "all"))
         if both:
             node = fields.get("devices", fields["name"])
-            raise ctx.error(node, f"{item_path}.devices", f"{both} of {name} also shared by {other.where}: "
-                            "each device may be picked by one entry of a resource")  # fmt: skip
+            raise ctx.error(
+                node,
+                f"{item_path}.devices",
+                f"{both} of {name} also shared by {other.where}: each device may be picked by one entry of a resource",
+            )
     if "rename" not in read and found.enclosing.get("rename_by_default", False):
         read["rename"] = name + SHARED_SUFFIX
         problem = resource_name_problem(read["rename"])

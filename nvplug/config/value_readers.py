@@ -258,8 +258,9 @@ def annotation_prefix(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     if not slash or not _DNS_SUBDOMAIN.fullmatch(domain):
         raise ctx.error(node, path, f"{value!r} is not a DNS domain followed by '/', like cdi.k8s.io/")
     if len(start) + ANNOTATION_KEY_LENGTH > MAX_ANNOTATION_NAME:
-        raise ctx.error(node, path, f"{value!r} leaves annotation keys longer than {MAX_ANNOTATION_NAME} "
-                        f"characters after the '/'")  # fmt: skip
+        raise ctx.error(
+            node, path, f"{value!r} leaves annotation keys longer than {MAX_ANNOTATION_NAME} characters after the '/'"
+        )
     return value
 
 

@@ -57,8 +57,17 @@ def apply_group(
             else HealthState(Health.UNHEALTHY, event.reason, now, Clears.PROBE, fault=Fault.OTHER)
         )
         up_since = None
-    state = MpsGroupState(event.group, event.resource, event.units, health, event.pid, up_since, event.restarts,
-                          event.thread_percentage, event.pinned_mib)  # fmt: skip
+    state = MpsGroupState(
+        event.group,
+        event.resource,
+        event.units,
+        health,
+        event.pid,
+        up_since,
+        event.restarts,
+        event.thread_percentage,
+        event.pinned_mib,
+    )
     if state == before:
         return groups, None
     out[event.group] = state

@@ -321,8 +321,14 @@ class NodeState:
             None,
         )
         if decision.verdict is Verdict.UNHEALTHY:
-            draft.fault(mig.uuid if mig else event.uuid, decision.reason, Clears.RESET, remedy=decision.action,
-                        kind=Fault.XID, xid=event.code)  # fmt: skip
+            draft.fault(
+                mig.uuid if mig else event.uuid,
+                decision.reason,
+                Clears.RESET,
+                remedy=decision.action,
+                kind=Fault.XID,
+                xid=event.code,
+            )
         elif decision.verdict is Verdict.HEALTHY:
             # Worth a log line even though the picture does not change.
             draft.note(Change("xid, stays healthy", gpu, decision.reason))
@@ -359,8 +365,12 @@ class NodeState:
         else:
             hung[event.number] = HungCall(event.call, gpu.uuid if gpu else event.uuid, event.index, event.since)
             if event.past_limit and gpu is not None:
-                draft.fault(gpu.uuid, f"the driver has not answered for {event.seconds:.0f} s ({event.call})",
-                            Clears.PROBE, kind=Fault.UNMONITORED)  # fmt: skip
+                draft.fault(
+                    gpu.uuid,
+                    f"the driver has not answered for {event.seconds:.0f} s ({event.call})",
+                    Clears.PROBE,
+                    kind=Fault.UNMONITORED,
+                )
             elif not event.past_limit:
                 draft.note(Change("nvml call hung", gpu, hung[event.number].describe()))
         draft.hung_calls = MappingProxyType(hung)

@@ -142,9 +142,10 @@ class NvmlCalls:
             "NVML has not returned from %s for %.1f s: serving on from the state; %s",
             call.describe(),
             time.monotonic() - call.started,
-            f"its GPU turns Unhealthy after {self.hang_limit:g} s" if call.gpu or call.index is not None
+            f"its GPU turns Unhealthy after {self.hang_limit:g} s"
+            if call.gpu or call.index is not None
             else "rescans wait for it",
-        )  # fmt: skip
+        )
         self._publish(call.event(past_limit=False))
         wait = max(0.0, self.hang_limit - (time.monotonic() - call.started))
         call.limit_timer = asyncio.get_running_loop().call_later(wait, self._past_limit, call)
@@ -152,8 +153,11 @@ class NvmlCalls:
 
     def _past_limit(self, call: _Call) -> None:
         if call.number in self.hung:
-            log.error("NVML has not returned from %s for %.1f s: its GPU is Unhealthy", call.describe(),
-                      time.monotonic() - call.started)  # fmt: skip
+            log.error(
+                "NVML has not returned from %s for %.1f s: its GPU is Unhealthy",
+                call.describe(),
+                time.monotonic() - call.started,
+            )
             self._publish(call.event(past_limit=True))
 
     def _returned(self, call: _Call, future: asyncio.Future[Any]) -> None:

@@ -59,9 +59,15 @@ class Holder:
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Holder:
         """As /status gives it (`as_dict`): what the CLI shows from the daemon's answer."""
-        return cls(str(doc.get("namespace")), str(doc.get("pod")), str(doc.get("container") or ""),
-                   str(doc.get("resource") or ""), str(doc.get("device_id") or ""), doc.get("replica"),
-                   doc.get("claim"))  # fmt: skip
+        return cls(
+            str(doc.get("namespace")),
+            str(doc.get("pod")),
+            str(doc.get("container") or ""),
+            str(doc.get("resource") or ""),
+            str(doc.get("device_id") or ""),
+            doc.get("replica"),
+            doc.get("claim"),
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {

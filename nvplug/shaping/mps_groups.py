@@ -124,8 +124,10 @@ def too_old(units: Sequence[tuple[Gpu, MigDevice | None]]) -> str | None:
     for gpu, _ in units:
         cc = gpu.compute_capability
         if cc is not None and cc < MIN_COMPUTE_CAPABILITY:
-            return (f"{gpu.label} has compute capability {cc[0]}.{cc[1]}; MPS limits need Volta "
-                    f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}) or newer")  # fmt: skip
+            return (
+                f"{gpu.label} has compute capability {cc[0]}.{cc[1]}; MPS limits need Volta "
+                f"({MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}) or newer"
+            )
     return None
 
 

@@ -127,8 +127,9 @@ class Naming:
     def from_config(cls, cfg: Config) -> Naming:
         dra = cfg.dra.devices if cfg.dra.enabled else None
         extended = frozenset(cfg.dra.extended_resources if cfg.dra.enabled else ())
-        return cls(cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra, extended,
-                   cfg.dra.moving)  # fmt: skip
+        return cls(
+            cfg.resources.gpus, cfg.resources.mig, cfg.flags.mig_strategy, cfg.devices, dra, extended, cfg.dra.moving
+        )
 
     def dra_owns(self, gpu: Gpu) -> bool:
         """Whether the GPU is offered through DRA (and so not by the device plugin)."""
@@ -363,17 +364,38 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
 
     for base in bases:
         entries = [r for r in sharing.resources if r.name == base]
-        own = [ResourceSpec(r.advertised_name, r.replicas, sharing.fail_requests_greater_than_one, base, naming,
-                            take=r.devices, mps=share(r)) for r in entries if r.advertised_name != base]  # fmt: skip
+        own = [
+            ResourceSpec(
+                r.advertised_name,
+                r.replicas,
+                sharing.fail_requests_greater_than_one,
+                base,
+                naming,
+                take=r.devices,
+                mps=share(r),
+            )
+            for r in entries
+            if r.advertised_name != base
+        ]
         in_place = next((r for r in entries if r.advertised_name == base), None)
         rest = ResourceSpec(base, base=base, naming=naming, leave=tuple(s.take for s in own))
         if in_place is not None:
             if mps and in_place.devices != "all":
                 # The rest would mix MPS devices with whole ones in one resource: one Allocate, two kinds.
-                refused[base] = (f"{in_place.where or base}: an MPS entry without a rename must share all devices "
-                                 f"of {base}; give it a rename to share some of them")  # fmt: skip
-            rest = ResourceSpec(base, in_place.replicas, sharing.fail_requests_greater_than_one, base, naming,
-                                leave=rest.leave, share=in_place.devices, mps=share(in_place))  # fmt: skip
+                refused[base] = (
+                    f"{in_place.where or base}: an MPS entry without a rename must share all devices "
+                    f"of {base}; give it a rename to share some of them"
+                )
+            rest = ResourceSpec(
+                base,
+                in_place.replicas,
+                sharing.fail_requests_greater_than_one,
+                base,
+                naming,
+                leave=rest.leave,
+                share=in_place.devices,
+                mps=share(in_place),
+            )
         # Each projected once: the MPS check below reads the same projection.
         projected = [(s, s.project(snapshot)) for s in (rest, *own)]
         kept = [(s, p) for s, p in projected if p.devices] or projected[:1]
@@ -389,8 +411,10 @@ def plan(cfg: Config, snapshot: Snapshot) -> Plan:
     # A sharing rename may not take the name of another resource: its devices would be in two lists.
     names = [s.name for s in specs]
     for name in {n for n in names if names.count(n) > 1}:
-        refused[name] = (f"{cfg.source}: {name} would be advertised twice: a sharing rename must not take the "
-                         "name of a resource (resources.gpus, resources.mig or a MIG profile's)")  # fmt: skip
+        refused[name] = (
+            f"{cfg.source}: {name} would be advertised twice: a sharing rename must not take the "
+            "name of a resource (resources.gpus, resources.mig or a MIG profile's)"
+        )
     return Plan(tuple(specs), None, MappingProxyType(refused), MappingProxyType(excluded), unmatched)
 
 

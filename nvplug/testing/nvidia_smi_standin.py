@@ -28,9 +28,11 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) == 3 and argv[0] == "-r" and argv[1] == "-i":
         bus = argv[2]
         if os.environ.get(FAIL_ENV) or (log and Path(f"{log}.fail").exists()):
-            print(f"GPU {bus} is currently in use by another process.\n\n1 device is currently being used by one "
-                  "or more other processes (e.g., Fabric Manager, CUDA application, graphics application such as "
-                  "an X server, or a monitoring application such as another instance of nvidia-smi).")  # fmt: skip
+            print(
+                f"GPU {bus} is currently in use by another process.\n\n1 device is currently being used by one "
+                "or more other processes (e.g., Fabric Manager, CUDA application, graphics application such as "
+                "an X server, or a monitoring application such as another instance of nvidia-smi)."
+            )
             return 255
         print(f"GPU {bus} was successfully reset.\nAll done.")
         return 0

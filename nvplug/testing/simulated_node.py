@@ -274,8 +274,10 @@ class SimulatedNode:
         mps_control.install(self.bin_dir, build_dir=self.lib_dir / "mps-control")
         # A server runs as its client's UID and must pass every parent of the root (mkdtemp's are 0700).
         self.root.chmod(0o755)
-        return (f"version: v1\nsharing:\n  mps:\n    resources:\n{resources}nvplug:\n  mps:\n"
-                f"    controlPath: {self.mps_control}\n{extra}")  # fmt: skip
+        return (
+            f"version: v1\nsharing:\n  mps:\n    resources:\n{resources}nvplug:\n  mps:\n"
+            f"    controlPath: {self.mps_control}\n{extra}"
+        )
 
     def build_library(self) -> Path:
         return fakenvml.build(self.lib_dir)
@@ -328,23 +330,39 @@ class SimulatedNode:
             self.build_library()
         # A real /dev/kmsg shows each reader the log from its oldest record: a restarted daemon sees it all again.
         self.replay_kernel_log()
-        argv = self.isolated([
-            sys.executable, "-m", "nvplug", "run",
-            "--device-plugin-dir", str(self.plugin_dir),
-            *(["--dev-root", str(self.dev_root)] if dev_root_flag else []),
-            "--sysfs-root", str(self.sysfs_root),
-            "--proc-root", str(self.proc_root),
-            "--status-listen", f"unix:{self.status_socket}",
-            "--config", str(self.config),
-            "--state-dir", str(self.state_dir),
-            *self.cdi_args(),
-            "--nfd-feature-file", str(self.feature_file),
-            "--pod-resources-socket", str(self.kubelet.pod_resources.socket_path),
-            "--log-level", log_level,
-            "--kernel-log", str(self.kernel_log_path),
-            "--mps-root", str(self.mps_root),
-            *extra,
-        ])  # fmt: skip
+        argv = self.isolated(
+            [
+                sys.executable,
+                "-m",
+                "nvplug",
+                "run",
+                "--device-plugin-dir",
+                str(self.plugin_dir),
+                *(["--dev-root", str(self.dev_root)] if dev_root_flag else []),
+                "--sysfs-root",
+                str(self.sysfs_root),
+                "--proc-root",
+                str(self.proc_root),
+                "--status-listen",
+                f"unix:{self.status_socket}",
+                "--config",
+                str(self.config),
+                "--state-dir",
+                str(self.state_dir),
+                *self.cdi_args(),
+                "--nfd-feature-file",
+                str(self.feature_file),
+                "--pod-resources-socket",
+                str(self.kubelet.pod_resources.socket_path),
+                "--log-level",
+                log_level,
+                "--kernel-log",
+                str(self.kernel_log_path),
+                "--mps-root",
+                str(self.mps_root),
+                *extra,
+            ]
+        )
         full_env = self.daemon_env(nvml)
         full_env.update(env or {})
         if echo is None:
@@ -370,10 +388,13 @@ class SimulatedNode:
     def cdi_args(self) -> list[str]:
         """This node's CDI paths, for `nvplug run` and `nvplug doctor` alike."""
         return [
-            "--cdi-spec-dir", str(self.cdi_dir),
-            "--cdi-runtime-dirs", ",".join(str(d) for d in self.cdi_runtime_dirs),
-            "--nvidia-ctk-path", str(self.nvidia_ctk),
-        ]  # fmt: skip
+            "--cdi-spec-dir",
+            str(self.cdi_dir),
+            "--cdi-runtime-dirs",
+            ",".join(str(d) for d in self.cdi_runtime_dirs),
+            "--nvidia-ctk-path",
+            str(self.nvidia_ctk),
+        ]
 
     def stop_daemon(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> int:
         daemon = self.daemon

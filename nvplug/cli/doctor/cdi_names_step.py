@@ -46,8 +46,11 @@ def check_cdi(ctx: DoctorContext) -> Check:
     missing = [n for n in names if n not in defined]
     ours = [spec_dir / spec.file_name for spec in wanted]
     clashes = conflicts(files, ours, [spec.kind for spec in wanted])
-    evidence = [f"{f.path}: {f.kind or '?'}, {len(f.names)} devices" + (f" (unreadable: {f.error})" if f.error else "")
-                for f in files if f.kind in {s.kind for s in wanted} or f.error]  # fmt: skip
+    evidence = [
+        f"{f.path}: {f.kind or '?'}, {len(f.names)} devices" + (f" (unreadable: {f.error})" if f.error else "")
+        for f in files
+        if f.kind in {s.kind for s in wanted} or f.error
+    ]
     how = f"deviceListStrategy {uses_cdi} hands them out" if uses_cdi else "no cdi strategy hands them out yet"
     if missing or clashes:
         shown = [f"does not resolve: {n}" for n in missing[:5]] + (

@@ -60,8 +60,9 @@ def check_daemon(ctx: DoctorContext) -> Check:
                 "/var/lib/kubelet): the kubelet makes it again when it starts, and nvplug serves and registers "
                 "again at once, without a restart; `journalctl -u nvplug -p warning` says what it waits for"
             )
-        return Check("FAIL", "the daemon runs but does not serve every resource",
-                     failures + evidence + unhealthy + warnings, fix)  # fmt: skip
+        return Check(
+            "FAIL", "the daemon runs but does not serve every resource", failures + evidence + unhealthy + warnings, fix
+        )
     total = sum(int(r.get("devices", 0)) for r in resources)
     healthy = sum(int(r.get("healthy", 0)) for r in resources)
     if unhealthy or warnings:

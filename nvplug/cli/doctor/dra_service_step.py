@@ -46,8 +46,10 @@ def check_dra(ctx: DoctorContext) -> Check:
     except FAILURES as err:
         return Check("FAIL", f"the API server cannot be asked with {kubeconfig.source}", [str(err)], fix)
     published = sum(len(s.get("spec", {}).get("devices") or []) for s in slices)
-    evidence = [f"{kubeconfig.server}: {GROUP}/{version}, {len(slices)} ResourceSlices of {node} for {driver} "
-                f"with {published} devices"]  # fmt: skip
+    evidence = [
+        f"{kubeconfig.server}: {GROUP}/{version}, {len(slices)} ResourceSlices of {node} for {driver} "
+        f"with {published} devices"
+    ]
     try:
         doc = statusclient.status(statusclient.listen_address(ctx.args.status_listen, ctx.args.config))
     except (statusclient.StatusUnavailable, ValueError) as err:
@@ -69,16 +71,20 @@ def check_dra(ctx: DoctorContext) -> Check:
         if change.get("what"):
             # Not credentials: someone deleted or changed them, most often the kubelet's wipe at its start.
             when = time.strftime("%H:%M:%S", time.localtime(float(change.get("at") or 0)))
-            fix = (f"the slices were {change['what']} by someone else at {when}: the kubelet deletes its node's "
-                   "slices when it starts and when a driver deregisters. nvplug's watch writes them again at "
-                   "once; run doctor again, and if the count stays wrong see `journalctl -u nvplug`")  # fmt: skip
+            fix = (
+                f"the slices were {change['what']} by someone else at {when}: the kubelet deletes its node's "
+                "slices when it starts and when a driver deregisters. nvplug's watch writes them again at "
+                "once; run doctor again, and if the count stays wrong see `journalctl -u nvplug`"
+            )
         elif not dra.get("watching"):
             why = dra.get("watch_error") or "see `journalctl -u nvplug`"
             fix = f"nvplug is not watching the slices ({why}; its ClusterRole needs `watch`); " + fix
     unresolved = _unresolved_claims(ctx, cfg, dra.get("claims") or [])
     if unresolved and not problems:
-        fix = ("the daemon writes each claim's spec before prepare answers: `journalctl -u nvplug | grep CDI` says "
-               "why one is missing; a unit must allow the spec directory")  # fmt: skip
+        fix = (
+            "the daemon writes each claim's spec before prepare answers: `journalctl -u nvplug | grep CDI` says "
+            "why one is missing; a unit must allow the spec directory"
+        )
     problems += unresolved
     if problems:
         return Check("FAIL", "the DRA plugin is not in service", problems + evidence, fix)
@@ -89,5 +95,9 @@ def check_dra(ctx: DoctorContext) -> Check:
 def _unresolved_claims(ctx: DoctorContext, cfg: Config, claims: list[dict[str, Any]]) -> list[str]:
     """Each prepared claim's CDI names that no spec in the runtimes' directories defines."""
     defined = resolvable(runtime_specs(ctx, cfg)[1])
-    return [f"claim {c.get('namespace')}/{c.get('name')}: its CDI name {n} does not resolve"
-            for c in claims for n in c.get("cdi") or [] if n not in defined]  # fmt: skip
+    return [
+        f"claim {c.get('namespace')}/{c.get('name')}: its CDI name {n} does not resolve"
+        for c in claims
+        for n in c.get("cdi") or []
+        if n not in defined
+    ]

@@ -47,8 +47,10 @@ def check_kubelet_view(ctx: DoctorContext) -> Check:
     checkpoint: list[CheckpointEntry] = []
     # The kubelet sends one entry per device (and per resource): count containers, not entries.
     containers = len({(p.namespace, p.pod, p.container) for p in pods})
-    evidence = [f"{path}: {sum(len(v) for v in allocatable.values())} allocatable devices, {containers} containers "
-                "holding devices"]  # fmt: skip
+    evidence = [
+        f"{path}: {sum(len(v) for v in allocatable.values())} allocatable devices, {containers} containers "
+        "holding devices"
+    ]
     try:
         checkpoint = read_checkpoint(ctx.args.device_plugin_dir / CHECKPOINT)
     except (OSError, ValueError) as err:

@@ -23,8 +23,9 @@ def check_mps(ctx: DoctorContext) -> Check:
     try:
         doc = statusclient.status(statusclient.listen_address(ctx.args.status_listen, ctx.args.config))
     except (statusclient.StatusUnavailable, ValueError) as err:
-        return Check("WARN", "sharing.mps is set, but the daemon that runs the MPS daemons does not answer (step 7)",
-                     [str(err)])  # fmt: skip
+        return Check(
+            "WARN", "sharing.mps is set, but the daemon that runs the MPS daemons does not answer (step 7)", [str(err)]
+        )
     mps = doc.get("mps") or {}
     groups = mps.get("groups") or []
     root = str(mps.get("root") or cfg.mps_root)  # the daemon's, which its command line may set
@@ -55,8 +56,10 @@ def check_mps(ctx: DoctorContext) -> Check:
                 problems.append(str(err))
                 continue
             if mode != EXCLUSIVE_PROCESS:
-                problems.append(f"{uuid} of MPS group {name} is in compute mode {mode_name(mode)}, not "
-                                "EXCLUSIVE_PROCESS: another process may take the GPU beside MPS")  # fmt: skip
+                problems.append(
+                    f"{uuid} of MPS group {name} is in compute mode {mode_name(mode)}, not "
+                    "EXCLUSIVE_PROCESS: another process may take the GPU beside MPS"
+                )
     if problems:
         return Check("FAIL", f"{len(problems)} MPS problems", problems + evidence, fix)
     return Check("PASS", f"{len(groups)} MPS groups answer, their GPUs in EXCLUSIVE_PROCESS", evidence)
