@@ -190,6 +190,8 @@ def test_kubelet_restart_storm_ends_registered_without_leaks(node: SimulatedNode
     assert threads_after <= threads_before
 
 
+# 7,500 restarts: a fixed amount of work, which a busy machine takes several times as long over.
+@pytest.mark.timeout(900)
 def test_back_to_back_kubelet_restarts_never_strand_the_socket(node: SimulatedNode) -> None:
     # Unpaced bursts hit the window often; 150 of them make a miss very unlikely. The socket, not the
     # registration, is checked: a Register cut off mid-flight may take the daemon's 15 s REGISTER_TIMEOUT.
@@ -197,7 +199,8 @@ def test_back_to_back_kubelet_restarts_never_strand_the_socket(node: SimulatedNo
     for burst in range(150):
         for _ in range(50):
             node.kubelet.restart()
-        deadline = time.monotonic() + 1.5
+        # A stranded socket never comes back: the deadline only has to be generous.
+        deadline = time.monotonic() + 15.0
         while not node.plugin_socket.exists():
             assert time.monotonic() < deadline, (
                 f"burst {burst}: the daemon never re-created {node.plugin_socket.name} after the kubelet deleted it"
