@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,14 +22,9 @@ from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
-from nvplug.kubelet.device_plugin import (
-    MAX_MESSAGE,
-    PLUGIN_OPTIONS,
-    DevicePluginService,
-    list_size,
-    plugin_server,
-)
+from nvplug.kubelet.device_plugin import PLUGIN_OPTIONS, DevicePluginService, plugin_server
 from nvplug.kubelet.registrar import Registrar
+from nvplug.kubelet.resource_fit import allocation_policy, oversized, same_list, socket_name, unready_note
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
 
 log = logging.getLogger("nvplug")
@@ -91,55 +86,6 @@ class ResourceView:
     registered: bool
     registrations: int
     registration_failures: int
-
-
-def allocation_policy(cfg: Config) -> AllocationPolicy:
-    """How Allocate names devices: NVIDIA's flags.plugin settings."""
-    plugin = cfg.flags.plugin
-    return AllocationPolicy(
-        list_strategies=tuple(plugin.device_list_strategy),
-        id_strategy=plugin.device_id_strategy,
-        pass_device_specs=plugin.pass_device_specs,
-        cdi_annotation_prefix=plugin.cdi_annotation_prefix,
-        packed=cfg.shared_policy == "packed",
-        mps_root=cfg.mps_root,
-        mps_client_limits=cfg.mps.client_limits,
-    )
-
-
-def oversized(specs: Iterable[ResourceSpec], snapshot: Snapshot) -> dict[str, str]:
-    """Resources whose ListAndWatch message would pass the kubelet's limit, with the count and size."""
-    out = {}
-    for spec in specs:
-        devices = spec.project(snapshot).devices
-        size = list_size(devices)
-        if size > MAX_MESSAGE:
-            out[spec.name] = (
-                f"{spec.name} would advertise {len(devices):,} devices in a {size:,}-byte ListAndWatch message, "
-                f"over the kubelet's {MAX_MESSAGE:,}-byte limit (fewer replicas, or fewer GPUs per resource)"
-            )
-    return out
-
-
-def socket_name(resource_name: str) -> str:
-    """nvidia.com/gpu -> nvplug-nvidia.com-gpu.sock"""
-    return "nvplug-" + resource_name.replace("/", "-") + ".sock"
-
-
-def unready_note(snap: Snapshot) -> list[str]:
-    """What the status line and /healthz say of devices Allocate could not hand out (nothing if none)."""
-    out = {**snap.unresolved, **snap.unready}
-    if not out:
-        return []
-    uuid, problem = next(iter(out.items()))
-    return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
-
-
-def _same_list(spec: ResourceSpec, other: ResourceSpec, snapshot: Snapshot) -> bool:
-    """Whether two specs advertise the same device IDs, and Allocate treats them alike."""
-    if spec.fail_requests_greater_than_one != other.fail_requests_greater_than_one:
-        return False
-    return [d.id for d in spec.project(snapshot).devices] == [d.id for d in other.project(snapshot).devices]
 
 
 class PluginFleet(Sink):
@@ -407,7 +353,7 @@ class PluginFleet(Sink):
             snap = self._state.current
             for plugin in self.endpoints:
                 spec = wanted.get(plugin.spec.name)
-                if spec is not None and (spec == plugin.spec or _same_list(spec, plugin.spec, snap)):
+                if spec is not None and (spec == plugin.spec or same_list(spec, plugin.spec, snap)):
                     if spec != plugin.spec:
                         log.info("%s: advertised devices unchanged, no re-registration", spec.name)
                         plugin.spec = spec

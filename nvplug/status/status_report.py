@@ -13,8 +13,9 @@ from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
-from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
+from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.kubelet.podresources_client import PodView
+from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
