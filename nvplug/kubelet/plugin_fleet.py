@@ -17,10 +17,17 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
 from nvplug.config import Config, ConfigError
-from nvplug.core.events import Event, InventoryFound, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
+from nvplug.core.events import (
+    Event,
+    InventoryFound,
+    KubeletSocketCreated,
+    NotesChanged,
+    PluginSocketRemoved,
+    WatchedDirChanged,
+)
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
 from nvplug.kubelet.device_plugin import PLUGIN_OPTIONS, DevicePluginService, plugin_server
 from nvplug.kubelet.registrar import Registrar
@@ -36,13 +43,17 @@ REBIND_GRACE = 2.0
 REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 
+async def ignore(event: Event) -> None:
+    """No one to feed events back to (a fleet on its own)."""
+
+
 @dataclass(frozen=True)
 class FleetHooks:
     """What the fleet tells the rest of the daemon, and asks of it."""
 
     # A ListAndWatch message went out (resource, revision, whether a new stream's first), for the latency metrics.
     sent: Callable[[str, int, bool], None] = lambda resource, revision, first: None
-    # A list was delivered: the CDI entries of devices it no longer holds may go.
+    # A list was delivered (the resource's name, what it listed): the CDI entries of devices it no longer holds may go.
     delivered: Callable[[str, Resource], None] = lambda resource, devices: None
     # A resource stopped being served: what it last delivered holds no CDI entry any more.
     retired: Callable[[str], None] = lambda resource: None
@@ -50,8 +61,8 @@ class FleetHooks:
     allocated: Callable[[], None] = lambda: None
     # Our sockets changed (the kubelet-directory watch tells a wipe of ours from others' files).
     own_sockets: Callable[[list[Path]], None] = lambda paths: None
-    # A registration flipped, for the status line.
-    changed: Callable[[], None] = lambda: None
+    # How the fleet feeds events back: NotesChanged when a registration or a bind flipped, for the status line.
+    emit: Emit = ignore
     # A registrar failed (a bug): the daemon stops so that systemd restarts it.
     failed: Callable[[str], None] = lambda why: None
 
@@ -331,7 +342,7 @@ class PluginFleet(Sink):
                     # again in the new directory, registered once kubelet.sock is there (now, or on its
                     # KubeletSocketCreated).
                     self._reconnect(plugin, registered_again=False)
-            self._hooks.changed()
+            self._notes_changed()
 
     async def socket_removed(self, path: Path) -> None:
         """One of our sockets vanished, as when the kubelet restarts."""
@@ -382,7 +393,7 @@ class PluginFleet(Sink):
             spec.name,
             server.socket_path.name,
             PLUGIN_OPTIONS,
-            on_change=hooks.changed,
+            on_change=self._notes_changed,
             listing=service,
         )
         return PluginEndpoint(spec, service, server, registrar)
@@ -408,6 +419,9 @@ class PluginFleet(Sink):
             await plugin.service.retire()
         await plugin.server.stop()
         self._hooks.retired(plugin.spec.name)
+
+    def _notes_changed(self) -> None:
+        self._hooks.emit(NotesChanged())
 
     def _registrar_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -440,7 +454,7 @@ class PluginFleet(Sink):
                 if str(err) != plugin.serve_error:
                     log.warning("%s: %s; retrying (next in %.2fs)", plugin.name, err, delay)
                 plugin.serve_error = str(err)
-                self._hooks.changed()
+                self._notes_changed()
                 await sleep_unless(plugin.retry_now, delay)
                 continue
             # Looked at, not told: a removal event that comes meanwhile may be of the socket our own

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from nvplug.core.events import Event
+from nvplug.core.events import Event, NotesChanged
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
@@ -35,6 +35,8 @@ class StatusReport(Sink):
     """The status line as a sink (sent to systemd when it changes), and the status routes."""
 
     name = "status line"
+    # A part's notes changed outside a dispatch (a retry, a registration, DRA's slices).
+    works = frozenset({NotesChanged})
 
     def __init__(
         self,
@@ -65,6 +67,9 @@ class StatusReport(Sink):
         if update.changes:
             self.refresh()
         return ()
+
+    async def work(self, event: Event) -> None:
+        self.refresh()
 
     def refresh(self) -> None:
         line = self.line()
