@@ -102,9 +102,8 @@ class Daemon:
                 parts.scanner.request("NVML unavailable at start")
             # One server, socket and registration per resource name; which ones depends on the
             # GPUs found (MIG profiles), so they are made after the first scan.
-            await parts.fleet.start()
-            if parts.dra is not None:
-                await parts.dra.start()
+            for sink in parts.sinks:
+                await sink.open()
             report = parts.report
             status = StatusServer(
                 self.config.status_listen,

@@ -128,7 +128,8 @@ class DraDriver(Sink):
         self._retry_now = asyncio.Event()
         self._closing = False
 
-    async def start(self) -> None:
+    async def open(self) -> None:
+        """Serve the DRA sockets, with the claims checkpointed before."""
         self.claims.load()
         self._started = True
         if self._snapshot is not None:

@@ -114,6 +114,12 @@ class Sink(Protocol):
     # The event types it does work for (Worker): none by default.
     works: frozenset[type] = frozenset()
 
+    async def open(self) -> None:
+        """Once the sources run and the first scan is in the state: serve what it serves (the device
+        plugins' sockets, DRA's), in the wiring's order. Named apart from a Source's `start`, which a
+        part that is both (the re-prober) has too."""
+        return None  # noqa: RET501 (a body: a protocol's method without one is abstract)
+
     def wants(self, update: StateUpdate) -> bool:
         return self.reads is None or not self.reads.isdisjoint(update.changed)
 

@@ -170,7 +170,7 @@ class PluginFleet(Sink):
     def policy(self, cfg: Config) -> AllocationPolicy:
         return replace(allocation_policy(cfg), cdi_extra=self._state.current.cdi_extra)
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
         remove_leftover_listeners(self._plugin_dir)
         await self.apply(self.planned(self._cfg), self.policy(self._cfg))
