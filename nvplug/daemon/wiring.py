@@ -39,22 +39,20 @@ from nvplug.sources.udev_monitor import UdevSource
 from nvplug.status.change_log import ChangeLog
 from nvplug.status.heal_route import Healer
 from nvplug.status.status_report import PODS_READER_WAIT, StatusReport
+from nvplug.status.status_server import StatusServer
 
 
 @dataclass(frozen=True)
 class Wiring:
+    """The parts, which the lifecycle reaches only through the protocols, and the daemon's own machinery:
+    the dispatcher (events in, snapshots out), the status report (the sd_notify line, a reload's checks)
+    and the status server (its routes)."""
+
     sources: tuple[Source, ...]
     sinks: tuple[Sink, ...]
     dispatcher: Dispatcher
-    scanner: Scanner
-    fleet: PluginFleet
     report: StatusReport
-    pods: PodView
-    dra: DraDriver | None
-    # None where nvplug.health.kernelLog is off.
-    kernel_log: KernelLogSource | None
-    healer: Healer
-    mps: MpsSupervisor
+    status: StatusServer
 
 
 def wire(
@@ -166,4 +164,9 @@ def wire(
         reprober,
         *((kernel_log,) if kernel_log is not None else ()),
     )
-    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra, kernel_log, healer, mps)
+    status = StatusServer(
+        cfg.status_listen,
+        {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
+        {"/heal": healer.route},
+    )
+    return Wiring(sources, sinks, dispatcher, report, status)

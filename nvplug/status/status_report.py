@@ -17,6 +17,7 @@ from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.kubelet.podresources_client import PodView
 from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
+from nvplug.shaping.resource_plan import ResourceSpec
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
@@ -82,6 +83,14 @@ class StatusReport(Sink):
         parts = [*self._fleet.registrations(), *node_notes(self._state.current), *self._fleet.notes()]
         parts += [note for sink in self.sinks if sink is not self._fleet for note in sink.notes()]
         return "; ".join(parts)
+
+    def served(self) -> list[ResourceSpec]:
+        """What the device plugins serve now, for a reload's log line."""
+        return self._fleet.specs
+
+    async def close(self) -> None:
+        """The last sink: nothing asks the kubelet's PodResources after it."""
+        await self._pods.close()
 
     def holders(self) -> dict[str, list[Holder]] | None:
         """Who holds each device (GPU or MIG UUID): the device plugin's from the last PodResources answer,
