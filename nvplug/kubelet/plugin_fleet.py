@@ -117,6 +117,8 @@ class PluginFleet(Sink):
         # flags.nvidiaDevRoot: where Allocate's device specs point, for endpoints made now and later.
         self._dev_root = Path(cfg.flags.nvidia_dev_root)
         self._hooks = hooks
+        # The CDI spec's optional names as `update` was last handed them (none until the spec is written).
+        self._cdi_extra: tuple[str, ...] = ()
         self.endpoints: list[PluginEndpoint] = []
         self._lock = asyncio.Lock()
         # What the plan last said, so that each problem is logged once.
@@ -168,7 +170,7 @@ class PluginFleet(Sink):
         return found.served
 
     def policy(self, cfg: Config) -> AllocationPolicy:
-        return replace(allocation_policy(cfg), cdi_extra=self._state.current.cdi_extra)
+        return replace(allocation_policy(cfg), cdi_extra=self._cdi_extra)
 
     async def open(self) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
@@ -185,7 +187,7 @@ class PluginFleet(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
-        extra = update.snapshot.cdi_extra
+        extra = self._cdi_extra = update.snapshot.cdi_extra
         for plugin in self.endpoints:
             service = plugin.service
             if service.policy.cdi_extra != extra:
