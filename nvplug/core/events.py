@@ -145,6 +145,14 @@ class PluginSocketRemoved:
 
 
 @dataclass(frozen=True)
+class NotesChanged:
+    """A part's notes for the status line changed outside a dispatch (a retry wrote the CDI spec, a
+    registration flipped, DRA's slices went out): work for the status report, never counted, no state."""
+
+    source: ClassVar[str] = "daemon"
+
+
+@dataclass(frozen=True)
 class PciChanged:
     """A udev event for an NVIDIA (vendor 0x10DE) PCI device."""
 
@@ -347,6 +355,7 @@ Event = (
     | HealthWatchChanged
     | KubeletSocketCreated
     | PluginSocketRemoved
+    | NotesChanged
     | PciChanged
     | CdiChecked
     | DeviceNodesChanged

@@ -44,6 +44,7 @@ from nvplug.core.events import (
     MigConfigChanged,
     MpsGroupChanged,
     MpsGroupRemoved,
+    NotesChanged,
     NvmlCallHung,
     NvmlFailed,
     PciChanged,
@@ -171,6 +172,8 @@ class NodeState:
                     draft.note(Change(what, reason=event.error or ""))
             case KubeletSocketCreated() | PluginSocketRemoved() | MigConfigChanged() | WatchedDirChanged():
                 pass  # work for the dispatcher (register, rescan), nothing in the node's picture
+            case NotesChanged():
+                pass  # the daemon's word to its status report
             case _:
                 assert_never(event)
         # A report from before a repair cannot be the other source's word on a fault after it.

@@ -1,4 +1,4 @@
-"""A reload that moves flags.nvidiaDevRoot, for the sources that read the dev root.
+"""A reload that moves flags.nvidiaDevRoot, or the NVML calls' limits, for the sources that read them.
 
 The CDI spec and Allocate take the dev root from the config they are handed; the scanner and the
 device nodes' watch are sources, which a reload does not reach: this sink moves them, and what
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nvplug.config import Config
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, Sink, no_change
+from nvplug.edges.edge_protocols import Commit, Sink
 from nvplug.sources.dev_node_watch import DevNodeWatch
 from nvplug.sources.nvml_scanner import Scanner
 
@@ -34,11 +34,14 @@ class DevRootFollower(Sink):
 
     def prepare(self, cfg: Config) -> Commit:
         new = Path(cfg.flags.nvidia_dev_root)
-        if new == self.dev_root:
-            return no_change
+        health = cfg.health
         shown = str(new.absolute())
 
         async def commit(snapshot: Snapshot) -> None:
+            # The first commit (this sink is the wiring's first): later ones' NVML calls are bound anew.
+            self._scanner.calls.set_limits(health.nvml_call_deadline_seconds, health.driver_hang_seconds)
+            if new == self.dev_root:
+                return
             log.info("the dev root moves from %s to %s (flags.nvidiaDevRoot)", self.dev_root, new)
             self.dev_root = self._scanner.dev_root = new
             self._roots["dev_root"] = shown

@@ -39,6 +39,7 @@ from nvplug.core.events import (
     MigConfigChanged,
     MpsGroupChanged,
     MpsGroupRemoved,
+    NotesChanged,
     NvmlCallHung,
     NvmlFailed,
     PciChanged,
@@ -128,6 +129,8 @@ class Dispatcher:
             case PluginSocketRemoved():
                 self._count(event)
                 self._rejoin(arrived)
+            case NotesChanged():
+                pass  # the daemon's own word to its status report, not something that happened to the node
             case WatchedDirChanged() | MigConfigChanged():
                 # Work, not state: the sockets in a directory that came back are served again.
                 self._count(event)

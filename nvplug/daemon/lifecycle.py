@@ -17,20 +17,18 @@ from dataclasses import replace
 
 from nvplug import config
 from nvplug.config import Config
-from nvplug.core.events import NvmlFailed
-from nvplug.core.kernel_log_backlog import settle
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.xid_policy import XidPolicy
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
+from nvplug.edges.edge_protocols import FirstEvents
 from nvplug.pods.pod_holders import Holder
 from nvplug.shaping.resource_plan import moved
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
 from nvplug.sinks.health_state_sink import saved
 from nvplug.sources.event_bus import EventBus
-from nvplug.status.status_server import StatusServer
 
 log = logging.getLogger("nvplug")
 
@@ -76,7 +74,7 @@ class Daemon:
         parts = self._wiring = wire(opts, self.config, self.state, self.state_file, bus, self.notifier,
                                     self.request_stop)  # fmt: skip
         tasks: list[asyncio.Task[None]] = []
-        status: StatusServer | None = None
+        status = parts.status
         try:
             for source in parts.sources:
                 try:
@@ -88,29 +86,19 @@ class Daemon:
                     continue
                 if running is not None:
                     tasks.append(running)
-            # Applied before serving, so the kubelet's first list is the real one.
-            first = await parts.scanner.scan()
-            if first is not None:
-                parts.dispatcher.apply(first)
-            if parts.kernel_log is not None:
-                # What the log said before we started counts from the first list on.
-                for event in settle(parts.kernel_log.backlog, self.state.current.kernel_log_seq):
-                    parts.dispatcher.apply(event)
+            # Applied before serving, so the kubelet's first list is the real one (the first scan, then
+            # what the kernel log said before we started).
+            for source in parts.sources:
+                if isinstance(source, FirstEvents):
+                    for event in await source.first_events(self.state.current):
+                        parts.dispatcher.apply(event)
             # Also when nothing changed: a file from an earlier boot is replaced by this boot's.
             self.state_file.save(saved(self.state.current))
-            if first is None or isinstance(first, NvmlFailed):
-                parts.scanner.request("NVML unavailable at start")
             # One server, socket and registration per resource name; which ones depends on the
             # GPUs found (MIG profiles), so they are made after the first scan.
-            await parts.fleet.start()
-            if parts.dra is not None:
-                await parts.dra.start()
+            for sink in parts.sinks:
+                await sink.open()
             report = parts.report
-            status = StatusServer(
-                self.config.status_listen,
-                {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
-                {"/heal": parts.healer.route},
-            )
             try:
                 await status.start()
             except OSError as err:
@@ -136,18 +124,19 @@ class Daemon:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if status is not None:
-                await status.stop()
-            # The MPS daemons quit and their GPUs' compute modes go back through NVML: before the scanner stops.
-            await parts.mps.close()
+            await status.stop()
+            # What needs a source to close (the MPS daemons' compute modes, through NVML) before the sources stop.
+            for sink in parts.sinks:
+                if sink.closes_before_sources:
+                    await sink.close()
             # The sources first, now that nothing reads the bus; then what they fed. The fleet's
             # rebinds and closes remove and make our sockets in the watched directory: nobody needs
             # those events.
             for source in reversed(parts.sources):
                 await source.stop()
+            # The status report last: it closes the PodResources client the others read through.
             for sink in parts.sinks:
                 await sink.close()
-            await parts.pods.close()
             log.info("nvplug stopped")
 
     async def _watchdog(self, interval: float) -> None:
@@ -194,8 +183,7 @@ class Daemon:
             log.error("reload refused, the config in force stays: %s", err)
             return
         self.state.set_xid_policy(policy)
-        parts.scanner.calls.set_limits(new.health.nvml_call_deadline_seconds, new.health.driver_hang_seconds)
-        before = parts.fleet.specs
+        before = parts.report.served()
         if releases:
             log.info(
                 "reload moves %d GPUs between the device plugin and DRA: %s", len(moving), ", ".join(sorted(moving))
@@ -205,7 +193,7 @@ class Daemon:
                 await commit(self.state.current)
             except Exception:  # one part's bug must not leave the others (and GPUs given up) half-way
                 log.exception("reload: a part failed to apply the new config; the others go on")
-        after = parts.fleet.specs
+        after = parts.report.served()
         if after != before:
             log.info("reloaded the config from %s; resources now: %s", source, [s.name for s in after])
         else:

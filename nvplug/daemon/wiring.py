@@ -39,22 +39,20 @@ from nvplug.sources.udev_monitor import UdevSource
 from nvplug.status.change_log import ChangeLog
 from nvplug.status.heal_route import Healer
 from nvplug.status.status_report import PODS_READER_WAIT, StatusReport
+from nvplug.status.status_server import StatusServer
 
 
 @dataclass(frozen=True)
 class Wiring:
+    """The parts, which the lifecycle reaches only through the protocols, and the daemon's own machinery:
+    the dispatcher (events in, snapshots out), the status report (the sd_notify line, a reload's checks)
+    and the status server (its routes)."""
+
     sources: tuple[Source, ...]
     sinks: tuple[Sink, ...]
     dispatcher: Dispatcher
-    scanner: Scanner
-    fleet: PluginFleet
     report: StatusReport
-    pods: PodView
-    dra: DraDriver | None
-    # None where nvplug.health.kernelLog is off.
-    kernel_log: KernelLogSource | None
-    healer: Healer
-    mps: MpsSupervisor
+    status: StatusServer
 
 
 def wire(
@@ -68,9 +66,9 @@ def wire(
 ) -> Wiring:
     """Every part, built from the options and the config, and joined to its neighbours.
 
-    The dispatcher comes first: each part that feeds events back is handed its `emit`. The lambdas
-    name parts made further down (the report): they are called only once the daemon runs, when every
-    part exists.
+    The dispatcher comes first: each part that feeds events back is handed its `emit`, and a part whose
+    notes changed outside a dispatch emits NotesChanged, which the status report (made further down,
+    since it reads the others) works for.
     """
     health = cfg.health
     # The command line's paths are the config's keys by now (Options.configured): each part reads its key.
@@ -97,12 +95,11 @@ def wire(
         CdiSettings.from_config,
         cfg,
         dispatcher.emit,
-        lambda: report.refresh(),  # a retry wrote the spec: its error is gone
     )
     # The claims' MPS groups are the supervisor's; their specs go beside the node's.
     spec_dir = cdi.publisher.settings.spec_dir
     dra = (
-        DraDriver(cfg, state_file.path.parent, lambda: report.refresh(), state_file.boot_id, mps, spec_dir)
+        DraDriver(cfg, state_file.path.parent, dispatcher.emit, state_file.boot_id, mps, spec_dir)
         if cfg.dra.enabled
         else None
     )
@@ -123,11 +120,11 @@ def wire(
         options.plugin_dir,
         FleetHooks(
             sent=dispatcher.sent,
-            delivered=lambda resource, devices: cdi.delivered(resource, devices.units),
+            delivered=cdi.delivered,
             retired=cdi.forget,
             allocated=allocated,
             own_sockets=lambda paths: kubelet_dir.set_own([*paths, *dra_sockets]),
-            changed=lambda: report.refresh(),
+            emit=dispatcher.emit,
             failed=request_stop,
         ),
     )
@@ -135,7 +132,7 @@ def wire(
     report = StatusReport(state, fleet, pods, dra, notifier.status, roots)
     dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
-    dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet)
+    dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet, report)
     healer = Healer(state, scanner, dispatcher.emit)
 
     async def holders_now() -> Mapping[str, list[Holder]] | None:
@@ -167,4 +164,9 @@ def wire(
         reprober,
         *((kernel_log,) if kernel_log is not None else ()),
     )
-    return Wiring(sources, sinks, dispatcher, scanner, fleet, report, pods, dra, kernel_log, healer, mps)
+    status = StatusServer(
+        cfg.status_listen,
+        {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
+        {"/heal": healer.route},
+    )
+    return Wiring(sources, sinks, dispatcher, report, status)

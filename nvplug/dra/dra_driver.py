@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.config import Config
-from nvplug.core.events import Event, PluginSocketRemoved, WatchedDirChanged
+from nvplug.core.events import Event, NotesChanged, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.snapshot import REVISED, Snapshot
 from nvplug.dra import claims, resource_health
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
@@ -32,7 +32,7 @@ from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
 from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
-from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.pods.pod_holders import ContainerDevices, Holder
 from nvplug.shaping.resource_plan import Naming
 
@@ -84,7 +84,7 @@ class DraDriver(Sink):
         self,
         cfg: Config,
         state_dir: Path | None,
-        on_change: Callable[[], None] = lambda: None,
+        emit: Emit | None = None,
         boot_id: str | None = None,
         mps: ClaimDaemons | None = None,
         spec_dir: Path | None = None,
@@ -103,8 +103,8 @@ class DraDriver(Sink):
             error = str(err)
             log.error("DRA: %s; no ResourceSlices are published and no claim can be prepared", err)
         self.client = client
-        self.publisher = SlicePublisher(client, self.driver, self.node, error, on_change)
-        self._on_change = on_change
+        self._emit = emit
+        self.publisher = SlicePublisher(client, self.driver, self.node, error, self._on_change)
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
         # Sharing and the claims' own specs; one claim at a time, since claims may share a device.
         self.setup = ClaimSetup(self.claims, ClaimSpecs(spec_dir), TimeSlicer(), mps)
@@ -128,7 +128,8 @@ class DraDriver(Sink):
         self._retry_now = asyncio.Event()
         self._closing = False
 
-    async def start(self) -> None:
+    async def open(self) -> None:
+        """Serve the DRA sockets, with the claims checkpointed before."""
         self.claims.load()
         self._started = True
         if self._snapshot is not None:
@@ -143,6 +144,11 @@ class DraDriver(Sink):
                 if not self.sockets.serving(path):
                     self._lose(path)
         self._task = asyncio.create_task(self.publisher.run(), name="dra slices")
+
+    def _on_change(self) -> None:
+        """A write or an error of DRA's changed its notes: the status report refreshes its line."""
+        if self._emit is not None:
+            self._emit(NotesChanged())
 
     async def work(self, event: Event) -> None:
         match event:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from nvplug.config import Config
 from nvplug.core.events import Event
@@ -51,6 +51,15 @@ class Source(Protocol):
     def start(self) -> asyncio.Task[None] | None: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class FirstEvents(Protocol):
+    """A source that knows something before the first list (the first scan, what the kernel log said before
+    we started). Once every source started, the daemon asks each that has it, in the wiring's order, with the
+    node as the earlier ones left it, and applies what it returns before serving."""
+
+    async def first_events(self, snapshot: Snapshot) -> Sequence[Event]: ...
 
 
 class Worker(Protocol):
@@ -113,6 +122,15 @@ class Sink(Protocol):
     before_list: bool = False
     # The event types it does work for (Worker): none by default.
     works: frozenset[type] = frozenset()
+    # Whether it closes before the sources stop, as well as with the other sinks after: what it closes needs a
+    # source still running (the MPS daemons' compute modes go back through the scanner's NVML).
+    closes_before_sources: bool = False
+
+    async def open(self) -> None:
+        """Once the sources run and the first scan is in the state: serve what it serves (the device
+        plugins' sockets, DRA's), in the wiring's order. Named apart from a Source's `start`, which a
+        part that is both (the re-prober) has too."""
+        return None  # noqa: RET501 (a body: a protocol's method without one is abstract)
 
     def wants(self, update: StateUpdate) -> bool:
         return self.reads is None or not self.reads.isdisjoint(update.changed)

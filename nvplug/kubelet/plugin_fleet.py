@@ -10,26 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
 from nvplug.config import Config, ConfigError
-from nvplug.core.events import Event, InventoryFound, KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged
+from nvplug.core.events import (
+    Event,
+    InventoryFound,
+    KubeletSocketCreated,
+    NotesChanged,
+    PluginSocketRemoved,
+    WatchedDirChanged,
+)
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.edges.edge_protocols import Commit, HealthVerdict, Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
-from nvplug.kubelet.device_plugin import (
-    MAX_MESSAGE,
-    PLUGIN_OPTIONS,
-    DevicePluginService,
-    list_size,
-    plugin_server,
-)
+from nvplug.kubelet.device_plugin import PLUGIN_OPTIONS, DevicePluginService, plugin_server
 from nvplug.kubelet.registrar import Registrar
+from nvplug.kubelet.resource_fit import allocation_policy, oversized, same_list, socket_name, unready_note
 from nvplug.shaping.resource_plan import Plan, Resource, ResourceSpec, plan
 
 log = logging.getLogger("nvplug")
@@ -41,13 +43,17 @@ REBIND_GRACE = 2.0
 REBIND_BACKOFF = Backoff(first=0.1, maximum=10.0, jitter=True)
 
 
+async def ignore(event: Event) -> None:
+    """No one to feed events back to (a fleet on its own)."""
+
+
 @dataclass(frozen=True)
 class FleetHooks:
     """What the fleet tells the rest of the daemon, and asks of it."""
 
     # A ListAndWatch message went out (resource, revision, whether a new stream's first), for the latency metrics.
     sent: Callable[[str, int, bool], None] = lambda resource, revision, first: None
-    # A list was delivered: the CDI entries of devices it no longer holds may go.
+    # A list was delivered (the resource's name, what it listed): the CDI entries of devices it no longer holds may go.
     delivered: Callable[[str, Resource], None] = lambda resource, devices: None
     # A resource stopped being served: what it last delivered holds no CDI entry any more.
     retired: Callable[[str], None] = lambda resource: None
@@ -55,8 +61,8 @@ class FleetHooks:
     allocated: Callable[[], None] = lambda: None
     # Our sockets changed (the kubelet-directory watch tells a wipe of ours from others' files).
     own_sockets: Callable[[list[Path]], None] = lambda paths: None
-    # A registration flipped, for the status line.
-    changed: Callable[[], None] = lambda: None
+    # How the fleet feeds events back: NotesChanged when a registration or a bind flipped, for the status line.
+    emit: Emit = ignore
     # A registrar failed (a bug): the daemon stops so that systemd restarts it.
     failed: Callable[[str], None] = lambda why: None
 
@@ -93,55 +99,6 @@ class ResourceView:
     registration_failures: int
 
 
-def allocation_policy(cfg: Config) -> AllocationPolicy:
-    """How Allocate names devices: NVIDIA's flags.plugin settings."""
-    plugin = cfg.flags.plugin
-    return AllocationPolicy(
-        list_strategies=tuple(plugin.device_list_strategy),
-        id_strategy=plugin.device_id_strategy,
-        pass_device_specs=plugin.pass_device_specs,
-        cdi_annotation_prefix=plugin.cdi_annotation_prefix,
-        packed=cfg.shared_policy == "packed",
-        mps_root=cfg.mps_root,
-        mps_client_limits=cfg.mps.client_limits,
-    )
-
-
-def oversized(specs: Iterable[ResourceSpec], snapshot: Snapshot) -> dict[str, str]:
-    """Resources whose ListAndWatch message would pass the kubelet's limit, with the count and size."""
-    out = {}
-    for spec in specs:
-        devices = spec.project(snapshot).devices
-        size = list_size(devices)
-        if size > MAX_MESSAGE:
-            out[spec.name] = (
-                f"{spec.name} would advertise {len(devices):,} devices in a {size:,}-byte ListAndWatch message, "
-                f"over the kubelet's {MAX_MESSAGE:,}-byte limit (fewer replicas, or fewer GPUs per resource)"
-            )
-    return out
-
-
-def socket_name(resource_name: str) -> str:
-    """nvidia.com/gpu -> nvplug-nvidia.com-gpu.sock"""
-    return "nvplug-" + resource_name.replace("/", "-") + ".sock"
-
-
-def unready_note(snap: Snapshot) -> list[str]:
-    """What the status line and /healthz say of devices Allocate could not hand out (nothing if none)."""
-    out = {**snap.unresolved, **snap.unready}
-    if not out:
-        return []
-    uuid, problem = next(iter(out.items()))
-    return [f"{len(out)} devices cannot be allocated: {uuid}: {problem}"]
-
-
-def _same_list(spec: ResourceSpec, other: ResourceSpec, snapshot: Snapshot) -> bool:
-    """Whether two specs advertise the same device IDs, and Allocate treats them alike."""
-    if spec.fail_requests_greater_than_one != other.fail_requests_greater_than_one:
-        return False
-    return [d.id for d in spec.project(snapshot).devices] == [d.id for d in other.project(snapshot).devices]
-
-
 class PluginFleet(Sink):
     """Every device-plugin endpoint, kept to the plan. Its lists follow the state by themselves
     (each ListAndWatch stream waits for a newer revision); as a sink it keeps Allocate's CDI names
@@ -160,6 +117,8 @@ class PluginFleet(Sink):
         # flags.nvidiaDevRoot: where Allocate's device specs point, for endpoints made now and later.
         self._dev_root = Path(cfg.flags.nvidia_dev_root)
         self._hooks = hooks
+        # The CDI spec's optional names as `update` was last handed them (none until the spec is written).
+        self._cdi_extra: tuple[str, ...] = ()
         self.endpoints: list[PluginEndpoint] = []
         self._lock = asyncio.Lock()
         # What the plan last said, so that each problem is logged once.
@@ -211,9 +170,9 @@ class PluginFleet(Sink):
         return found.served
 
     def policy(self, cfg: Config) -> AllocationPolicy:
-        return replace(allocation_policy(cfg), cdi_extra=self._state.current.cdi_extra)
+        return replace(allocation_policy(cfg), cdi_extra=self._cdi_extra)
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
         remove_leftover_listeners(self._plugin_dir)
         await self.apply(self.planned(self._cfg), self.policy(self._cfg))
@@ -228,7 +187,7 @@ class PluginFleet(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
-        extra = update.snapshot.cdi_extra
+        extra = self._cdi_extra = update.snapshot.cdi_extra
         for plugin in self.endpoints:
             service = plugin.service
             if service.policy.cdi_extra != extra:
@@ -385,7 +344,7 @@ class PluginFleet(Sink):
                     # again in the new directory, registered once kubelet.sock is there (now, or on its
                     # KubeletSocketCreated).
                     self._reconnect(plugin, registered_again=False)
-            self._hooks.changed()
+            self._notes_changed()
 
     async def socket_removed(self, path: Path) -> None:
         """One of our sockets vanished, as when the kubelet restarts."""
@@ -407,7 +366,7 @@ class PluginFleet(Sink):
             snap = self._state.current
             for plugin in self.endpoints:
                 spec = wanted.get(plugin.spec.name)
-                if spec is not None and (spec == plugin.spec or _same_list(spec, plugin.spec, snap)):
+                if spec is not None and (spec == plugin.spec or same_list(spec, plugin.spec, snap)):
                     if spec != plugin.spec:
                         log.info("%s: advertised devices unchanged, no re-registration", spec.name)
                         plugin.spec = spec
@@ -436,7 +395,7 @@ class PluginFleet(Sink):
             spec.name,
             server.socket_path.name,
             PLUGIN_OPTIONS,
-            on_change=hooks.changed,
+            on_change=self._notes_changed,
             listing=service,
         )
         return PluginEndpoint(spec, service, server, registrar)
@@ -462,6 +421,9 @@ class PluginFleet(Sink):
             await plugin.service.retire()
         await plugin.server.stop()
         self._hooks.retired(plugin.spec.name)
+
+    def _notes_changed(self) -> None:
+        self._hooks.emit(NotesChanged())
 
     def _registrar_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -494,7 +456,7 @@ class PluginFleet(Sink):
                 if str(err) != plugin.serve_error:
                     log.warning("%s: %s; retrying (next in %.2fs)", plugin.name, err, delay)
                 plugin.serve_error = str(err)
-                self._hooks.changed()
+                self._notes_changed()
                 await sleep_unless(plugin.retry_now, delay)
                 continue
             # Looked at, not told: a removal event that comes meanwhile may be of the socket our own

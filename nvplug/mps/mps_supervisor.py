@@ -44,6 +44,8 @@ class MpsCalls(ModeCalls, Protocol):
 
 class MpsSupervisor(Sink):
     name = "mps"
+    # The daemons quit and their GPUs' compute modes go back through NVML: before the scanner stops.
+    closes_before_sources = True
     # Groups follow the inventory and the config alone; before the CDI spec, which holds their directories.
     reads = frozenset({"gpus"})
     before_list = True

@@ -16,12 +16,14 @@ import asyncio
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 from nvplug.core.events import Event, KernelLogLost, KernelLogState
+from nvplug.core.kernel_log_backlog import settle
 from nvplug.core.kernel_log_records import RecordError, RecordSplitter, classify, parse_record
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,10 @@ class KernelLogSource:
     def fileno(self) -> int:
         """The open fd (-1 when closed); only for inspection, never read it."""
         return self._fd
+
+    async def first_events(self, snapshot: Snapshot) -> Sequence[Event]:
+        """What the log said before we started (FirstEvents): counted from the first list on."""
+        return settle(self.backlog, snapshot.kernel_log_seq)
 
     def start(self) -> None:
         if self._fd >= 0:

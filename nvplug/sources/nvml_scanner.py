@@ -21,6 +21,7 @@ from nvplug.core.device_nodes import host_path
 from nvplug.core.events import Event, InventoryFound, MigConfigChanged, NvmlFailed, PciChanged, ProbeResult
 from nvplug.core.health import Fault
 from nvplug.core.readiness import unready
+from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.nvml.nvml_calls import NvmlCalls
 from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
@@ -80,6 +81,13 @@ class Scanner:
                 self.request(f"udev {action} of {bus_id}")
             case _:
                 pass
+
+    async def first_events(self, snapshot: Snapshot) -> Sequence[Event]:
+        """The first scan (FirstEvents), applied before serving, so that the kubelet's first list is the real one."""
+        first = await self.scan()
+        if first is None or isinstance(first, NvmlFailed):
+            self.request("NVML unavailable at start")
+        return () if first is None else (first,)
 
     def request(self, why: str) -> None:
         """Rescan soon; requests that arrive during a scan fold into one more."""

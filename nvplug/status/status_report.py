@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from nvplug.core.events import Event
+from nvplug.core.events import Event, NotesChanged
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, StateUpdate
-from nvplug.kubelet.plugin_fleet import PluginFleet, unready_note
+from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.kubelet.podresources_client import PodView
+from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
+from nvplug.shaping.resource_plan import ResourceSpec
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
@@ -34,6 +36,8 @@ class StatusReport(Sink):
     """The status line as a sink (sent to systemd when it changes), and the status routes."""
 
     name = "status line"
+    # A part's notes changed outside a dispatch (a retry, a registration, DRA's slices).
+    works = frozenset({NotesChanged})
 
     def __init__(
         self,
@@ -65,6 +69,9 @@ class StatusReport(Sink):
             self.refresh()
         return ()
 
+    async def work(self, event: Event) -> None:
+        self.refresh()
+
     def refresh(self) -> None:
         line = self.line()
         if line != self._said:
@@ -76,6 +83,14 @@ class StatusReport(Sink):
         parts = [*self._fleet.registrations(), *node_notes(self._state.current), *self._fleet.notes()]
         parts += [note for sink in self.sinks if sink is not self._fleet for note in sink.notes()]
         return "; ".join(parts)
+
+    def served(self) -> list[ResourceSpec]:
+        """What the device plugins serve now, for a reload's log line."""
+        return self._fleet.specs
+
+    async def close(self) -> None:
+        """The last sink: nothing asks the kubelet's PodResources after it."""
+        await self._pods.close()
 
     def holders(self) -> dict[str, list[Holder]] | None:
         """Who holds each device (GPU or MIG UUID): the device plugin's from the last PodResources answer,

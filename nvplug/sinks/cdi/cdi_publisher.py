@@ -33,11 +33,12 @@ from nvplug.cdi.cdi_spec import (
 )
 from nvplug.config import DEFAULT_CDI_RUNTIME_DIRS, Config, off_or_path
 from nvplug.config.selectors import DeviceFilter
-from nvplug.core.events import CdiChecked, Event
+from nvplug.core.events import CdiChecked, Event, NotesChanged
 from nvplug.core.gpu import uuid_of
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, client_limits
+from nvplug.shaping.resource_plan import Resource
 from nvplug.sinks.cdi import driver_files as driverfiles
 from nvplug.sinks.cdi.cdi_files import SpecWriter, conflicts, read_specs
 
@@ -277,13 +278,11 @@ class CdiSink(Sink):
         settings: Callable[[Config], CdiSettings],
         cfg: Config,
         feed: Emit,
-        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._settings = settings
         self.publisher = SpecPublisher(settings(cfg))
         # Applies an event at once, as the dispatcher does with what `update` returns.
         self._feed = feed
-        self._on_change = on_change
         self._snapshot: Snapshot | None = None
         # The optional names as last fed back: the snapshot kept for a retry may be older than that.
         self._extra: tuple[str, ...] = ()
@@ -295,9 +294,9 @@ class CdiSink(Sink):
             return ()
         return self._publish(update.snapshot)
 
-    def delivered(self, resource: str, units: Iterable[Unit]) -> None:
+    def delivered(self, resource: str, devices: Resource) -> None:
         """A list went out: entries of devices it no longer holds may leave the spec now."""
-        if self.publisher.delivered(resource, units):
+        if self.publisher.delivered(resource, devices.units):
             self._republish()
 
     def forget(self, resource: str) -> None:
@@ -359,4 +358,4 @@ class CdiSink(Sink):
     def _retry_due(self) -> None:
         self._retry = None
         self._republish()
-        self._on_change()
+        self._feed(NotesChanged())  # its error is gone: the status line says so
