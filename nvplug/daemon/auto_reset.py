@@ -165,9 +165,11 @@ class AutoReset(Sink):
         argv = self._cfg.validate_command
         env = dict(os.environ)
         env.update(
-            CUDA_VISIBLE_DEVICES=gpu.uuid, NVIDIA_VISIBLE_DEVICES=gpu.uuid, NVPLUG_GPU_UUID=gpu.uuid,
+            CUDA_VISIBLE_DEVICES=gpu.uuid,
+            NVIDIA_VISIBLE_DEVICES=gpu.uuid,
+            NVPLUG_GPU_UUID=gpu.uuid,
             NVPLUG_GPU_BUS_ID=gpu.bus_id,
-        )  # fmt: skip
+        )
         try:
             ran = await run_child(argv, self._cfg.validate_timeout_seconds, env)
         except OSError as err:

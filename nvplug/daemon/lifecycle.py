@@ -71,8 +71,9 @@ class Daemon:
         opts = self.options
         opts.plugin_dir.mkdir(parents=True, exist_ok=True)
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
-        parts = self._wiring = wire(opts, self.config, self.state, self.state_file, bus, self.notifier,
-                                    self.request_stop)  # fmt: skip
+        parts = self._wiring = wire(
+            opts, self.config, self.state, self.state_file, bus, self.notifier, self.request_stop
+        )
         tasks: list[asyncio.Task[None]] = []
         status = parts.status
         try:
@@ -166,9 +167,11 @@ class Daemon:
             new = self.options.configured(config.load(self.options.config_path))
             changed = new.dra.needs_restart(self.config.dra)
             if changed:
-                raise config.ConfigError(f"{new.source}: nvplug.dra.{', nvplug.dra.'.join(changed)} changed; beyond "
-                                         "devices, extendedResources and taintEffect that takes "
-                                         "`systemctl restart nvplug`")  # fmt: skip
+                raise config.ConfigError(
+                    f"{new.source}: nvplug.dra.{', nvplug.dra.'.join(changed)} changed; beyond "
+                    "devices, extendedResources and taintEffect that takes "
+                    "`systemctl restart nvplug`"
+                )
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
             for sink in parts.sinks:
                 await sink.admit(new)
@@ -210,8 +213,10 @@ def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]],
         held = [h for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)) for h in holders.get(uuid, ())]
         if held:
             who = ", ".join(sorted({h.text for h in held}))
-            raise config.ConfigError(f"the reload would move {gpu.label} between the device plugin and DRA while "
-                                     f"{who} holds it; drain it first")  # fmt: skip
+            raise config.ConfigError(
+                f"the reload would move {gpu.label} between the device plugin and DRA while "
+                f"{who} holds it; drain it first"
+            )
 
 
 async def serve(options: Options) -> None:

@@ -84,8 +84,10 @@ class KubeConfig:
         cluster = named("clusters", context.get("cluster"))
         user = named("users", context.get("user")) if context.get("user") else {}
         if "exec" in user or "auth-provider" in user:
-            raise KubeConfigError(f"{path}: users: exec and auth-provider credentials are not supported; "
-                                  "use a token, a token file or a client certificate")  # fmt: skip
+            raise KubeConfigError(
+                f"{path}: users: exec and auth-provider credentials are not supported; "
+                "use a token, a token file or a client certificate"
+            )
         server = cluster.get("server")
         if not isinstance(server, str) or urlsplit(server).scheme not in ("http", "https"):
             raise KubeConfigError(f"{path}: clusters: server must be an http(s) URL, not {server!r}")

@@ -153,9 +153,11 @@ class ClaimSetup:
                 continue
             theirs = claim_group(other.mps_group, other.shared(MPS), units, str(other.claim))
             if theirs.settings != group.settings:
-                raise ClaimError(f"{ref}: its MPS devices and limits differ from those of {other.claim}, whose MPS "
-                                 f"group {other.mps_group} serves {', '.join(theirs.uuids)} already: a device "
-                                 "takes one control daemon")  # fmt: skip
+                raise ClaimError(
+                    f"{ref}: its MPS devices and limits differ from those of {other.claim}, whose MPS "
+                    f"group {other.mps_group} serves {', '.join(theirs.uuids)} already: a device "
+                    "takes one control daemon"
+                )
             return theirs, True
         return group, False
 
@@ -165,8 +167,10 @@ class ClaimSetup:
         edits = mps_edits(self.daemons.root, group.name)
         mps = {d.device for d in prepared.shared(MPS)}
         written = self.specs.write(prepared.claim.uid, {d: edits for d in mps})
-        devices = tuple(replace(d, cdi_ids=(*d.cdi_ids, written.names[d.device])) if d.device in mps else d
-                        for d in prepared.devices)  # fmt: skip
+        devices = tuple(
+            replace(d, cdi_ids=(*d.cdi_ids, written.names[d.device])) if d.device in mps else d
+            for d in prepared.devices
+        )
         return replace(prepared, devices=devices, mps_group=group.name, cdi_spec=str(written.path))
 
     async def _stop_group(self, name: str) -> None:
@@ -216,8 +220,9 @@ def _check_shares(prepared: PreparedClaim, others: Sequence[PreparedClaim]) -> N
             for theirs in (d for d in other.devices if d.uuid == device.uuid):
                 why = _clash(device, theirs)
                 if why is not None:
-                    raise ClaimError(f"{prepared.claim}: device {device.device} ({device.uuid}): {why} by "
-                                     f"{other.claim}")  # fmt: skip
+                    raise ClaimError(
+                        f"{prepared.claim}: device {device.device} ({device.uuid}): {why} by {other.claim}"
+                    )
 
 
 def _clash(mine: PreparedDevice, theirs: PreparedDevice) -> str | None:
@@ -246,8 +251,10 @@ def claim_group(
     limits of their mpsConfig. Raises ClaimError."""
     configs = [d.sharing.mps for d in devices if d.sharing is not None]
     if any(c != configs[0] for c in configs):
-        raise ClaimError(f"{who}: its MPS devices have different mpsConfigs; a container talks to one control "
-                         "daemon, so one claim takes one")  # fmt: skip
+        raise ClaimError(
+            f"{who}: its MPS devices have different mpsConfigs; a container talks to one control "
+            "daemon, so one claim takes one"
+        )
     mps = (configs[0] if configs else None) or ClaimMps()
     missing = [d.uuid for d in devices if d.uuid not in units]
     if missing:
@@ -257,8 +264,10 @@ def claim_group(
     per_device = dict(mps.per_device_mib or {})
     unknown = [k for k in per_device if k not in uuids and not (k.isdigit() and int(k) < len(uuids))]
     if unknown:
-        raise ClaimError(f"{who}: mpsConfig.defaultPerDevicePinnedMemoryLimit names {unknown[0]!r}, neither the "
-                         f"index nor the UUID of one of its MPS devices ({', '.join(uuids)})")  # fmt: skip
+        raise ClaimError(
+            f"{who}: mpsConfig.defaultPerDevicePinnedMemoryLimit names {unknown[0]!r}, neither the "
+            f"index nor the UUID of one of its MPS devices ({', '.join(uuids)})"
+        )
     pinned = tuple(per_device.get(uuid, per_device.get(str(n), mps.pinned_memory_mib)) for n, uuid in enumerate(uuids))
     percentage = mps.active_thread_percentage if mps.active_thread_percentage is not None else 100
     return MpsGroup(name, who, members, percentage, pinned)

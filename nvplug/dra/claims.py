@@ -127,13 +127,17 @@ def _check_config(ref: ClaimRef, device: DraDevice, configs: list[Any], request:
     want = opaque_config.MIG_CONFIG if device.mig is not None else opaque_config.GPU_CONFIG
     if found.kind != want:
         what = "MIG device" if device.mig is not None else "GPU"
-        raise ClaimError(f"{ref}: request {request}: {found.where}: a {found.kind} cannot configure "
-                         f"{device.name}, a {what} (use {want})")  # fmt: skip
+        raise ClaimError(
+            f"{ref}: request {request}: {found.where}: a {found.kind} cannot configure "
+            f"{device.name}, a {what} (use {want})"
+        )
     sharing = found.sharing
     cc = device.gpu.compute_capability
     if sharing is not None and sharing.strategy == "MPS" and cc is not None and cc < (7, 0):
-        raise ClaimError(f"{ref}: request {request}: {found.where}: MPS needs a Volta or newer GPU; "
-                         f"{device.name} is compute capability {cc[0]}.{cc[1]}")  # fmt: skip
+        raise ClaimError(
+            f"{ref}: request {request}: {found.where}: MPS needs a Volta or newer GPU; "
+            f"{device.name} is compute capability {cc[0]}.{cc[1]}"
+        )
     return sharing
 
 
@@ -178,8 +182,12 @@ class ClaimStore:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             aside = self.path.with_name(self.path.name + ".bad")
             why = err.reason if isinstance(err, CheckpointError) else err  # the path is in the line already
-            log.error("%s: unreadable DRA checkpoint (%s); kept as %s, starting with no prepared claims",
-                      self.path, why, aside)  # fmt: skip
+            log.error(
+                "%s: unreadable DRA checkpoint (%s); kept as %s, starting with no prepared claims",
+                self.path,
+                why,
+                aside,
+            )
             self.path.replace(aside)
             return
         self._claims = {c.claim.uid: c for c in claims}
@@ -244,8 +252,9 @@ def _claim_from(item: Mapping[str, Any]) -> PreparedClaim:
 
 def _device_from(d: Mapping[str, Any]) -> PreparedDevice:
     requests, cdi_ids = tuple(map(str, d["requests"])), tuple(map(str, d["cdi_ids"]))
-    return PreparedDevice(requests, str(d["pool"]), str(d["device"]), str(d["uuid"]), cdi_ids,
-                          _sharing_from(d.get("sharing")))  # fmt: skip
+    return PreparedDevice(
+        requests, str(d["pool"]), str(d["device"]), str(d["uuid"]), cdi_ids, _sharing_from(d.get("sharing"))
+    )
 
 
 def _sharing_from(d: Mapping[str, Any] | None) -> ClaimSharing | None:
@@ -256,6 +265,9 @@ def _sharing_from(d: Mapping[str, Any] | None) -> ClaimSharing | None:
     limits = None
     if mps is not None:
         per_device = mps.get("per_device_mib")
-        limits = ClaimMps(mps.get("active_thread_percentage"), mps.get("pinned_memory_mib"),
-                          None if per_device is None else {str(k): int(v) for k, v in per_device.items()})  # fmt: skip
+        limits = ClaimMps(
+            mps.get("active_thread_percentage"),
+            mps.get("pinned_memory_mib"),
+            None if per_device is None else {str(k): int(v) for k, v in per_device.items()},
+        )
     return ClaimSharing(d["strategy"], str(d.get("interval", "Default")), limits)

@@ -110,8 +110,13 @@ def semver(text: str | None) -> str | None:
 def _common(snapshot: Snapshot, gpu: Gpu) -> dict[str, Value]:
     """What a GPU and its MIG devices share: the model, the driver, the PCI address."""
     out: dict[str, Value] = {}
-    strings = (("productName", gpu.name), ("brand", gpu.brand), ("architecture", gpu.architecture),
-               ("pcieBusID", gpu.bus_id), (PCI_BUS_ID, gpu.bus_id))  # fmt: skip
+    strings = (
+        ("productName", gpu.name),
+        ("brand", gpu.brand),
+        ("architecture", gpu.architecture),
+        ("pcieBusID", gpu.bus_id),
+        (PCI_BUS_ID, gpu.bus_id),
+    )
     for key, text in strings:
         if text:
             out[key] = ("string", text[:MAX_STRING])

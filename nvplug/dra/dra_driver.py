@@ -113,9 +113,16 @@ class DraDriver(Sink):
         self._snapshot: Snapshot | None = None
         self._started = False
         self.health = HealthStream(self.node)
-        self.sockets = DraSockets(self.driver, Path(dra.registry_dir), Path(dra.plugins_dir), self.prepare_claim,
-                                  self.unprepare_claim, self._registered, self.health.handlers(),
-                                  resource_health.SERVICES)  # fmt: skip
+        self.sockets = DraSockets(
+            self.driver,
+            Path(dra.registry_dir),
+            Path(dra.plugins_dir),
+            self.prepare_claim,
+            self.unprepare_claim,
+            self._registered,
+            self.health.handlers(),
+            resource_health.SERVICES,
+        )
         self.registered = False
         self.registration_error: str | None = None
         self.devices: list[DraDevice] = []
@@ -243,9 +250,13 @@ class DraDriver(Sink):
             self.offer(snapshot)
             gone = before - {d.uuid for d in self.devices}
             if gone and not await self.publisher.held(RELEASE_SECONDS):
-                log.warning("%s: the API server does not hold the pool without %s yet (%s); the device plugin "
-                            "may offer them meanwhile, and prepare refuses them", self.driver, ", ".join(sorted(gone)),
-                            self.publisher.error or "no answer")  # fmt: skip
+                log.warning(
+                    "%s: the API server does not hold the pool without %s yet (%s); the device plugin "
+                    "may offer them meanwhile, and prepare refuses them",
+                    self.driver,
+                    ", ".join(sorted(gone)),
+                    self.publisher.error or "no answer",
+                )
 
         return commit
 
@@ -343,8 +354,14 @@ class DraDriver(Sink):
         """Each GPU's devices in the pool (itself, or its MIG devices) and the claims prepared with them."""
         out: dict[str, list[dict[str, object]]] = {}
         for d in self.devices:
-            entry = {"driver": self.driver, "device": d.name, "uuid": d.uuid, "healthy": d.healthy,
-                     "claims": self._held(d), "taints": self.publisher.shown_taints(d)}  # fmt: skip
+            entry = {
+                "driver": self.driver,
+                "device": d.name,
+                "uuid": d.uuid,
+                "healthy": d.healthy,
+                "claims": self._held(d),
+                "taints": self.publisher.shown_taints(d),
+            }
             out.setdefault(d.gpu.uuid, []).append(entry)
         return out
 

@@ -23,9 +23,20 @@ MIG_CONFIG = "MigDeviceConfig"
 INTERVALS = ("Default", "Short", "Medium", "Long")
 # Kubernetes' quantity suffixes, as bytes.
 _SUFFIXES = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 _QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 
 Strategy = Literal["TimeSlicing", "MPS"]
@@ -95,8 +106,10 @@ def _sharing(raw: Any, kind: str, where: str) -> ClaimSharing:
         _known(sliced, ("interval",), f"{where}.timeSlicingConfig")
         interval = sliced.get("interval", "Default")
         if interval not in INTERVALS:
-            raise OpaqueConfigError(f"{where}.timeSlicingConfig.interval: unknown time-slice interval: {interval!r} "
-                              f"({', '.join(INTERVALS)})")  # fmt: skip
+            raise OpaqueConfigError(
+                f"{where}.timeSlicingConfig.interval: unknown time-slice interval: {interval!r} "
+                f"({', '.join(INTERVALS)})"
+            )
         return ClaimSharing("TimeSlicing", str(interval))
     if doc.get("timeSlicingConfig") is not None:
         raise OpaqueConfigError(f"{where}: cannot use timeSlicingConfig with the MPS strategy")

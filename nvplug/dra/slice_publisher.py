@@ -266,8 +266,11 @@ class SlicePublisher:
         self.published_at = time.time()
         log.info(
             "ResourceSlices of %s: %d devices in %s (pool generation %d)",
-            self.node, len(wanted), ", ".join(self.slice_names), self.generation,
-        )  # fmt: skip
+            self.node,
+            len(wanted),
+            ", ".join(self.slice_names),
+            self.generation,
+        )
 
     async def _write(
         self,
@@ -303,8 +306,10 @@ class SlicePublisher:
                 self._listed.clear()
                 continue
             selector = quote(f"spec.nodeName={self.node},spec.driver={self.driver}")
-            path = (f"/apis/{GROUP}/{version}/resourceslices?watch=true&allowWatchBookmarks=true"
-                    f"&fieldSelector={selector}&resourceVersion={since}&timeoutSeconds={WATCH_SECONDS}")  # fmt: skip
+            path = (
+                f"/apis/{GROUP}/{version}/resourceslices?watch=true&allowWatchBookmarks=true"
+                f"&fieldSelector={selector}&resourceVersion={since}&timeoutSeconds={WATCH_SECONDS}"
+            )
             try:
                 self.watching = True
                 async for event in client.watch(path):
@@ -352,8 +357,9 @@ class SlicePublisher:
         if ours:
             return True
         what = f"{str(kind).lower()} {name}"
-        log.warning("ResourceSlice %s of %s was %s by someone else; writing the pool again", name, self.node,
-                    str(kind).lower())  # fmt: skip
+        log.warning(
+            "ResourceSlice %s of %s was %s by someone else; writing the pool again", name, self.node, str(kind).lower()
+        )
         self.foreign_change = {"at": time.time(), "what": what}
         self._relist()
         return True
@@ -362,11 +368,17 @@ class SlicePublisher:
         """Said once a change: whether an Unhealthy device stays in the pool tainted, or leaves it."""
         if keeps and self._said_taints is not True:
             but = "" if effect_none else " (it takes no effect None: those taints are left out)"
-            log.info("the API server keeps device taints: an Unhealthy device of %s stays in its slice, tainted%s",
-                     self.node, but)  # fmt: skip
+            log.info(
+                "the API server keeps device taints: an Unhealthy device of %s stays in its slice, tainted%s",
+                self.node,
+                but,
+            )
         elif not keeps and self._said_taints is not False:
-            log.warning("the API server drops device taints (DRADeviceTaints is off, or Kubernetes is older than "
-                        "1.33): an Unhealthy device of %s leaves the pool instead", self.node)  # fmt: skip
+            log.warning(
+                "the API server drops device taints (DRADeviceTaints is off, or Kubernetes is older than "
+                "1.33): an Unhealthy device of %s leaves the pool instead",
+                self.node,
+            )
         self.taints = keeps
         self._effect_none = effect_none
         self._said_taints = keeps

@@ -37,8 +37,9 @@ class TimeSlicer:
         number = INTERVAL_NUMBERS[interval]
         command = shutil.which(self.nvidia_smi)
         if command is None:
-            raise TimeSliceError(f"GPU {uuid}: cannot set the time-slice interval {interval}: "
-                                 f"{self.nvidia_smi} is not on PATH")  # fmt: skip
+            raise TimeSliceError(
+                f"GPU {uuid}: cannot set the time-slice interval {interval}: {self.nvidia_smi} is not on PATH"
+            )
         args = ("compute-policy", "-i", uuid, "--set-timeslice", str(number))
         what = f"nvidia-smi {' '.join(args)}"
         try:

@@ -165,8 +165,10 @@ def _mps_view(
     groups = {g.name: g for d in devices if (g := resource.group_of(d)) is not None}
     if len(groups) != 1:
         named = ", ".join(sorted(groups)) or "none"
-        raise AllocationError(f"{resource.name}: the devices belong to {len(groups)} MPS groups ({named}); a "
-                              "container can talk to one MPS control daemon only")  # fmt: skip
+        raise AllocationError(
+            f"{resource.name}: the devices belong to {len(groups)} MPS groups ({named}); a "
+            "container can talk to one MPS control daemon only"
+        )
     group = next(iter(groups.values()))
     env, mounts = container_view(group.pipe_dir(policy.mps_root), policy.mps_root)
     if policy.mps_client_limits:

@@ -93,8 +93,10 @@ def _entries(pods: Iterable[pb.PodResources]) -> tuple[ContainerDevices, ...]:
     out: list[ContainerDevices] = []
     for pod in pods:
         for c in pod.containers:
-            out += [ContainerDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
-                    for d in c.devices]  # fmt: skip
+            out += [
+                ContainerDevices(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
+                for d in c.devices
+            ]
             for dynamic in c.dynamic_resources:
                 claim = dynamic.claim_name
                 for r in dynamic.claim_resources:

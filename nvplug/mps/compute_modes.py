@@ -69,8 +69,10 @@ class ComputeModes:
                 failing = await self._written()
                 if failing is not None:
                     self._apply(ComputeModeRecorded(gpu.uuid, None))
-                    raise ComputeModeError(f"{gpu.label}: its compute mode is not changed, since the change could "
-                                           f"not be undone after a crash: {failing}")  # fmt: skip
+                    raise ComputeModeError(
+                        f"{gpu.label}: its compute mode is not changed, since the change could "
+                        f"not be undone after a crash: {failing}"
+                    )
             await self._call(gpu, "set", self._nvml.set_compute_mode(gpu.uuid, EXCLUSIVE_PROCESS))
             log.info("%s: compute mode %s -> EXCLUSIVE_PROCESS for %s", gpu.label, mode_name(mode), group.describe())
 

@@ -50,8 +50,9 @@ class ControlClient:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await talk
-            raise MpsControlError(f"MPS group {self.group}: the control daemon did not answer {what!r} "
-                                  f"within {timeout:g} s")  # fmt: skip
+            raise MpsControlError(
+                f"MPS group {self.group}: the control daemon did not answer {what!r} within {timeout:g} s"
+            )
         out, said_err = talk.result()
         lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
         problem = _refusal(lines) or (said_err.decode(errors="replace").strip() if proc.returncode else "")

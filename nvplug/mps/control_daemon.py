@@ -188,8 +188,13 @@ class ControlDaemon:
         await self._check_answer()
         self.up_since = time.time()
         self.last_error = None
-        log.info("%s: control daemon pid %d up, %d%% of the SMs per client%s", group.describe(), self._proc.pid,
-                 group.thread_percentage, _pinned_text(group))  # fmt: skip
+        log.info(
+            "%s: control daemon pid %d up, %d%% of the SMs per client%s",
+            group.describe(),
+            self._proc.pid,
+            group.thread_percentage,
+            _pinned_text(group),
+        )
         self._report(True, "its MPS control daemon answers, its defaults set")
 
     async def _first_answer(self) -> None:
@@ -215,13 +220,17 @@ class ControlDaemon:
             value = float(lines[0])
             servers = tuple(int(line) for line in lines[1:])
         except (IndexError, ValueError):
-            raise MpsControlError(f"MPS group {self.group.name}: get_default_active_thread_percentage and "
-                                  f"get_server_list answered {lines!r}") from None  # fmt: skip
+            raise MpsControlError(
+                f"MPS group {self.group.name}: get_default_active_thread_percentage and "
+                f"get_server_list answered {lines!r}"
+            ) from None
         clients = await self.client.send([f"get_client_list {pid}" for pid in servers]) if servers else []
         self.servers, self.clients, self.probed_at = servers, len(clients), time.time()
         if round(value) != self.group.thread_percentage:
-            raise MpsControlError(f"MPS group {self.group.name}: the daemon runs with {value:g}% of the SMs per "
-                                  f"client, not {self.group.thread_percentage}%")  # fmt: skip
+            raise MpsControlError(
+                f"MPS group {self.group.name}: the daemon runs with {value:g}% of the SMs per "
+                f"client, not {self.group.thread_percentage}%"
+            )
 
     async def _watch(self) -> str:
         """Until the daemon exits or fails a probe: why it is down."""
@@ -254,8 +263,9 @@ class ControlDaemon:
                 await self.client.send(["quit"])
             done, _ = await asyncio.wait({asyncio.ensure_future(proc.wait())}, timeout=QUIT_SECONDS)
             if not done:
-                log.warning("%s: the control daemon did not quit within %g s: killed", self.group.describe(),
-                            QUIT_SECONDS)  # fmt: skip
+                log.warning(
+                    "%s: the control daemon did not quit within %g s: killed", self.group.describe(), QUIT_SECONDS
+                )
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # its servers too
@@ -286,8 +296,17 @@ class ControlDaemon:
 
     def _report(self, ready: bool, reason: str) -> None:
         group = self.group
-        event = MpsGroupChanged(group.name, group.resource, group.uuids, ready, reason, self.pid, self.restarts,
-                                group.thread_percentage, group.pinned_mib)  # fmt: skip
+        event = MpsGroupChanged(
+            group.name,
+            group.resource,
+            group.uuids,
+            ready,
+            reason,
+            self.pid,
+            self.restarts,
+            group.thread_percentage,
+            group.pinned_mib,
+        )
         self._hooks.publish(event)
 
 

@@ -118,8 +118,10 @@ class MpsSupervisor(Sink):
 
     async def admit(self, cfg: Config) -> None:
         if cfg.mps_root != self._cfg.mps_root and (self._daemons or self._retiring):
-            raise ConfigError(f"{cfg.source}: nvplug.mps.root changed while MPS daemons run under "
-                              f"{self._cfg.mps_root}; that takes `systemctl restart nvplug`")  # fmt: skip
+            raise ConfigError(
+                f"{cfg.source}: nvplug.mps.root changed while MPS daemons run under "
+                f"{self._cfg.mps_root}; that takes `systemctl restart nvplug`"
+            )
         if cfg.mps.restart_with_clients:
             return
         wanted = mps_groups(cfg, self._state.current) | self._claimed
@@ -131,8 +133,10 @@ class MpsSupervisor(Sink):
                 try:
                     clients = await self._calls.mps_clients(gpu.uuid)
                 except NvmlUnavailable as err:
-                    raise ConfigError(f"{cfg.source}: {daemon.group.describe()} would restart, and whether "
-                                      f"{gpu.label} has MPS clients cannot be told: {err}") from err  # fmt: skip
+                    raise ConfigError(
+                        f"{cfg.source}: {daemon.group.describe()} would restart, and whether "
+                        f"{gpu.label} has MPS clients cannot be told: {err}"
+                    ) from err
                 if clients:
                     raise ConfigError(
                         f"{cfg.source}: {daemon.group.describe()} would restart, cutting off the MPS clients "
@@ -266,6 +270,14 @@ class MpsSupervisor(Sink):
 
 
 def _restarting(group: MpsGroup, restarts: int) -> MpsGroupChanged:
-    return MpsGroupChanged(group.name, group.resource, group.uuids, False,
-                           "its MPS control daemon restarts for a new config", None, restarts,
-                           group.thread_percentage, group.pinned_mib)  # fmt: skip
+    return MpsGroupChanged(
+        group.name,
+        group.resource,
+        group.uuids,
+        False,
+        "its MPS control daemon restarts for a new config",
+        None,
+        restarts,
+        group.thread_percentage,
+        group.pinned_mib,
+    )

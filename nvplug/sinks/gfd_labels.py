@@ -26,8 +26,17 @@ LABEL_READS = frozenset({"gpus", "driver_version", "cuda_version"})
 # PCI class codes of NVIDIA GPUs in sysfs: a VGA controller drives displays, a 3D controller computes.
 PCI_CLASS_MODES = {0x030000: "graphics", 0x030200: "compute"}
 # GFD's architecture names by compute capability major (7 and 8 split by minor).
-FAMILIES = {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper", 10: "blackwell",
-            12: "blackwell", 13: "rubin"}  # fmt: skip
+FAMILIES = {
+    1: "tesla",
+    2: "fermi",
+    3: "kepler",
+    5: "maxwell",
+    6: "pascal",
+    9: "hopper",
+    10: "blackwell",
+    12: "blackwell",
+    13: "rubin",
+}
 MAX_VALUE = 63
 _NOT_IN_PRODUCT = re.compile(r"[^A-Za-z0-9\-_. ]")
 _NOT_IN_VALUE = re.compile(r"[^A-Za-z0-9\-_.]")
@@ -107,8 +116,12 @@ def _single(gpus: Sequence[Gpu], cfg: Config) -> dict[str, str]:
     profiles = {m.profile for _, m in migs}
     if len(on) != len(gpus) or len(profiles) != 1 or any(not g.mig for g in on):
         product = f"{_product(on[0].name)}-MIG-INVALID"
-        return {f"{PREFIX}gpu.product": product, f"{PREFIX}gpu.count": "0", f"{PREFIX}gpu.replicas": "0",
-                f"{PREFIX}gpu.memory": "0"}  # fmt: skip
+        return {
+            f"{PREFIX}gpu.product": product,
+            f"{PREFIX}gpu.count": "0",
+            f"{PREFIX}gpu.replicas": "0",
+            f"{PREFIX}gpu.memory": "0",
+        }
     parent, mig = migs[0]
     entry = _sharing(cfg, Naming.from_config(cfg).name(parent, mig) or GPU_RESOURCE)
     labels = _base("gpu", f"{_product(parent.name)}-MIG-{mig.profile}", len(migs), entry, sharing_on=True)

@@ -318,18 +318,20 @@ class _DraCollector(Collector):
         )
         published.add_metric(driver, 1.0 if doc["published"] and not doc["error"] else 0.0)
         tainted = GaugeMetricFamily(
-            "nvplug_dra_device_tainted", "1 for each taint nvplug keeps on a device in its slice",
+            "nvplug_dra_device_tainted",
+            "1 for each taint nvplug keeps on a device in its slice",
             labels=["driver", "device", "taint"],
-        )  # fmt: skip
+        )
         for device, taints in sorted((doc.get("tainted") or {}).items()):
             for taint in taints:
                 tainted.add_metric([*driver, device, taint], 1.0)
         yield from (claims, pool, registered, published, tainted)
         if doc.get("taints_kept") is not None:
             kept = GaugeMetricFamily(
-                "nvplug_dra_taints_kept", "1 when the API server keeps device taints, 0 when it drops them",
+                "nvplug_dra_taints_kept",
+                "1 when the API server keeps device taints, 0 when it drops them",
                 labels=["driver"],
-            )  # fmt: skip
+            )
             kept.add_metric(driver, 1.0 if doc["taints_kept"] else 0.0)
             yield kept
 

@@ -106,7 +106,8 @@ def conflicts(files: Sequence[SpecFile], ours: Sequence[Path], kinds: Iterable[s
         both = sorted(set(f.names) & mine.get(f.kind, set()))
         clash = f"defines {len(both)} of the same names ({', '.join(both[:3])}{', ...' if len(both) > 3 else ''})"
         problems.append(
-            f"{f.path} also defines CDI kind {f.kind}" + (f" and {clash}" if both else "")
+            f"{f.path} also defines CDI kind {f.kind}"
+            + (f" and {clash}" if both else "")
             + "; remove it, or leave the kind to one generator"
-        )  # fmt: skip
+        )
     return problems

@@ -75,8 +75,15 @@ class CdiSettings:
         # As NVIDIA's plugin: files are read through containerDriverRoot where this process has it.
         container_root = Path(plugin.container_driver_root)
         read_root = container_root if container_root.is_dir() else Path(flags.nvidia_driver_root)
-        optional = tuple(c for c, on in (("gds", flags.gds_enabled), ("mofed", flags.mofed_enabled),
-                                         ("gdrcopy", flags.gdrcopy_enabled)) if on)  # fmt: skip
+        optional = tuple(
+            c
+            for c, on in (
+                ("gds", flags.gds_enabled),
+                ("mofed", flags.mofed_enabled),
+                ("gdrcopy", flags.gdrcopy_enabled),
+            )
+            if on
+        )
         return cls(
             directory,
             plugin.device_id_strategy,
