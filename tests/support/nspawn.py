@@ -86,6 +86,8 @@ CONTAINER_ENV = {
     "SYSTEMD_COLORS": "0",
 }
 _RUN_PREFIX = "run-"
+_CGROUP_FS = Path("/sys/fs/cgroup")
+_CGROUP_PREFIX = "nvplug-nspawn-"
 
 Log = Callable[[str], None]
 
@@ -414,6 +416,7 @@ def _remove_stale_runs(cache: Path, log: Log) -> None:
             continue
         log(f"nspawn: removing the stale snapshot {run}")
         shutil.rmtree(run, ignore_errors=True)
+        _remove_cgroups(run.name.removeprefix(_RUN_PREFIX))
 
 
 def _alive(pid: int, comm: str) -> bool:
@@ -529,17 +532,20 @@ class Container:
             "--private-network",
             f"--machine={self.name}", f"--directory={root}", *(b.option() for b in self.binds),
         ]  # fmt: skip
+        # The shell moves itself into cgroups of the container's own, then execs nspawn.
+        script = "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))} && " for d in self._make_cgroups())
         if self.snapshot == "overlay":
             upper, work = self.run_dir / "upper", self.run_dir / "work"
             for d in (upper, work, root):
                 d.mkdir()
             options = f"lowerdir={self.image},upperdir={upper},workdir={work}"
             # The overlay exists only in the new mount namespace that nspawn then runs in.
-            script = f"mount -t overlay nvplug-snapshot -o {shlex.quote(options)} {shlex.quote(str(root))} && exec "
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script + shlex.join(argv)]
+            script += f"mount -t overlay nvplug-snapshot -o {shlex.quote(options)} {shlex.quote(str(root))} && "
+            command = ["unshare", "--mount", "--propagation", "private"]
         else:
             subprocess.run(["cp", "-a", "--reflink=auto", str(self.image), str(root)], check=True)
-            command = argv
+            command = []
+        command += ["sh", "-c", script + "exec " + shlex.join(argv)]
         # If this process dies without closing, nspawn gets SIGTERM and powers the container off;
         # the next ensure_image() removes the snapshot.
         command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
@@ -610,7 +616,26 @@ class Container:
         self._remove_run_dir()
         self.timings["poweroff"] = time.monotonic() - started
 
+    def _make_cgroups(self) -> list[Path]:
+        """A fresh cgroup beside this process's own in each hierarchy that nspawn uses.
+
+        With --keep-unit and --register=no, nspawn runs the container in the cgroup it starts
+        in. Two containers started from one cgroup (two suites at once) would share it: each
+        one's systemd would find the other's processes in its units' cgroups, see them as pid
+        0, and fail every kill of a unit with an I/O error."""
+        made: list[Path] = []
+        for parent in _nspawn_cgroup_parents():
+            own = parent / f"{_CGROUP_PREFIX}{self.name}"
+            try:
+                own.mkdir()
+            except OSError as err:
+                self._log(f"nspawn: no cgroup of its own for {self.name} ({own}: {err}); sharing this one")
+                continue
+            made.append(own)
+        return made
+
     def _remove_run_dir(self) -> None:
+        _remove_cgroups(self.name)
         if not self.run_dir.exists():
             return
         mounts = _mounts_under(self.run_dir)
@@ -736,6 +761,44 @@ class Container:
 
         wait_until(found, timeout, f"{text!r} in journalctl -u {unit} {' '.join(options)}", lambda: seen[-4000:])
         return seen
+
+
+def _nspawn_cgroup_parents() -> list[Path]:
+    """This process's cgroup directory in the name=systemd hierarchy (v1 or hybrid) and in
+    the unified one (hybrid or v2): the hierarchies nspawn puts the container in."""
+    parents: list[Path] = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        if controllers == "name=systemd":
+            mount = _CGROUP_FS / "systemd"
+        elif number == "0" and not controllers:
+            mount = _CGROUP_FS / "unified"
+            if not (mount / "cgroup.procs").exists():
+                mount = _CGROUP_FS
+        else:
+            continue
+        where = mount / path.lstrip("/")
+        if (where / "cgroup.procs").exists():
+            parents.append(where)
+    return parents
+
+
+def _remove_cgroups(name: str) -> None:
+    """The container's cgroups once its processes are gone, deepest first (rmdir is the only
+    way to remove a cgroup, and it refuses one that has children or processes)."""
+    owns = [parent / f"{_CGROUP_PREFIX}{name}" for parent in _nspawn_cgroup_parents()]
+    # Killed processes leave their cgroup a moment after the kill.
+    deadline = time.monotonic() + 10.0
+    while True:
+        for own in (o for o in owns if o.is_dir()):
+            for sub in sorted((p for p in own.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+            with contextlib.suppress(OSError):
+                own.rmdir()
+        if not any(o.is_dir() for o in owns) or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def _descendants(pid: int) -> list[int]:
