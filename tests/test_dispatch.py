@@ -12,7 +12,9 @@ import pytest
 from nvplug.config import Config
 from nvplug.core.events import CdiChecked, Event, InventoryFound, XidOccurred
 from nvplug.core.gpu import Gpu
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Snapshot
 from nvplug.daemon.dispatch import Dispatcher
 from nvplug.edges.edge_protocols import Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet
@@ -38,6 +40,18 @@ class Recording(Sink):
         self._calls.append(self.name)
         self.updates.append(update)
         return ()
+
+
+class Listing(Recording):
+    """As the device-plugin fleet: a sink the list needs, whose streams wait on the snapshots it is shown."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__("fleet", None, True, calls)
+        self.shown = LatestSnapshot(Snapshot(revision=0))
+
+    def update(self, update: StateUpdate) -> Sequence[Event]:
+        self.shown.show(update.snapshot)
+        return super().update(update)
 
 
 class Failing(Sink):
@@ -85,24 +99,27 @@ def test_the_list_goes_out_before_the_sinks_after_it_which_see_the_updates_since
 
     async def scenario() -> None:
         state = NodeState()
-        d = dispatcher(state, [after, before])  # the wiring's order, and the list's sinks first all the same
+        fleet = Listing(calls)
+        # The wiring's order, and the list's sinks first all the same.
+        d = dispatcher(state, [after, before, fleet])
         d.apply(InventoryFound((gpu(0), gpu(1))))
         await asyncio.sleep(0)
         calls.clear()
 
         async def stream() -> None:
-            """As a ListAndWatch stream waits: on the state, for the next revision."""
-            await state.next_revision()
+            """As a ListAndWatch stream waits: on its fleet's snapshots, for the next revision."""
+            await fleet.shown.next_revision()
             calls.append("list")
 
         waiting = asyncio.create_task(stream())
         await asyncio.sleep(0)
         d.apply(XidOccurred("GPU-00000000", 79))
         d.apply(XidOccurred("GPU-00000001", 79))
-        assert calls == ["cdi", "cdi"]  # at once, within apply
+        assert calls == ["cdi", "fleet", "cdi", "fleet"]  # at once, within apply
         await waiting
         await asyncio.sleep(0)
-        assert calls == ["cdi", "cdi", "list", "state file"]
+        assert calls == ["cdi", "fleet", "cdi", "fleet", "list", "state file"]
+        assert fleet.shown.current is state.current
         merged = after.updates[-1]
         assert [c.what for c in merged.changes] == ["unhealthy", "unhealthy"]
         assert merged.snapshot is state.current and merged.revised
@@ -130,6 +147,7 @@ def test_the_cdi_specs_optional_names_reach_the_fleet_with_no_new_revision() -> 
         d = dispatcher(state, [fleet])
         d.apply(InventoryFound((gpu(0),)))
         revision = state.current.revision
+        calls.clear()
         d.apply(CdiChecked({}, ("k8s.device-plugin.nvidia.com/gds=all",)))
         assert calls == ["device plugins"] and state.current.revision == revision
         assert fleet.updates[-1].snapshot.cdi_extra == ("k8s.device-plugin.nvidia.com/gds=all",)

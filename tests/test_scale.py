@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.core.events import InventoryFound, XidOccurred
+from nvplug.core.events import Event, InventoryFound, XidOccurred
 from nvplug.core.gpu import Gpu
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.node_state import NodeState
+from nvplug.core.snapshot import Change
 from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
 from nvplug.kubelet.device_plugin import (
     MAX_MESSAGE,
@@ -32,12 +34,25 @@ SHARED = ResourceSpec(replicas=16)
 TIME_SLICED = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: {}\n"
 
 
-def service(state: NodeState, spec: ResourceSpec = SHARED) -> DevicePluginService:
-    return DevicePluginService(spec.name, state, spec.project, Path("/"))
+class ShownState(NodeState):
+    """A state that shows each new snapshot to the services, as their fleet's `update` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown = LatestSnapshot(self.current)
+
+    def apply(self, event: Event) -> list[Change]:
+        changes = super().apply(event)
+        self.shown.show(self.current)
+        return changes
 
 
-def fresh_state(gpus: tuple[Gpu, ...] = GPUS) -> NodeState:
-    state = NodeState()
+def service(state: ShownState, spec: ResourceSpec = SHARED) -> DevicePluginService:
+    return DevicePluginService(spec.name, state.shown, spec.project, Path("/"))
+
+
+def fresh_state(gpus: tuple[Gpu, ...] = GPUS) -> ShownState:
+    state = ShownState()
     state.apply(InventoryFound(gpus))
     return state
 
@@ -231,7 +246,7 @@ def test_allocate_needs_no_projection_per_call() -> None:
         calls.append(1)
         return SHARED.project(state.current, previous)
 
-    svc = DevicePluginService("nvidia.com/gpu", state, counting, Path("/"))
+    svc = DevicePluginService("nvidia.com/gpu", state.shown, counting, Path("/"))
 
     class Context:
         async def abort(self, code: object, details: str) -> None:
@@ -258,7 +273,7 @@ def test_collections_wait_until_the_list_is_handed_over() -> None:
         collecting.append(gc.isenabled())
         return SHARED.project(state.current, previous)
 
-    svc = DevicePluginService("nvidia.com/gpu", state, projection, Path("/"))
+    svc = DevicePluginService("nvidia.com/gpu", state.shown, projection, Path("/"))
 
     async def run() -> None:
         stream = svc.ListAndWatch(pb.Empty(), None)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from nvplug.core.events import (
 )
 from nvplug.core.gpu import Gpu, normalize_bus_id
 from nvplug.core.health import Clears, Health
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import NODE_FIELDS
 from nvplug.core.snapshot_draft import SnapshotDraft
@@ -95,25 +96,48 @@ def test_the_draft_types_only_fields_a_snapshot_has() -> None:
 
 
 def test_waiters_see_one_wakeup_for_a_burst() -> None:
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[list[int], int]:
         state = NodeState()
+        shown = LatestSnapshot(state.current)
         woke = []
 
         async def watcher() -> None:
-            await state.next_revision()
-            woke.append(state.current.revision)
+            await shown.next_revision()
+            woke.append(shown.current.revision)
 
         task = asyncio.create_task(watcher())
         await asyncio.sleep(0)
-        state.apply(InventoryFound((gpu(0),)))
-        state.apply(HealthReported("GPU-00000000", "x", Clears.PROBE))
-        state.apply(ProbeResult("GPU-00000000", None, "re-probe 1"))
+        for event in (
+            InventoryFound((gpu(0),)),
+            HealthReported("GPU-00000000", "x", Clears.PROBE),
+            ProbeResult("GPU-00000000", None, "re-probe 1"),
+        ):
+            state.apply(event)
+            shown.show(state.current)
         await task
-        return woke[0], state.current.revision
+        return woke, state.current.revision
 
     seen, final = asyncio.run(scenario())
     # The watcher was woken once and already sees the latest revision.
-    assert seen == final == 3
+    assert seen == [final] and final == 3
+
+
+def test_counters_alone_wake_no_waiter() -> None:
+    async def scenario() -> bool:
+        state = NodeState()
+        state.apply(InventoryFound((gpu(0),)))
+        shown = LatestSnapshot(state.current)
+        waiting = asyncio.create_task(shown.next_revision())
+        await asyncio.sleep(0)
+        state.apply(XidOccurred("GPU-00000000", 31))  # an application's fault: counted, no new revision
+        assert state.current is not shown.current
+        shown.show(state.current)
+        await asyncio.sleep(0)
+        woke = waiting.done()
+        waiting.cancel()
+        return woke
+
+    assert asyncio.run(scenario()) is False
 
 
 def test_snapshot_is_immutable_for_readers() -> None:

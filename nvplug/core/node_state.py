@@ -16,7 +16,6 @@ The steps each change takes (fault, heal, evidence) are SnapshotDraft's, in snap
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -99,8 +98,6 @@ class NodeState:
         # oldest first: a flood of one code costs O(1) per report, not a scan of every report. By
         # UUID, not bus id: a GPU hot-added where another was must not match that one's reports.
         self._reports: dict[tuple[str, int, str], deque[float]] = {}
-        # Replaced on every revision; waiters hold the one they saw.
-        self._bumped = asyncio.Event()
 
     @property
     def current(self) -> Snapshot:
@@ -184,27 +181,8 @@ class NodeState:
             healed = {u for u in repaired if u in draft.health and draft.health[u].healthy}
             if healed & set(draft.auto_reset):
                 draft.auto_reset = MappingProxyType({u: s for u, s in draft.auto_reset.items() if u not in healed})
-        built = draft.build()
-        if built is not None:
-            snap, bumped = built
-            if bumped:
-                self._publish(snap)
-            else:
-                self._current = snap  # same revision: nobody waits on counters
+        self._current = draft.build() or self._current
         return draft.changes
-
-    async def next_revision(self) -> None:
-        """Until a new revision (or a wake): one wait, so the waiter runs in the loop turn after it."""
-        await self._bumped.wait()
-
-    def wake(self) -> None:
-        """Wake every waiter with no new revision: one that is closing looks again."""
-        bumped, self._bumped = self._bumped, asyncio.Event()
-        bumped.set()
-
-    def _publish(self, snap: Snapshot) -> None:
-        self._current = snap
-        self.wake()
 
     def _mps(self, draft: SnapshotDraft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
         before = draft.mps.get(event.group)

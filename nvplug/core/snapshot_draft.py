@@ -200,8 +200,8 @@ class SnapshotDraft(GpuLookups):
     def mig_owner(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
         return next(((g, m) for g in self.gpus for m in g.mig if m.uuid == uuid), None)
 
-    def build(self) -> tuple[Snapshot, bool] | None:
-        """The next snapshot, and whether it is a new revision; None when nothing changed.
+    def build(self) -> Snapshot | None:
+        """The next snapshot; None when nothing changed.
 
         Counters alone (COUNTERS) change the snapshot, not its revision: a flood of harmless Xids
         or kernel log records must not wake every ListAndWatch stream and sink for each one. Nor
@@ -214,4 +214,4 @@ class SnapshotDraft(GpuLookups):
         if not changed:
             return None
         bumped = not changed.isdisjoint(REVISED)
-        return replace(base, revision=base.revision + bumped, **values), bumped
+        return replace(base, revision=base.revision + bumped, **values)

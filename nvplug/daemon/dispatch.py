@@ -1,12 +1,12 @@
 """Event dispatch: each event from the bus into the state, and each new snapshot to the sinks, in order.
 
-The rule that keeps lists true is written here once: between `NodeState.apply` and the last sink a
-list depends on (`Sink.before_list`: the CDI spec, the device-plugin fleet) there is no await, so
-each has seen the new snapshot before any ListAndWatch stream, which waits on the state's
-revision, runs again. What a sink feeds back (the CDI check) is applied at once, inside the same step;
+The rule that keeps lists true is written here once: between `NodeState.apply` and the last sink that
+runs at once (`Sink.before_list`: the CDI spec, the device-plugin fleet) there is no await, so each has
+seen the new snapshot before any ListAndWatch stream, which waits on the snapshots its fleet is
+handed, runs again. What a sink feeds back (the CDI check) is applied at once, inside the same step;
 so is what a part emits outside a dispatch (`emit`, handed to each part that feeds events back).
 
-The stream runs in the loop turn right after the change; the other sinks (the log, the state file,
+The stream runs in the loop turn right after the change; the other sinks (the log,
 labels, DRA, the status line) in the turn after that, with every update since merged into one.
 A sink is called only when a field it reads changed (`Sink.reads`).
 """

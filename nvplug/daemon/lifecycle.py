@@ -98,7 +98,7 @@ class Daemon:
             # One server, socket and registration per resource name; which ones depends on the
             # GPUs found (MIG profiles), so they are made after the first scan.
             for sink in parts.sinks:
-                await sink.open()
+                await sink.open(self.state.current)
             report = parts.report
             try:
                 await status.start()
@@ -138,6 +138,8 @@ class Daemon:
             # The status report last: it closes the PodResources client the others read through.
             for sink in parts.sinks:
                 await sink.close()
+            # Once the write in flight is done: whatever a last event changed (counters too, which no sink is handed).
+            self.state_file.close(saved(self.state.current))
             log.info("nvplug stopped")
 
     async def _watchdog(self, interval: float) -> None:

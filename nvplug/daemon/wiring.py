@@ -85,7 +85,7 @@ def wire(
     mps = MpsSupervisor(
         cfg,
         scanner,
-        state,
+        state.current,
         dispatcher.emit,
         state_file.written,
         options.sysfs_root / "fs/selinux/enforce",
@@ -115,7 +115,6 @@ def wire(
         mps.probe_all("a container was allocated")  # a hung daemon shows when a client would need it
 
     fleet = PluginFleet(
-        state,
         cfg,
         options.plugin_dir,
         FleetHooks(
@@ -147,7 +146,7 @@ def wire(
         mps,  # before the CDI spec, which holds the groups' directories
         cdi,  # before anything that lists or hands out devices
         fleet,
-        HealthStateSink(state_file, state),
+        HealthStateSink(state_file, state.current),
         FeatureFile(cfg, options.sysfs_root),
         AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.emit),
         *((dra,) if dra is not None else ()),

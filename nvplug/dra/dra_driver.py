@@ -109,8 +109,7 @@ class DraDriver(Sink):
         # Sharing and the claims' own specs; one claim at a time, since claims may share a device.
         self.setup = ClaimSetup(self.claims, ClaimSpecs(spec_dir), TimeSlicer(), mps)
         self._claim_lock = asyncio.Lock()
-        # The last state seen, and whether the checkpoint is read: what the claims' restore needs.
-        self._snapshot: Snapshot | None = None
+        # Whether the checkpoint is read: the claims' restore needs it.
         self._started = False
         self.health = HealthStream(self.node)
         self.sockets = DraSockets(
@@ -135,12 +134,11 @@ class DraDriver(Sink):
         self._retry_now = asyncio.Event()
         self._closing = False
 
-    async def open(self) -> None:
+    async def open(self, snapshot: Snapshot) -> None:
         """Serve the DRA sockets, with the claims checkpointed before."""
         self.claims.load()
         self._started = True
-        if self._snapshot is not None:
-            self.setup.restore(self._snapshot)
+        self.setup.restore(snapshot)
         try:
             await self.sockets.start()
         except (OSError, RuntimeError) as err:
@@ -262,7 +260,6 @@ class DraDriver(Sink):
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         if update.revised:
-            self._snapshot = update.snapshot
             if self._started:
                 self.setup.restore(update.snapshot)
             self.offer(update.snapshot)

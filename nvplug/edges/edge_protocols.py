@@ -106,9 +106,10 @@ class Sink(Protocol):
     """Something that reacts to each new snapshot. Subclass it for the defaults.
 
     `update` runs on the loop; for a sink `before_list`, with no await between the state change and it,
-    so whatever it returns is applied before any ListAndWatch stream runs again. `prepare` checks a
-    reloaded config and raises (ValueError, ConfigError) to refuse it; nothing changes until every
-    part accepted and the commits run.
+    so whatever it returns is applied before any ListAndWatch stream runs again. A sink reads the
+    snapshots it is handed (`open`, `update`), never the live state. `prepare` checks a reloaded config
+    and raises (ValueError, ConfigError) to refuse it; nothing changes until every part accepted and
+    the commits run.
     """
 
     name: str
@@ -116,9 +117,11 @@ class Sink(Protocol):
     # REVISED): it is skipped when only other fields changed. None: every update, with or without a
     # new revision (it reads `changes`, the log's lines).
     reads: frozenset[str] | None = None
-    # Whether a ListAndWatch message depends on it (the CDI spec, before Allocate hands out its names):
-    # those run at once, in order. The others run in the loop turn after the message's hand-off, in
-    # order, with every update since merged into one: no fsync, label file or log line holds up a list.
+    # Whether a ListAndWatch message depends on it (the CDI spec, before Allocate hands out its names; the
+    # fleet, whose streams list what it is handed), or it must hold each snapshot as soon as it is made
+    # (the state file, which `written` writes): those run at once, in order, and must be cheap. The others
+    # run in the loop turn after the message's hand-off, in order, with every update since merged into
+    # one: no fsync, label file or log line holds up a list.
     before_list: bool = False
     # The event types it does work for (Worker): none by default.
     works: frozenset[type] = frozenset()
@@ -126,8 +129,8 @@ class Sink(Protocol):
     # source still running (the MPS daemons' compute modes go back through the scanner's NVML).
     closes_before_sources: bool = False
 
-    async def open(self) -> None:
-        """Once the sources run and the first scan is in the state: serve what it serves (the device
+    async def open(self, snapshot: Snapshot) -> None:
+        """Once the sources run and the first scan is in `snapshot`: serve what it serves (the device
         plugins' sockets, DRA's), in the wiring's order. Named apart from a Source's `start`, which a
         part that is both (the re-prober) has too."""
         return None  # noqa: RET501 (a body: a protocol's method without one is abstract)

@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from nvplug.base.linked_socket_server import LinkedSocketServer
 from nvplug.core.device_nodes import host_path
-from nvplug.core.node_state import NodeState
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.allocation import AllocationError, AllocationPolicy, allocate, preferred
 from nvplug.protos import deviceplugin_pb2 as pb
@@ -152,12 +152,12 @@ def _serialize(message: bytes | Message) -> bytes:
 
 
 class DevicePluginService:
-    """Answers the kubelet from state alone; never calls NVML on the request path."""
+    """Answers the kubelet from the snapshots its fleet was handed; never calls NVML on the request path."""
 
     def __init__(
         self,
         resource_name: str,
-        state: NodeState,
+        shown: LatestSnapshot,
         project: Projection,
         dev_root: Path,
         policy: AllocationPolicy | None = None,
@@ -166,7 +166,7 @@ class DevicePluginService:
         on_allocated: Callable[[], None] = lambda: None,
     ) -> None:
         self.resource_name = resource_name
-        self._state = state
+        self._shown = shown
         self._project = project
         # Where Allocate's device specs point on the host; a reload of flags.nvidiaDevRoot sets it.
         self.dev_root = dev_root
@@ -197,7 +197,7 @@ class DevicePluginService:
     def close(self) -> None:
         """End every ListAndWatch stream cleanly, without a last message."""
         self._closing.set()
-        self._state.wake()
+        self._shown.wake()
 
     async def retire(self, timeout: float = 1.0) -> None:
         """The resource stops being served: each stream sends an empty list, then ends.
@@ -207,7 +207,7 @@ class DevicePluginService:
         """
         self._retired = True
         self._closing.set()
-        self._state.wake()
+        self._shown.wake()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
 
@@ -226,7 +226,7 @@ class DevicePluginService:
 
     def _current(self) -> tuple[int, Resource]:
         """This resource for the current revision: projected once per revision, then looked up by ID."""
-        snapshot = self._state.current
+        snapshot = self._shown.current
         cached = self._projection
         if cached is None or cached[0] != snapshot.revision:
             self._projection = cached = (snapshot.revision, self._project(snapshot, cached[1] if cached else None))
@@ -295,13 +295,13 @@ class DevicePluginService:
     async def _next_snapshot(self, revision: int) -> Snapshot | None:
         """The next revision, or None once the server is closing.
 
-        One wait on the state (closing wakes it too), not a race of two tasks: the stream then runs
-        in the loop turn right after the change, ahead of the sinks that follow the list."""
+        One wait on the fleet's snapshots (closing wakes it too), not a race of two tasks: the stream
+        then runs in the loop turn right after the change, ahead of the sinks that follow the list."""
         while not self._closing.is_set():
-            current = self._state.current
+            current = self._shown.current
             if current.revision > revision:
                 return current
-            await self._state.next_revision()
+            await self._shown.next_revision()
         return None
 
     async def Allocate(

@@ -25,7 +25,7 @@ from nvplug.core.events import (
     PluginSocketRemoved,
     WatchedDirChanged,
 )
-from nvplug.core.node_state import NodeState
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.kubelet.allocation import AllocationPolicy
@@ -100,25 +100,24 @@ class ResourceView:
 
 
 class PluginFleet(Sink):
-    """Every device-plugin endpoint, kept to the plan. Its lists follow the state by themselves
-    (each ListAndWatch stream waits for a newer revision); as a sink it keeps Allocate's CDI names
+    """Every device-plugin endpoint, kept to the plan. Its lists follow the snapshots it is handed
+    (each ListAndWatch stream waits for a newer revision of them); it keeps Allocate's CDI names
     current, and a new inventory may change which resources exist."""
 
     name = "device plugins"
-    # Its streams follow the state themselves; as a sink it takes the CDI spec's optional names.
-    reads = frozenset({"cdi_extra"})
+    # Every new snapshot: its streams list each revision; Allocate takes the CDI spec's optional names.
+    reads = None
     before_list = True
     works = frozenset({KubeletSocketCreated, PluginSocketRemoved, WatchedDirChanged, InventoryFound})
 
-    def __init__(self, state: NodeState, cfg: Config, plugin_dir: Path, hooks: FleetHooks) -> None:
-        self._state = state
+    def __init__(self, cfg: Config, plugin_dir: Path, hooks: FleetHooks) -> None:
+        # The newest snapshot `update` (or `open`) was handed, and its streams' wait for the next.
+        self._shown = LatestSnapshot(Snapshot(revision=0))
         self._cfg = cfg
         self._plugin_dir = plugin_dir
         # flags.nvidiaDevRoot: where Allocate's device specs point, for endpoints made now and later.
         self._dev_root = Path(cfg.flags.nvidia_dev_root)
         self._hooks = hooks
-        # The CDI spec's optional names as `update` was last handed them (none until the spec is written).
-        self._cdi_extra: tuple[str, ...] = ()
         self.endpoints: list[PluginEndpoint] = []
         self._lock = asyncio.Lock()
         # What the plan last said, so that each problem is logged once.
@@ -136,8 +135,8 @@ class PluginFleet(Sink):
     def plan(self, cfg: Config) -> Plan:
         """The resources this config asks for on the GPUs present; those whose list would pass the
         kubelet's message limit are refused too."""
-        found = plan(cfg, self._state.current)
-        too_big = oversized(found.specs, self._state.current)
+        found = plan(cfg, self._shown.current)
+        too_big = oversized(found.specs, self._shown.current)
         return replace(found, refused={**found.refused, **too_big}) if too_big else found
 
     def planned(self, cfg: Config, found: Plan | None = None) -> list[ResourceSpec]:
@@ -158,7 +157,7 @@ class PluginFleet(Sink):
                 log.error("not advertised: %s", problem)
             self.refused = found.refused
         if found.excluded != self.excluded or found.unmatched != self._unmatched:
-            for gpu in self._state.current.gpus:
+            for gpu in self._shown.current.gpus:
                 why = found.excluded.get(gpu.uuid)
                 if why is not None and self.excluded.get(gpu.uuid) != why:
                     log.info("%s excluded (%s): not advertised, still health-watched", gpu.label, why)
@@ -170,10 +169,11 @@ class PluginFleet(Sink):
         return found.served
 
     def policy(self, cfg: Config) -> AllocationPolicy:
-        return replace(allocation_policy(cfg), cdi_extra=self._cdi_extra)
+        return replace(allocation_policy(cfg), cdi_extra=self._shown.current.cdi_extra)
 
-    async def open(self) -> None:
+    async def open(self, snapshot: Snapshot) -> None:
         """Serve what the config asks for on the first scan's GPUs."""
+        self._shown.show(snapshot)
         remove_leftover_listeners(self._plugin_dir)
         await self.apply(self.planned(self._cfg), self.policy(self._cfg))
 
@@ -186,8 +186,10 @@ class PluginFleet(Sink):
     # As a sink.
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
-        """Allocate adds the spec's optional names to every container: take them as the spec has them now."""
-        extra = self._cdi_extra = update.snapshot.cdi_extra
+        """The streams list the new snapshot in the next loop turn. Allocate adds the spec's optional
+        names to every container: take them as the spec has them now."""
+        self._shown.show(update.snapshot)
+        extra = update.snapshot.cdi_extra
         for plugin in self.endpoints:
             service = plugin.service
             if service.policy.cdi_extra != extra:
@@ -215,7 +217,7 @@ class PluginFleet(Sink):
     def notes(self) -> list[str]:
         notes = [f"advertising nothing: {self.plan_error}"] if self.plan_error else []
         notes += [f"not advertised: {problem}" for problem in self.refused.values()]
-        return notes + unready_note(self._state.current)
+        return notes + unready_note(self._shown.current)
 
     def verdict(self) -> HealthVerdict:
         """Healthy once everything planned is served and registered, and nothing planned was refused."""
@@ -363,7 +365,7 @@ class PluginFleet(Sink):
         async with self._lock:
             wanted = {spec.name: spec for spec in specs}
             keep: list[PluginEndpoint] = []
-            snap = self._state.current
+            snap = self._shown.current
             for plugin in self.endpoints:
                 spec = wanted.get(plugin.spec.name)
                 if spec is not None and (spec == plugin.spec or same_list(spec, plugin.spec, snap)):
@@ -387,7 +389,7 @@ class PluginFleet(Sink):
     def _make(self, spec: ResourceSpec, policy: AllocationPolicy) -> PluginEndpoint:
         hooks = self._hooks
         service = DevicePluginService(
-            spec.name, self._state, spec.project, self._dev_root, policy, hooks.sent, hooks.delivered, hooks.allocated
+            spec.name, self._shown, spec.project, self._dev_root, policy, hooks.sent, hooks.delivered, hooks.allocated
         )
         server = plugin_server(service, self._plugin_dir / socket_name(spec.name))
         registrar = Registrar(

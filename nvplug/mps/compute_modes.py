@@ -9,12 +9,11 @@ mode to set (NVML: NOT_SUPPORTED); its MIG devices' daemons run without one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
 from nvplug.core.events import ComputeModeRecorded, Event
 from nvplug.core.gpu import Gpu
-from nvplug.core.node_state import NodeState
 from nvplug.mps.control_daemon import ComputeModeError
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.shaping.mps_groups import MpsGroup
@@ -42,12 +41,13 @@ class ComputeModes:
     def __init__(
         self,
         nvml: ModeCalls,
-        state: NodeState,
+        recorded: Callable[[], Mapping[str, int]],
         apply: Callable[[Event], object],
         written: Callable[[], Awaitable[str | None]],
     ) -> None:
         self._nvml = nvml
-        self._state = state
+        # The old modes the state holds, as the supervisor was last handed them.
+        self._recorded = recorded
         self._apply = apply
         self._written = written
         # Which daemons hold each GPU in EXCLUSIVE_PROCESS now, or will: a group restarted for a
@@ -64,7 +64,7 @@ class ComputeModes:
             mode = await self._call(gpu, "read", self._nvml.compute_mode(gpu.uuid))
             if mode == EXCLUSIVE_PROCESS:
                 continue  # ours from before a restart (recorded), or the operator's (nothing to undo)
-            if gpu.uuid not in self._state.current.compute_modes:
+            if gpu.uuid not in self._recorded():
                 self._apply(ComputeModeRecorded(gpu.uuid, mode))
                 failing = await self._written()
                 if failing is not None:
@@ -89,14 +89,14 @@ class ComputeModes:
         """At start: modes an earlier nvplug recorded for GPUs no group holds now (it crashed, or the
         config changed meanwhile). A GPU not present keeps its record until it is."""
         for gpu in gpus:
-            if gpu.uuid not in self._users and gpu.uuid in self._state.current.compute_modes:
+            if gpu.uuid not in self._users and gpu.uuid in self._recorded():
                 try:
                     await self.restore(gpu)
                 except ComputeModeError as err:
                     log.error("%s", err)
 
     async def restore(self, gpu: Gpu) -> None:
-        original = self._state.current.compute_modes.get(gpu.uuid)
+        original = self._recorded().get(gpu.uuid)
         if original is None:
             return
         await self._call(gpu, "restore", self._nvml.set_compute_mode(gpu.uuid, original))

@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
-from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Emit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
@@ -46,24 +45,26 @@ class MpsSupervisor(Sink):
     name = "mps"
     # The daemons quit and their GPUs' compute modes go back through NVML: before the scanner stops.
     closes_before_sources = True
-    # Groups follow the inventory and the config alone; before the CDI spec, which holds their directories.
-    reads = frozenset({"gpus"})
+    # Groups follow the inventory and the config alone; the compute modes to give back are recorded in
+    # the state. Before the CDI spec, which holds the groups' directories.
+    reads = frozenset({"gpus", "compute_modes"})
     before_list = True
 
     def __init__(
         self,
         cfg: Config,
         calls: MpsCalls,
-        state: NodeState,
+        first: Snapshot,
         apply: Emit,
         written: Callable[[], Awaitable[str | None]],
         selinux_enforce: Path = Path("/sys/fs/selinux/enforce"),
     ) -> None:
         self._cfg = cfg
         self._calls = calls
-        self._state = state
+        # The newest snapshot it was handed: the GPUs its groups run on, the modes to give back.
+        self._snapshot = first
         self._apply = apply
-        self._modes = ComputeModes(calls, state, apply, written)
+        self._modes = ComputeModes(calls, self._recorded_modes, apply, written)
         self._selinux = selinux_enforce
         self._layout = RootLayout(Path(cfg.mps_root), selinux_enforce)
         self._daemons: dict[str, ControlDaemon] = {}
@@ -84,8 +85,15 @@ class MpsSupervisor(Sink):
             kill_leftover(pid_file, cfg.mps_control)
             pid_file.unlink(missing_ok=True)
 
+    async def open(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
     def update(self, update: StateUpdate) -> Sequence[Event]:
-        return self._sync(update.snapshot)
+        self._snapshot = update.snapshot
+        return self._sync(update.snapshot) if "gpus" in update.changed else ()
+
+    def _recorded_modes(self) -> Mapping[str, int]:
+        return self._snapshot.compute_modes
 
     @property
     def root(self) -> str:
@@ -95,7 +103,7 @@ class MpsSupervisor(Sink):
         """A claim's group: its daemon started, and its first start's outcome (None: it answers with its
         defaults set). One that did not start is stopped again."""
         self._claimed[group.name] = group
-        for event in self._sync(self._state.current):
+        for event in self._sync(self._snapshot):
             self._apply(event)
         why = await self._daemons[group.name].started(CLAIM_START_SECONDS)
         if why is not None:
@@ -106,7 +114,7 @@ class MpsSupervisor(Sink):
         """A claim's group: its daemon quits, its GPUs get their compute mode back; returns once done."""
         if self._claimed.pop(name, None) is None:
             return
-        for event in self._sync(self._state.current):
+        for event in self._sync(self._snapshot):
             self._apply(event)
         retiring = self._retiring.get(name)
         if retiring is not None:
@@ -124,7 +132,7 @@ class MpsSupervisor(Sink):
             )
         if cfg.mps.restart_with_clients:
             return
-        wanted = mps_groups(cfg, self._state.current) | self._claimed
+        wanted = mps_groups(cfg, self._snapshot) | self._claimed
         for name, daemon in self._daemons.items():
             new = wanted.get(name)
             if new is not None and new.settings == daemon.group.settings:
@@ -191,7 +199,7 @@ class MpsSupervisor(Sink):
         await asyncio.gather(*(d.stop() for d in daemons), *self._retiring.values(), return_exceptions=True)
         for task in list(self._chores):
             task.cancel()
-        await self._modes.restore_unused(self._state.current.gpus)
+        await self._modes.restore_unused(self._snapshot.gpus)
         if self._root_ready:
             self._root_ready = False
             failed = await asyncio.to_thread(self._layout.remove_root, self._mounted)
