@@ -27,7 +27,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from latency import first_update, percentile, unhealthy
 
-from nvplug.testing.kubelet_standin import Update
+from nvplug.testing.kubelet_views import Update
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0

@@ -26,7 +26,8 @@ from pathlib import Path
 # The stand-in's client side logs every GOAWAY of a restart at info level otherwise.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 
 TIMEOUT = 15.0

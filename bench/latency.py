@@ -36,7 +36,8 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from nvplug.status import status_client as statusclient
-from nvplug.testing.kubelet_standin import FakeKubelet, Update
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_views import Update
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event
 

@@ -30,7 +30,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from latency import first_update, percentile
 
 from nvplug.testing import mps_control_standin as mps
-from nvplug.testing.kubelet_standin import Update
+from nvplug.testing.kubelet_views import Update
 from nvplug.testing.simulated_node import SimulatedNode
 
 TIMEOUT = 15.0

@@ -27,7 +27,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from latency import OWN_XID, percentile, rss_mib, timed  # bench/ is on the path of a script run from it
 
 from nvplug.kubelet.device_plugin import MAX_MESSAGE, device_size
-from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health
 
 Check = Callable[[FakeKubelet], bool]

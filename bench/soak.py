@@ -41,8 +41,8 @@ from typing import Any
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from nvplug.status import status_client as statusclient
-from nvplug.testing.fakenvml import ControlError
-from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.fakenvml_control import ControlError
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event
 

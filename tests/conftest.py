@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.notify_socket import NotifySocket
 
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_library
 from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.simulated_node import SimulatedNode
 
@@ -19,7 +19,7 @@ from nvplug.testing.simulated_node import SimulatedNode
 def nvml_lib_dir() -> Iterator[Path]:
     # Short paths: unix sockets live below these directories.
     path = Path(tempfile.mkdtemp(prefix="nvp-lib-", dir="/tmp"))
-    fakenvml.build(path)
+    fakenvml_library.build(path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

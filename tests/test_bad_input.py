@@ -51,7 +51,7 @@ from nvplug.kubelet.allocation import (
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
 from nvplug.shaping.resource_plan import REPLICA_SEPARATOR, Resource, ResourceSpec
-from nvplug.testing.kubelet_standin import DeviceView
+from nvplug.testing.kubelet_views import DeviceView
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0

@@ -21,7 +21,7 @@ import pytest
 from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
-from nvplug.testing.kubelet_standin import KubeletThread
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event
 

@@ -25,7 +25,7 @@ import yaml
 from support import podman
 
 from nvplug.testing import fake_driver_root as driverroot
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_devices
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 UNAVAILABLE = podman.podman_available()
@@ -255,18 +255,20 @@ def test_mig_device_gets_its_parent_and_two_capability_nodes(
     lines += [f"mig 1 {MIG_PROFILE} gi={gi} ci=0" for gi in (1, 2)]
     node.scenario.write_text("\n".join(lines) + "\n")
     table = {int(g["minor"]): [(gi, 0) for gi in range(1, 8)] for g in gpus}
-    fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
+    fakenvml_devices.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
     real_device_nodes(node)
     caps = node.dev_root / "dev" / "nvidia-caps"
     # config and monitor, and both MIG devices' GI and CI: the container must get only its own two.
     cap_minors = [1, 2]
-    cap_minors += [m for gi in (1, 2) for m in (fakenvml.mig_minor(minor, gi), fakenvml.mig_minor(minor, gi, 0))]
+    cap_minors += [
+        m for gi in (1, 2) for m in (fakenvml_devices.mig_minor(minor, gi), fakenvml_devices.mig_minor(minor, gi, 0))
+    ]
     for cap in cap_minors:
         mknod(caps / f"nvidia-cap{cap}", CAPS_MAJOR, cap)
     write_config(node, drv, migStrategy="mixed")
     registered = start(node, (7, GPU_RESOURCE), (2, MIG_RESOURCE))
 
-    mig_uuid = fakenvml.mig_uuid(parent["uuid"], 2, 0)
+    mig_uuid = fakenvml_devices.mig_uuid(parent["uuid"], 2, 0)
     began = time.monotonic()
     names = cdi_names(node, MIG_RESOURCE, [mig_uuid])
     allocated = time.monotonic() - began
@@ -275,7 +277,7 @@ def test_mig_device_gets_its_parent_and_two_capability_nodes(
 
     inside, context, imported, ran = run_inside(store, node, names, spec, spec_text)
 
-    gi_cap, ci_cap = fakenvml.mig_minor(minor, 2), fakenvml.mig_minor(minor, 2, 0)
+    gi_cap, ci_cap = fakenvml_devices.mig_minor(minor, 2), fakenvml_devices.mig_minor(minor, 2, 0)
     expected = expected_control_nodes()
     expected[f"/dev/nvidia{minor}"] = (CHAR, NVIDIA_MAJOR, minor)
     expected[f"/dev/nvidia-caps/nvidia-cap{gi_cap}"] = (CHAR, CAPS_MAJOR, gi_cap)

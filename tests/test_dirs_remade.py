@@ -24,7 +24,8 @@ from nvplug.inotify.inotify_binding import IN_CREATE, IN_Q_OVERFLOW, InotifyEven
 from nvplug.inotify.inotify_reader import CallbackId, InotifyReader
 from nvplug.sources.kubelet_dir_watch import DirFollower, KubeletDirWatch
 from nvplug.status import status_client as statusclient
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.loop_thread import LoopThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with, remove_tree
 

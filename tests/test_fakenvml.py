@@ -1,7 +1,7 @@
 """The fake libnvidia-ml.so.1, exercised through the real pynvml binding.
 
 Each test runs a short child Python process whose environment (from
-fakenvml.environ) makes pynvml load the fake.  Child bodies fill the dict
+fakenvml_library.environ) makes pynvml load the fake.  Child bodies fill the dict
 `out`, which comes back as JSON.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_control, fakenvml_devices, fakenvml_library
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ PRELUDE = """
 import ctypes, json, sys, threading, time
 from pathlib import Path
 import pynvml as N
-from nvplug.testing.fakenvml import Control, ControlError
+from nvplug.testing.fakenvml_control import Control, ControlError
 CTL = Control(Path(sys.argv[1]))
 def code(fn, *args):
     try:
@@ -59,7 +59,7 @@ EPILOGUE = "\nprint(json.dumps(out))\n"
 def _scenario_gpus() -> list[dict[str, str]]:
     """The gpu lines of default.scenario, as key/value dicts."""
     gpus = []
-    for line in fakenvml.DEFAULT_SCENARIO.read_text().splitlines():
+    for line in fakenvml_library.DEFAULT_SCENARIO.read_text().splitlines():
         words = shlex.split(line, comments=True)
         if words and words[0] == "gpu":
             gpus.append(dict(w.split("=", 1) for w in words[1:]))
@@ -85,7 +85,7 @@ class Rig:
     def env(self, scenario: Path | None) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
         base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)
-        env = fakenvml.environ(self.lib_dir, scenario or fakenvml.DEFAULT_SCENARIO, self.ctl, base)
+        env = fakenvml_library.environ(self.lib_dir, scenario or fakenvml_library.DEFAULT_SCENARIO, self.ctl, base)
         if scenario is None and "builtin" in self.root.name:
             del env["FAKE_NVML_SCENARIO"]
         return env
@@ -118,10 +118,10 @@ def rig(nvml_lib_dir: Path) -> Iterator[Rig]:
 
 
 def test_build_is_cached_and_leaves_no_temp_files(tmp_path: Path) -> None:
-    lib = fakenvml.build(tmp_path / "lib")
+    lib = fakenvml_library.build(tmp_path / "lib")
     assert lib == tmp_path / "lib" / "libnvidia-ml.so.1"
     first = lib.stat()
-    assert fakenvml.build(tmp_path / "lib") == lib
+    assert fakenvml_library.build(tmp_path / "lib") == lib
     assert (lib.stat().st_ino, lib.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
     assert sorted(p.name for p in lib.parent.iterdir()) == ["libnvidia-ml.so.1", "libnvidia-ml.so.1.sha256"]
 
@@ -133,17 +133,17 @@ def test_build_failure_reports_compiler_stderr_and_keeps_old_lib(tmp_path: Path,
     bad_cc = tmp_path / "bad-cc"
     bad_cc.write_text("#!/bin/sh\necho 'fakenvml.c:1: error: boom' >&2\nexit 1\n")
     bad_cc.chmod(0o755)
-    with pytest.raises(fakenvml.FakeNvmlBuildError) as info:
-        fakenvml.build(dest, cc=str(bad_cc))
+    with pytest.raises(fakenvml_library.FakeNvmlBuildError) as info:
+        fakenvml_library.build(dest, cc=str(bad_cc))
     assert "boom" in info.value.stderr
-    with pytest.raises(fakenvml.FakeNvmlBuildError):
-        fakenvml.build(dest, cc=str(tmp_path / "no-such-cc"))
+    with pytest.raises(fakenvml_library.FakeNvmlBuildError):
+        fakenvml_library.build(dest, cc=str(tmp_path / "no-such-cc"))
     assert (dest / "libnvidia-ml.so.1").read_bytes() == (nvml_lib_dir / "libnvidia-ml.so.1").read_bytes()
     assert sorted(p.name for p in dest.iterdir()) == ["libnvidia-ml.so.1"]
 
 
 def test_environ_puts_lib_dir_first() -> None:
-    env = fakenvml.environ(Path("/x/lib"), Path("/s"), Path("/n/c"), {"LD_LIBRARY_PATH": "/old", "A": "1"})
+    env = fakenvml_library.environ(Path("/x/lib"), Path("/s"), Path("/n/c"), {"LD_LIBRARY_PATH": "/old", "A": "1"})
     assert env == {
         "LD_LIBRARY_PATH": "/x/lib:/old",
         "FAKE_NVML_SCENARIO": "/s",
@@ -151,15 +151,15 @@ def test_environ_puts_lib_dir_first() -> None:
         "FAKE_NVML_STATE_DIR": "/n",  # the control socket's directory: one per simulated node
         "A": "1",
     }
-    assert fakenvml.environ(Path("/x"), Path("/s"), Path("/c"), {})["LD_LIBRARY_PATH"] == "/x"
-    own = fakenvml.environ(Path("/x"), Path("/s"), Path("/c"), {}, state_dir=Path("/st"))
+    assert fakenvml_library.environ(Path("/x"), Path("/s"), Path("/c"), {})["LD_LIBRARY_PATH"] == "/x"
+    own = fakenvml_library.environ(Path("/x"), Path("/s"), Path("/c"), {}, state_dir=Path("/st"))
     assert own["FAKE_NVML_STATE_DIR"] == "/st"
 
 
 def test_control_times_out_without_a_server(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        fakenvml.Control(tmp_path / "nobody").send("ping", timeout=0.2)
+        fakenvml_control.Control(tmp_path / "nobody").send("ping", timeout=0.2)
     assert time.monotonic() - start < 2
 
 
@@ -472,7 +472,7 @@ def test_events_injected_from_another_process(rig: Rig) -> None:
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "ready\n"
-        assert fakenvml.Control(rig.ctl).xid(GPUS[5]["uuid"], 79) == "ok queued=1"
+        assert fakenvml_control.Control(rig.ctl).xid(GPUS[5]["uuid"], 79) == "ok queued=1"
         stdout, stderr = proc.communicate(timeout=20)
     finally:
         proc.kill()
@@ -1042,10 +1042,10 @@ def test_mig_devices_from_scenario(rig: Rig) -> None:
     gpu0, full, gpu2 = out["migs"]
     assert full == []
     want0 = [
-        ("3g.40gb", 2, fakenvml.mig_uuid("GPU-mig0", 2, 0)),
-        ("2g.20gb", 5, fakenvml.mig_uuid("GPU-mig0", 5, 0)),
+        ("3g.40gb", 2, fakenvml_devices.mig_uuid("GPU-mig0", 2, 0)),
+        ("2g.20gb", 5, fakenvml_devices.mig_uuid("GPU-mig0", 5, 0)),
         ("1g.10gb+me", 9, "MIG-custom-0009"),
-        ("1g.20gb", 1, fakenvml.mig_uuid("GPU-mig0", 1, 0)),  # lowest free gi from 1
+        ("1g.20gb", 1, fakenvml_devices.mig_uuid("GPU-mig0", 1, 0)),  # lowest free gi from 1
     ]
     for got, (profile, gi, uuid) in zip(gpu0, want0, strict=True):
         attrs = MIG_ATTRS[profile]
@@ -1062,7 +1062,7 @@ def test_mig_devices_from_scenario(rig: Rig) -> None:
             "by_uuid": True,
         }
     assert [(m["gi"], m["attrs"], m["uuid"]) for m in gpu2] == [
-        (0, MIG_ATTRS["7g.80gb"], fakenvml.mig_uuid("GPU-mig2", 0, 0))
+        (0, MIG_ATTRS["7g.80gb"], fakenvml_devices.mig_uuid("GPU-mig2", 0, 0))
     ]
     assert all(m["uuid"].startswith("MIG-") and len(m["uuid"]) == 40 for m in gpu0[:2] + gpu2)
     assert out["distinct"] == 3 + 5
@@ -1142,9 +1142,9 @@ def test_mig_layout_changes_apply_at_once_with_an_event(rig: Rig) -> None:
     assert out["reply"] == "ok queued=1"
     assert out["event"] == ["GPU-mig0", 0x100, 0, 0xFFFFFFFF, 0xFFFFFFFF]
     assert out["after"] == [
-        [1, 0, 9856, fakenvml.mig_uuid("GPU-mig0", 1, 0)],
-        [2, 0, 9856, fakenvml.mig_uuid("GPU-mig0", 2, 0)],
-        [3, 0, 40192, fakenvml.mig_uuid("GPU-mig0", 3, 0)],
+        [1, 0, 9856, fakenvml_devices.mig_uuid("GPU-mig0", 1, 0)],
+        [2, 0, 9856, fakenvml_devices.mig_uuid("GPU-mig0", 2, 0)],
+        [3, 0, 40192, fakenvml_devices.mig_uuid("GPU-mig0", 3, 0)],
     ]
     assert out["stale"] == [2, 2, 2, 2]
     assert out["stale_by_uuid"] == 6
@@ -1155,7 +1155,7 @@ def test_mig_layout_changes_apply_at_once_with_an_event(rig: Rig) -> None:
     assert out["layout_when_off"] == "error: mig: MIG mode is off on this GPU"
     assert out["mode_on"] == "ok queued=0"  # GPU 1 is not registered for it
     assert out["on"] == [[1, 1], 7, 0]
-    assert out["on_layout"] == [fakenvml.mig_uuid("GPU-full", 1, 0)]
+    assert out["on_layout"] == [fakenvml_devices.mig_uuid("GPU-full", 1, 0)]
     assert out["events"] == [0x100, 0x100, 0x100]  # clear, 7g layout, mode off (first one already taken)
     assert out["errors"][0] == "error: mig: MIG mode is off on this GPU"
     assert out["errors"][1] == "error: mig: unknown MIG profile '8g.90gb'"
@@ -1304,16 +1304,20 @@ def test_mig_unsupported_gpu(rig: Rig) -> None:
 
 
 def test_mig_uuid_is_stable_and_distinct() -> None:
-    a = fakenvml.mig_uuid("GPU-x", 1, 0)
-    assert a == fakenvml.mig_uuid("GPU-x", 1, 0)
-    others = [fakenvml.mig_uuid("GPU-x", 2, 0), fakenvml.mig_uuid("GPU-x", 1, 1), fakenvml.mig_uuid("GPU-y", 1, 0)]
+    a = fakenvml_devices.mig_uuid("GPU-x", 1, 0)
+    assert a == fakenvml_devices.mig_uuid("GPU-x", 1, 0)
+    others = [
+        fakenvml_devices.mig_uuid("GPU-x", 2, 0),
+        fakenvml_devices.mig_uuid("GPU-x", 1, 1),
+        fakenvml_devices.mig_uuid("GPU-y", 1, 0),
+    ]
     assert len({a, *others}) == 4
     assert a.startswith("MIG-") and [len(p) for p in a[4:].split("-")] == [8, 4, 4, 4, 12]
 
 
 def test_write_mig_minors(tmp_path: Path) -> None:
     path = tmp_path / "proc" / "mig-minors"
-    fakenvml.write_mig_minors(path, {1: [(0, 0)], 0: [(2, 1), (1, 0), (2, 0)]})
+    fakenvml_devices.write_mig_minors(path, {1: [(0, 0)], 0: [(2, 1), (1, 0), (2, 0)]})
     assert path.read_text().splitlines() == [
         "config 1",
         "monitor 2",
@@ -1325,14 +1329,18 @@ def test_write_mig_minors(tmp_path: Path) -> None:
         "gpu1/gi0/access 138",
         "gpu1/gi0/ci0/access 139",
     ]
-    assert fakenvml.mig_minor(0, 0) == 3 and fakenvml.mig_minor(0, 0, 7) == 11 and fakenvml.mig_minor(0, 14, 7) == 137
+    assert (
+        fakenvml_devices.mig_minor(0, 0) == 3
+        and fakenvml_devices.mig_minor(0, 0, 7) == 11
+        and fakenvml_devices.mig_minor(0, 14, 7) == 137
+    )
     # Unique over the whole space.
-    minors = [fakenvml.mig_minor(g, gi, ci) for g in range(4) for gi in range(15) for ci in (None, *range(8))]
+    minors = [fakenvml_devices.mig_minor(g, gi, ci) for g in range(4) for gi in range(15) for ci in (None, *range(8))]
     assert len(set(minors)) == len(minors) and min(minors) == 3
     with pytest.raises(ValueError):
-        fakenvml.write_mig_minors(path, {0: [(15, 0)]})
+        fakenvml_devices.write_mig_minors(path, {0: [(15, 0)]})
     with pytest.raises(ValueError):
-        fakenvml.mig_minor(0, 1, 8)
+        fakenvml_devices.mig_minor(0, 1, 8)
 
 
 # ---- running processes ------------------------------------------------------------------
@@ -1358,7 +1366,7 @@ def test_running_processes_none_then_set_over_control(rig: Rig) -> None:
         PROCS_HELPERS
         + textwrap.dedent(
             """
-        from nvplug.testing.fakenvml import GpuProcess as P
+        from nvplug.testing.fakenvml_devices import GpuProcess as P
         N.nvmlInit()
         h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
         out["empty"] = lists(h0)
@@ -1437,7 +1445,7 @@ def test_running_processes_size_query_and_layouts_by_raw_calls(rig: Rig) -> None
         # The unversioned entry points take the two-field nvmlProcessInfo_v1_t: 16 bytes apart.
         class V1(ctypes.Structure):
             _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
-        from nvplug.testing.fakenvml import GpuProcess as P
+        from nvplug.testing.fakenvml_devices import GpuProcess as P
         CTL.procs(3, [P(11, 1), P(22, 2, ("compute", "graphics", "mps"))])
         out["v1_size"] = ctypes.sizeof(V1)
         out["v1"] = {}
@@ -1502,7 +1510,7 @@ def test_running_processes_on_mig_devices(rig: Rig) -> None:
         + PROCS_HELPERS
         + textwrap.dedent(
             """
-        from nvplug.testing.fakenvml import GpuProcess as P
+        from nvplug.testing.fakenvml_devices import GpuProcess as P
         N.nvmlInit()
         h0, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
         m = migs(h0)
@@ -1698,7 +1706,7 @@ def test_procs_on_a_mig_device_the_scenario_never_makes(rig: Rig) -> None:
 
 
 def test_gpu_process_spec_and_checks() -> None:
-    P = fakenvml.GpuProcess
+    P = fakenvml_devices.GpuProcess
     assert P(1).spec() == "1"
     assert P(2, 0).spec() == "2:0"
     assert P(3, 512, ("graphics", "compute")).spec() == "3:512:compute+graphics"
@@ -1718,7 +1726,7 @@ def test_gpu_process_spec_and_checks() -> None:
     for kwargs in bad:
         with pytest.raises(ValueError):
             P(**kwargs)
-    control = fakenvml.Control(Path("/nonexistent"))
+    control = fakenvml_control.Control(Path("/nonexistent"))
     with pytest.raises(TypeError):
         control.procs(0, "123")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -2170,9 +2178,9 @@ def test_compute_mode_get_set_and_return_codes(rig: Rig) -> None:
     assert out["lost"] == [GPU_IS_LOST, GPU_IS_LOST, "error: compute_mode: the GPU is lost", EXCLUSIVE_PROCESS]
     assert out["shut"] == [1, 1]
     # Every successful set went to the state file: the GPUs set since, by UUID, the last mode each.
-    assert fakenvml.persisted_compute_modes(rig.env(scenario)) == {"GPU-a": 0, "GPU-b": 3, "GPU-c": 0}
-    assert fakenvml.persisted_compute_modes(rig.root) == fakenvml.persisted_compute_modes(
-        rig.root / fakenvml.STATE_FILE
+    assert fakenvml_library.persisted_compute_modes(rig.env(scenario)) == {"GPU-a": 0, "GPU-b": 3, "GPU-c": 0}
+    assert fakenvml_library.persisted_compute_modes(rig.root) == fakenvml_library.persisted_compute_modes(
+        rig.root / fakenvml_library.STATE_FILE
     )
     assert sorted(p.name for p in rig.root.iterdir()) == [
         "ctl",
@@ -2207,7 +2215,7 @@ def test_compute_mode_is_driver_state_surviving_a_sigkilled_process(rig: Rig) ->
     try:
         assert daemon.stdout is not None and daemon.stdin is not None
         assert daemon.stdout.readline() == "set\n"
-        persisted_while_running = fakenvml.persisted_compute_modes(rig.env(None))
+        persisted_while_running = fakenvml_library.persisted_compute_modes(rig.env(None))
         # Another process of the node, with a control socket of its own beside the daemon's
         # (as `nvplug doctor` has): it sees the daemon's mode and sets one the daemon then sees.
         cli_env = rig.env(None)
@@ -2227,7 +2235,7 @@ def test_compute_mode_is_driver_state_surviving_a_sigkilled_process(rig: Rig) ->
         daemon.stdin.write("go\n")
         daemon.stdin.flush()
         seen = json.loads(daemon.stdout.readline())
-        assert fakenvml.Control(rig.ctl).compute_mode(2) == EXCLUSIVE_PROCESS
+        assert fakenvml_control.Control(rig.ctl).compute_mode(2) == EXCLUSIVE_PROCESS
         daemon.send_signal(signal.SIGKILL)
         daemon.wait(10)
     finally:
@@ -2238,7 +2246,7 @@ def test_compute_mode_is_driver_state_surviving_a_sigkilled_process(rig: Rig) ->
     assert [cli["modes"], cli["set"], cli["ctl"]] == [[DEFAULT, DEFAULT, EXCLUSIVE_PROCESS, DEFAULT], 0, PROHIBITED]
     assert seen == {"set": 0, "seen": [DEFAULT, DEFAULT, EXCLUSIVE_PROCESS, PROHIBITED]}
     # Nobody has the library loaded now: the modes are in the state file.
-    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: EXCLUSIVE_PROCESS, u[3]: PROHIBITED}
+    assert fakenvml_library.persisted_compute_modes(rig.env(None)) == {u[2]: EXCLUSIVE_PROCESS, u[3]: PROHIBITED}
 
     # A restarted daemon reads them and restores the old modes, one through NVML, one as an operator.
     out = rig.run(
@@ -2256,21 +2264,21 @@ def test_compute_mode_is_driver_state_surviving_a_sigkilled_process(rig: Rig) ->
     assert out["state"] == f"2 {u[2]} ok ra=0 cm=3"
     assert out["restore"] == [0, "ok"]
     assert out["after"] == [DEFAULT] * 4
-    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
+    assert fakenvml_library.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
     assert not [p.name for p in rig.root.iterdir() if p.name.endswith(".tmp")]
 
     # Another simulated node (another directory) has driver state of its own.
     other = rig.root / "other"
     other.mkdir()
-    other_env = fakenvml.environ(rig.lib_dir, fakenvml.DEFAULT_SCENARIO, other / "ctl", rig.env(None))
+    other_env = fakenvml_library.environ(rig.lib_dir, fakenvml_library.DEFAULT_SCENARIO, other / "ctl", rig.env(None))
     assert other_env["FAKE_NVML_STATE_DIR"] == str(other)
     rig.run(
         cm_body('N.nvmlInit(); set_mode(5, 3); CTL.send("compute_mode 6 EXCLUSIVE_PROCESS")'),
         env=other_env,
         ctl=other / "ctl",
     )
-    assert fakenvml.persisted_compute_modes(other_env) == {u[5]: 3, u[6]: 3}
-    assert fakenvml.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
+    assert fakenvml_library.persisted_compute_modes(other_env) == {u[5]: 3, u[6]: 3}
+    assert fakenvml_library.persisted_compute_modes(rig.env(None)) == {u[2]: DEFAULT, u[3]: DEFAULT}
 
 
 def test_compute_mode_kept_by_uuid_across_remove_and_add_and_lost_with_the_file(rig: Rig) -> None:
@@ -2292,7 +2300,7 @@ def test_compute_mode_kept_by_uuid_across_remove_and_add_and_lost_with_the_file(
             out["names"] = [CTL.set_compute_mode(0, 1), N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByIndex(0)),
                             CTL.send("compute_mode 0 exclusive_process"), CTL.compute_mode(0)]
             # The driver reloaded: every GPU back to its gpu line's mode.
-            os.unlink(os.path.join(os.path.dirname(sys.argv[1]), "{fakenvml.STATE_FILE}"))
+            os.unlink(os.path.join(os.path.dirname(sys.argv[1]), "{fakenvml_library.STATE_FILE}"))
             out["reload"] = [modes(1), N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByUUID("{u7}")),
                              N.nvmlDeviceGetComputeMode(N.nvmlDeviceGetHandleByUUID("GPU-new"))]
             bad = ["compute_mode", "compute_mode 0 4", "compute_mode 0 -1", "compute_mode 0 x", "compute_mode 0 1 2",
@@ -2322,7 +2330,7 @@ def test_compute_mode_limits_the_processes(rig: Rig) -> None:
         PROCS_HELPERS
         + cm_body(
             """
-            from nvplug.testing.fakenvml import GpuProcess as P
+            from nvplug.testing.fakenvml_devices import GpuProcess as P
             N.nvmlInit()
             h0, h1, h2 = (N.nvmlDeviceGetHandleByIndex(i) for i in range(3))
             out["default_two"] = CTL.procs(0, [1, 2])
@@ -2405,7 +2413,7 @@ def test_compute_mode_of_mig_gpus_and_mig_handles(rig: Rig) -> None:
     out = rig.run(
         cm_body(
             """
-            from nvplug.testing.fakenvml import GpuProcess as P
+            from nvplug.testing.fakenvml_devices import GpuProcess as P
             N.nvmlInit()
             h = N.nvmlDeviceGetHandleByIndex(0)
             m = N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
@@ -2463,10 +2471,10 @@ def test_compute_mode_set_needs_root(rig: Rig) -> None:
     shared = Path(tempfile.mkdtemp(prefix="fnv-user-", dir="/tmp"))
     try:
         shared.chmod(0o755)
-        shutil.copy(rig.lib_dir / fakenvml.LIB_NAME, shared)
+        shutil.copy(rig.lib_dir / fakenvml_library.LIB_NAME, shared)
         shutil.copy(pynvml.__file__, shared)
-        shutil.copy(fakenvml.DEFAULT_SCENARIO, shared / "node.scenario")
-        env = fakenvml.environ(shared, shared / "node.scenario", rig.ctl, rig.env(None), state_dir=shared)
+        shutil.copy(fakenvml_library.DEFAULT_SCENARIO, shared / "node.scenario")
+        env = fakenvml_library.environ(shared, shared / "node.scenario", rig.ctl, rig.env(None), state_dir=shared)
         rig.run(cm_body("N.nvmlInit(); out['set'] = set_mode(1, 3)"), env=env)
         user_env = {k: env[k] for k in ("LD_LIBRARY_PATH", "FAKE_NVML_SCENARIO", "FAKE_NVML_STATE_DIR")}
         user_env["PYTHONPATH"] = str(shared)
@@ -2504,7 +2512,7 @@ def test_compute_mode_set_needs_root(rig: Rig) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout.splitlines()[-1])
-        persisted = fakenvml.persisted_compute_modes(shared)
+        persisted = fakenvml_library.persisted_compute_modes(shared)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
     assert result == {
@@ -2518,17 +2526,19 @@ def test_compute_mode_set_needs_root(rig: Rig) -> None:
 
 
 def test_state_file_and_persisted_compute_modes_helpers(tmp_path: Path) -> None:
-    assert fakenvml.state_file({"FAKE_NVML_STATE_DIR": "/s", "FAKE_NVML_CONTROL": "/n/c"}) == Path("/s/fakenvml.state")
-    assert fakenvml.state_file({"FAKE_NVML_STATE_DIR": "", "FAKE_NVML_CONTROL": "/n/c"}) is None
-    assert fakenvml.state_file({"FAKE_NVML_CONTROL": "/n/c"}) == Path("/n/fakenvml.state")
-    assert fakenvml.state_file({}) is None
-    assert fakenvml.persisted_compute_modes({}) == {}
-    assert fakenvml.persisted_compute_modes(tmp_path) == {}
-    (tmp_path / fakenvml.STATE_FILE).write_text(
+    assert fakenvml_library.state_file({"FAKE_NVML_STATE_DIR": "/s", "FAKE_NVML_CONTROL": "/n/c"}) == Path(
+        "/s/fakenvml.state"
+    )
+    assert fakenvml_library.state_file({"FAKE_NVML_STATE_DIR": "", "FAKE_NVML_CONTROL": "/n/c"}) is None
+    assert fakenvml_library.state_file({"FAKE_NVML_CONTROL": "/n/c"}) == Path("/n/fakenvml.state")
+    assert fakenvml_library.state_file({}) is None
+    assert fakenvml_library.persisted_compute_modes({}) == {}
+    assert fakenvml_library.persisted_compute_modes(tmp_path) == {}
+    (tmp_path / fakenvml_library.STATE_FILE).write_text(
         "# comment\n\nGPU-a compute_mode=3\nGPU-b other=1 compute_mode=2  # note\nGPU-c compute_mode=9\nGPU-d\n"
     )
     expected = {"GPU-a": 3, "GPU-b": 2}
-    assert fakenvml.persisted_compute_modes(tmp_path) == expected
-    assert fakenvml.persisted_compute_modes(tmp_path / fakenvml.STATE_FILE) == expected
-    assert fakenvml.persisted_compute_modes({"FAKE_NVML_STATE_DIR": str(tmp_path)}) == expected
-    assert list(fakenvml.ComputeMode) == [0, 1, 2, 3]
+    assert fakenvml_library.persisted_compute_modes(tmp_path) == expected
+    assert fakenvml_library.persisted_compute_modes(tmp_path / fakenvml_library.STATE_FILE) == expected
+    assert fakenvml_library.persisted_compute_modes({"FAKE_NVML_STATE_DIR": str(tmp_path)}) == expected
+    assert list(fakenvml_devices.ComputeMode) == [0, 1, 2, 3]

@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from nvplug.status import status_client as statusclient
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event
 

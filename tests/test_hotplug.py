@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event, send_uevent

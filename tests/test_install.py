@@ -31,9 +31,10 @@ from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 
 from nvplug.base.linked_socket_server import LISTENERS
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_control, fakenvml_library
 from nvplug.testing import mps_control_standin as mps_control
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.simulated_node import GPU_RESOURCE, device_health, registered_with
 
@@ -92,7 +93,7 @@ class Node:
     kubelet: KubeletThread
     # The container's network namespace (nspawn --private-network): where its 127.0.0.1 is.
     netns: NetNamespace
-    control: fakenvml.Control
+    control: fakenvml_control.Control
     plugin_dir: Path  # the host's side of PLUGIN_DIR
     uuids: list[str]
     host: Path  # the host's directory of the bound ones
@@ -193,9 +194,9 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
     kmsg = host / "kmsg"
     os.mkfifo(kmsg)
     kmsg_fd = os.open(kmsg, os.O_RDWR | os.O_NONBLOCK)
-    fakenvml.build(nvml_dir)
-    shutil.copyfile(fakenvml.DEFAULT_SCENARIO, nvml_dir / "node.scenario")
-    uuids = re.findall(r"^gpu .*?\buuid=(\S+)", fakenvml.DEFAULT_SCENARIO.read_text(), re.MULTILINE)
+    fakenvml_library.build(nvml_dir)
+    shutil.copyfile(fakenvml_library.DEFAULT_SCENARIO, nvml_dir / "node.scenario")
+    uuids = re.findall(r"^gpu .*?\buuid=(\S+)", fakenvml_library.DEFAULT_SCENARIO.read_text(), re.MULTILINE)
 
     kubelet = KubeletThread(plugin_dir)
     kubelet.pod_resources.socket_path.parent.mkdir()
@@ -250,7 +251,7 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
 
         # The library replies to an abstract address, which must be in the container's network namespace.
         netns = NetNamespace.of_process(ctr.leader)
-        control = fakenvml.Control(control_dir / "nvml.ctl", netns)
+        control = fakenvml_control.Control(control_dir / "nvml.ctl", netns)
         yield Node(ctr, kubelet, netns, control, plugin_dir, uuids, host, kmsg_fd)
     finally:
         if netns is not None:
@@ -489,7 +490,7 @@ def test_the_hardened_unit_reads_the_kernel_log(node: Node) -> None:
     """Without ProtectKernelLogs=, /dev/kmsg is the unit's to read: an Xid there takes its GPU out,
     and a driver load line there is the evidence that brings it back."""
     started = time.monotonic()
-    scenario = fakenvml.DEFAULT_SCENARIO.read_text()
+    scenario = fakenvml_library.DEFAULT_SCENARIO.read_text()
     bus = re.findall(r"^gpu .*?\bbus=(\S+)", scenario, re.MULTILINE)[7].lower()
     gpu7 = node.uuids[7]
     node.kernel_log(f"NVRM: Xid (PCI:{bus[:-2]}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
@@ -549,7 +550,7 @@ def test_the_hardened_unit_runs_mps_for_a_client_that_is_not_root(node: Node) ->
     except TimeoutError as err:
         raise AssertionError(f"the MPS devices did not turn Healthy under the unit\n{node.diagnose()}") from err
     exclusive = {node.uuids[0]: 3, node.uuids[1]: 3}
-    assert fakenvml.persisted_compute_modes(node.host / "ctl") == exclusive
+    assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == exclusive
     # Mounted by `nvplug mps prepare` where the whole host sees it, not in the unit's namespace.
     mounted = node.ctr.run("findmnt", "-n", "-o", "FSTYPE", MPS_SHM, check=False).stdout.strip()
     assert mounted == "tmpfs", f"{MPS_SHM}: {mounted or 'not mounted'}\n{node.ctr.journal(UNIT, '-o', 'cat')}"
@@ -575,9 +576,9 @@ def test_the_hardened_unit_runs_mps_for_a_client_that_is_not_root(node: Node) ->
         "nvplug restarted after SIGKILL, its MPS devices Healthy again",
         node.diagnose,
     )
-    assert fakenvml.persisted_compute_modes(node.host / "ctl") == exclusive
+    assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == exclusive
     node.ctr.run("systemctl", "stop", UNIT)
-    assert fakenvml.persisted_compute_modes(node.host / "ctl") == {node.uuids[0]: 0, node.uuids[1]: 0}
+    assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == {node.uuids[0]: 0, node.uuids[1]: 0}
     # nvplug-mps.service stops after nvplug.service, in the same transaction.
     nspawn.wait_until(
         lambda: node.ctr.run("findmnt", MPS_SHM, check=False).returncode != 0,
@@ -699,7 +700,7 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
     assert names.endswith(" k8s.gpu.nvidia.com/claim=mps-gpu-7"), names
     spec = "/run/cdi/k8s.gpu.nvidia.com-claim_mps.json"
     assert node.ctr.exists(spec)
-    assert fakenvml.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 3
+    assert fakenvml_library.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 3
     client = node.ctr.run(
         "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
         "env", "CUDA_MPS_PIPE_DIRECTORY=/run/nvplug/mps/claim-mps/pipe", MPS_CONTROL, "--fake-cuda-client",
@@ -712,7 +713,7 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
     calls = node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.splitlines()
     assert calls[-1] == f"compute-policy -i {node.uuids[6]} --set-timeslice 0", calls
     assert not node.ctr.exists(spec)
-    assert fakenvml.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 0
+    assert fakenvml_library.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 0
 
 
 def test_stop_is_clean(node: Node) -> None:

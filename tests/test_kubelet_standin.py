@@ -18,7 +18,10 @@ import grpc.aio
 import pytest
 
 from nvplug.protos import deviceplugin_pb2 as pb
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletError, KubeletThread, extended_resource_name_error
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_plugin_client import KubeletError
+from nvplug.testing.kubelet_thread import KubeletThread
+from nvplug.testing.kubelet_validation import extended_resource_name_error
 from nvplug.testing.loop_thread import LoopThread
 
 RES = "example.com/gpu"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_library
 
 MACHINE_DIR = Path("/var/run/cdi")
 SPEC = MACHINE_DIR / "k8s.device-plugin.nvidia.com-gpu.json"
@@ -61,7 +61,7 @@ def _foreign_spec() -> Iterator[Path]:
     made_dir = before is None
     made_spec = not SPEC.exists()
     if made_spec:
-        uuids = re.findall(r"uuid=(GPU-[0-9a-f-]+)", fakenvml.DEFAULT_SCENARIO.read_text())
+        uuids = re.findall(r"uuid=(GPU-[0-9a-f-]+)", fakenvml_library.DEFAULT_SCENARIO.read_text())
         devices = ",".join(f'{{"name":"{u}","containerEdits":{{"deviceNodes":[{{"path":"/dev/nvidia0"}}]}}}}'
                            for u in uuids)  # fmt: skip
         MACHINE_DIR.mkdir(parents=True, exist_ok=True)

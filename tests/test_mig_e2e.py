@@ -6,8 +6,9 @@ import grpc
 import pytest
 
 from nvplug.status import status_client as statusclient
-from nvplug.testing import fakenvml
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing import fakenvml_devices
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
@@ -29,7 +30,7 @@ def mig_node(
     # The driver's table lists every possible instance; list gi 1-7 on every GPU.
     table = {int(g["minor"]): [(gi, 0) for gi in range(1, 8)] for g in gpus}
     if minors:
-        fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
+        fakenvml_devices.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", table)
     if start:
         node.config.write_text(f"version: v1\nflags:\n  migStrategy: {strategy}\n")
         node.kubelet.start()
@@ -67,14 +68,14 @@ def test_mixed_serves_one_resource_per_profile_and_whole_gpus_without_mig(node: 
     small = node.kubelet.plugin("nvidia.com/mig-3g.40gb")
     assert small is not None
     (mig_uuid,) = small.devices
-    assert mig_uuid == fakenvml.mig_uuid(gpus[1]["uuid"], 1, 0)
+    assert mig_uuid == fakenvml_devices.mig_uuid(gpus[1]["uuid"], 1, 0)
     out = node.kubelet.allocate("nvidia.com/mig-3g.40gb", [mig_uuid]).container_responses[0]
     assert out.envs["NVIDIA_VISIBLE_DEVICES"] == mig_uuid
     minor = int(gpus[1]["minor"])
     assert [d.container_path for d in out.devices][:3] == [
         f"/dev/nvidia{minor}",
-        f"/dev/nvidia-caps/nvidia-cap{fakenvml.mig_minor(minor, 1)}",
-        f"/dev/nvidia-caps/nvidia-cap{fakenvml.mig_minor(minor, 1, 0)}",
+        f"/dev/nvidia-caps/nvidia-cap{fakenvml_devices.mig_minor(minor, 1)}",
+        f"/dev/nvidia-caps/nvidia-cap{fakenvml_devices.mig_minor(minor, 1, 0)}",
     ]
 
 
@@ -94,7 +95,7 @@ def test_single_misconfigured_advertises_nothing_and_says_why(node: SimulatedNod
 def test_instance_scoped_xid_marks_only_that_mig_device(node: SimulatedNode) -> None:
     gpus = mig_node(node, "mixed", {0: ["1g.10gb"] * 7})
     node.kubelet.wait_for(registered_with(7, "nvidia.com/mig-1g.10gb"), TIMEOUT)
-    victim = fakenvml.mig_uuid(gpus[0]["uuid"], 3, 0)
+    victim = fakenvml_devices.mig_uuid(gpus[0]["uuid"], 3, 0)
     node.control.xid(0, 79, 3, 0)
     node.kubelet.wait_for(device_health(victim, healthy=False, resource="nvidia.com/mig-1g.10gb"), TIMEOUT)
     plugin = node.kubelet.plugin("nvidia.com/mig-1g.10gb")
@@ -139,7 +140,7 @@ def test_mig_devices_without_capability_minors_are_advertised_unhealthy(node: Si
     _, body = statusclient.fetch(f"unix:{node.status_socket}", "/healthz")
     assert "2 devices cannot be allocated: " in body and "no capability device minors listed" in body
     # The table appears (a driver that has it): the next scan finds it, and they are offered.
-    fakenvml.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", {1: [(1, 0), (2, 0)]})
+    fakenvml_devices.write_mig_minors(node.proc_root / "driver/nvidia-caps/mig-minors", {1: [(1, 0), (2, 0)]})
     node.control.mig_layout(1, ["3g.40gb", "3g.40gb"])
     node.kubelet.wait_for(lambda k: k.allocatable("nvidia.com/mig-3g.40gb") == 2, TIMEOUT)
     node.wait_log("healthy: MIG 3g.40gb gi 1 ci 0")

@@ -15,9 +15,9 @@ import pytest
 from test_mig_e2e import mig_node
 
 from nvplug.status import status_client
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_devices, fakenvml_library
 from nvplug.testing import mps_control_standin as mps
-from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.simulated_node import SimulatedNode, registered_with
 
 TIMEOUT = 15.0
@@ -71,7 +71,7 @@ def wait(predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> 
 
 
 def modes(node: SimulatedNode) -> dict[str, int]:
-    return fakenvml.persisted_compute_modes(node.root)
+    return fakenvml_library.persisted_compute_modes(node.root)
 
 
 def test_a_group_starts_with_its_defaults_set_before_its_devices_turn_healthy(node: SimulatedNode) -> None:
@@ -156,7 +156,7 @@ def test_a_reload_that_changes_replicas_restarts_only_that_group(node: Simulated
 def test_a_reload_is_refused_while_the_group_has_clients(node: SimulatedNode) -> None:
     uuids = start(node)
     server = group(node)["pid"]
-    node.control.procs(0, [fakenvml.GpuProcess(server), fakenvml.GpuProcess(4242, kinds=("mps",))])
+    node.control.procs(0, [fakenvml_devices.GpuProcess(server), fakenvml_devices.GpuProcess(4242, kinds=("mps",))])
     node.config.write_text(node.mps_config(FOUR_ON_TWO.replace("replicas: 4", "replicas: 2")))
     assert node.daemon is not None
     node.daemon.send_signal(signal.SIGHUP)
@@ -228,7 +228,7 @@ def test_mps_on_mig_devices_runs_one_daemon_per_mig_device(node: SimulatedNode) 
     node.kubelet.start()
     node.start_daemon()
     node.kubelet.wait_for(allocatable(4, "nvidia.com/mig-3g.40gb"), TIMEOUT)
-    migs = [fakenvml.mig_uuid(gpus[1]["uuid"], gi, 0) for gi in (1, 2)]
+    migs = [fakenvml_devices.mig_uuid(gpus[1]["uuid"], gi, 0) for gi in (1, 2)]
     groups = {g["name"]: g for g in status(node)["groups"]}
     assert sorted(groups) == sorted(migs)
     for uuid in migs:

@@ -18,7 +18,8 @@ from nvplug.kubelet.registrar import LIST_WAIT, REGISTER_TIMEOUT, Registrar
 from nvplug.protos import KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.status import status_client as statusclient
-from nvplug.testing.kubelet_standin import HUNG, FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_views import HUNG
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from nvplug.testing.kubelet_standin import FakeKubelet
+from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nvplug.core.topology import Link, PcieLevel, Topology, best_set
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_library
 
 
 def ids(n: int) -> list[str]:
@@ -114,7 +114,7 @@ def test_topology_is_read_from_nvml(tmp_path: Path, nvml_lib_dir: Path) -> None:
         "import json; from nvplug.sources.nvml_discovery import Nvml; t = Nvml().scan().discovery.topology;"
         "print(json.dumps({f'{a}-{b}': [l.nvlinks, l.pcie.name] for (a, b), l in sorted(t.links.items())}))"
     )
-    env = fakenvml.environ(nvml_lib_dir, scenario, tmp_path / "ctl")
+    env = fakenvml_library.environ(nvml_lib_dir, scenario, tmp_path / "ctl")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {
@@ -134,7 +134,7 @@ def test_default_scenario_is_an_nvswitch_node(tmp_path: Path, nvml_lib_dir: Path
         "pairs = [(u[0], u[1]), (u[0], u[2]), (u[0], u[4])];"
         "print(json.dumps([[t.link(a, b).nvlinks, t.link(a, b).pcie.name] for a, b in pairs]))"
     )
-    env = fakenvml.environ(nvml_lib_dir, fakenvml.DEFAULT_SCENARIO, tmp_path / "ctl")
+    env = fakenvml_library.environ(nvml_lib_dir, fakenvml_library.DEFAULT_SCENARIO, tmp_path / "ctl")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [[18, "SINGLE"], [18, "NODE"], [18, "SYSTEM"]]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nvplug.testing import fake_driver_root as driverroot
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
-from nvplug.testing.fakenvml import FakeNvmlBuildError
+from nvplug.testing.fakenvml_library import FakeNvmlBuildError
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event
 

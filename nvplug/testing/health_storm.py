@@ -21,8 +21,8 @@ from watchdog.observers import Observer
 
 from nvplug.sinks.health_state_file import LAG_BOUND, WRITE_INTERVAL
 from nvplug.status import status_client
-from nvplug.testing.fakenvml import Control
-from nvplug.testing.kubelet_standin import KubeletThread
+from nvplug.testing.fakenvml_control import Control
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode
 
 GPU_RESET = 1  # NVML's recovery action: a GPU reset

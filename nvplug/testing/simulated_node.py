@@ -26,10 +26,11 @@ from nvplug.core.gpu import normalize_bus_id
 from nvplug.core.kernel_log_records import format_record
 from nvplug.mps.control_daemon import kill_leftover
 from nvplug.mps.mps_dirs import PID_FILE
-from nvplug.testing import fakenvml
+from nvplug.testing import fakenvml_control, fakenvml_library
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
-from nvplug.testing.kubelet_standin import FakeKubelet, KubeletThread
+from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.net_namespace import NamespaceUnavailable, NetNamespace, isolated
 from nvplug.testing.udev_sender import UdevSender
 
@@ -81,7 +82,9 @@ def remove_tree(path: Path) -> None:
 class SimulatedNode:
     """Keep `root` short: unix socket paths are limited to 107 bytes."""
 
-    def __init__(self, root: Path, scenario: Path = fakenvml.DEFAULT_SCENARIO, lib_dir: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, scenario: Path = fakenvml_library.DEFAULT_SCENARIO, lib_dir: Path | None = None
+    ) -> None:
         self.root = root
         self.plugin_dir = root / "device-plugins"
         self.dev_root = root / "dev-root"
@@ -280,11 +283,11 @@ class SimulatedNode:
         )
 
     def build_library(self) -> Path:
-        return fakenvml.build(self.lib_dir)
+        return fakenvml_library.build(self.lib_dir)
 
     @property
-    def control(self) -> fakenvml.Control:
-        return fakenvml.Control(self.control_path, self.netns)
+    def control(self) -> fakenvml_control.Control:
+        return fakenvml_control.Control(self.control_path, self.netns)
 
     @property
     def plugin_socket(self) -> Path:
@@ -310,7 +313,7 @@ class SimulatedNode:
         if nvml != "host":
             env.pop("LD_LIBRARY_PATH", None)
         if nvml == "fake":
-            env = fakenvml.environ(self.lib_dir, self.scenario, self.control_path, env)
+            env = fakenvml_library.environ(self.lib_dir, self.scenario, self.control_path, env)
             env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
         env["PYTHONUNBUFFERED"] = "1"
         return env

@@ -1,260 +1,32 @@
-"""Build and drive the fake ``libnvidia-ml.so.1`` (``fakenvml.c``).
+"""Drive the fake NVML library through its control socket (``FAKE_NVML_CONTROL``).
 
-The fake is loaded by the real ``pynvml`` through ``LD_LIBRARY_PATH`` in a
-child process started with :func:`environ`; the test (or demo) then injects
-faults through :class:`Control`, a client of the library's unix datagram
-control socket.
+The test (or demo) injects faults through :class:`Control`, a client of the
+library's unix datagram control socket, once a child process started with
+``fakenvml_library.environ`` has loaded the fake.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
-import os
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal, TypeAlias
 
-from nvplug.testing import c_build
-from nvplug.testing.c_build import CBuildError
+from nvplug.testing.fakenvml_devices import PROCS_MAX, ComputeMode, GpuProcess
 from nvplug.testing.net_namespace import NetNamespace
 
-__all__ = [
-    "ANY_GPU",
-    "DEFAULT_SCENARIO",
-    "LIB_NAME",
-    "MIG_PROFILES",
-    "SOURCE",
-    "STATE_FILE",
-    "ComputeMode",
-    "Control",
-    "ControlError",
-    "FakeNvmlBuildError",
-    "GpuProcess",
-    "MigProfile",
-    "ProcessKind",
-    "build",
-    "environ",
-    "mig_minor",
-    "mig_uuid",
-    "persisted_compute_modes",
-    "state_file",
-    "write_mig_minors",
-]
-
-_HERE = Path(__file__).resolve().parent
-SOURCE: Path = _HERE / "fakenvml.c"
-DEFAULT_SCENARIO: Path = _HERE / "default.scenario"
-LIB_NAME = "libnvidia-ml.so.1"
-_CFLAGS = ("-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-pthread")
+__all__ = ["ANY_GPU", "Control", "ControlError", "GpuRef"]
 
 # A GPU as the control socket names it: an index in the current enumeration or a UUID.
 GpuRef: TypeAlias = "int | str"
 # The GPU of a block that matches every GPU, and the only one for calls that take no device.
 ANY_GPU = "*"
 
-MigProfile: TypeAlias = Literal["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
-# The H100 80GB MIG profiles the fake knows, in its table order.
-MIG_PROFILES: tuple[MigProfile, ...] = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
-
-# Which running-process query lists a process: nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses.
-ProcessKind: TypeAlias = Literal["compute", "graphics", "mps"]
-_PROCESS_KINDS: tuple[ProcessKind, ...] = ("compute", "graphics", "mps")
-_PROCS_MAX = 64  # PROCS_MAX in the C: processes per GPU
-_MIG_MAX_GI = 14
-_MIG_MAX_CI = 7
-
-# The driver state file (compute modes by GPU UUID) in FAKE_NVML_STATE_DIR: STATE_FILE in the C.
-STATE_FILE = "fakenvml.state"
-
-
-class ComputeMode(enum.IntEnum):
-    """nvmlComputeMode_t (pynvml's NVML_COMPUTEMODE_*)."""
-
-    DEFAULT = 0
-    EXCLUSIVE_THREAD = 1  # "Support Removed": nvmlDeviceSetComputeMode refuses it, the driver may still hold it
-    PROHIBITED = 2
-    EXCLUSIVE_PROCESS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuProcess:
-    """A process the fake reports as running on a GPU (``procs=`` / the ``procs`` command).
-
-    ``used_mib`` None makes NVML report ``usedGpuMemory`` as NVML_VALUE_NOT_AVAILABLE
-    (pynvml: None).  ``kinds`` picks the queries that list it (``("compute", "graphics")``
-    is nvidia-smi's "C+G").  ``mig`` (gi, ci) puts it on the GPU's MIG device with
-    those ids, which must exist when the command runs.
-    """
-
-    pid: int
-    used_mib: int | None = None
-    kinds: tuple[ProcessKind, ...] = ("compute",)
-    mig: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.pid <= 0xFFFFFFFF:
-            raise ValueError(f"pid out of range: {self.pid}")
-        if self.used_mib is not None and not 0 <= self.used_mib <= 1 << 30:
-            raise ValueError(f"used_mib out of range: {self.used_mib}")
-        if not self.kinds or len(set(self.kinds)) != len(self.kinds) or set(self.kinds) - set(_PROCESS_KINDS):
-            raise ValueError(f"bad process kinds: {self.kinds!r}")
-        if self.mig is not None and not (0 <= self.mig[0] <= _MIG_MAX_GI and 0 <= self.mig[1] <= _MIG_MAX_CI):
-            raise ValueError(f"no such MIG device ids (gi 0-{_MIG_MAX_GI}, ci 0-{_MIG_MAX_CI}): {self.mig}")
-
-    def spec(self) -> str:
-        """The ``PID[:MIB][:KIND][@GI/CI]`` text the C side parses (and its ``state`` reply shows)."""
-        text = str(self.pid)
-        if self.used_mib is not None:
-            text += f":{self.used_mib}"
-        if self.kinds != ("compute",):
-            text += ":" + "+".join(k for k in _PROCESS_KINDS if k in self.kinds)
-        if self.mig is not None:
-            text += f"@{self.mig[0]}/{self.mig[1]}"
-        return text
-
-
-_FNV_PRIME = 0x100000001B3
-_MASK64 = (1 << 64) - 1
-
-
-def _fnv1a(text: str, h: int) -> int:
-    for byte in text.encode():
-        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
-    return h
-
-
-def mig_uuid(parent_uuid: str, gi: int, ci: int) -> str:
-    """The UUID the fake gives a MIG device without a ``uuid=`` (mirrors ``mig_default_uuid`` in the C)."""
-    key = f"{parent_uuid}/{gi}/{ci}"
-    a = _fnv1a(key, 0xCBF29CE484222325)
-    b = _fnv1a(key, 0x84222325CBF29CE4)
-    return f"MIG-{a >> 32:08x}-{(a >> 16) & 0xFFFF:04x}-{a & 0xFFFF:04x}-{b >> 48:04x}-{b & 0xFFFFFFFFFFFF:012x}"
-
-
-# nvidia-caps numbering (/proc/driver/nvidia-caps/mig-minors): "config 1", "monitor 2", then for
-# each GPU minor 0..31 and GPU instance 0..14 the GI's access minor followed by its compute
-# instances 0..7: 9 minors per GI, 135 per GPU.
-_MIG_GIS = 15
-_MIG_CIS = 8
-_MIG_PER_GI = 1 + _MIG_CIS
-_MIG_PER_GPU = _MIG_GIS * _MIG_PER_GI
-
-
-def mig_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """The nvidia-cap minor of ``gpu<gpu_minor>/gi<gi>/access`` or, with ``ci``, ``.../ci<ci>/access``.
-
-    ``3 + gpu_minor*135 + gi*9`` for the GPU instance, plus ``1 + ci`` for a compute
-    instance: the order in which the driver lists every possible capability (so
-    ``gpu0/gi1/access 12``, ``gpu0/gi1/ci0/access 13``, ``gpu1/gi0/access 138``).
-    """
-    if not 0 <= gpu_minor <= 255 or not 0 <= gi < _MIG_GIS or (ci is not None and not 0 <= ci < _MIG_CIS):
-        raise ValueError(f"no nvidia-caps minor for gpu{gpu_minor}/gi{gi}/ci{ci}")
-    base = 3 + gpu_minor * _MIG_PER_GPU + gi * _MIG_PER_GI
-    return base if ci is None else base + 1 + ci
-
-
-def write_mig_minors(path: Path, layout: Mapping[int, Sequence[tuple[int, int]]]) -> None:
-    """Write a ``mig-minors`` file like the driver's ``/proc/driver/nvidia-caps/mig-minors``.
-
-    ``layout`` maps GPU minor numbers to (gi, ci) pairs.  The file has the
-    ``config``/``monitor`` lines and, per GPU and GI in ascending order, the GI
-    access line then its CI lines, numbered by :func:`mig_minor`.  (The real
-    file lists every possible GPU/GI/CI; listing only the given ones keeps the
-    same numbers.)
-    """
-    lines = ["config 1", "monitor 2"]
-    for gpu in sorted(layout):
-        gis: dict[int, set[int]] = {}
-        for gi, ci in layout[gpu]:
-            mig_minor(gpu, gi, ci)  # validates
-            gis.setdefault(gi, set()).add(ci)
-        for gi in sorted(gis):
-            lines.append(f"gpu{gpu}/gi{gi}/access {mig_minor(gpu, gi)}")
-            lines.extend(f"gpu{gpu}/gi{gi}/ci{ci}/access {mig_minor(gpu, gi, ci)}" for ci in sorted(gis[gi]))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-
-
-class FakeNvmlBuildError(CBuildError):
-    """The C compiler could not build the fake library."""
-
 
 class ControlError(RuntimeError):
     """The fake library rejected a control command (its reply began with ``error``)."""
-
-
-def build(dest_dir: Path, cc: str = "cc") -> Path:
-    """Compile :data:`SOURCE` to ``dest_dir/libnvidia-ml.so.1`` unless an up-to-date build exists.
-
-    Safe to call from concurrent processes: the library is written under a
-    temporary name and renamed into place, and the source hash beside it is
-    written only after the library.
-    """
-    return c_build.build(SOURCE, Path(dest_dir) / LIB_NAME, _CFLAGS, cc, FakeNvmlBuildError)
-
-
-def environ(
-    lib_dir: Path,
-    scenario: Path,
-    control: Path,
-    base: Mapping[str, str] | None = None,
-    state_dir: Path | None = None,
-) -> dict[str, str]:
-    """The environment for a child process that should load the fake instead of a real NVML.
-
-    ``state_dir`` (``FAKE_NVML_STATE_DIR``) holds the driver state that outlives the
-    processes, the GPUs' compute modes (:data:`STATE_FILE`); by default the control
-    socket's directory, which is one per simulated node: its processes (a daemon, its
-    restarts, a CLI with a control socket of its own beside it) share the state, other
-    nodes do not.
-    """
-    env = dict(os.environ if base is None else base)
-    previous = env.get("LD_LIBRARY_PATH")
-    env["LD_LIBRARY_PATH"] = str(lib_dir) + (os.pathsep + previous if previous else "")
-    env["FAKE_NVML_SCENARIO"] = str(scenario)
-    env["FAKE_NVML_CONTROL"] = str(control)
-    env["FAKE_NVML_STATE_DIR"] = str(Path(control).parent if state_dir is None else state_dir)
-    return env
-
-
-def state_file(env: Mapping[str, str]) -> Path | None:
-    """The driver state file the library uses in ``env``, as the C resolves it; None: it keeps none.
-
-    ``FAKE_NVML_STATE_DIR``/:data:`STATE_FILE` (an empty value: none), else :data:`STATE_FILE`
-    beside ``FAKE_NVML_CONTROL``, else none (the state then lives in the process).
-    """
-    state_dir = env.get("FAKE_NVML_STATE_DIR")
-    if state_dir is not None:
-        return Path(state_dir) / STATE_FILE if state_dir else None
-    control = env.get("FAKE_NVML_CONTROL")
-    return Path(control).parent / STATE_FILE if control else None
-
-
-def persisted_compute_modes(where: Mapping[str, str] | Path) -> dict[str, int]:
-    """The compute modes in the driver state file, by GPU UUID, read without loading the library.
-
-    ``where`` is an environment (see :func:`state_file`), the state directory or the
-    file itself.  Only GPUs whose mode was set since the file was made are there (the
-    others have their gpu line's ``compute_mode=``); no file is no entries.
-    """
-    if isinstance(where, Path):
-        path: Path | None = where / STATE_FILE if where.is_dir() else where
-    else:
-        path = state_file(where)
-    text = c_build.read_text(path) if path is not None else None
-    modes: dict[str, int] = {}
-    for line in (text or "").splitlines():
-        words = line.split("#", 1)[0].split()
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if sep and key == "compute_mode" and value.isdigit() and int(value) < len(ComputeMode):
-                modes[words[0]] = int(value)
-    return modes
 
 
 class Control:
@@ -353,7 +125,7 @@ class Control:
         """Replace the GPU's MIG devices (MIG mode must be on) with one per profile, in order.
 
         GPU instance ids are 1, 2, ... in that order, compute instance ids 0;
-        UUIDs are :func:`mig_uuid` of those.  An empty sequence clears the
+        UUIDs are ``fakenvml_devices.mig_uuid`` of those.  An empty sequence clears the
         layout.  Takes effect at once and queues a MigConfigChange (0x100) event.
         """
         if isinstance(profiles, str):
@@ -391,8 +163,8 @@ class Control:
         """
         if isinstance(procs, (str, bytes)):
             raise TypeError("procs must be a sequence of GpuProcess or pids, not one string")
-        if len(procs) > _PROCS_MAX:
-            raise ValueError(f"at most {_PROCS_MAX} processes per GPU")
+        if len(procs) > PROCS_MAX:
+            raise ValueError(f"at most {PROCS_MAX} processes per GPU")
         items = [p if isinstance(p, GpuProcess) else GpuProcess(p) for p in procs]
         return self.send(f"procs {gpu} {','.join(p.spec() for p in items) or '-'}")
 
