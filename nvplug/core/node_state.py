@@ -181,7 +181,9 @@ class NodeState:
             healed = {u for u in repaired if u in draft.health and draft.health[u].healthy}
             if healed & set(draft.auto_reset):
                 draft.auto_reset = MappingProxyType({u: s for u, s in draft.auto_reset.items() if u not in healed})
-        self._current = draft.build() or self._current
+        built = draft.build()
+        if built is not None:
+            self._current = built
         return draft.changes
 
     def _mps(self, draft: SnapshotDraft, event: MpsGroupChanged | MpsGroupRemoved) -> None:

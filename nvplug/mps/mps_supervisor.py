@@ -85,9 +85,6 @@ class MpsSupervisor(Sink):
             kill_leftover(pid_file, cfg.mps_control)
             pid_file.unlink(missing_ok=True)
 
-    async def open(self, snapshot: Snapshot) -> None:
-        self._snapshot = snapshot
-
     def update(self, update: StateUpdate) -> Sequence[Event]:
         self._snapshot = update.snapshot
         return self._sync(update.snapshot) if "gpus" in update.changed else ()
