@@ -23,7 +23,7 @@ from nvplug import config
 from nvplug.core.events import HealthReported, InventoryFound, XidOccurred
 from nvplug.core.gpu import Gpu, MigAttributes, MigDevice
 from nvplug.core.node_state import NodeState
-from nvplug.dra import claims
+from nvplug.dra import claims, slice_publisher
 from nvplug.dra import dra_devices as devices
 from nvplug.dra import resource_slices as slices
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
@@ -782,6 +782,36 @@ def written(
         return now if done and check(now) else None
 
     return found
+
+
+def test_a_republish_while_the_publisher_probes_lists_again_and_fails_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kubelet registers us again while the taints probe waits on the API server: the list taken
+    before it is dropped, and the publisher lists again, with no failure and no backoff."""
+    with FakeApiServer(taints=False) as api:
+        kc = api.write_kubeconfig(tmp_path / "kc")
+        probe = slice_publisher.probe_taints
+        probes: list[bool] = []
+
+        async def main() -> None:
+            async with publishing(kc) as pub:
+
+                async def republished_meanwhile(*args: Any) -> tuple[bool, bool]:
+                    if not probes:
+                        pub.republish(settle=False)
+                    probes.append(True)
+                    return await probe(*args)
+
+                monkeypatch.setattr(slice_publisher, "probe_taints", republished_meanwhile)
+                pub.want([dra_device(i) for i in range(3)])
+                await until(lambda: settled(api, pub, 1, 1), "the first slice")
+                assert len(probes) == 2  # the republish asked for the probe again
+                assert pub.error is None
+
+        with caplog.at_level("ERROR", logger="nvplug.dra"):
+            asyncio.run(main())
+        assert not [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
 
 
 def test_publisher_writes_the_pool_and_updates_it_in_place(tmp_path: Path) -> None:

@@ -222,21 +222,23 @@ class SlicePublisher:
         republished = self._republished
         version = self.version or await self.discover(client)
         base = f"/apis/{GROUP}/{version}/resourceslices"
-        if self._known is None:
-            try:
-                self._known, listed_at = await list_slices_at(client, version, self.node, self.driver)
-            except ApiError as err:
-                if err.status == 404:
-                    self.version = self.taints = None  # the API server changed: discover again
-                raise
-            self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
-            if self._watch_from is None:
-                self._watch_from = listed_at
-                self._listed.set()
-        if self.taints is None or self._probe_due:
-            self._probe_due = False
-            self._taints_kept(*await probe_taints(client, version, self.node, self.driver))
-        known = self._known
+        # Until a list and the probe hold with no republish() during their awaits: one that came (the
+        # kubelet registered us again, and may wipe the slices) asks to list again.
+        while (known := self._known) is None or self.taints is None or self._probe_due:
+            if known is None:
+                try:
+                    self._known, listed_at = await list_slices_at(client, version, self.node, self.driver)
+                except ApiError as err:
+                    if err.status == 404:
+                        self.version = self.taints = None  # the API server changed: discover again
+                    raise
+                self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
+                if self._watch_from is None:
+                    self._watch_from = listed_at
+                    self._listed.set()
+            if self.taints is None or self._probe_due:
+                self._probe_due = False
+                self._taints_kept(*await probe_taints(client, version, self.node, self.driver))
         wanted = self._wanted(version, known)
         if _same_pool(known, wanted, self.generation):
             return
