@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nvplug.core.snapshot import Snapshot
 from nvplug.status import status_client as statusclient
+from nvplug.status.status_endpoint import StatusEndpoint
 from nvplug.status.status_server import Peer, StatusServer, reason_class
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
@@ -138,3 +142,34 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
     assert unix == (200, "done\n") and seen == [(b'{"gpu": "0"}', Peer(os.getpid(), os.getuid()))]
     assert tcp == (403, "POST is served on the unix socket only\n")
     assert other[0] == 405
+
+
+def test_the_endpoint_serves_once_opened_and_an_address_in_use_costs_it_alone(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def ok() -> tuple[int, str, bytes]:
+        return 200, "text/plain", b"ok\n"
+
+    async def scenario() -> tuple[tuple[int, str], bool]:
+        with socket.socket() as taken:  # an address someone else holds
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            busy = StatusEndpoint(StatusServer(f"127.0.0.1:{port}", {"/healthz": ok}))
+            await busy.open(Snapshot(revision=0))  # logged, not raised: the GPUs are served without it
+            await busy.close()
+        path = short_tmp / "e.sock"
+        endpoint = StatusEndpoint(StatusServer(f"unix:{path}", {"/healthz": ok}))
+        await endpoint.open(Snapshot(revision=0))
+        try:
+            answer = await asyncio.to_thread(statusclient.fetch, f"unix:{path}", "/healthz", 5)
+        finally:
+            await endpoint.close()
+            await endpoint.close()  # the daemon closes it twice (before the sources, and with the sinks)
+        return answer, path.exists()
+
+    with caplog.at_level(logging.ERROR):
+        answer, left = asyncio.run(scenario())
+    assert answer == (200, "ok\n") and not left
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("status endpoint 127.0.0.1:") and "unavailable" in m for m in said), said

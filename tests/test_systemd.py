@@ -27,7 +27,9 @@ TIMEOUT = 15.0
 def test_notifier_sends_each_message(notify: NotifySocket) -> None:
     n = Notifier({"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "3000000"})
     assert n.enabled and n.watchdog_interval == 1.5
-    n.ready("8 devices")
+    n.status("8 devices")
+    n.reloading()
+    n.ready()  # the last status line again, after RELOADING's
     assert notify.receive("READY") == {"READY": "1", "STATUS": "8 devices"}
     n.watchdog()
     assert notify.receive("WATCHDOG") == {"WATCHDOG": "1"}
@@ -45,7 +47,7 @@ def test_notifier_abstract_socket_and_absence() -> None:
         assert sock.recv(100) == b"STATUS=hello"
     quiet = Notifier({})
     assert not quiet.enabled and quiet.watchdog_interval is None
-    quiet.ready("nobody listens")  # a no-op, not an error
+    quiet.ready()  # a no-op, not an error
     # A watchdog meant for another process is not ours to ping.
     assert Notifier({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "100", "WATCHDOG_PID": "1"}).watchdog_interval is None
 

@@ -12,19 +12,17 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from nvplug import config
 from nvplug.config import Config
 from nvplug.core.node_state import NodeState
-from nvplug.core.snapshot import Snapshot
 from nvplug.core.xid_policy import XidPolicy
+from nvplug.daemon.dispatch import Dispatcher
 from nvplug.daemon.options import Options
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.daemon.wiring import Wiring, wire
 from nvplug.edges.edge_protocols import FirstEvents
-from nvplug.pods.pod_holders import Holder
 from nvplug.shaping.resource_plan import moved
 from nvplug.sinks.health_state_file import StateFile, read_boot_id, state_dir
 from nvplug.sinks.health_state_sink import saved
@@ -48,6 +46,8 @@ class Daemon:
             compute_modes=self.state_file.loaded.compute_modes,
         )
         self.notifier = notifier or Notifier()
+        # Events in, snapshots out: the daemon's own, which every part that feeds events back is handed.
+        self.dispatcher = Dispatcher(self.state)
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[None] | None = None
         # A SIGHUP during a reload: one more reload once it is done, so that the last edit is read.
@@ -72,10 +72,10 @@ class Daemon:
         opts.plugin_dir.mkdir(parents=True, exist_ok=True)
         log.info("nvplug starting: config from %s, plugin dir %s", opts.config.source, opts.plugin_dir)
         parts = self._wiring = wire(
-            opts, self.config, self.state, self.state_file, bus, self.notifier, self.request_stop
+            opts, self.config, self.state, self.dispatcher, self.state_file, bus, self.notifier, self.request_stop
         )
+        dispatcher = self.dispatcher
         tasks: list[asyncio.Task[None]] = []
-        status = parts.status
         try:
             for source in parts.sources:
                 try:
@@ -92,26 +92,21 @@ class Daemon:
             for source in parts.sources:
                 if isinstance(source, FirstEvents):
                     for event in await source.first_events(self.state.current):
-                        parts.dispatcher.apply(event)
+                        dispatcher.apply(event)
             # Also when nothing changed: a file from an earlier boot is replaced by this boot's.
             self.state_file.save(saved(self.state.current))
             # One server, socket and registration per resource name; which ones depends on the
             # GPUs found (MIG profiles), so they are made after the first scan.
             for sink in parts.sinks:
                 await sink.open(self.state.current)
-            report = parts.report
-            try:
-                await status.start()
-            except OSError as err:
-                log.error("status endpoint %s unavailable: %s", status.listen, err)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
-            self.notifier.ready(report.line())
+            self.notifier.ready()
             # What start-up made lives as long as the daemon (modules, gRPC, the config): kept out of the
             # cyclic collector's full passes, whose pause would otherwise fall on some fault's way to the
             # kubelet (48,000 objects, 25 ms on a 2-core node).
             gc.freeze()
-            tasks.append(asyncio.create_task(parts.dispatcher.run(bus), name="dispatch"))
-            tasks.append(asyncio.create_task(parts.dispatcher.failed(), name="the sinks after the list"))
+            tasks.append(asyncio.create_task(dispatcher.run(bus), name="dispatch"))
+            tasks.append(asyncio.create_task(dispatcher.failed(), name="the sinks after the list"))
             if self.notifier.watchdog_interval is not None:
                 tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             stop = asyncio.create_task(self._stop.wait())
@@ -125,9 +120,9 @@ class Daemon:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await status.stop()
-            # What needs a source to close (the MPS daemons' compute modes, through NVML) before the sources stop.
-            for sink in parts.sinks:
+            # What needs a source to close (the MPS daemons' compute modes, through NVML) before the sources
+            # stop; last opened, first closed (the status endpoint, then the MPS daemons).
+            for sink in reversed(parts.sinks):
                 if sink.closes_before_sources:
                     await sink.close()
             # The sources first, now that nothing reads the bus; then what they fed. The fleet's
@@ -157,7 +152,7 @@ class Daemon:
                 await self._load_and_apply()
         finally:
             # Whatever happened, systemd must not wait on a reload forever.
-            self.notifier.ready(self._wiring.report.line() if self._wiring is not None else "")
+            self.notifier.ready()
 
     async def _load_and_apply(self) -> None:
         """Prepare every part, then commit every part: a config one part refuses changes nothing."""
@@ -175,20 +170,19 @@ class Daemon:
                     "`systemctl restart nvplug`"
                 )
             policy = XidPolicy.with_overrides(new.health.ignore_xids, new.health.fatal_xids)
+            # The status report refuses to move a GPU a pod holds.
             for sink in parts.sinks:
                 await sink.admit(new)
             commits = [sink.prepare(new) for sink in parts.sinks]
             # GPUs that change sides are first given up by both (each side's commit ends once it has said
             # so), then taken by the new one: no moment offers one GPU twice.
             moving = moved(self.config, new, self.state.current)
-            refuse_held(moving, parts.report.holders() or {}, self.state.current)
             between = replace(new, dra=replace(new.dra, moving=moving))
             releases = [sink.prepare(between) for sink in parts.sinks] if moving else []
         except Exception as err:  # a bug in the loader must not take the daemon's reload with it
             log.error("reload refused, the config in force stays: %s", err)
             return
         self.state.set_xid_policy(policy)
-        before = parts.report.served()
         if releases:
             log.info(
                 "reload moves %d GPUs between the device plugin and DRA: %s", len(moving), ", ".join(sorted(moving))
@@ -198,27 +192,8 @@ class Daemon:
                 await commit(self.state.current)
             except Exception:  # one part's bug must not leave the others (and GPUs given up) half-way
                 log.exception("reload: a part failed to apply the new config; the others go on")
-        after = parts.report.served()
-        if after != before:
-            log.info("reloaded the config from %s; resources now: %s", source, [s.name for s in after])
-        else:
-            log.info("reloaded the config from %s; resources unchanged, no re-registration", source)
+        log.info("reloaded the config from %s", source)
         self.config = new
-
-
-def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:
-    """A GPU in use (a pod holds it, or one of its MIG devices, through either side) does not change sides:
-    the other side would hand it out again while the pod runs."""
-    for gpu in snapshot.gpus:
-        if gpu.uuid not in moving:
-            continue
-        held = [h for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)) for h in holders.get(uuid, ())]
-        if held:
-            who = ", ".join(sorted({h.text for h in held}))
-            raise config.ConfigError(
-                f"the reload would move {gpu.label} between the device plugin and DRA while "
-                f"{who} holds it; drain it first"
-            )
 
 
 async def serve(options: Options) -> None:

@@ -23,6 +23,8 @@ class Notifier:
             # Ping at half the timeout, as systemd advises.
             self._watchdog_interval = int(usec) / 2e6
         self._failed = False
+        # The last status line: READY=1 says it again (a reload's RELOADING=1 replaced it in systemd's view).
+        self._status = ""
 
     @property
     def enabled(self) -> bool:
@@ -33,10 +35,11 @@ class Notifier:
         """Seconds between WATCHDOG=1 pings, or None when no watchdog is set."""
         return self._watchdog_interval if self.enabled else None
 
-    def ready(self, status: str) -> None:
-        self.send("READY=1", f"STATUS={status}")
+    def ready(self) -> None:
+        self.send("READY=1", f"STATUS={self._status}")
 
     def status(self, status: str) -> None:
+        self._status = status
         self.send(f"STATUS={status}")
 
     def reloading(self) -> None:

@@ -38,27 +38,24 @@ from nvplug.sources.reprober import Reprober
 from nvplug.sources.udev_monitor import UdevSource
 from nvplug.status.change_log import ChangeLog
 from nvplug.status.heal_route import Healer
+from nvplug.status.status_endpoint import StatusEndpoint
 from nvplug.status.status_report import PODS_READER_WAIT, StatusReport
 from nvplug.status.status_server import StatusServer
 
 
 @dataclass(frozen=True)
 class Wiring:
-    """The parts, which the lifecycle reaches only through the protocols, and the daemon's own machinery:
-    the dispatcher (events in, snapshots out), the status report (the sd_notify line, a reload's checks)
-    and the status server (its routes)."""
+    """The parts, which the lifecycle reaches only through the protocols."""
 
     sources: tuple[Source, ...]
     sinks: tuple[Sink, ...]
-    dispatcher: Dispatcher
-    report: StatusReport
-    status: StatusServer
 
 
 def wire(
     options: Options,
     cfg: Config,
     state: NodeState,
+    dispatcher: Dispatcher,
     state_file: StateFile,
     bus: EventBus,
     notifier: Notifier,
@@ -66,14 +63,13 @@ def wire(
 ) -> Wiring:
     """Every part, built from the options and the config, and joined to its neighbours.
 
-    The dispatcher comes first: each part that feeds events back is handed its `emit`, and a part whose
-    notes changed outside a dispatch emits NotesChanged, which the status report (made further down,
-    since it reads the others) works for.
+    Each part that feeds events back is handed the dispatcher's `emit`, and a part whose notes changed
+    outside a dispatch emits NotesChanged, which the status report (made further down, since it reads the
+    others) works for. The dispatcher is handed its workers and sinks here.
     """
     health = cfg.health
     # The command line's paths are the config's keys by now (Options.configured): each part reads its key.
     dev_root = Path(cfg.flags.nvidia_dev_root)
-    dispatcher = Dispatcher(state)
     scanner = Scanner(
         Nvml(options.sysfs_root, options.proc_root),
         bus.publish,
@@ -128,7 +124,7 @@ def wire(
         ),
     )
     roots = options.roots(cfg)
-    report = StatusReport(state, fleet, pods, dra, notifier.status, roots)
+    report = StatusReport(cfg, state, fleet, pods, dra, notifier.status, roots)
     dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
     dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet, report)
@@ -139,6 +135,11 @@ def wire(
         return report.holders()
 
     dev_nodes = DevNodeWatch(dev_root, bus.publish)
+    status = StatusServer(
+        cfg.status_listen,
+        {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
+        {"/heal": healer.route},
+    )
     sinks: tuple[Sink, ...] = (
         DevRootFollower(cfg, scanner, dev_nodes, roots),  # first: a reload's new dev root, before what reads it
         reprober,
@@ -150,7 +151,8 @@ def wire(
         FeatureFile(cfg, options.sysfs_root),
         AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.emit),
         *((dra,) if dra is not None else ()),
-        report,  # last: the status line says what the others did
+        report,  # the status line says what the others did
+        StatusEndpoint(status),  # last: it asks the others
     )
     dispatcher.sinks = report.sinks = sinks
     kernel_log = KernelLogSource(options.kernel_log, bus.publish) if health.kernel_log else None
@@ -163,9 +165,4 @@ def wire(
         reprober,
         *((kernel_log,) if kernel_log is not None else ()),
     )
-    status = StatusServer(
-        cfg.status_listen,
-        {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
-        {"/heal": healer.route},
-    )
-    return Wiring(sources, sinks, dispatcher, report, status)
+    return Wiring(sources, sinks)

@@ -210,6 +210,9 @@ class PluginFleet(Sink):
                 plugin.service.dev_root = self._dev_root
             if specs != self.specs:
                 await self.apply(specs, allocation)
+                log.info("reload: resources now: %s", [s.name for s in specs])
+            elif not cfg.dra.moving:  # the half-way config of GPUs changing sides is no reload of its own
+                log.info("reload: resources unchanged, no re-registration")
             self._cfg = cfg
 
         return commit

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, NotesChanged
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
 from nvplug.dra.dra_driver import DraDriver
-from nvplug.edges.edge_protocols import Sink, StateUpdate
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.kubelet.podresources_client import PodView
 from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
-from nvplug.shaping.resource_plan import ResourceSpec
+from nvplug.shaping.resource_plan import moved
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
@@ -33,7 +34,8 @@ def node_notes(snap: Snapshot) -> list[str]:
 
 
 class StatusReport(Sink):
-    """The status line as a sink (sent to systemd when it changes), and the status routes."""
+    """The status line as a sink (sent to systemd when it changes), and the status routes. Since it knows
+    who holds each device, it refuses a reload that would move a held GPU between the device plugin and DRA."""
 
     name = "status line"
     # A part's notes changed outside a dispatch (a retry, a registration, DRA's slices).
@@ -41,6 +43,7 @@ class StatusReport(Sink):
 
     def __init__(
         self,
+        cfg: Config,
         state: NodeState,
         fleet: PluginFleet,
         pods: PodView,
@@ -48,6 +51,7 @@ class StatusReport(Sink):
         push: Callable[[str], None],
         roots: Mapping[str, str] | None = None,
     ) -> None:
+        self._cfg = cfg
         self._state = state
         self._fleet = fleet
         self._pods = pods
@@ -64,10 +68,25 @@ class StatusReport(Sink):
             lambda: self._state.current,
         )
 
+    async def open(self, snapshot: Snapshot) -> None:
+        """The last part but the endpoint: the line READY=1 says, once the others serve."""
+        self.refresh()
+
     def update(self, update: StateUpdate) -> Sequence[Event]:
         if update.changes:
             self.refresh()
         return ()
+
+    async def admit(self, cfg: Config) -> None:
+        snapshot = self._state.current
+        refuse_held(moved(self._cfg, cfg, snapshot), self.holders() or {}, snapshot)
+
+    def prepare(self, cfg: Config) -> Commit:
+        async def commit(snapshot: Snapshot) -> None:
+            self._cfg = cfg
+            self.refresh()  # after the others' commits: READY=1 says what the reload made of them
+
+        return commit
 
     async def work(self, event: Event) -> None:
         self.refresh()
@@ -83,10 +102,6 @@ class StatusReport(Sink):
         parts = [*self._fleet.registrations(), *node_notes(self._state.current), *self._fleet.notes()]
         parts += [note for sink in self.sinks if sink is not self._fleet for note in sink.notes()]
         return "; ".join(parts)
-
-    def served(self) -> list[ResourceSpec]:
-        """What the device plugins serve now, for a reload's log line."""
-        return self._fleet.specs
 
     async def close(self) -> None:
         """The last sink: nothing asks the kubelet's PodResources after it."""
@@ -138,3 +153,18 @@ class StatusReport(Sink):
     async def metrics_page(self) -> Answer:
         await self._pods.fresh(wait=PODS_READER_WAIT)
         return 200, PROMETHEUS_TEXT, self.metrics.render()
+
+
+def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:
+    """A GPU in use (a pod holds it, or one of its MIG devices, through either side) does not change sides:
+    the other side would hand it out again while the pod runs."""
+    for gpu in snapshot.gpus:
+        if gpu.uuid not in moving:
+            continue
+        held = [h for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig)) for h in holders.get(uuid, ())]
+        if held:
+            who = ", ".join(sorted({h.text for h in held}))
+            raise ConfigError(
+                f"the reload would move {gpu.label} between the device plugin and DRA while "
+                f"{who} holds it; drain it first"
+            )
