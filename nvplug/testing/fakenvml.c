@@ -113,7 +113,7 @@
  * thus see one mode per GPU, and another node its own.  A GPU without a line
  * has its gpu line's compute_mode=N (0-3 or a name, default 0); the key is the
  * UUID, so a GPU removed and added again keeps its mode; deleting the file is
- * a driver reload.  The fake has no GPU reset.  fakenvml.persisted_compute_modes
+ * a driver reload.  The fake has no GPU reset.  fakenvml_library.persisted_compute_modes
  * reads the file.
  *
  * nvmlDeviceSetComputeMode, past the handle checks (UNINITIALIZED,
@@ -147,7 +147,7 @@
  * 80GB): 1g.10gb 1g.10gb+me 1g.20gb 2g.20gb 3g.40gb 4g.40gb 7g.80gb; at most
  * 7 slices per GPU, gi unique per GPU (0-14, default the lowest free from 1),
  * ci 0-7 (default 0).  UUIDs default to MIG-<hash of parent uuid, gi, ci>
- * (fakenvml.mig_uuid in Python computes the same).  MIG handles are pointers
+ * (fakenvml_devices.mig_uuid in Python computes the same).  MIG handles are pointers
  * into a separate static array; most per-device queries answer NOT_SUPPORTED
  * for them; UUID, name, memory info, attributes, gi/ci ids, parent lookup and
  * IsMigDeviceHandle work; a lost parent makes them GPU_IS_LOST; a removed MIG
@@ -968,7 +968,7 @@ static unsigned long long fnv1a(const char *s, unsigned long long h)
     return h;
 }
 
-/* MIG-<uuid> from two FNV-1a hashes of "<parent uuid>/<gi>/<ci>"; fakenvml.mig_uuid mirrors it. */
+/* MIG-<uuid> from two FNV-1a hashes of "<parent uuid>/<gi>/<ci>"; fakenvml_devices.mig_uuid mirrors it. */
 static void mig_default_uuid(const char *parent, unsigned gi, unsigned ci, char *out, size_t cap)
 {
     char key[128];
