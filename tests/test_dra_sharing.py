@@ -255,7 +255,7 @@ def test_a_dead_claim_daemon_taints_its_device_and_tells_the_kubelet_until_it_is
     assert back["up"] and back["pid"] != pid and back["restarts"] == 1
 
 
-def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_group_runs_again(dra: Dra) -> None:
+def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_daemon_is_adopted(dra: Dra) -> None:
     uuids = start(dra)
     ref = claim(dra, "mps", ["gpu-4"], mps_shared(25))
     assert prepare(dra, ref)[0] == ""
@@ -272,7 +272,9 @@ def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_group_runs_again(d
     wait(lambda: mps_groups(dra.node).get(group, {}).get("up") is True, "the claim's group up again")
     assert not orphan.exists() and other.exists()
     assert (dra.node.cdi_dir / f"k8s.gpu.nvidia.com-claim_{ref[2]}.json").exists()
-    assert mps_groups(dra.node)[group]["pid"] != old_pid
+    # The claim's daemon ran on through nvplug's death, with its clients: adopted, not started again.
+    back = mps_groups(dra.node)[group]
+    assert back["pid"] == old_pid and back["adopted_at"] is not None and back["restarts"] == 0
     assert modes(dra.node)[uuids[4]] == EXCLUSIVE_PROCESS
     log = dra.node.log_text()
     assert f"removing the CDI spec {orphan}: no prepared claim owns it" in log

@@ -3,7 +3,7 @@ the kubelet stand-in's view of the groups' devices."""
 
 from __future__ import annotations
 
-import json
+import os
 import signal
 import subprocess
 import time
@@ -171,44 +171,90 @@ def test_a_reload_is_refused_while_the_group_has_clients(node: SimulatedNode) ->
     assert group(node)["pid"] != server
 
 
-def test_the_compute_mode_is_restored_after_sigterm_and_after_sigkill(node: SimulatedNode) -> None:
+def lists(node: SimulatedNode, resource: str = MPS_RESOURCE) -> list[int]:
+    """How many devices each list the kubelet got for the resource had, across registrations."""
+    views = [*node.kubelet.history, *([p] if (p := node.kubelet.plugin(resource)) is not None else [])]
+    return [len(u.devices) for v in views if v.resource == resource for u in v.updates]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_restart_of_nvplug_leaves_the_daemon_and_its_clients_alone(node: SimulatedNode, sig: signal.Signals) -> None:
     uuids = start(node)
-    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    assert node.stop_daemon() == 0
-    assert modes(node) == {uuids[0]: 0, uuids[1]: 0}
-    # The tmpfs unmounted and the pipes gone; the log stays for whoever asks why it stopped.
-    assert not (node.mps_root / "shm").exists() and not pipe_dir(node).exists()
-    assert "Exit" in (log_dir(node) / "control.log").read_text()
-    # SIGKILL: nothing restores it then; the record in the state file does at the next start.
+    daemon = group(node)["pid"]
+    shm = node.mps_root / "shm"
+    client = mps.HeldClient(pipe_dir(node), shm / "cuda.segment", binary=node.mps_control)
+    try:
+        node.kubelet.allocate(MPS_RESOURCE, [f"{uuids[0]}::0"])  # an Allocate probes the daemon: its clients
+        wait(lambda: group(node)["clients"] == 1, "the daemon to count its client")
+        shm_dev = shm.stat().st_dev
+        registered = node.kubelet.plugin(MPS_RESOURCE).serial  # type: ignore[union-attr]
+        assert node.stop_daemon(sig) == (0 if sig == signal.SIGTERM else -sig)
+        # Stopped is not torn down: the daemon, its client, the compute modes, the pipes and the shm stay.
+        assert client.connected() and Path(f"/proc/{daemon}").exists() and not _zombie(daemon)
+        assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+        assert (pipe_dir(node) / mps.CONTROL_SOCKET).exists() and shm.stat().st_dev == shm_dev
+        node.start_daemon()
+        node.kubelet.wait_for(lambda k: allocatable(8)(k) and k.plugin(MPS_RESOURCE).serial > registered, TIMEOUT)  # type: ignore[union-attr]
+        found = group(node)
+        assert found["pid"] == daemon and found["up"] and found["adopted_at"] is not None
+        assert found["restarts"] == 0 and found["clients"] == 1
+        assert client.connected() and (shm / "cuda.segment").exists() and shm.stat().st_dev == shm_dev
+        assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+        # No list had fewer devices: the restart is no change to the kubelet.
+        assert min(lists(node)) == 8, lists(node)
+        assert f"the control daemon pid {daemon} an earlier nvplug started adopted" in node.log_text()
+        # Nothing was sent to it but the questions of a probe: its defaults are the ones it had.
+        assert not [c for c in mps.commands(log_dir(node)) if c["command"].startswith(("set_", "quit"))][6:]
+    finally:
+        said = client.close()
+    assert "went away" not in said, said
+
+
+def test_a_daemon_that_died_while_nvplug_was_down_starts_again(node: SimulatedNode) -> None:
+    uuids = start(node)
+    leftover = group(node)["pid"]
+    node.stop_daemon()
+    os.kill(leftover, signal.SIGKILL)
+    wait(lambda: not Path(f"/proc/{leftover}").exists() or _zombie(leftover), "the daemon to die")
     node.start_daemon()
     node.kubelet.wait_for(allocatable(8), TIMEOUT)
-    leftover = group(node)["pid"]
-    saved = json.loads((node.state_dir / "health.json").read_text())
-    assert saved["compute_modes"] == {uuids[0]: 0, uuids[1]: 0}
-    assert node.stop_daemon(signal.SIGKILL) == -signal.SIGKILL
+    found = group(node)
+    assert found["pid"] != leftover and found["adopted_at"] is None
     assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    # Restarted without MPS: the modes go back, and the daemon left behind is killed, not left unowned.
+    assert f"the control daemon pid {leftover} an earlier nvplug started is gone: starting a new one" in node.log_text()
+    # No device was Healthy at the kubelet before the new daemon had its defaults set.
+    plugin = node.kubelet.plugin(MPS_RESOURCE)
+    assert plugin is not None
+    first_healthy = next(u for u in plugin.updates if any(d.healthy for d in u.devices))
+    sets = [c for c in mps.commands(log_dir(node)) if c["command"].startswith("set_default")]
+    assert sets[-1]["monotonic"] < first_healthy.at and all(len(u.devices) == 8 for u in plugin.updates)
+
+
+def test_a_daemon_no_config_asks_for_runs_on_while_it_has_clients(node: SimulatedNode) -> None:
+    uuids = start(node)
+    daemon = group(node)["pid"]
+    client = mps.HeldClient(pipe_dir(node), binary=node.mps_control)
+    node.stop_daemon()
+    # Started again without MPS: the daemon has a client, so it runs on, said in the status line.
     node.config.write_text("version: v1\n")
     node.start_daemon()
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    wait(
+        lambda: any(o["pid"] == daemon and o["clients"] == [client.pid] for o in status(node)["leftovers"]),
+        "the leftover daemon to be reported",
+    )
+    assert client.connected() and modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    assert "runs on while its clients" in node.log_text()
+    # Its client gone, a reload asks again: it quits, and the compute modes go back.
+    client.close()
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    wait(lambda: not Path(f"/proc/{daemon}").exists() or _zombie(daemon), "the leftover daemon to quit")
     wait(lambda: modes(node) == {uuids[0]: 0, uuids[1]: 0}, "the compute modes to be restored")
-    # Written by the saver thread after the restore: the record goes once nothing needs undoing.
-    wait(lambda: "compute_modes" not in json.loads((node.state_dir / "health.json").read_text()), "the record dropped")
-    wait(lambda: not Path(f"/proc/{leftover}").exists() or _zombie(leftover), "the daemon left behind to be killed")
-
-
-def test_a_restart_after_sigkill_replaces_the_daemon_left_behind(node: SimulatedNode) -> None:
-    uuids = start(node)
-    leftover = group(node)["pid"]
-    node.stop_daemon(signal.SIGKILL)
-    node.start_daemon()
-    node.kubelet.wait_for(allocatable(8), TIMEOUT)
-    wait(lambda: not Path(f"/proc/{leftover}").exists() or _zombie(leftover), "the old daemon to be killed")
-    assert group(node)["pid"] != leftover
-    assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    assert "that an earlier nvplug left running" in node.log_text()
-    assert node.stop_daemon() == 0
-    assert modes(node) == {uuids[0]: 0, uuids[1]: 0}
+    # Nothing of MPS is left to report: the section goes.
+    wait(lambda: "mps" not in status_client.status(f"unix:{node.status_socket}", timeout=5), "the leftover forgotten")
+    assert "has no client: it quits" in node.log_text()
+    assert not pipe_dir(node).exists()
 
 
 def _zombie(pid: int) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nvplug.core.gpu import Gpu
-from nvplug.mps.mps_dirs import PID_FILE, MpsDirError, RootLayout
+from nvplug.mps.mps_dirs import DAEMON_PID_FILE, MpsDirError, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
 
 GROUP = MpsGroup("nvidia.com_gpu", "nvidia.com/gpu", ((Gpu("GPU-1", 0, "0000:18:00.0"), None),), 50, (40960,))
@@ -49,9 +49,9 @@ def test_the_root_its_group_and_a_stop(top: Path) -> None:
     (logs / "control.log").write_text("[...] Exit\n")
     layout.prepare_group(GROUP)
     assert list(pipe.iterdir()) == []
-    (top / "mps" / GROUP.name / PID_FILE).write_text("1\n")
+    (pipe / DAEMON_PID_FILE).write_text("1\n")
     assert layout.remove_root() is None
-    assert not layout.shm.exists() and not pipe.exists() and not (top / "mps" / GROUP.name / PID_FILE).exists()
+    assert not layout.shm.exists() and not pipe.exists()
     assert (logs / "control.log").read_text() == "[...] Exit\n"
 
 
@@ -107,7 +107,7 @@ def test_a_leftover_daemon_whose_binary_was_replaced_is_killed_all_the_same(tmp_
         binary.unlink()
         shutil.copy(sleep, binary)  # the new file at the same path
         assert str(Path(f"/proc/{proc.pid}/exe").readlink()).endswith(" (deleted)")
-        pid_file = tmp_path / PID_FILE
+        pid_file = tmp_path / DAEMON_PID_FILE
         pid_file.write_text(f"{proc.pid}\n")
         assert kill_leftover(pid_file, str(binary)) == proc.pid
         assert proc.wait(timeout=5) == -9

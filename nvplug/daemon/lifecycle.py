@@ -120,7 +120,7 @@ class Daemon:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            # What needs a source to close (the MPS daemons' compute modes, through NVML) before the sources
+            # What needs a source to close (a retiring MPS group's compute modes, through NVML) before the sources
             # stop; last opened, first closed (the status endpoint, then the MPS daemons).
             for sink in reversed(parts.sinks):
                 if sink.closes_before_sources:

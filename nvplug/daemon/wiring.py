@@ -22,6 +22,7 @@ from nvplug.dra.dra_driver import DraDriver
 from nvplug.edges.edge_protocols import Sink, Source
 from nvplug.kubelet.plugin_fleet import FleetHooks, PluginFleet
 from nvplug.kubelet.podresources_client import PodResourcesClient, PodView
+from nvplug.mps.daemon_records import DaemonRecords
 from nvplug.mps.mps_supervisor import MpsSupervisor
 from nvplug.pods.pod_holders import Holder
 from nvplug.sinks.cdi.cdi_publisher import CdiSettings, CdiSink
@@ -84,6 +85,7 @@ def wire(
         state.current,
         dispatcher.emit,
         state_file.written,
+        DaemonRecords(state_file.path.parent, state_file.boot_id),
         options.sysfs_root / "fs/selinux/enforce",
     )
 

@@ -47,6 +47,10 @@ class ClaimDaemons(Protocol):
 
     async def stop_claim_group(self, name: str) -> None: ...
 
+    def claims_restored(self, names: frozenset[str]) -> None:
+        """At start, the groups of the prepared claims are these: another claim's daemon left running is not
+        wanted."""
+
 
 class ClaimSetup:
     def __init__(self, store: ClaimStore, specs: ClaimSpecs, slicer: TimeSlicer, daemons: ClaimDaemons | None) -> None:
@@ -125,6 +129,8 @@ class ClaimSetup:
                 log.error("cannot start the MPS group of %s again: %s", claim.claim, err)
                 continue
             self._spawn(self._start_again(group))
+        if self.daemons is not None:
+            self.daemons.claims_restored(frozenset(started))
         needed = {d.uuid: d.sharing.interval for c in claims for d in c.shared(TIME_SLICING) if d.sharing is not None}
         for uuid, interval in needed.items():
             self._spawn(self._set_again(uuid, interval))

@@ -126,7 +126,7 @@ class Sink(Protocol):
     # The event types it does work for (Worker): none by default.
     works: frozenset[type] = frozenset()
     # Whether it closes before the sources stop, as well as with the other sinks after: what it closes needs a
-    # source still running (the MPS daemons' compute modes go back through the scanner's NVML).
+    # source still running (a retiring MPS group's compute modes go back through the scanner's NVML).
     closes_before_sources: bool = False
 
     async def open(self, snapshot: Snapshot) -> None:

@@ -55,8 +55,22 @@ class ComputeModes:
         self._users: dict[str, set[object]] = {}
 
     def hold(self, group: MpsGroup, holder: object) -> None:
-        for gpu in group.exclusive_gpus:
-            self._users.setdefault(gpu.uuid, set()).add(holder)
+        self.hold_uuids([gpu.uuid for gpu in group.exclusive_gpus], holder)
+
+    def hold_uuids(self, uuids: Iterable[str], holder: object) -> None:
+        for uuid in uuids:
+            self._users.setdefault(uuid, set()).add(holder)
+
+    def let_go(self, uuids: Iterable[str], holder: object) -> list[str]:
+        """The holder no longer holds these GPUs: those nobody holds now, whose old mode may go back."""
+        free = []
+        for uuid in uuids:
+            users = self._users.get(uuid, set())
+            users.discard(holder)
+            if not users:
+                self._users.pop(uuid, None)
+                free.append(uuid)
+        return free
 
     async def exclusive(self, group: MpsGroup) -> None:
         """Every GPU of the group in EXCLUSIVE_PROCESS, its old mode recorded first. Raises ComputeModeError."""
@@ -78,11 +92,9 @@ class ComputeModes:
 
     async def release(self, group: MpsGroup, holder: object) -> None:
         """The holder's daemon is stopped: its GPUs that no other daemon holds get their old mode back."""
+        free = self.let_go([gpu.uuid for gpu in group.exclusive_gpus], holder)
         for gpu in group.exclusive_gpus:
-            users = self._users.get(gpu.uuid, set())
-            users.discard(holder)
-            if not users:
-                self._users.pop(gpu.uuid, None)
+            if gpu.uuid in free:
                 await self.restore(gpu)
 
     async def restore_unused(self, gpus: Iterable[Gpu]) -> None:

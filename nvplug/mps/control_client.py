@@ -61,6 +61,22 @@ class ControlClient:
             raise MpsControlError(f"MPS group {self.group}: {what!r} failed: {said}")
         return lines
 
+    async def clients(self, servers: Sequence[int]) -> tuple[int, ...]:
+        """The pids of these servers' clients (get_client_list). Raises MpsControlError."""
+        lines = await self.send([f"get_client_list {pid}" for pid in servers]) if servers else []
+        return _pids(self.group, "get_client_list", lines)
+
+    async def servers(self) -> tuple[int, ...]:
+        """The pids of the servers the daemon runs (get_server_list). Raises MpsControlError."""
+        return _pids(self.group, "get_server_list", await self.send(["get_server_list"]))
+
+
+def _pids(group: str, command: str, lines: Sequence[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(line) for line in lines)
+    except ValueError:
+        raise MpsControlError(f"MPS group {group}: {command} answered {list(lines)!r}") from None
+
 
 def _refusal(lines: Sequence[str]) -> str | None:
     """An answer that says a command failed: the control tool prints these and still exits 0."""

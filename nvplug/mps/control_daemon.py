@@ -1,11 +1,16 @@
-"""One MPS group's control daemon, run by nvplug as its child: started, provisioned, watched, restarted.
+"""One MPS group's control daemon: started, provisioned, watched, restarted; and left running when nvplug stops.
 
-The daemon runs in the foreground (`-f`) so that its exit is the child's, seen at once. Its group's
-devices are Healthy only once it answers with the group's defaults set: the defaults apply to the
-servers started after them, and a server started before would take the whole GPU. A daemon that
-exits or stops answering turns them Unhealthy at once; it is started again with the shared backoff.
-Nothing polls it: it is probed when something says to (its control.log reports an error, an
-Allocate hands its devices out, a reload, doctor).
+The daemon runs in the foreground (`-f`), in a session of its own, and its exit is seen at once through a
+pidfd (daemon_process.py). Its group's devices are Healthy only once it answers with the group's defaults
+set: the defaults apply to the servers started after them, and a server started before would take the
+whole GPU. A daemon that exits or stops answering turns them Unhealthy at once; it is started again with
+the shared backoff. Nothing polls it: it is probed when something says to (its control.log reports an
+error, an Allocate hands its devices out, a reload, doctor).
+
+Its clients' contexts live in it: when nvplug stops (a restart, an upgrade, a crash) the daemon runs on,
+recorded in the state directory (daemon_records.py), and the next nvplug adopts it: the same process, its
+pipe directory, answering with the defaults it was recorded with. Only a config that removes or changes
+its group stops it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,16 @@ import logging
 import os
 import signal
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.events import MpsGroupChanged
 from nvplug.mps.control_client import ControlClient, MpsControlError
-from nvplug.mps.mps_dirs import PID_FILE, MpsDirError, RootLayout
+from nvplug.mps.daemon_process import DaemonProcess, start_ticks
+from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords, DaemonSettings
+from nvplug.mps.mps_dirs import DAEMON_PID_FILE, MpsDirError, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
 
 log = logging.getLogger("nvplug.mps")
@@ -57,21 +63,37 @@ class DaemonHooks:
 
 
 class ControlDaemon:
-    """The endpoint of one group: its child process and what the node state knows of it."""
+    """The endpoint of one group: its process and what the node state knows of it."""
 
-    def __init__(self, group: MpsGroup, binary: str, layout: RootLayout, hooks: DaemonHooks) -> None:
+    def __init__(
+        self,
+        group: MpsGroup,
+        binary: str,
+        layout: RootLayout,
+        hooks: DaemonHooks,
+        records: DaemonRecords,
+        recorded: DaemonRecord | None = None,
+    ) -> None:
         self.group = group
         self.binary = binary
         self._layout = layout
         self._hooks = hooks
+        self._records = records
+        # What an earlier nvplug recorded of this group's daemon: adopted at the first start if it still fits.
+        self._recorded = recorded
+        self.adopting = recorded is not None
         root = str(layout.root)
         self.client = ControlClient(binary, group.pipe_dir(root), group.log_dir(root), group.name)
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: DaemonProcess | None = None
         self._task: asyncio.Task[None] | None = None
         self._probe = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._stderr: deque[str] = deque(maxlen=5)
         self.restarts = 0
+        # When this nvplug adopted the running daemon; None: it started it.
+        self.adopted_at: float | None = None
+        # The settings an adopted daemon runs with when the config's differ: it has clients, and restarts
+        # with the config's once a probe finds none.
+        self.kept: DaemonSettings | None = None
         self.up_since: float | None = None
         self.last_error: str | None = None
         # At its last answer: the servers it ran (one per client UID), their clients, and when.
@@ -79,14 +101,19 @@ class ControlDaemon:
         self.clients = 0
         self.probed_at: float | None = None
         self._after: asyncio.Future[None] | None = None
-        self._stderr_task: asyncio.Task[None] | None = None
         # How its first start ended: None once it answered with its defaults set, else why not.
         self._first: asyncio.Future[str | None] | None = None
 
     @property
     def pid(self) -> int | None:
         proc = self._proc
-        return proc.pid if proc is not None and proc.returncode is None else None
+        return proc.pid if proc is not None and proc.alive else None
+
+    @property
+    def settings(self) -> DaemonSettings:
+        """What the config asks the daemon to run with."""
+        group = self.group
+        return DaemonSettings(group.uuids, group.thread_percentage, group.pinned_mib)
 
     def start(self, after: asyncio.Future[None] | None = None) -> None:
         """From now on; after `after` (the group's earlier daemon stopping: they share directories)."""
@@ -114,17 +141,30 @@ class ControlDaemon:
             self._probe.set()
 
     async def stop(self) -> None:
-        """`quit`, then the child's exit (killed if it does not), then the compute modes back."""
+        """Its group is gone or changed: `quit`, then its exit (killed if it does not), then the compute
+        modes back and the record dropped."""
+        await self._end_supervision("it was stopped")
+        await self._end_child(graceful=True)
+        await self._hooks.release(self.group)
+        await asyncio.to_thread(self._layout.remove_group, self.group)
+        await asyncio.to_thread(self._records.drop, self.group.name)
+
+    async def leave(self) -> None:
+        """nvplug stops: the daemon runs on for its clients, with its compute modes and its record, for the
+        next nvplug to adopt."""
+        await self._end_supervision("nvplug stopped")
+        if self._proc is not None:
+            self._proc.leave()
+            self._proc = None
+
+    async def _end_supervision(self, why: str) -> None:
         self._stopping.set()
-        self._first_ended("it was stopped")
+        self._first_ended(why)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._end_child(graceful=True)
-        await self._hooks.release(self.group)
-        await asyncio.to_thread(self._layout.remove_group, self.group)
 
     async def _run(self) -> None:
         if self._after is not None:
@@ -159,24 +199,15 @@ class ControlDaemon:
     async def _bring_up(self) -> None:
         group = self.group
         await self._hooks.root()
-        pid_file = Path(self.client.pipe_dir).parent / PID_FILE
-        await asyncio.to_thread(kill_leftover, pid_file, self.binary)
+        if await self._adopt():
+            return
+        # A daemon no record names (nvplug killed between its start and its record): it had no client yet.
+        await asyncio.to_thread(kill_leftover, Path(self.client.pipe_dir) / DAEMON_PID_FILE, self.binary)
         await asyncio.to_thread(self._layout.prepare_group, group)
         self._hooks.prepared(group)
         await self._hooks.exclusive(group)
         env = self.client.environ({"CUDA_VISIBLE_DEVICES": ",".join(group.uuids)})
-        self._stderr.clear()
-        self._proc = await asyncio.create_subprocess_exec(
-            self.binary,
-            "-f",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # a signal to nvplug's process group is not one to the daemon
-        )
-        self._stderr_task = asyncio.create_task(self._read_stderr(self._proc), name=f"mps {group.name} stderr")
-        await asyncio.to_thread(self._write_pid, self._proc.pid)
+        self._proc = proc = await asyncio.to_thread(self._spawn, env)
         await self._first_answer()
         commands = [f"set_default_active_thread_percentage {group.thread_percentage}"]
         commands += [
@@ -186,16 +217,83 @@ class ControlDaemon:
         ]
         await self.client.send(commands)
         await self._check_answer()
+        await asyncio.to_thread(self._records.put, replace(self._record(proc), settings=self.settings))
         self.up_since = time.time()
+        self.adopted_at = None
+        self.kept = None
         self.last_error = None
         log.info(
             "%s: control daemon pid %d up, %d%% of the SMs per client%s",
             group.describe(),
-            self._proc.pid,
+            proc.pid,
             group.thread_percentage,
             _pinned_text(group),
         )
         self._report(True, "its MPS control daemon answers, its defaults set")
+
+    def _spawn(self, env: Mapping[str, str]) -> DaemonProcess:
+        """Started and recorded at once (in a thread): whatever becomes of this nvplug, the next one finds it."""
+        proc = DaemonProcess.spawn(self.binary, env, Path(self.client.log_dir))
+        self._records.put(self._record(proc))
+        return proc
+
+    def _record(self, proc: DaemonProcess) -> DaemonRecord:
+        return DaemonRecord(
+            self.group.name,
+            proc.pid,
+            start_ticks(proc.pid) or 0,
+            self.binary,
+            self.client.pipe_dir,
+            tuple(g.uuid for g in self.group.exclusive_gpus),
+        )
+
+    async def _adopt(self) -> bool:
+        """The daemon an earlier nvplug recorded, if it is still that process and answers with the defaults
+        it was recorded with: supervised from now on, its clients untouched. False: start one."""
+        record, self._recorded = self._recorded, None
+        if record is None:
+            return False
+        what = f"{self.group.describe()}: the control daemon pid {record.pid} an earlier nvplug started"
+        if record.pipe_dir != self.client.pipe_dir:
+            log.warning("%s serves %s, not %s: left as it is, not adopted", what, record.pipe_dir, self.client.pipe_dir)
+            return False
+        proc = await asyncio.to_thread(
+            DaemonProcess.adopt, record.pid, record.started, record.binary, Path(self.client.log_dir)
+        )
+        if proc is None:
+            log.warning("%s is gone: starting a new one", what)
+            return False
+        self._proc = proc
+        settings = record.settings
+        try:
+            if settings is None:
+                raise MpsControlError("it was never given its defaults")
+            await self._check_answer(settings.thread_percentage)
+        except MpsControlError as err:
+            log.warning("%s cannot be adopted (%s): replaced", what, err)
+            await self._end_child(graceful=False)
+            return False
+        if settings != self.settings:
+            if not self.clients:
+                log.info("%s runs with an earlier config's settings and has no client: replaced", what)
+                await self._end_child(graceful=True)
+                return False
+            self.kept = settings
+            log.warning(
+                "%s runs with an earlier config's settings (%d%% of the SMs per client) and has %d clients: "
+                "kept as it is until they leave",
+                what,
+                settings.thread_percentage,
+                self.clients,
+            )
+        self._hooks.prepared(self.group)
+        await self._hooks.exclusive(self.group)
+        self.adopted_at = time.time()
+        self.up_since = _started_at(record.started)
+        self.last_error = None
+        log.info("%s adopted: it answers with its defaults set, %d clients", what, self.clients)
+        self._report(True, "its MPS control daemon answers, its defaults set (adopted after a restart of nvplug)")
+        return True
 
     async def _first_answer(self) -> None:
         """The daemon makes its socket a moment after it starts: ask until it answers or exits."""
@@ -203,7 +301,7 @@ class ControlDaemon:
         schedule = FIRST_ANSWER.schedule()
         while True:
             proc = self._proc
-            if proc is None or proc.returncode is not None:
+            if proc is None or not proc.alive or proc.returncode is not None:
                 raise MpsControlError(f"MPS group {self.group.name}: the control daemon {self._exit_text()}")
             try:
                 await self.client.send(["get_server_list"], timeout=max(0.1, deadline - time.monotonic()))
@@ -213,8 +311,10 @@ class ControlDaemon:
                     raise MpsControlError(f"{err} (no answer {START_SECONDS:g} s after its start)") from err
             await asyncio.sleep(schedule.next())
 
-    async def _check_answer(self) -> None:
-        """The probe: the thread percentage read back, as this group set it."""
+    async def _check_answer(self, percentage: int | None = None) -> None:
+        """The probe: the thread percentage read back, as this group set it (or as `percentage`, recorded)."""
+        if percentage is None:
+            percentage = self.kept.thread_percentage if self.kept is not None else self.group.thread_percentage
         lines = await self.client.send(["get_default_active_thread_percentage", "get_server_list"])
         try:
             value = float(lines[0])
@@ -224,12 +324,11 @@ class ControlDaemon:
                 f"MPS group {self.group.name}: get_default_active_thread_percentage and "
                 f"get_server_list answered {lines!r}"
             ) from None
-        clients = await self.client.send([f"get_client_list {pid}" for pid in servers]) if servers else []
+        clients = await self.client.clients(servers)
         self.servers, self.clients, self.probed_at = servers, len(clients), time.time()
-        if round(value) != self.group.thread_percentage:
+        if round(value) != percentage:
             raise MpsControlError(
-                f"MPS group {self.group.name}: the daemon runs with {value:g}% of the SMs per "
-                f"client, not {self.group.thread_percentage}%"
+                f"MPS group {self.group.name}: the daemon runs with {value:g}% of the SMs per client, not {percentage}%"
             )
 
     async def _watch(self) -> str:
@@ -248,9 +347,13 @@ class ControlDaemon:
                 try:
                     await self._check_answer()
                 except MpsControlError as err:
-                    if proc.returncode is not None:
+                    if not proc.alive:
                         return f"it {self._exit_text()}"
                     return str(err)
+                if self.kept is not None and not self.clients:
+                    # Gracefully: a client may connect between this answer and the quit; none can be cut off.
+                    await self._end_child(graceful=True)
+                    return "its clients left: it starts again with the config's settings"
         finally:
             exited.cancel()
 
@@ -258,41 +361,23 @@ class ControlDaemon:
         proc = self._proc
         if proc is None:
             return
-        if proc.returncode is None and graceful:
+        exited = asyncio.ensure_future(proc.wait())
+        if not exited.done() and graceful:
             with contextlib.suppress(MpsControlError):
                 await self.client.send(["quit"])
-            done, _ = await asyncio.wait({asyncio.ensure_future(proc.wait())}, timeout=QUIT_SECONDS)
+            done, _ = await asyncio.wait({exited}, timeout=QUIT_SECONDS)
             if not done:
                 log.warning(
                     "%s: the control daemon did not quit within %g s: killed", self.group.describe(), QUIT_SECONDS
                 )
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its servers too
-            await proc.wait()
+        if not exited.done():
+            proc.kill()  # its servers too
+        await exited
+        proc.close()
         self._proc = None
 
-    async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stderr is not None
-        async for line in proc.stderr:
-            text = line.decode(errors="replace").strip()
-            if text:
-                self._stderr.append(text)
-
     def _exit_text(self) -> str:
-        proc = self._proc
-        code = proc.returncode if proc is not None else None
-        if code is None:
-            how = "is gone"
-        elif code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with status {code}"
-        said = f" ({' / '.join(self._stderr)})" if self._stderr else ""
-        return how + said
-
-    def _write_pid(self, pid: int) -> None:
-        (Path(self.client.pipe_dir).parent / PID_FILE).write_text(f"{pid}\n")
+        return self._proc.exit_text() if self._proc is not None else "is gone"
 
     def _report(self, ready: bool, reason: str) -> None:
         group = self.group
@@ -315,8 +400,17 @@ def _pinned_text(group: MpsGroup) -> str:
     return f", pinned memory {', '.join(limits)} per device" if limits else ""
 
 
+def _started_at(ticks: int) -> float:
+    """The wall-clock time of a start `ticks` clock ticks after boot."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def kill_leftover(pid_file: Path, binary: str) -> int | None:
-    """A daemon a crashed nvplug left running (its pid file, a live process of its binary): killed,
+    """A daemon no record names, found by the pid file it writes (a live process of its binary): killed,
     with its servers. Its pid; None if there was none."""
     try:
         pid = int(pid_file.read_text().strip())
@@ -330,5 +424,5 @@ def kill_leftover(pid_file: Path, binary: str) -> int | None:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         return None
-    log.warning("killed the MPS control daemon pid %d (%s) that an earlier nvplug left running", pid, exe)
+    log.warning("killed the MPS control daemon pid %d (%s) that an earlier nvplug started and never recorded", pid, exe)
     return pid

@@ -23,8 +23,8 @@ from nvplug.shaping.mps_groups import LOG, PIPE, MpsGroup, shm_dir
 log = logging.getLogger("nvplug.mps")
 
 DIR_MODE = 0o755
-# nvplug's record of a group's control daemon, beside its pipe and log directories.
-PID_FILE = "daemon.pid"
+# The pid file a control daemon writes in its pipe directory (nvplug's own record is daemon_records.py's).
+DAEMON_PID_FILE = "nvidia-cuda-mps-control.pid"
 # As /dev/shm: any client UID makes its segments there, and removes only its own.
 SHM_MODE = 0o1777
 CONTAINER_LABEL = "container_file_t"
@@ -85,9 +85,8 @@ class RootLayout:
         return self._label([pipe])
 
     def remove_group(self, group: MpsGroup) -> None:
-        """A stopped group's pipe directory and pid file; its log stays, for whoever asks why it stopped."""
+        """A stopped group's pipe directory; its log stays, for whoever asks why it stopped."""
         shutil.rmtree(self.root / group.name / PIPE, ignore_errors=True)
-        (self.root / group.name / PID_FILE).unlink(missing_ok=True)
 
     def remove_root(self, unmount: bool = True) -> str | None:
         """At stop: the tmpfs unmounted (if `unmount`: whoever mounted it) and every pipe directory
@@ -102,7 +101,6 @@ class RootLayout:
             self.shm.rmdir()
         for group in self.root.iterdir():
             shutil.rmtree(group / PIPE, ignore_errors=True)
-            (group / PID_FILE).unlink(missing_ok=True)
         return None
 
     def _label(self, paths: Sequence[Path]) -> list[str]:

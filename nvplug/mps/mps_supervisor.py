@@ -3,8 +3,11 @@
 Each new inventory or config gives the groups wanted (shaping.resource_plan.mps_groups). A group
 that is new starts; one that is gone stops; one whose devices or limits changed starts again, after
 its old daemon has quit (they share directories). A reload that would restart a group whose GPUs
-have MPS clients is refused, unless nvplug.mps.restartWithClients says otherwise. At stop, every
-daemon quits and every GPU gets its compute mode back.
+have MPS clients is refused, unless nvplug.mps.restartWithClients says otherwise.
+
+At stop nothing is torn down: the daemons run on for their clients, with their compute modes, their
+directories and the shm, and the next nvplug adopts them from their record (daemon_records.py). A
+recorded daemon whose group that nvplug does not run quits once it has no client (leftover_daemon.py).
 
 DRA claims that ask for MPS add groups of their own (start_claim_group, stop_claim_group): supervised
 the same way, started and stopped by prepare and unprepare rather than by the config.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -24,17 +28,22 @@ from nvplug.core.events import Event, MpsGroupChanged, MpsGroupRemoved
 from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import Commit, Emit, Sink, StateUpdate
 from nvplug.mps.compute_modes import ComputeModes, ModeCalls
-from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks, kill_leftover
+from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks
 from nvplug.mps.control_log_watch import ControlLogWatch
-from nvplug.mps.mps_dirs import PID_FILE, RootLayout
+from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords
+from nvplug.mps.leftover_daemon import LeftoverDaemon
+from nvplug.mps.mps_dirs import RootLayout
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.shaping.mps_groups import MpsGroup
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, LOG, PIPE, MpsGroup
 from nvplug.shaping.resource_plan import mps_groups
 
 log = logging.getLogger("nvplug.mps")
 
 # A claim's prepare waits this long for its daemon: the directories, the compute modes, the first answer.
 CLAIM_START_SECONDS = START_SECONDS + 5.0
+# How long opening waits for the recorded daemons to be adopted, so that the kubelet's first list has
+# their devices Healthy. Short: a daemon that must be started again is not waited for (boot order).
+ADOPT_SECONDS = 2.0
 
 
 class MpsCalls(ModeCalls, Protocol):
@@ -43,7 +52,7 @@ class MpsCalls(ModeCalls, Protocol):
 
 class MpsSupervisor(Sink):
     name = "mps"
-    # The daemons quit and their GPUs' compute modes go back through NVML: before the scanner stops.
+    # A group retiring for a new config gives its GPUs' compute modes back through NVML: before the scanner stops.
     closes_before_sources = True
     # Groups follow the inventory and the config alone; the compute modes to give back are recorded in
     # the state. Before the CDI spec, which holds the groups' directories.
@@ -57,6 +66,7 @@ class MpsSupervisor(Sink):
         first: Snapshot,
         apply: Emit,
         written: Callable[[], Awaitable[str | None]],
+        records: DaemonRecords,
         selinux_enforce: Path = Path("/sys/fs/selinux/enforce"),
     ) -> None:
         self._cfg = cfg
@@ -73,17 +83,30 @@ class MpsSupervisor(Sink):
         self._claimed: dict[str, MpsGroup] = {}
         self._root_lock = asyncio.Lock()
         self._root_ready = False
-        # Whether nvplug mounted the shm tmpfs itself (not nvplug-mps.service): then it unmounts it.
-        self._mounted = False
         self.root_notes: list[str] = []
         self._logs = ControlLogWatch(self._trouble)
         self._chores: set[asyncio.Task[None]] = set()
-        # Before any daemon of ours runs (a few files, no NVML): what an nvplug killed earlier left
-        # running goes, whatever the config says now. A group started again would kill its own; a
-        # group the config no longer has would run on, unowned.
-        for pid_file in Path(cfg.mps_root).glob(f"*/{PID_FILE}"):
-            kill_leftover(pid_file, cfg.mps_control)
-            pid_file.unlink(missing_ok=True)
+        self._records = records
+        # What an earlier nvplug left running, by group: adopted by the group of the name when it is made,
+        # else settled as a leftover. Their GPUs keep EXCLUSIVE_PROCESS meanwhile.
+        self._recorded: dict[str, DaemonRecord] = dict(records.load())
+        for record in self._recorded.values():
+            self._modes.hold_uuids(record.exclusive, record)
+        self._leftovers: dict[str, LeftoverDaemon] = {}
+        self._settling: set[str] = set()
+
+    async def open(self, snapshot: Snapshot) -> None:
+        """The recorded daemons adopted (briefly waited for: the kubelet's first list then has their devices
+        Healthy), and those of groups no config runs settled. A claim's are settled once DRA has said which
+        claims it restored (claims_restored), unless DRA is off."""
+        adopting = [d.started(ADOPT_SECONDS) for d in self._daemons.values() if d.adopting]
+        await asyncio.gather(*adopting)
+        claims_too = not self._cfg.dra.enabled
+        self._settle([n for n in self._recorded if claims_too or not n.startswith(CLAIM_GROUP_PREFIX)])
+
+    def claims_restored(self, names: frozenset[str]) -> None:
+        """DRA started again the groups of these prepared claims: any other claim's recorded daemon is a leftover."""
+        self._settle([n for n in self._recorded if n.startswith(CLAIM_GROUP_PREFIX) and n not in names])
 
     def update(self, update: StateUpdate) -> Sequence[Event]:
         self._snapshot = update.snapshot
@@ -120,6 +143,7 @@ class MpsSupervisor(Sink):
     def probe_all(self, why: str) -> None:
         for daemon in self._daemons.values():
             daemon.probe_soon(why)
+        self._settle(list(self._leftovers))  # whether their clients left
 
     async def admit(self, cfg: Config) -> None:
         if cfg.mps_root != self._cfg.mps_root and (self._daemons or self._retiring):
@@ -155,15 +179,26 @@ class MpsSupervisor(Sink):
             self._layout = RootLayout(Path(cfg.mps_root), self._selinux)
             for event in self._sync(snapshot):
                 self._apply(event)
+            self.probe_all("a reload")
 
         return commit
 
     def notes(self) -> list[str]:
         down = [d for d in self._daemons.values() if d.up_since is None and d.last_error]
-        return [f"MPS group {d.group.name} down: {d.last_error}" for d in down]
+        notes = [f"MPS group {d.group.name} down: {d.last_error}" for d in down]
+        notes += [
+            f"MPS group {d.group.name} runs with an earlier config's settings while it has clients"
+            for d in self._daemons.values()
+            if d.kept is not None
+        ]
+        return notes + [
+            f"{leftover.describe()}, runs on while it has clients (pids {', '.join(map(str, leftover.clients))})"
+            for leftover in self._leftovers.values()
+            if leftover.clients
+        ]
 
     def status(self) -> object:
-        if not self._daemons and not self._cfg.sharing.mps.resources and not self._claimed:
+        if not self._daemons and not self._cfg.sharing.mps.resources and not self._claimed and not self._leftovers:
             return None
         now = time.time()
         return {
@@ -178,6 +213,9 @@ class MpsSupervisor(Sink):
                     "pid": d.pid,
                     "up": d.up_since is not None,
                     "uptime_seconds": round(now - d.up_since, 3) if d.up_since is not None else None,
+                    # When this nvplug adopted the daemon an earlier one started; None: it started it.
+                    "adopted_at": d.adopted_at,
+                    "kept_settings": d.kept.as_dict() if d.kept is not None else None,
                     "restarts": d.restarts,
                     "active_thread_percentage": d.group.thread_percentage,
                     "pinned_memory_mib": list(d.group.pinned_mib),
@@ -188,20 +226,24 @@ class MpsSupervisor(Sink):
                 }
                 for d in self._daemons.values()
             ],
+            "leftovers": [
+                {"name": name, "pid": o.record.pid, "clients": list(o.clients)} for name, o in self._leftovers.items()
+            ],
         }
 
     async def close(self) -> None:
-        """Every daemon quits, every compute mode goes back, the shm tmpfs goes. Again: nothing."""
+        """nvplug stops: every daemon runs on for its clients, with its compute modes, its directories and the
+        shm, recorded for the next nvplug. A group retiring for a new config finishes. Again: nothing."""
         daemons, self._daemons = list(self._daemons.values()), {}
-        await asyncio.gather(*(d.stop() for d in daemons), *self._retiring.values(), return_exceptions=True)
+        await asyncio.gather(*(d.leave() for d in daemons), *self._retiring.values(), return_exceptions=True)
         for task in list(self._chores):
             task.cancel()
-        await self._modes.restore_unused(self._snapshot.gpus)
-        if self._root_ready:
-            self._root_ready = False
-            failed = await asyncio.to_thread(self._layout.remove_root, self._mounted)
-            if failed:
-                log.warning("MPS: %s", failed)
+        await asyncio.gather(*self._chores, return_exceptions=True)
+        for leftover in self._leftovers.values():
+            leftover.leave()
+        self._leftovers.clear()
+        if daemons:
+            log.info("MPS: %d control daemons run on for their clients; the next start adopts them", len(daemons))
         await self._logs.stop()
 
     def _sync(self, snap: Snapshot) -> list[Event]:
@@ -224,7 +266,12 @@ class MpsSupervisor(Sink):
             if name not in self._daemons:
                 holder = object()
                 self._modes.hold(group, holder)
-                daemon = ControlDaemon(group, self._cfg.mps_control, self._layout, self._hooks(holder))
+                record = self._take_record(name)
+                daemon = ControlDaemon(
+                    group, self._cfg.mps_control, self._layout, self._hooks(holder), self._records, record
+                )
+                if record is not None:
+                    self._let_go(record)  # the group holds its GPUs now
                 self._daemons[name] = daemon
                 retiring = self._retiring.get(name)
                 daemon.start(after=asyncio.ensure_future(retiring) if retiring is not None else None)
@@ -233,6 +280,54 @@ class MpsSupervisor(Sink):
         if free:
             self._chore(self._modes.restore_unused(free))
         return events
+
+    def _take_record(self, name: str) -> DaemonRecord | None:
+        """The recorded daemon of the group `name`, for it to adopt: one not yet settled, or a leftover kept
+        for its clients (its group is wanted again)."""
+        record = self._recorded.pop(name, None)
+        leftover = self._leftovers.pop(name, None)
+        if leftover is not None:
+            leftover.leave()
+            record = leftover.record
+        return record
+
+    def _let_go(self, record: DaemonRecord) -> None:
+        """The record's hold on its GPUs' compute modes ends: those no group holds get their old mode back."""
+        free = set(self._modes.let_go(record.exclusive, record))
+        gpus = [g for g in self._snapshot.gpus if g.uuid in free]
+        if gpus:
+            self._chore(self._modes.restore_unused(gpus))
+
+    def _settle(self, names: Sequence[str]) -> None:
+        """Recorded daemons whose groups are not run: each quits once it has no client."""
+        for name in names:
+            if name in self._settling:
+                continue
+            record = self._recorded.pop(name, None)
+            leftover = self._leftovers.get(name)
+            if record is not None:
+                leftover = self._leftovers[name] = LeftoverDaemon(record, self._layout.root / name / LOG)
+            if leftover is not None:
+                self._settling.add(name)
+                self._chore(self._settle_one(name, leftover))
+
+    async def _settle_one(self, name: str, leftover: LeftoverDaemon) -> None:
+        try:
+            if not await leftover.settle():
+                log.warning(
+                    "%s runs on while its clients (pids %s) are connected; asked again at each Allocate and reload",
+                    leftover.describe(),
+                    ", ".join(map(str, leftover.clients)),
+                )
+                return
+        finally:
+            self._settling.discard(name)
+        if self._leftovers.get(name) is not leftover:
+            return  # its group is wanted again, and adopted it
+        del self._leftovers[name]
+        await asyncio.to_thread(shutil.rmtree, self._layout.root / name / PIPE, True)
+        await asyncio.to_thread(self._records.drop, name)
+        self._let_go(leftover.record)
 
     async def _retire(self, daemon: ControlDaemon, removed: bool, earlier: asyncio.Task[None] | None) -> None:
         try:
@@ -255,7 +350,7 @@ class MpsSupervisor(Sink):
         async with self._root_lock:
             if not self._root_ready:
                 prepared = await asyncio.to_thread(self._layout.prepare_root)
-                self.root_notes, self._mounted = prepared.notes, prepared.mounted
+                self.root_notes = prepared.notes
                 for note in self.root_notes:
                     log.warning("MPS: %s", note)
                 self._root_ready = True

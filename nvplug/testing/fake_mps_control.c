@@ -8,6 +8,9 @@
  *   nvidia-cuda-mps-control -f                  control daemon in the foreground (logs to stderr too)
  *   nvidia-cuda-mps-control                     client: commands from stdin, one a line
  *   nvidia-cuda-mps-control --fake-cuda-client  test hook: connect like a CUDA application
+ *   nvidia-cuda-mps-control --fake-cuda-client --hold [FILE]
+ *                                               ... and stay connected, holding FILE (made) open,
+ *                                               as a CUDA process holds its context and its shm
  *   nvidia-cuda-mps-control -h | --help
  *
  * Environment: CUDA_MPS_PIPE_DIRECTORY (/tmp/nvidia-mps), CUDA_MPS_LOG_DIRECTORY
@@ -81,6 +84,7 @@ struct conn {
     uid_t wait_uid; /* W_SERVER: a server for this user */
     gid_t wait_gid;
     pid_t wait_pid; /* W_EXIT: this server's exit */
+    pid_t served_by; /* C_CUDA: the server it was answered with (0: none yet) */
     unsigned long seq; /* arrival order of waits */
 };
 
@@ -661,6 +665,7 @@ static void start_server(uid_t uid, gid_t gid) {
 }
 
 static void answer_cuda(struct conn *c, const struct server *s) {
+    c->served_by = s->pid;
     char limits[MAX_LINE] = "";
     size_t len = 0;
     for (int i = 0; i < g_ndevices && len < sizeof limits - 64; i++)
@@ -964,11 +969,16 @@ static int ui_command(struct conn *c, char *line) {
             reply_end(c, 1);
         }
     } else if (strcmp(name, "get_client_list") == 0 && argc == 2) {
-        /* Fake CUDA clients do not stay connected: a known server has none. */
-        if (server_by_token(argv[1]) == NULL)
+        /* The fake CUDA clients still connected that were answered with this server. */
+        const struct server *s = server_by_token(argv[1]);
+        if (s == NULL) {
             reply_error(c, "Error: no MPS server with PID %s", argv[1]);
-        else
+        } else {
+            for (int i = 0; i < MAX_CONNS; i++)
+                if (g_conns[i].fd >= 0 && g_conns[i].kind == C_CUDA && g_conns[i].served_by == s->pid)
+                    reply_line(c, '|', "%d", (int)g_conns[i].pid);
             reply_end(c, 1);
+        }
     } else if (strcmp(name, "shutdown_server") == 0 && (argc == 2 || (argc == 3 && strcmp(argv[2], "-f") == 0))) {
         struct server *s = server_by_token(argv[1]);
         if (s == NULL) {
@@ -1433,7 +1443,7 @@ static int run_client(void) {
     return status;
 }
 
-static int run_fake_cuda_client(void) {
+static int run_fake_cuda_client(int hold, const char *held_file) {
     if (sock_path() < 0) {
         fprintf(stderr, "fake CUDA client: the pipe directory path is too long\n");
         return 1;
@@ -1459,7 +1469,23 @@ static int run_fake_cuda_client(void) {
         fprintf(stderr, "fake CUDA client: the MPS control daemon closed the connection\n");
     else if (r > 0)
         fprintf(stderr, "fake CUDA client: cudaErrorMpsConnectionFailed\n");
-    return r == 0 ? 0 : 1;
+    if (r != 0 || !hold)
+        return r == 0 ? 0 : 1;
+    /* A CUDA process keeps its context on the server, and its segments in /dev/shm, until it ends. */
+    int held = held_file ? open(held_file, O_RDWR | O_CREAT | O_CLOEXEC, 0600) : -1;
+    if (held_file && held < 0) {
+        fprintf(stderr, "fake CUDA client: cannot make %s: %s\n", held_file, strerror(errno));
+        return 1;
+    }
+    printf("holding the connection\n");
+    fflush(stdout);
+    char byte;
+    ssize_t n;
+    while ((n = read(fd, &byte, 1)) < 0 && errno == EINTR) {
+    }
+    /* Nothing is ever sent after the answer: this is the daemon going away, contexts lost. */
+    fprintf(stderr, "fake CUDA client: cudaErrorMpsConnectionFailed: the MPS server went away\n");
+    return 1;
 }
 
 static void usage(FILE *out) {
@@ -1469,6 +1495,7 @@ static void usage(FILE *out) {
             "  -f, --foreground   start the MPS control daemon in the foreground\n"
             "  -h, --help         print this message\n"
             "  --fake-cuda-client test stand-in only: connect like a CUDA application\n"
+            "  --fake-cuda-client --hold [FILE]  ... and stay connected, holding FILE open\n"
             "Without an option, read commands from standard input and send them to the daemon.\n"
             "Environment: CUDA_MPS_PIPE_DIRECTORY (default " DEFAULT_PIPE_DIR "), CUDA_MPS_LOG_DIRECTORY (default "
             DEFAULT_LOG_DIR "), CUDA_VISIBLE_DEVICES.\n"
@@ -1489,7 +1516,9 @@ int main(int argc, char **argv) {
     if (argc == 2 && (strcmp(opt, "-f") == 0 || strcmp(opt, "--foreground") == 0))
         return run_foreground();
     if (argc == 2 && strcmp(opt, "--fake-cuda-client") == 0)
-        return run_fake_cuda_client();
+        return run_fake_cuda_client(0, NULL);
+    if ((argc == 3 || argc == 4) && strcmp(opt, "--fake-cuda-client") == 0 && strcmp(argv[2], "--hold") == 0)
+        return run_fake_cuda_client(1, argc == 4 ? argv[3] : NULL);
     fprintf(stderr, "Unknown option: %s\n", opt);
     usage(stderr);
     return 1;

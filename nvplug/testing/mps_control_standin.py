@@ -28,7 +28,7 @@ Commands, answered as the real daemon does where its answers are known:
   prints nothing; ``get_default_device_pinned_mem_limit <dev>`` prints the value as it was
   set (``4096M``, ``2G``) or ``0`` when unset.
 * ``get_server_list`` (one PID a line), ``get_server_status <pid>`` (``ACTIVE``,
-  ``INITIALIZING`` or ``SHUTTING_DOWN``), ``get_client_list <pid>`` (always empty),
+  ``INITIALIZING`` or ``SHUTTING_DOWN``), ``get_client_list <pid>`` (the pids of the held clients below),
   ``get_active_thread_percentage <pid>``, ``get_device_pinned_mem_limit <pid> <dev>``
   (the values a server started with), ``start_server -uid <uid>``, ``shutdown_server
   <pid> [-f]`` (answered once the server has exited), ``quit [-t <seconds>]`` (stops the
@@ -50,6 +50,11 @@ Test hooks:
   encountered a fatal exception. Shutting down", "Server <pid> exited with status 1"),
   server.log says why, and the client prints an error on stderr and exits 1. A daemon
   without CAP_SETUID logs "Failed to start server for user ..." and answers an error.
+* ``nvidia-cuda-mps-control --fake-cuda-client --hold [FILE]`` connects the same way and then
+  stays connected, with FILE (made if missing; a segment in the clients' shm) open, as a CUDA
+  process holds its context: it prints ``holding the connection``, and ``get_client_list``
+  lists it. If the daemon goes away it prints ``cudaErrorMpsConnectionFailed: the MPS server
+  went away`` and exits 1, as a real client fails: :class:`HeldClient`.
 * Every UI command is recorded as a JSON line ``{"uid": .., "pid": .., "monotonic": ..,
   "command": ".."}`` (CLOCK_MONOTONIC seconds, the machine's clock, as ``time.monotonic()``)
   in ``<log dir>/commands.jsonl`` or ``$FAKE_MPS_COMMAND_LOG``: :func:`commands`.
@@ -88,6 +93,7 @@ __all__ = [
     "NO_DAEMON_MESSAGE",
     "PID_FILE",
     "SOURCE",
+    "HeldClient",
     "LogLine",
     "MpsStandinBuildError",
     "build",
@@ -199,6 +205,36 @@ def fake_cuda_client(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``nvidia-cuda-mps-control --fake-cuda-client`` (as ``user``, if given), like :func:`client`."""
     return _run(pipe_dir, ("--fake-cuda-client",), None, binary, env, user, timeout)
+
+
+class HeldClient:
+    """A fake CUDA client that stays connected (``--fake-cuda-client --hold``), until :meth:`close`."""
+
+    def __init__(self, pipe_dir: Path, held_file: Path | None = None, *, binary: Path | None = None) -> None:
+        env = environ(pipe_dir)
+        args = [str(_binary(binary, env)), "--fake-cuda-client", "--hold", *([str(held_file)] if held_file else [])]
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        # Its two lines: the server it got, then that it holds on (a failure ends stdout instead).
+        self.said = [self.proc.stdout.readline().strip(), self.proc.stdout.readline().strip()]
+        if self.said[1] != "holding the connection":
+            _, err = self.proc.communicate(timeout=10)
+            raise RuntimeError(f"the fake CUDA client did not connect: {self.said} {err.strip()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def connected(self) -> bool:
+        """Still holding its connection: a client whose daemon went away has exited 1."""
+        return self.proc.poll() is None
+
+    def close(self) -> str:
+        """Ended (SIGTERM, as a workload ends); what it said on stderr."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        _, err = self.proc.communicate(timeout=10)
+        return err
 
 
 def _run(

@@ -25,7 +25,9 @@ from typing import IO, Literal
 from nvplug.core.gpu import normalize_bus_id
 from nvplug.core.kernel_log_records import format_record
 from nvplug.mps.control_daemon import kill_leftover
-from nvplug.mps.mps_dirs import PID_FILE
+from nvplug.mps.daemon_process import DaemonProcess
+from nvplug.mps.daemon_records import DaemonRecords
+from nvplug.mps.mps_dirs import DAEMON_PID_FILE
 from nvplug.testing import fakenvml_control, fakenvml_library
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing import nvidia_smi_standin as nvidia_smi
@@ -447,9 +449,18 @@ class SimulatedNode:
         if self.daemon is not None and self.daemon.poll() is None:
             self.stop_daemon(signal.SIGKILL)
         self.kubelet.stop()
-        # What a daemon killed here left: its MPS control daemons (sessions of their own) and the shm.
-        for pid_file in self.mps_root.glob(f"*/{PID_FILE}"):
-            kill_leftover(pid_file, mps_control.BINARY_NAME)
+        # The MPS control daemons outlive the daemons here, as on a node (sessions of their own): ended, by
+        # their record, and by their own pid files (one started but not recorded yet); then the shm.
+        ended = set()
+        for record in DaemonRecords(self.state_dir, None).load().values():
+            proc = DaemonProcess.adopt(record.pid, record.started, record.binary, self.mps_root)
+            if proc is not None:
+                proc.kill()
+                proc.close()
+                ended.add(record.pid)
+        for pid_file in self.mps_root.glob(f"*/pipe/{DAEMON_PID_FILE}"):
+            if mps_control.read_pid_file(pid_file.parent) not in ended:
+                kill_leftover(pid_file, mps_control.BINARY_NAME)
         shm = self.mps_root / "shm"
         if shm.is_mount():
             subprocess.run(["umount", "-l", str(shm)], check=False, capture_output=True)
