@@ -58,6 +58,7 @@ MPS_CONTROL = "/usr/local/bin/nvidia-cuda-mps-control"
 MPS_RESOURCE = "nvidia.com/gpu.mps"
 MPS_PIPE = "/run/nvplug/mps/nvidia.com_gpu.mps/pipe"
 MPS_SHM = "/run/nvplug/mps/shm"
+MPS_DAEMON_UNIT = "nvplug-mps-nvidia.com_gpu.mps.service"
 TIMEOUT = 20.0
 
 _skip = nspawn.missing_requirements()
@@ -533,10 +534,17 @@ def test_the_hardened_unit_resets_an_idle_gpu_itself_and_runs_its_check(node: No
     _timed("check 5c: auto-reset under the hardened unit", started)
 
 
-def test_the_hardened_unit_runs_mps_for_a_client_that_is_not_root(node: Node) -> None:
-    """sharing.mps under the shipped unit: the tmpfs mounted outside its sandbox, the control daemon
-    its child, a server started as UID 1001 for a client outside the unit, the compute modes set and
-    restored, also across a SIGKILL of nvplug."""
+def mps_lists(node: Node) -> list[int]:
+    """How many devices each list of the MPS resource had, across registrations."""
+    views = [*node.kubelet.history, *([p] if (p := node.kubelet.plugin(MPS_RESOURCE)) is not None else [])]
+    return [len(u.devices) for v in views if v.resource == MPS_RESOURCE for u in v.updates]
+
+
+def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(node: Node) -> None:
+    """sharing.mps under the shipped unit: the tmpfs mounted outside its sandbox, the control daemon in a unit
+    of its own, a server started as UID 1001 for a client outside the unit. The client stays connected through
+    `systemctl restart`, a SIGKILL of nvplug and `systemctl stop`: the same daemon, compute modes and shm. A
+    daemon no config asks for runs on while its client does, then quits and gives the modes back."""
     started = time.monotonic()
     node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
     node.ctr.write_file(
@@ -555,41 +563,69 @@ def test_the_hardened_unit_runs_mps_for_a_client_that_is_not_root(node: Node) ->
     mounted = node.ctr.run("findmnt", "-n", "-o", "FSTYPE", MPS_SHM, check=False).stdout.strip()
     assert mounted == "tmpfs", f"{MPS_SHM}: {mounted or 'not mounted'}\n{node.ctr.journal(UNIT, '-o', 'cat')}"
     assert node.ctr.run("stat", "-c", "%a", "/run/nvplug").stdout.strip() == "755"
-    client = node.ctr.run(
-        "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
+    # The daemon in a unit of its own, out of nvplug's cgroup.
+    daemon = node.ctr.show(MPS_DAEMON_UNIT, "MainPID", "ActiveState", "ControlGroup")
+    assert daemon["ActiveState"] == "active" and daemon["MainPID"] not in ("", "0"), f"{daemon}\n{node.diagnose()}"
+    assert daemon["ControlGroup"].endswith(f"/{MPS_DAEMON_UNIT}"), daemon
+    # A CUDA process of UID 1001 that holds its connection and a segment in the shm, as a workload does.
+    node.ctr.run(
+        "systemd-run", "--unit=mps-client", "--", "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
         "env", f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE}", MPS_CONTROL, "--fake-cuda-client",
-        check=False,
+        "--hold", f"{MPS_SHM}/client.segment",
     )  # fmt: skip
-    assert client.returncode == 0 and "(user 1001, active thread percentage 25.0" in client.stdout, (
-        f"{client.stdout}{client.stderr}\n{node.diagnose()}"
-    )
-    # SIGKILL: systemd ends the daemon's children and starts it again; its record keeps the old modes.
-    before = node.show("MainPID")["MainPID"]
-    node.ctr.run("systemctl", "kill", "--signal=SIGKILL", UNIT)
+    node.ctr.wait_journal("mps-client", "holding the connection", "-o", "cat")
+    client = node.ctr.show("mps-client", "MainPID")["MainPID"]
+    assert "(user 1001, active thread percentage 25.0" in node.ctr.journal("mps-client", "-o", "cat")
+    shm = node.ctr.run("stat", "-c", "%d", MPS_SHM).stdout.strip()
 
-    def back() -> bool:
-        return node.show("MainPID")["MainPID"] not in ("0", "", before) and node.kubelet.allocatable(MPS_RESOURCE) == 8
+    def unchanged(after: str) -> None:
+        now = node.ctr.show(MPS_DAEMON_UNIT, "MainPID", "ActiveState")
+        held = node.ctr.show("mps-client", "MainPID", "ActiveState")
+        print(f"after {after}: daemon pid {now['MainPID']} (was {daemon['MainPID']}), client pid {held['MainPID']}")
+        assert now == {"MainPID": daemon["MainPID"], "ActiveState": "active"}, f"{after}: {now}\n{node.diagnose()}"
+        assert held == {"MainPID": client, "ActiveState": "active"}, (
+            f"{after}: the client lost its daemon: {held}\n{node.ctr.journal('mps-client', '-o', 'cat')}"
+        )
+        assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == exclusive, after
+        assert node.ctr.run("stat", "-c", "%d", MPS_SHM).stdout.strip() == shm, f"{after}: another shm"
+        assert node.ctr.exists(f"{MPS_SHM}/client.segment"), after
 
-    nspawn.wait_until(
-        back,
-        30,
-        "nvplug restarted after SIGKILL, its MPS devices Healthy again",
-        node.diagnose,
-    )
-    assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == exclusive
+    for action in (("restart", UNIT), ("kill", "--signal=SIGKILL", UNIT)):
+        registrations, before = node.registrations(), node.show("MainPID")["MainPID"]
+        node.ctr.run("systemctl", *action)
+
+        def back(before: str = before, registrations: int = registrations) -> bool:
+            pid, served = node.show("MainPID")["MainPID"], node.kubelet.allocatable(MPS_RESOURCE)
+            return pid not in ("0", "", before) and node.registrations() > registrations and served == 8
+
+        nspawn.wait_until(back, 30, f"nvplug back after systemctl {action[0]}, its MPS devices Healthy", node.diagnose)
+        unchanged(f"systemctl {' '.join(action[:-1])}")
+        assert min(mps_lists(node)) == 8, f"a list had fewer MPS devices: {mps_lists(node)}"
+    adopted = node.ctr.journal(UNIT, "-o", "cat")
+    assert adopted.count(f"the control daemon pid {daemon['MainPID']} an earlier nvplug started adopted") == 2, adopted[
+        -3000:
+    ]
     node.ctr.run("systemctl", "stop", UNIT)
-    assert fakenvml_library.persisted_compute_modes(node.host / "ctl") == {node.uuids[0]: 0, node.uuids[1]: 0}
-    # nvplug-mps.service stops after nvplug.service, in the same transaction.
-    nspawn.wait_until(
-        lambda: node.ctr.run("findmnt", MPS_SHM, check=False).returncode != 0,
-        TIMEOUT,
-        "nvplug-mps.service to unmount the shm tmpfs after nvplug stopped",
-        lambda: node.ctr.journal("nvplug-mps", "-o", "cat"),
-    )
+    unchanged("systemctl stop")
+    # Started again without MPS: the daemon, which has a client, runs on; once the client is gone, a reload
+    # asks again, the daemon quits, its unit goes, and the compute modes go back.
     registrations = node.registrations()
     node.ctr.write_file(CONFIG, "version: v1\n")
     node.ctr.run("systemctl", "start", UNIT)
     node.wait_registered_again(registrations)
+    node.ctr.wait_journal(UNIT, "runs on while its clients", "-o", "cat")
+    unchanged("a start without MPS")
+    node.ctr.run("systemctl", "stop", "mps-client")
+    _reload(node)
+    nspawn.wait_until(
+        lambda: (
+            node.ctr.show(MPS_DAEMON_UNIT, "ActiveState")["ActiveState"] != "active"
+            and fakenvml_library.persisted_compute_modes(node.host / "ctl") == {node.uuids[0]: 0, node.uuids[1]: 0}
+        ),
+        TIMEOUT,
+        "the leftover daemon to quit with its client gone, and the compute modes to go back",
+        node.diagnose,
+    )
     _timed("check 5d: MPS under the hardened unit", started)
 
 

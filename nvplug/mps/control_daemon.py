@@ -30,6 +30,7 @@ from nvplug.core.events import MpsGroupChanged
 from nvplug.mps.control_client import ControlClient, MpsControlError
 from nvplug.mps.daemon_process import DaemonProcess, start_ticks
 from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords, DaemonSettings
+from nvplug.mps.daemon_units import unit_name
 from nvplug.mps.mps_dirs import DAEMON_PID_FILE, MpsDirError, RootLayout
 from nvplug.shaping.mps_groups import MpsGroup
 
@@ -73,8 +74,11 @@ class ControlDaemon:
         hooks: DaemonHooks,
         records: DaemonRecords,
         recorded: DaemonRecord | None = None,
+        in_unit: bool = False,
     ) -> None:
         self.group = group
+        # Whether it runs in a systemd unit of its own (nvplug is a service), or in a session of its own.
+        self._in_unit = in_unit
         self.binary = binary
         self._layout = layout
         self._hooks = hooks
@@ -233,7 +237,14 @@ class ControlDaemon:
 
     def _spawn(self, env: Mapping[str, str]) -> DaemonProcess:
         """Started and recorded at once (in a thread): whatever becomes of this nvplug, the next one finds it."""
-        proc = DaemonProcess.spawn(self.binary, env, Path(self.client.log_dir))
+        log_dir = Path(self.client.log_dir)
+        if self._in_unit:
+            # What the daemon reads (the CUDA variables); nvplug's own environment is the unit's business.
+            cuda = {key: value for key, value in env.items() if key.startswith("CUDA_")}
+            what = f"nvplug's MPS control daemon of group {self.group.name}"
+            proc = DaemonProcess.in_unit(unit_name(self.group.name), self.binary, cuda, log_dir, what)
+        else:
+            proc = DaemonProcess.spawn(self.binary, env, log_dir)
         self._records.put(self._record(proc))
         return proc
 
@@ -245,6 +256,7 @@ class ControlDaemon:
             self.binary,
             self.client.pipe_dir,
             tuple(g.uuid for g in self.group.exclusive_gpus),
+            unit=proc.unit,
         )
 
     async def _adopt(self) -> bool:
@@ -258,7 +270,7 @@ class ControlDaemon:
             log.warning("%s serves %s, not %s: left as it is, not adopted", what, record.pipe_dir, self.client.pipe_dir)
             return False
         proc = await asyncio.to_thread(
-            DaemonProcess.adopt, record.pid, record.started, record.binary, Path(self.client.log_dir)
+            DaemonProcess.adopt, record.pid, record.started, record.binary, Path(self.client.log_dir), record.unit
         )
         if proc is None:
             log.warning("%s is gone: starting a new one", what)

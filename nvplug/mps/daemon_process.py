@@ -2,8 +2,9 @@
 
 The daemon is started in a session of its own, with no pipe to nvplug (its stderr goes to a file in its
 log directory), so that nothing of nvplug's going (a signal to its process group, its stderr closed)
-reaches it. Its exit is seen on the loop through a pidfd, which works the same for a process that is not
-nvplug's child: nothing waits in a thread and nothing polls.
+reaches it; under systemd, in a unit of its own (daemon_units.py), out of nvplug's cgroup. Its exit is
+seen on the loop through a pidfd, which works the same for a process that is not nvplug's child: nothing
+waits in a thread and nothing polls.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
+
+from nvplug.mps.daemon_units import start_unit
 
 STDERR_FILE = "control.stderr"
 # The lines of its stderr its exit is told with.
@@ -47,8 +50,12 @@ def binary_name(pid: int, proc: Path = Path("/proc")) -> str | None:
 
 
 class DaemonProcess:
-    def __init__(self, pid: int, pidfd: int, child: subprocess.Popen[bytes] | None, stderr: Path) -> None:
+    def __init__(
+        self, pid: int, pidfd: int, child: subprocess.Popen[bytes] | None, stderr: Path, unit: str | None = None
+    ) -> None:
         self.pid = pid
+        # The systemd unit it runs in; None: a session of its own.
+        self.unit = unit
         self._pidfd = pidfd
         # Ours to reap, with an exit status; None: adopted, not our child, its status unknown.
         self._child = child
@@ -79,7 +86,14 @@ class DaemonProcess:
         return cls(child.pid, pidfd, child, stderr)
 
     @classmethod
-    def adopt(cls, pid: int, started: int, binary: str, log_dir: Path) -> DaemonProcess | None:
+    def in_unit(cls, unit: str, binary: str, env: Mapping[str, str], log_dir: Path, description: str) -> DaemonProcess:
+        """Started in a transient unit of its own (its output in the journal). Blocking: run it in a thread.
+        Raises UnitError (an OSError)."""
+        pid = start_unit(unit, binary, env, description)
+        return cls(pid, os.pidfd_open(pid), None, log_dir / STDERR_FILE, unit)
+
+    @classmethod
+    def adopt(cls, pid: int, started: int, binary: str, log_dir: Path, unit: str | None = None) -> DaemonProcess | None:
         """The process `pid` if it is still the one recorded (same start, same binary); None if not."""
         try:
             pidfd = os.pidfd_open(pid)
@@ -89,10 +103,11 @@ class DaemonProcess:
         if start_ticks(pid) != started or binary_name(pid) != Path(binary).name:
             os.close(pidfd)
             return None
-        return cls(pid, pidfd, None, log_dir / STDERR_FILE)
+        return cls(pid, pidfd, None, log_dir / STDERR_FILE, unit)
 
     @property
     def adopted(self) -> bool:
+        """Not this nvplug's child: adopted, or in a unit of its own; its exit status is not ours to read."""
         return self._child is None
 
     @property
@@ -146,7 +161,9 @@ class DaemonProcess:
 
     def exit_text(self) -> str:
         code = self.returncode
-        if self.adopted and not self.alive:
+        if self.unit is not None and not self.alive:
+            how = f"exited (its unit {self.unit}: journalctl -u {self.unit})"
+        elif self.adopted and not self.alive:
             how = "exited (adopted from an earlier nvplug: its status is not ours to read)"
         elif code is None:
             how = "is gone"

@@ -53,6 +53,8 @@ class DaemonRecord:
     exclusive: tuple[str, ...]
     # None until its defaults are set: a daemon never provisioned has had no client.
     settings: DaemonSettings | None = None
+    # The systemd unit it runs in; None: a session of its own.
+    unit: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +64,7 @@ class DaemonRecord:
             "pipe_dir": self.pipe_dir,
             "exclusive": list(self.exclusive),
             "settings": self.settings.as_dict() if self.settings is not None else None,
+            "unit": self.unit,
         }
 
 
@@ -84,6 +87,7 @@ def _record(group: str, doc: object) -> DaemonRecord:
                 _int(settings["thread_percentage"]),
                 tuple(None if m is None else _int(m) for m in settings["pinned_mib"]),
             ),
+            None if doc.get("unit") is None else str(doc["unit"]),
         )
     except (KeyError, TypeError) as err:
         raise ValueError(f"group {group}: {type(err).__name__}: {err}") from err

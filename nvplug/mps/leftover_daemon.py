@@ -35,7 +35,7 @@ class LeftoverDaemon:
         if self.proc is None:
             record = self.record
             self.proc = await asyncio.to_thread(
-                DaemonProcess.adopt, record.pid, record.started, record.binary, self._log_dir
+                DaemonProcess.adopt, record.pid, record.started, record.binary, self._log_dir, record.unit
             )
             if self.proc is None:
                 return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -31,6 +32,7 @@ from nvplug.mps.compute_modes import ComputeModes, ModeCalls
 from nvplug.mps.control_daemon import START_SECONDS, ControlDaemon, DaemonHooks
 from nvplug.mps.control_log_watch import ControlLogWatch
 from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords
+from nvplug.mps.daemon_units import reload_shm_unit, systemd_service
 from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import RootLayout
 from nvplug.nvml.nvml_errors import NvmlUnavailable
@@ -94,6 +96,8 @@ class MpsSupervisor(Sink):
             self._modes.hold_uuids(record.exclusive, record)
         self._leftovers: dict[str, LeftoverDaemon] = {}
         self._settling: set[str] = set()
+        # As a systemd service, each daemon runs in a unit of its own: a stop of nvplug.service kills its cgroup.
+        self._in_units = systemd_service(os.environ)
 
     async def open(self, snapshot: Snapshot) -> None:
         """The recorded daemons adopted (briefly waited for: the kubelet's first list then has their devices
@@ -268,7 +272,13 @@ class MpsSupervisor(Sink):
                 self._modes.hold(group, holder)
                 record = self._take_record(name)
                 daemon = ControlDaemon(
-                    group, self._cfg.mps_control, self._layout, self._hooks(holder), self._records, record
+                    group,
+                    self._cfg.mps_control,
+                    self._layout,
+                    self._hooks(holder),
+                    self._records,
+                    record,
+                    self._in_units,
                 )
                 if record is not None:
                     self._let_go(record)  # the group holds its GPUs now
@@ -349,6 +359,11 @@ class MpsSupervisor(Sink):
     async def _root(self) -> None:
         async with self._root_lock:
             if not self._root_ready:
+                if self._in_units and not await asyncio.to_thread(self._layout.shm.is_mount):
+                    # Mounted by its unit where containers see it; a mount of ours would stay in our namespace.
+                    failed = await asyncio.to_thread(reload_shm_unit)
+                    if failed is not None:
+                        log.warning("MPS: the clients' shm: %s", failed)
                 prepared = await asyncio.to_thread(self._layout.prepare_root)
                 self.root_notes = prepared.notes
                 for note in self.root_notes:
