@@ -43,6 +43,12 @@ PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 PLUGIN_SOCKET = "nvplug-nvidia.com-gpu.sock"
 NVML_DIR = "/opt/fakenvml"  # the library and its scenario, read-only
 CONTROL_DIR = "/var/lib/fakenvml"  # the fake's control socket: the unit must be able to bind it
+# How the unit (and the maintainer scripts, in the removal check) load the fake NVML.
+NVML_ENV = {
+    "LD_LIBRARY_PATH": NVML_DIR,
+    "FAKE_NVML_SCENARIO": f"{NVML_DIR}/node.scenario",
+    "FAKE_NVML_CONTROL": f"{CONTROL_DIR}/nvml.ctl",
+}
 CONFIG = "/etc/nvplug/config.yaml"
 STATE_FILE = "/var/lib/nvplug/health.json"
 CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
@@ -59,6 +65,10 @@ MPS_RESOURCE = "nvidia.com/gpu.mps"
 MPS_PIPE = "/run/nvplug/mps/nvidia.com_gpu.mps/pipe"
 MPS_SHM = "/run/nvplug/mps/shm"
 MPS_DAEMON_UNIT = "nvplug-mps-nvidia.com_gpu.mps.service"
+MPS_CONFIG = (
+    "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      devices: [0, 1]\n"
+    f"      rename: {MPS_RESOURCE}\n      replicas: 4\nnvplug:\n  mps:\n    controlPath: {MPS_CONTROL}\n"
+)
 TIMEOUT = 20.0
 
 _skip = nspawn.missing_requirements()
@@ -234,11 +244,7 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
         ctr.write_file(
             f"/etc/systemd/system/{UNIT}.service.d/test.conf",
             nspawn.service_dropin(
-                environment={
-                    "LD_LIBRARY_PATH": NVML_DIR,
-                    "FAKE_NVML_SCENARIO": f"{NVML_DIR}/node.scenario",
-                    "FAKE_NVML_CONTROL": f"{CONTROL_DIR}/nvml.ctl",
-                },
+                environment=NVML_ENV,
                 read_write_paths=[CONTROL_DIR],
                 watchdog_sec=WATCHDOG_SEC,
                 # The checks restart the unit on purpose, one after another: a restart, a SIGKILL and a
@@ -547,11 +553,7 @@ def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(nod
     daemon no config asks for runs on while its client does, then quits and gives the modes back."""
     started = time.monotonic()
     node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
-    node.ctr.write_file(
-        CONFIG,
-        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      devices: [0, 1]\n"
-        f"      rename: {MPS_RESOURCE}\n      replicas: 4\nnvplug:\n  mps:\n    controlPath: {MPS_CONTROL}\n",
-    )
+    node.ctr.write_file(CONFIG, MPS_CONFIG)
     node.ctr.run("systemctl", "restart", UNIT)
     try:
         node.kubelet.wait_for(lambda k: k.allocatable(MPS_RESOURCE) == 8, TIMEOUT)
@@ -772,7 +774,25 @@ def test_stop_is_clean(node: Node) -> None:
 def test_remove_and_purge(node: Node) -> None:
     started = time.monotonic()
     apt = ("apt-get", "-y", "-q", "-o", "Dpkg::Use-Pty=0")
-    node.ctr.run(*apt, "remove", "nvplug", timeout=120)
+    # MPS running, as on a node that shares GPUs: removal is the teardown a stop is not.
+    node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
+    node.ctr.write_file(CONFIG, MPS_CONFIG)
+    node.ctr.run("systemctl", "restart", UNIT)
+    node.kubelet.wait_for(lambda k: k.allocatable(MPS_RESOURCE) == 8, TIMEOUT)
+
+    def mps_modes() -> dict[str, int | None]:
+        persisted = fakenvml_library.persisted_compute_modes(node.host / "ctl")
+        return {uuid: persisted.get(uuid) for uuid in node.uuids[:2]}
+
+    assert mps_modes() == {node.uuids[0]: 3, node.uuids[1]: 3}
+    # The maintainer scripts reach the fake NVML as the unit does (apt-get passes its environment on).
+    fake = [f"{k}={v}" for k, v in NVML_ENV.items()]
+    removed = node.ctr.run("env", *fake, *apt, "remove", "nvplug", timeout=120)
+    said = [line for line in (removed.stdout + removed.stderr).splitlines() if "nvplug" in line and "mps" in line]
+    print(f"apt-get remove said: {said}")
+    assert node.ctr.show(MPS_DAEMON_UNIT, "ActiveState")["ActiveState"] != "active", removed.stdout + removed.stderr
+    assert mps_modes() == {node.uuids[0]: 0, node.uuids[1]: 0}, f"{removed.stdout}\n{removed.stderr}"
+    assert node.ctr.run("findmnt", MPS_SHM, check=False).returncode != 0, "the clients' shm is still mounted"
     for path in ("/lib/systemd/system/nvplug.service", "/usr/bin/nvplug", f"/run/cdi/{CDI_SPEC}", FEATURE_FILE):
         assert not node.ctr.exists(path), f"{path} is still there after apt-get remove"
     assert node.ctr.exists(CONFIG), "apt-get remove must keep the conffile (only purge removes it)"

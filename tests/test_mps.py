@@ -3,9 +3,11 @@ the kubelet stand-in's view of the groups' devices."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -320,3 +322,42 @@ def test_operators_see_each_group_in_devices_metrics_and_doctor(node: SimulatedN
     checked = Doctor(nvplug(node, *doctor_args(node, f"unix:{node.status_socket}"), env=env))
     assert checked.verdict(13) == "FAIL", checked
     assert f"{uuids[1]} of MPS group {GROUP} is in compute mode DEFAULT" in checked.out
+
+
+def mps_stop(node: SimulatedNode, *more: str) -> subprocess.CompletedProcess[str]:
+    """`nvplug mps stop` as an operator runs it on the node: its config, state directory and NVML."""
+    args = ["--config", str(node.config), "--state-dir", str(node.state_dir)]
+    args += ["--status-listen", f"unix:{node.status_socket}", "--sysfs-root", str(node.sysfs_root)]
+    args += ["--proc-root", str(node.proc_root)]
+    return subprocess.run(
+        node.isolated([sys.executable, "-m", "nvplug", "mps", "stop", *args, *more]),
+        env=node.daemon_env(),
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_mps_stop_is_the_teardown_refused_while_nvplug_runs_or_clients_are_connected(node: SimulatedNode) -> None:
+    uuids = start(node)
+    daemon = group(node)["pid"]
+    client = mps.HeldClient(pipe_dir(node), binary=node.mps_control)
+    running = mps_stop(node)
+    assert running.returncode == 1 and "nvplug runs" in running.stderr, running
+    node.stop_daemon()
+    # A client is connected: refused, naming it; the daemon and its modes stay.
+    held = mps_stop(node)
+    assert held.returncode == 1 and f"has clients (pids {client.pid})" in held.stderr, held
+    assert client.connected() and modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    # --force: the daemon quits, its client fails as a CUDA process would, the modes go back.
+    forced = mps_stop(node, "--force")
+    assert forced.returncode == 0, forced
+    assert f"control daemon pid {daemon} stopped" in forced.stdout
+    wait(lambda: not client.connected(), "the client to lose its daemon")
+    assert "cudaErrorMpsConnectionFailed: the MPS server went away" in client.close()
+    wait(lambda: not Path(f"/proc/{daemon}").exists() or _zombie(daemon), "the daemon to quit")
+    assert modes(node) == {uuids[0]: 0, uuids[1]: 0} and not pipe_dir(node).exists()
+    assert "compute_modes" not in json.loads((node.state_dir / "health.json").read_text())
+    assert json.loads((node.state_dir / "mps-daemons.json").read_text())["groups"] == {}
+    # Nothing left: a second stop has nothing to do.
+    assert mps_stop(node).returncode == 0

@@ -108,6 +108,12 @@ POD_RESOURCES_SOCKET = Argument("--pod-resources-socket", parse=Path)
 
 # None: the config's nvplug.status.listen (the daemon serves there, the other commands ask there).
 STATUS_LISTEN = Argument("--status-listen")
+STATE_DIR = Argument(
+    "--state-dir",
+    "where the health state file and the MPS daemons' record are kept across restarts (default: "
+    "$STATE_DIRECTORY as systemd sets it, else /var/lib/nvplug)",
+    Path,
+)
 LOG_LEVEL = Argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 # What every command that asks the daemon takes.

@@ -36,6 +36,7 @@ from nvplug.cli.cli_arguments import (
     NVIDIA_CTK_PATH,
     POD_RESOURCES_SOCKET,
     PROC_ROOT,
+    STATE_DIR,
     STATUS_LISTEN,
     SYSFS_ROOT,
     Argument,
@@ -83,12 +84,7 @@ COMMANDS: tuple[Command, ...] = (
                 "serve /healthz, /status and /metrics here: off, unix:/path or host:port "
                 "(default: the config's nvplug.status.listen, unix:/run/nvplug/status.sock)"
             ),
-            Argument(
-                "--state-dir",
-                "where the health state file is kept across restarts (default: $STATE_DIRECTORY "
-                "as systemd sets it, else /var/lib/nvplug)",
-                Path,
-            ),
+            STATE_DIR,
             NFD_FEATURE_FILE.worded("write the node labels here (default: the config's nvplug.labels.featureFile)"),
             POD_RESOURCES_SOCKET.worded(
                 "the kubelet's PodResources socket (default: the config's nvplug.podResources)"
@@ -201,6 +197,23 @@ COMMANDS: tuple[Command, ...] = (
                 "unmount the shm tmpfs and remove the pipe directories; the logs stay",
                 (CONFIG_OR_BUILT_IN, SYSFS_ROOT),
                 mps_command.run_cleanup,
+            ),
+            Command(
+                "stop",
+                "quit the MPS control daemons nvplug left running and give their GPUs their compute modes back "
+                "(nvplug stopped first; refused while a daemon has clients, unless --force)",
+                (
+                    CONFIG_OR_BUILT_IN,
+                    STATE_DIR,
+                    STATUS_LISTEN.worded("where a running nvplug would answer (default: the config's)"),
+                    SYSFS_ROOT,
+                    PROC_ROOT,
+                    Argument("--force", "quit them even with clients connected: the clients fail", action="store_true"),
+                ),
+                mps_command.run_stop,
+                description="A stop or restart of nvplug leaves its MPS control daemons running for their clients, "
+                "and the next nvplug adopts them. This is the teardown: for a node leaving MPS, or the "
+                "package's removal.",
             ),
         ),
     ),

@@ -1,19 +1,36 @@
-"""`nvplug mps prepare|cleanup`: the MPS root's tmpfs, mounted where the whole host sees it.
+"""`nvplug mps prepare|cleanup|stop`: the MPS root's tmpfs, and the teardown of the control daemons.
 
-nvplug-mps.service runs these before and after nvplug.service, in the host's mount namespace: a
+nvplug-mps.service runs prepare and cleanup around nvplug.service, in the host's mount namespace: a
 tmpfs the sandboxed daemon mounted would live in its unit's own, where no container's /dev/shm
 could reach it. Without MPS in the config (sharing.mps, or nvplug.dra, whose claims may ask for it),
 prepare does nothing; cleanup removes what is there.
+
+stop is the teardown a stop of nvplug is not: the control daemons it recorded quit, and their GPUs get
+back the compute modes the health state file recorded. Run with nvplug stopped (else it starts them
+again), by an operator or by the package's removal.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from nvplug import config
+from nvplug.base.checkpoint import CheckpointError
+from nvplug.mps.daemon_records import DaemonRecords
+from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import MpsDirError, RootLayout
+from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.shaping.mps_groups import LOG
+from nvplug.sinks.health_state_file import FILE_NAME, StateFile, decode_all, state_dir
+from nvplug.sources.nvml_discovery import Nvml
+from nvplug.status import status_client
 
 
 def _layout(args: argparse.Namespace, always: bool = False) -> RootLayout | None:
@@ -52,3 +69,79 @@ def run_cleanup(args: argparse.Namespace) -> int:
         print(f"nvplug mps cleanup: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    # What to stop is in the record, not the config: a config changed since must not hide a daemon.
+    listen = status_client.listen_address(args.status_listen, args.config)
+    try:
+        status_client.fetch(listen, "/healthz", timeout=2.0)
+    except OSError:
+        pass  # nothing answers: nvplug is stopped
+    else:
+        print(
+            f"nvplug mps stop: nvplug runs (its status endpoint at {listen} answers) and would start the daemons "
+            "again: stop it first (systemctl stop nvplug)",
+            file=sys.stderr,
+        )
+        return 1
+    # What the record says of itself (unusable, of another boot), said as the rest of this command is.
+    logging.basicConfig(level=logging.INFO, format="nvplug mps stop: %(message)s", stream=sys.stderr)
+    directory = state_dir(args.state_dir, os.environ)
+    # Any boot's record: each process is checked to be the recorded one (pid, start, binary), so one of an
+    # earlier boot finds its daemons gone.
+    records = DaemonRecords(directory, None)
+    found = records.load()
+    if not found:
+        print(f"nvplug mps stop: no MPS control daemon recorded in {records.path}")
+    daemons = [LeftoverDaemon(r, Path(r.pipe_dir).parent / LOG) for r in found.values()]
+    settled = asyncio.run(_settle_all(daemons, args.force))
+    kept = [d for d, gone in zip(daemons, settled, strict=True) if not gone]
+    for daemon, gone in zip(daemons, settled, strict=True):
+        if gone:
+            records.drop(daemon.record.group)
+            shutil.rmtree(daemon.record.pipe_dir, ignore_errors=True)
+            how = "stopped" if daemon.found else "gone already"
+            print(f"nvplug mps stop: MPS group {daemon.record.group}: control daemon pid {daemon.record.pid} {how}")
+        else:
+            pids = ", ".join(map(str, daemon.clients))
+            print(
+                f"nvplug mps stop: MPS group {daemon.record.group}: control daemon pid {daemon.record.pid} has clients "
+                f"(pids {pids}): left running; --force cuts them off",
+                file=sys.stderr,
+            )
+    held = {uuid for d in kept for uuid in d.record.exclusive}
+    failed = _restore_modes(directory / FILE_NAME, held, Nvml(Path(args.sysfs_root), Path(args.proc_root)))
+    return 1 if kept or failed else 0
+
+
+async def _settle_all(daemons: list[LeftoverDaemon], force: bool) -> list[bool]:
+    return list(await asyncio.gather(*(d.settle(force) for d in daemons)))
+
+
+def _restore_modes(path: Path, held: set[str], nvml: Nvml) -> bool:
+    """The compute modes nvplug recorded (in any boot: the old mode is the one to go back to), back on the GPUs
+    no daemon left running holds; the record of those done dropped. Whether one failed."""
+    try:
+        boot, saved = decode_all(path.read_bytes(), path)
+    except FileNotFoundError:
+        return False
+    except (OSError, CheckpointError) as err:
+        print(f"nvplug mps stop: no compute mode restored: {err}", file=sys.stderr)
+        return True
+    recorded = dict(saved.compute_modes)
+    failed = False
+    for uuid, mode in sorted(recorded.items()):
+        if uuid in held:
+            continue
+        try:
+            nvml.set_compute_mode(uuid, mode)
+        except NvmlUnavailable as err:
+            print(f"nvplug mps stop: {err}; the health state file keeps it for nvplug's next start", file=sys.stderr)
+            failed = True
+            continue
+        del recorded[uuid]
+        print(f"nvplug mps stop: {uuid}: compute mode back to {mode}")
+    if recorded != saved.compute_modes:
+        StateFile(path.parent, boot).save(replace(saved, compute_modes=recorded))
+    return failed

@@ -24,14 +24,15 @@ class LeftoverDaemon:
         self.proc: DaemonProcess | None = None
         # Its clients' pids when last asked.
         self.clients: tuple[int, ...] = ()
+        # Whether the recorded process was found running (False: it was gone already).
+        self.found = False
 
     def describe(self) -> str:
-        record = self.record
-        return f"MPS group {record.group}'s control daemon pid {record.pid}, which no config or claim asks for now"
+        return f"MPS group {self.record.group}'s control daemon (pid {self.record.pid})"
 
-    async def settle(self) -> bool:
+    async def settle(self, force: bool = False) -> bool:
         """True: it is gone (quit now, killed if it does not answer, or gone already). False: it has clients,
-        and runs on."""
+        and runs on (unless `force`: the operator's teardown, which cuts them off)."""
         if self.proc is None:
             record = self.record
             self.proc = await asyncio.to_thread(
@@ -39,6 +40,7 @@ class LeftoverDaemon:
             )
             if self.proc is None:
                 return True
+            self.found = True
         proc = self.proc
         try:
             self.clients = await self.client.clients(await self.client.servers())
@@ -46,9 +48,12 @@ class LeftoverDaemon:
             log.warning("%s does not answer (%s): killed", self.describe(), err)
             await self._end(proc)
             return True
-        if self.clients:
+        if self.clients and not force:
             return False
-        log.info("%s has no client: it quits", self.describe())
+        if self.clients:
+            log.warning("%s quits with clients connected (pids %s)", self.describe(), ", ".join(map(str, self.clients)))
+        else:
+            log.info("%s has no client: it quits", self.describe())
         exited = asyncio.ensure_future(proc.wait())
         try:
             await self.client.send(["quit"])

@@ -36,7 +36,7 @@ from nvplug.mps.daemon_units import reload_shm_unit, systemd_service
 from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import RootLayout
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, LOG, PIPE, MpsGroup
+from nvplug.shaping.mps_groups import CLAIM_GROUP_PREFIX, LOG, MpsGroup
 from nvplug.shaping.resource_plan import mps_groups
 
 log = logging.getLogger("nvplug.mps")
@@ -196,7 +196,8 @@ class MpsSupervisor(Sink):
             if d.kept is not None
         ]
         return notes + [
-            f"{leftover.describe()}, runs on while it has clients (pids {', '.join(map(str, leftover.clients))})"
+            f"{leftover.describe()}, which no config or claim asks for, runs on while its clients "
+            f"(pids {', '.join(map(str, leftover.clients))}) are connected"
             for leftover in self._leftovers.values()
             if leftover.clients
         ]
@@ -325,7 +326,8 @@ class MpsSupervisor(Sink):
         try:
             if not await leftover.settle():
                 log.warning(
-                    "%s runs on while its clients (pids %s) are connected; asked again at each Allocate and reload",
+                    "%s, which no config or claim asks for, runs on while its clients (pids %s) are connected; "
+                    "asked again at each Allocate and reload",
                     leftover.describe(),
                     ", ".join(map(str, leftover.clients)),
                 )
@@ -335,7 +337,7 @@ class MpsSupervisor(Sink):
         if self._leftovers.get(name) is not leftover:
             return  # its group is wanted again, and adopted it
         del self._leftovers[name]
-        await asyncio.to_thread(shutil.rmtree, self._layout.root / name / PIPE, True)
+        await asyncio.to_thread(shutil.rmtree, leftover.record.pipe_dir, True)
         await asyncio.to_thread(self._records.drop, name)
         self._let_go(leftover.record)
 
