@@ -444,7 +444,9 @@ def test_a_storm_costs_a_write_per_interval_and_the_file_ends_at_the_last_state(
 
     asyncio.run(scenario())
     assert file.changes == 1000
-    assert 10 <= file.writes <= 50, file.writes
+    # Far fewer writes than changes, and some during the storm, not only the last one. How many is the
+    # machine's speed: about 20 at 50 ms on a quiet one; fewer when its fsyncs take longer than the interval.
+    assert 2 <= file.writes <= 50, file.writes
     # When each change was taken into a write: after the interval, or the write in flight, and a loop
     # turn, which a busy machine makes long: allowed ten intervals, it still tells a change left behind.
     assert max(lags) <= max(WRITE_INTERVAL, file.longest) + 10 * WRITE_INTERVAL, (max(lags), file.longest)
