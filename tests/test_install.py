@@ -290,6 +290,21 @@ def _install(ctr: nspawn.Container, path: str) -> None:
     )
 
 
+def _next_build(deb: Path, out: Path) -> Path:
+    """The same package again with a higher revision (`-1` to `-2`): what an upgrade installs."""
+    tree = out / "tree"
+    shutil.rmtree(tree, ignore_errors=True)
+    subprocess.run(["dpkg-deb", "-R", str(deb), str(tree)], check=True, capture_output=True)
+    control = tree / "DEBIAN" / "control"
+    text = control.read_text()
+    version = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Version:"))
+    newer = version.rsplit("-", 1)[0] + "-2"
+    control.write_text(text.replace(f"Version: {version}", f"Version: {newer}"))
+    built = out / f"nvplug_{newer}_amd64.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(tree), str(built)], check=True, capture_output=True)
+    return built
+
+
 # ---------------------------------------------------------------------------
 # The checks, in order
 # ---------------------------------------------------------------------------
@@ -546,7 +561,7 @@ def mps_lists(node: Node) -> list[int]:
     return [len(u.devices) for v in views if v.resource == MPS_RESOURCE for u in v.updates]
 
 
-def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(node: Node) -> None:
+def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(node: Node, deb: Path) -> None:
     """sharing.mps under the shipped unit: the tmpfs mounted outside its sandbox, the control daemon in a unit
     of its own, a server started as UID 1001 for a client outside the unit. The client stays connected through
     `systemctl restart`, a SIGKILL of nvplug and `systemctl stop`: the same daemon, compute modes and shm. A
@@ -580,10 +595,18 @@ def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(nod
     assert "(user 1001, active thread percentage 25.0" in node.ctr.journal("mps-client", "-o", "cat")
     shm = node.ctr.run("stat", "-c", "%d", MPS_SHM).stdout.strip()
 
+    seen = [len(mps_lists(node))]  # lists the kubelet got so far
+
     def unchanged(after: str) -> None:
         now = node.ctr.show(MPS_DAEMON_UNIT, "MainPID", "ActiveState")
         held = node.ctr.show("mps-client", "MainPID", "ActiveState")
-        print(f"after {after}: daemon pid {now['MainPID']} (was {daemon['MainPID']}), client pid {held['MainPID']}")
+        lists = mps_lists(node)
+        print(
+            f"after {after}: daemon pid {now['MainPID']} (was {daemon['MainPID']}), client pid {held['MainPID']} "
+            f"(was {client}); the kubelet got {len(lists) - seen[0]} lists of {MPS_RESOURCE}, the smallest "
+            f"{min(lists[seen[0] :], default=None)} devices"
+        )
+        seen[0] = len(lists)
         assert now == {"MainPID": daemon["MainPID"], "ActiveState": "active"}, f"{after}: {now}\n{node.diagnose()}"
         assert held == {"MainPID": client, "ActiveState": "active"}, (
             f"{after}: the client lost its daemon: {held}\n{node.ctr.journal('mps-client', '-o', 'cat')}"
@@ -603,10 +626,24 @@ def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(nod
         nspawn.wait_until(back, 30, f"nvplug back after systemctl {action[0]}, its MPS devices Healthy", node.diagnose)
         unchanged(f"systemctl {' '.join(action[:-1])}")
         assert min(mps_lists(node)) == 8, f"a list had fewer MPS devices: {mps_lists(node)}"
-    adopted = node.ctr.journal(UNIT, "-o", "cat")
-    assert adopted.count(f"the control daemon pid {daemon['MainPID']} an earlier nvplug started adopted") == 2, adopted[
-        -3000:
-    ]
+    # An upgrade to the next build: prerm leaves the unit running, postinst rebuilds the venv and restarts it.
+    newer = _next_build(deb, node.host)
+    node.ctr.copy_in(newer, f"/var/tmp/{newer.name}")
+    registrations, before = node.registrations(), node.show("MainPID")["MainPID"]
+    _install(node.ctr, f"/var/tmp/{newer.name}")
+    installed = node.ctr.run("dpkg-query", "-W", "-f=${Version}", "nvplug").stdout.strip()
+    assert installed.endswith("-2"), installed
+
+    def upgraded() -> bool:
+        pid, served = node.show("MainPID")["MainPID"], node.kubelet.allocatable(MPS_RESOURCE)
+        return pid not in ("0", "", before) and node.registrations() > registrations and served == 8
+
+    nspawn.wait_until(upgraded, 60, "nvplug back after the upgrade, its MPS devices Healthy", node.diagnose)
+    unchanged(f"an upgrade to {installed}")
+    assert min(mps_lists(node)) == 8, f"a list had fewer MPS devices: {mps_lists(node)}"
+    journal = node.ctr.journal(UNIT, "-o", "cat")
+    adopted = journal.count(f"the control daemon pid {daemon['MainPID']} an earlier nvplug started adopted")
+    assert adopted == 3, journal[-3000:]
     node.ctr.run("systemctl", "stop", UNIT)
     unchanged("systemctl stop")
     # Started again without MPS: the daemon, which has a client, runs on; once the client is gone, a reload
