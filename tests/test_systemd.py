@@ -20,6 +20,7 @@ from support.notify_socket import NotifySocket
 from nvplug.cli.journal_logging import JournalFormatter, journal_stream
 from nvplug.daemon.sd_notify import Notifier
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
+from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
 
@@ -204,3 +205,30 @@ def test_unit_hardening_score(tmp_path: Path) -> None:
     # 2.4 until the kernel log became a fault source: without ProtectKernelLogs= it is 2.7; 3.0 with
     # CAP_SETUID/CAP_SETGID, which the MPS control daemon needs to start its clients' servers.
     assert float(line.split(":")[1].split()[0]) <= 3.0, line
+
+
+def test_ready_waits_for_a_driver_that_loads_late(node: SimulatedNode, notify: NotifySocket) -> None:
+    """At boot the kubelet starts after READY=1 and fails the pods it admits against no device: READY=1
+    waits for the driver (nvplug.health.driverWaitSeconds, 60 s by default), and comes with the GPUs."""
+    node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
+    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path)})
+    waiting = notify.status_with("waiting up to 60 s for the NVIDIA driver before READY=1")
+    assert "Driver Not Loaded" in waiting, waiting
+    assert not any("READY" in fields for _, fields in notify.messages)
+    node.control.init_error(0)  # the driver finished loading, and binds its GPUs
+    node.send_uevent(pci_event("bind", node.scenario_gpus()[0]["bus"], driver="nvidia"))
+    ready = notify.receive("READY")
+    assert "NVML unavailable" not in ready["STATUS"] and "waiting up to" not in ready["STATUS"], ready
+    # The kubelet, started after READY=1 as systemd orders it, finds the GPUs at its first look.
+    node.kubelet.start()
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    assert "NVML works: ready with the GPUs it found" in node.log_text()
+
+
+def test_ready_without_gpus_once_the_driver_wait_ends(node: SimulatedNode, notify: NotifySocket) -> None:
+    node.scenario.write_text(node.scenario.read_text().replace("init_error 0", "init_error 9"))
+    node.config.write_text("version: v1\nnvplug:\n  health:\n    driverWaitSeconds: 1\n")
+    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path)})
+    ready = notify.receive("READY")
+    assert "NVML unavailable" in ready["STATUS"], ready
+    assert "no NVIDIA driver 1 s after the start: ready without GPUs" in node.log_text()

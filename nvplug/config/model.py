@@ -28,6 +28,7 @@ from nvplug.config.value_readers import (
     positive_seconds,
     resource_name,
     resource_names,
+    seconds_or_zero,
     xid_list,
 )
 
@@ -88,6 +89,16 @@ class HealthConfig:
     driver_hang_seconds: float = field(
         default=60.0,
         metadata=key("driverHangSeconds", "a GPU whose NVML call hangs this long turns Unhealthy", positive_seconds),
+    )
+    # At boot the kubelet fails the pods bound to the node if the GPUs are not listed when it admits them:
+    # READY=1 (which the kubelet's start waits for) is held while the driver is not loaded yet.
+    driver_wait_seconds: float = field(
+        default=60.0,
+        metadata=key(
+            "driverWaitSeconds",
+            "at start, how long READY=1 waits for a driver not loaded yet (0: not)",
+            seconds_or_zero,
+        ),
     )
     # Opt-in: a GPU whose faults ask only for a reset, and that nothing uses, is reset by nvplug.
     auto_reset: AutoResetMode = field(

@@ -166,6 +166,20 @@ def memory_size(ctx: ReadContext, node: yaml.Node, path: str) -> int:
 
 
 def positive_seconds(ctx: ReadContext, node: yaml.Node, path: str) -> float:
+    value = _seconds(ctx, node, path)
+    if not 0 < value < 1e9:
+        raise ctx.error(node, path, f"must be positive, not {node.value}")
+    return value
+
+
+def seconds_or_zero(ctx: ReadContext, node: yaml.Node, path: str) -> float:
+    value = _seconds(ctx, node, path)
+    if not 0 <= value < 1e9:
+        raise ctx.error(node, path, f"must be zero or positive, not {node.value}")
+    return value
+
+
+def _seconds(ctx: ReadContext, node: yaml.Node, path: str) -> float:
     value: float | None = None
     if isinstance(node, yaml.ScalarNode) and node.tag == INT_TAG:
         as_int = yaml_int(str(node.value))
@@ -177,8 +191,6 @@ def positive_seconds(ctx: ReadContext, node: yaml.Node, path: str) -> float:
             value = None
     if value is None:
         raise ctx.error(node, path, f"must be a number, not {describe(node)}")
-    if not 0 < value < 1e9:
-        raise ctx.error(node, path, f"must be positive, not {node.value}")
     return value
 
 

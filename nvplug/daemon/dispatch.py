@@ -50,6 +50,7 @@ from nvplug.core.events import (
     WatchedDirChanged,
     XidOccurred,
 )
+from nvplug.core.latest_snapshot import LatestSnapshot
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import COUNTERS, changed_between
 from nvplug.edges.edge_protocols import Sink, StateUpdate, Worker
@@ -99,6 +100,8 @@ class Dispatcher:
         self._rejoining: dict[str, float] = {}
         # When each recent revision's event arrived.
         self._arrived: dict[int, float] = {}
+        # Each snapshot it made, for the daemon's own waits (READY=1 held for the driver).
+        self.made = LatestSnapshot(state.current)
 
     async def run(self, bus: EventBus) -> None:
         while True:
@@ -178,6 +181,7 @@ class Dispatcher:
         self._count(event)
         changes = tuple(self.state.apply(event))
         snap = self.state.current
+        self.made.show(snap)
         revised = snap.revision != before.revision
         changed = changed_between(before, snap)
         if revised:

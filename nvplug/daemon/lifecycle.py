@@ -99,16 +99,18 @@ class Daemon:
             # GPUs found (MIG profiles), so they are made after the first scan.
             for sink in parts.sinks:
                 await sink.open(self.state.current)
+            tasks.append(asyncio.create_task(dispatcher.run(bus), name="dispatch"))
+            tasks.append(asyncio.create_task(dispatcher.failed(), name="the sinks after the list"))
+            # Pinged during the wait too: systemd's watchdog may run before READY=1.
+            if self.notifier.watchdog_interval is not None:
+                tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
+            await self._driver_wait(self.config.health.driver_wait_seconds)
             # Ready once serving: the kubelet may come later, and we wait for it ourselves.
             self.notifier.ready()
             # What start-up made lives as long as the daemon (modules, gRPC, the config): kept out of the
             # cyclic collector's full passes, whose pause would otherwise fall on some fault's way to the
             # kubelet (48,000 objects, 25 ms on a 2-core node).
             gc.freeze()
-            tasks.append(asyncio.create_task(dispatcher.run(bus), name="dispatch"))
-            tasks.append(asyncio.create_task(dispatcher.failed(), name="the sinks after the list"))
-            if self.notifier.watchdog_interval is not None:
-                tasks.append(asyncio.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog"))
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -136,6 +138,31 @@ class Daemon:
             # Once the write in flight is done: whatever a last event changed (counters too, which no sink is handed).
             self.state_file.close(saved(self.state.current))
             log.info("nvplug stopped")
+
+    async def _driver_wait(self, limit: float) -> None:
+        """READY=1 held while NVML says the driver is not there, up to `limit` s: the kubelet, started after
+        us at boot, fails the pods it admits against a resource with no device (UnexpectedAdmissionError),
+        and never restarts them. Events flow meanwhile: the driver's bind (udev) brings the GPUs."""
+        made = self.dispatcher.made
+        error = made.current.nvml_error
+        if error is None or limit <= 0:
+            return
+        self.notifier.meanwhile(f"waiting up to {limit:g} s for the NVIDIA driver before READY=1: {error}")
+        log.warning("NVML unavailable at start (%s): READY=1 waits up to %g s for the driver", error, limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while made.current.nvml_error is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                log.error("no NVIDIA driver %g s after the start: ready without GPUs; they come once it loads", limit)
+                return
+            waits = {asyncio.ensure_future(made.next_revision()), asyncio.ensure_future(self._stop.wait())}
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            if self._stop.is_set():
+                return  # a stop asked meanwhile: it goes on at once
+        log.info("NVML works: ready with the GPUs it found")
 
     async def _watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a hung loop stops the pings and systemd restarts us."""

@@ -42,6 +42,10 @@ class Notifier:
         self._status = status
         self.send(f"STATUS={status}")
 
+    def meanwhile(self, status: str) -> None:
+        """A status line for a while (a wait): READY=1 says the last one `status` sent, not this."""
+        self.send(f"STATUS={status}")
+
     def reloading(self) -> None:
         self.send("RELOADING=1", "STATUS=reloading the config")
 
