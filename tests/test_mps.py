@@ -205,6 +205,12 @@ def test_a_restart_of_nvplug_leaves_the_daemon_and_its_clients_alone(node: Simul
         # No list had fewer devices: the restart is no change to the kubelet.
         assert min(lists(node)) == 8, lists(node)
         assert f"the control daemon pid {daemon} an earlier nvplug started adopted" in node.log_text()
+        # Operators see it: `nvplug devices` says since when this nvplug supervises the daemon.
+        from test_doctor import nvplug
+
+        listed = nvplug(node, "devices", "--status-listen", f"unix:{node.status_socket}", env=node.daemon_env("none"))
+        line = next(ln for ln in listed.stdout.splitlines() if ln.startswith(f"  MPS group {GROUP}"))
+        assert f"daemon pid {daemon} (adopted " in line and ", 1 clients " in line, line
         # Nothing was sent to it but the questions of a probe: its defaults are the ones it had.
         assert not [c for c in mps.commands(log_dir(node)) if c["command"].startswith(("set_", "quit"))][6:]
     finally:
@@ -316,7 +322,8 @@ def test_operators_see_each_group_in_devices_metrics_and_doctor(node: SimulatedN
     env = doctor_env(node)
     checked = Doctor(nvplug(node, *doctor_args(node, f"unix:{node.status_socket}"), env=env))
     assert checked.verdict(13) == "PASS", checked
-    assert f"MPS group {GROUP}: daemon pid {pid} answers, 25.0% of the SMs per client" in checked.text(13)
+    assert f"MPS group {GROUP}: daemon pid {pid}, up " in checked.text(13)
+    assert "answers, 25.0% of the SMs per client" in checked.text(13)
     # An operator's `nvidia-smi -c DEFAULT` behind nvplug's back: doctor says what it allows.
     node.control.set_compute_mode(1, 0)
     checked = Doctor(nvplug(node, *doctor_args(node, f"unix:{node.status_socket}"), env=env))

@@ -111,11 +111,24 @@ def mps_lines(mps: Mapping[str, Any], now: float) -> list[str]:
         pinned = sorted({m for m in g.get("pinned_memory_mib") or [] if m is not None})
         memory = f", pinned memory {'/'.join(f'{m}M' for m in pinned)} per device" if pinned else ""
         servers = g.get("servers") or []
+        # Started by an earlier nvplug and adopted by this one: since when this one supervises it.
+        adopted = g.get("adopted_at")
+        adopted_text = f" (adopted {since_text(adopted, now)})" if adopted else ""
+        kept = g.get("kept_settings")
+        kept_text = (
+            f"; runs with an earlier config's {kept.get('thread_percentage')}% until its clients leave" if kept else ""
+        )
         lines.append(
-            f"{head}: daemon pid {g.get('pid')}, up {duration(g.get('uptime_seconds') or 0)}, "
+            f"{head}: daemon pid {g.get('pid')}{adopted_text}, up {duration(g.get('uptime_seconds') or 0)}, "
             f"{g.get('active_thread_percentage')}% of the SMs per client{memory}; {len(servers)} servers, "
             f"{g.get('clients', 0)} clients (at {since_text(g.get('probed_at'), now).split(' ')[0]}), "
-            f"{g.get('restarts', 0)} restarts"
+            f"{g.get('restarts', 0)} restarts{kept_text}"
+        )
+    for o in mps.get("leftovers") or []:
+        clients = ", ".join(str(c) for c in o.get("clients") or [])
+        lines.append(
+            f"  MPS group {o.get('name')}: daemon pid {o.get('pid')} left by an earlier nvplug, asked for by no "
+            f"config or claim; runs on while its clients ({clients or 'none seen yet'}) are connected"
         )
     return lines
 

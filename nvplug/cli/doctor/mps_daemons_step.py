@@ -44,7 +44,11 @@ def check_mps(ctx: DoctorContext) -> Check:
             problems.append(f"{err} (nvplug says: {group.get('last_error') or 'up'})")
         else:
             said = answer[0] if answer else "nothing"
-            evidence.append(f"MPS group {name}: daemon pid {group.get('pid')} answers, {said}% of the SMs per client")
+            adopted = " (adopted after a restart of nvplug)" if group.get("adopted_at") else ""
+            evidence.append(
+                f"MPS group {name}: daemon pid {group.get('pid')}{adopted}, up {group.get('uptime_seconds')} s, "
+                f"answers, {said}% of the SMs per client"
+            )
             if said != "nothing" and round(float(said)) != group.get("active_thread_percentage"):
                 problems.append(f"MPS group {name} runs with {said}%, not {group.get('active_thread_percentage')}%")
         if nvml is None:
