@@ -255,6 +255,13 @@ def test_a_dead_claim_daemon_taints_its_device_and_tells_the_kubelet_until_it_is
     assert back["up"] and back["pid"] != pid and back["restarts"] == 1
 
 
+def slice_writes(dra: Dra) -> list[tuple[str, str, int]]:
+    """The API server's writes of ResourceSlices so far (create, update, delete). A dry run (the taints probe)
+    stores nothing and reaches no watcher: not a write."""
+    writes = ("POST", "PUT", "PATCH", "DELETE")
+    return [r for r in dra.api.requests if r[0] in writes and "resourceslices" in r[1] and "dryRun" not in r[1]]
+
+
 def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_daemon_is_adopted(dra: Dra) -> None:
     uuids = start(dra)
     ref = claim(dra, "mps", ["gpu-4"], mps_shared(25))
@@ -262,6 +269,8 @@ def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_daemon_is_adopted(
     group = f"claim-{ref[2]}"
     old_pid = mps_groups(dra.node)[group]["pid"]
     registered = dra.kubelet.accepted(DRIVER)
+    dra.wait(lambda: "taints" not in dra.pool()["gpu-4"], "gpu-4 published untainted")
+    before = slice_writes(dra)
     dra.node.stop_daemon(signal.SIGKILL)
     orphan = dra.node.cdi_dir / "k8s.gpu.nvidia.com-claim_uid-gone.json"
     orphan.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": CLAIM_KIND, "devices": [
@@ -280,6 +289,12 @@ def test_orphan_claim_specs_go_at_start_and_a_prepared_claims_daemon_is_adopted(
     assert f"removing the CDI spec {orphan}: no prepared claim owns it" in log
     # The group is restored from the checkpoint, whether or not the kubelet has the plugin back yet.
     wait(lambda: dra.kubelet.accepted(DRIVER) > registered, "the plugin registered again")
+    # The publisher has listed what the API server holds, and found it the pool.
+    wait(lambda: statusclient.status(f"unix:{dra.node.status_socket}", timeout=5)["dra"]["published"], "published")
+    # Nothing in the slices changed: the restart wrote none (no new generation for every slice watcher).
+    written = slice_writes(dra)[len(before) :]
+    print(f"ResourceSlice writes caused by a SIGKILL and restart of nvplug: {len(written)} {written}")
+    assert written == [], written
     assert dra.kubelet.unprepare(DRIVER, [ref]) == {ref[2]: ""}
     assert group not in mps_groups(dra.node)
 
