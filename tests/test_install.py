@@ -791,6 +791,42 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
     assert fakenvml_library.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 0
 
 
+def test_at_boot_the_kubelet_ordered_after_nvplug_finds_the_gpus_in_its_first_second(node: Node) -> None:
+    """nvplug.service is Before=kubelet.service with Type=notify: started in one transaction, as at boot, the
+    kubelet starts only after READY=1, and its first second (when it admits the pods bound to the node) sees
+    the GPUs registered. The kubelet here is the stand-in, as a unit of the container's own systemd."""
+    started = time.monotonic()
+    node.ctr.write_file(CONFIG, "version: v1\n")
+    node.ctr.write_file(
+        "/etc/systemd/system/kubelet.service",
+        "[Unit]\nDescription=kubelet stand-in\n[Service]\n"
+        f"ExecStart=/opt/nvplug/venv/bin/python -m nvplug.testing.kubelet_standin --dir {PLUGIN_DIR}\n",
+    )
+    node.ctr.run("systemctl", "daemon-reload")
+    node.ctr.run("systemctl", "stop", UNIT)
+    node.kubelet.stop()  # the host's stand-in: the container's kubelet.sock is the unit's now
+    try:
+        node.ctr.run("systemctl", "start", UNIT, "kubelet.service")  # one transaction, ordered as at boot
+        seen = node.ctr.wait_journal("kubelet", "update nvidia.com/gpu: 8 devices, 8 healthy", "-o", "cat")
+        lines = [line for line in seen.splitlines() if line.startswith("[")]
+        print("the kubelet stand-in, started after nvplug by systemd:\n" + "\n".join(lines[:6]))
+
+        def at(text: str) -> float:
+            return float(next(line for line in lines if text in line).split("]")[0].strip("[ "))
+
+        assert at("register 'nvidia.com/gpu'") < 1.0 and at("update nvidia.com/gpu: 8 devices, 8 healthy") < 1.0, lines
+        ready = node.ctr.journal(UNIT, "-o", "cat")
+        assert "NVML unavailable" not in ready[-2000:], ready[-2000:]
+    finally:
+        node.ctr.run("systemctl", "stop", "kubelet.service", check=False)
+        node.ctr.run("rm", "-f", "/etc/systemd/system/kubelet.service")
+        node.ctr.run("systemctl", "daemon-reload")
+        node.kubelet.start()
+        node.ctr.run("systemctl", "restart", UNIT)
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    _timed("check 6b: boot order with a kubelet unit", started)
+
+
 def test_stop_is_clean(node: Node) -> None:
     started = time.monotonic()
     node.ctr.run("systemctl", "stop", UNIT, timeout=60)
