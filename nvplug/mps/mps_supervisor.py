@@ -317,7 +317,7 @@ class MpsSupervisor(Sink):
             record = self._recorded.pop(name, None)
             leftover = self._leftovers.get(name)
             if record is not None:
-                leftover = self._leftovers[name] = LeftoverDaemon(record, self._layout.root / name / LOG)
+                leftover = self._leftovers[name] = LeftoverDaemon(record, Path(record.pipe_dir).parent / LOG)
             if leftover is not None:
                 self._settling.add(name)
                 self._chore(self._settle_one(name, leftover))
