@@ -368,3 +368,22 @@ def test_mps_stop_is_the_teardown_refused_while_nvplug_runs_or_clients_are_conne
     assert json.loads((node.state_dir / "mps-daemons.json").read_text())["groups"] == {}
     # Nothing left: a second stop has nothing to do.
     assert mps_stop(node).returncode == 0
+
+
+def test_a_daemon_with_clients_that_no_record_names_is_never_killed(node: SimulatedNode) -> None:
+    """The record lost (or unreadable): the daemon found by its own pid file is replaced only once it has no
+    client; meanwhile its group is down, and says why."""
+    start(node)
+    daemon = group(node)["pid"]
+    client = mps.HeldClient(pipe_dir(node), binary=node.mps_control)
+    node.stop_daemon()
+    (node.state_dir / "mps-daemons.json").unlink()
+    node.start_daemon()
+    node.wait_log(f"a control daemon (pid {daemon}) that nvplug has no record of serves its pipe directory")
+    assert client.connected() and Path(f"/proc/{daemon}").exists() and not _zombie(daemon)
+    assert node.kubelet.allocatable(MPS_RESOURCE) == 0
+    # Its client gone, the next try (the shared backoff) replaces it.
+    client.close()
+    node.kubelet.wait_for(allocatable(8), 90)
+    assert group(node)["pid"] != daemon
+    wait(lambda: not Path(f"/proc/{daemon}").exists() or _zombie(daemon), "the unrecorded daemon to be killed")

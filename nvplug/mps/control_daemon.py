@@ -28,7 +28,7 @@ from pathlib import Path
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.core.events import MpsGroupChanged
 from nvplug.mps.control_client import ControlClient, MpsControlError
-from nvplug.mps.daemon_process import DaemonProcess, start_ticks
+from nvplug.mps.daemon_process import DaemonProcess, binary_name, start_ticks
 from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords, DaemonSettings
 from nvplug.mps.daemon_units import unit_name
 from nvplug.mps.mps_dirs import DAEMON_PID_FILE, MpsDirError, RootLayout
@@ -205,8 +205,22 @@ class ControlDaemon:
         await self._hooks.root()
         if await self._adopt():
             return
-        # A daemon no record names (nvplug killed between its start and its record): it had no client yet.
-        await asyncio.to_thread(kill_leftover, Path(self.client.pipe_dir) / DAEMON_PID_FILE, self.binary)
+        # A daemon no record names (nvplug killed between its start and its record, or the record lost or
+        # unreadable): it goes, unless it has clients. Then the group stays down, and is tried again.
+        pid_file = Path(self.client.pipe_dir) / DAEMON_PID_FILE
+        unrecorded = await asyncio.to_thread(running_daemon, pid_file, self.binary)
+        if unrecorded is not None:
+            try:
+                clients = await self.client.clients(await self.client.servers())
+            except MpsControlError:
+                clients = ()  # it does not answer: nobody is served by it
+            if clients:
+                raise MpsControlError(
+                    f"MPS group {self.group.name}: a control daemon (pid {unrecorded}) that nvplug has no record of "
+                    f"serves its pipe directory with clients (pids {', '.join(map(str, clients))}): left running, "
+                    "not replaced; `nvplug mps stop --force` (with nvplug stopped) ends it"
+                )
+            await asyncio.to_thread(kill_leftover, pid_file, self.binary)
         await asyncio.to_thread(self._layout.prepare_group, group)
         self._hooks.prepared(group)
         await self._hooks.exclusive(group)
@@ -421,20 +435,25 @@ def _started_at(ticks: int) -> float:
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def kill_leftover(pid_file: Path, binary: str) -> int | None:
-    """A daemon no record names, found by the pid file it writes (a live process of its binary): killed,
-    with its servers. Its pid; None if there was none."""
+def running_daemon(pid_file: Path, binary: str) -> int | None:
+    """The daemon the pid file it writes names, if that pid is a live process of its binary; else None."""
     try:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
+    # A binary replaced since it started (a driver upgrade) reads as "<path> (deleted)": binary_name strips it.
+    return pid if binary_name(pid) == Path(binary).name else None
+
+
+def kill_leftover(pid_file: Path, binary: str) -> int | None:
+    """A daemon no record names, found by the pid file it writes: killed, with its servers. Its pid; None if
+    there was none."""
+    pid = running_daemon(pid_file, binary)
+    if pid is None:
+        return None
     try:
-        exe = str(Path(f"/proc/{pid}/exe").readlink())
-        # A binary replaced since it started (a driver upgrade) reads as "<path> (deleted)".
-        if Path(exe.removesuffix(" (deleted)")).name != Path(binary).name:
-            return None  # the pid is another process's now
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         return None
-    log.warning("killed the MPS control daemon pid %d (%s) that an earlier nvplug started and never recorded", pid, exe)
+    log.warning("killed the MPS control daemon pid %d that nvplug had no record of", pid)
     return pid
