@@ -784,6 +784,20 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
     assert client.returncode == 0 and "(user 1001, active thread percentage 50.0" in client.stdout, (
         f"{client.stdout}{client.stderr}\n{node.diagnose()}"
     )
+    # A restart of nvplug with the claim prepared: the claim's daemon runs on in its own unit and is adopted,
+    # its spec stays, and the kubelet is served again.
+    claim_unit = "nvplug-mps-claim-mps.service"
+    daemon = node.ctr.show(claim_unit, "MainPID", "ActiveState")
+    assert daemon["ActiveState"] == "active", f"{daemon}\n{node.diagnose()}"
+    registered = kubelet.accepted(DRIVER)
+    node.ctr.run("systemctl", "restart", UNIT)
+    nspawn.wait_until(lambda: kubelet.accepted(DRIVER) > registered, TIMEOUT, "DRA registered again", node.diagnose)
+    journal = node.ctr.wait_journal(
+        UNIT, f"the control daemon pid {daemon['MainPID']} an earlier nvplug started adopted"
+    )
+    assert node.ctr.show(claim_unit, "MainPID", "ActiveState") == daemon, journal[-2000:]
+    assert node.ctr.exists(spec)
+    print(f"the MPS claim's daemon across systemctl restart nvplug: pid {daemon['MainPID']}, adopted, spec kept")
     assert kubelet.unprepare(DRIVER, [("ml", "ts", "ts"), ("ml", "mps", "mps")]) == {"ts": "", "mps": ""}
     calls = node.ctr.run("cat", f"{CONTROL_DIR}/nvidia-smi.calls").stdout.splitlines()
     assert calls[-1] == f"compute-policy -i {node.uuids[6]} --set-timeslice 0", calls
