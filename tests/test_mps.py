@@ -204,7 +204,7 @@ def test_a_restart_of_nvplug_leaves_the_daemon_and_its_clients_alone(node: Simul
         assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
         # No list had fewer devices: the restart is no change to the kubelet.
         assert min(lists(node)) == 8, lists(node)
-        assert f"the control daemon pid {daemon} an earlier nvplug started adopted" in node.log_text()
+        node.wait_log(f"the control daemon pid {daemon} an earlier nvplug started adopted")
         # Operators see it: `nvplug devices` says since when this nvplug supervises the daemon.
         from test_doctor import nvplug
 
@@ -229,7 +229,7 @@ def test_a_daemon_that_died_while_nvplug_was_down_starts_again(node: SimulatedNo
     found = group(node)
     assert found["pid"] != leftover and found["adopted_at"] is None
     assert modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    assert f"the control daemon pid {leftover} an earlier nvplug started is gone: starting a new one" in node.log_text()
+    node.wait_log(f"the control daemon pid {leftover} an earlier nvplug started is gone: starting a new one")
     # No device was Healthy at the kubelet before the new daemon had its defaults set.
     plugin = node.kubelet.plugin(MPS_RESOURCE)
     assert plugin is not None
@@ -252,7 +252,7 @@ def test_a_daemon_no_config_asks_for_runs_on_while_it_has_clients(node: Simulate
         "the leftover daemon to be reported",
     )
     assert client.connected() and modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
-    assert "runs on while its clients" in node.log_text()
+    node.wait_log("runs on while its clients")
     # Its client gone, a reload asks again: it quits, and the compute modes go back.
     client.close()
     assert node.daemon is not None
@@ -261,7 +261,7 @@ def test_a_daemon_no_config_asks_for_runs_on_while_it_has_clients(node: Simulate
     wait(lambda: modes(node) == {uuids[0]: 0, uuids[1]: 0}, "the compute modes to be restored")
     # Nothing of MPS is left to report: the section goes.
     wait(lambda: "mps" not in status_client.status(f"unix:{node.status_socket}", timeout=5), "the leftover forgotten")
-    assert "has no client: it quits" in node.log_text()
+    node.wait_log("has no client: it quits")
     assert not pipe_dir(node).exists()
 
 
