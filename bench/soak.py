@@ -67,12 +67,39 @@ def daemon_status(node: SimulatedNode) -> dict[str, Any]:
     return statusclient.status(f"unix:{node.status_socket}", timeout=5)
 
 
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(int(ln.split()[1]) for ln in status if ln.startswith("VmRSS")) / 1024
+
+
 def fds_and_rss(pid: int) -> tuple[int, float]:
-    fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    rss = next(
-        int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS")
-    )
-    return fds, rss / 1024
+    return len(list(Path(f"/proc/{pid}/fd").iterdir())), rss_mib(pid)
+
+
+def open_files(pid: int) -> list[str]:
+    """What each of the daemon's file descriptors is (a socket's inode, a pipe, a path)."""
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            found.append(f"{fd.name}={fd.readlink()}")
+        except OSError:
+            continue  # closed meanwhile
+    return found
+
+
+def memory_map(pid: int, top: int = 8) -> list[str]:
+    """The daemon's threads and its largest mappings by RSS: where growth lies (heap, a thread's arena, a file)."""
+    lines = [f"threads: {len(list(Path(f'/proc/{pid}/task').iterdir()))}"]
+    maps: list[tuple[int, str]] = []
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            name = f"{fields[0]} {fields[5] if len(fields) > 5 else '[anon]'}"
+        elif fields[0] == "Rss:":
+            maps.append((int(fields[1]), name))
+    lines += [f"{kib / 1024:8.1f} MiB  {where}" for kib, where in sorted(maps, reverse=True)[:top]]
+    return lines
 
 
 class Soak:
@@ -93,6 +120,9 @@ class Soak:
         self.lost_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
         self.sent_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
         self.nvml_copies_lost = 0
+        # The steps after which the daemon's RSS grew most: (MiB grown, step number, action).
+        self.growth: list[tuple[float, int, str]] = []
+        self.steps = 0
 
     def step(self) -> None:
         actions = [self.xid, self.xid, self.repair, self.lose_and_restore, self.kubelet_restart, self.reload]
@@ -100,9 +130,15 @@ class Soak:
         if self.udev is not None:
             actions += [self.hot_add, self.hot_remove]
         action = self.rng.choice(actions)
+        assert self.node.daemon is not None
+        before = rss_mib(self.node.daemon.pid)
         if action() is not False:  # a hot add with four added already, say, is skipped
             self.faults[action.__name__] = self.faults.get(action.__name__, 0) + 1
         self.check()
+        self.steps += 1
+        grown = rss_mib(self.node.daemon.pid) - before
+        if grown > 1.0:
+            self.growth = sorted([*self.growth, (grown, self.steps, action.__name__)], reverse=True)[:5]
 
     def gpus(self) -> list[str]:
         return [g["uuid"] for g in daemon_status(self.node)["gpus"]]
@@ -313,6 +349,10 @@ def main() -> int:
             while soak.broken:
                 soak.repair()
             soak.check()
+            # A connection still closing (a kubelet's stream, a status query) is no leak: one that stays is.
+            settled = time.monotonic() + 5.0
+            while (fds1 := fds_and_rss(daemon.pid)[0]) > fds0 + 2 and time.monotonic() < settled:
+                time.sleep(0.1)
             fds1, rss1 = fds_and_rss(daemon.pid)
             print(f"soak: seed {seed}, {args.seconds:g} s, {steps} steps")
             print("faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())))
@@ -324,7 +364,11 @@ def main() -> int:
                 print("a reset-class XID the kernel log had was lost", file=sys.stderr)
                 return 1
             print(f"file descriptors: {fds0} -> {fds1}; RSS: {rss0:.1f} -> {rss1:.1f} MiB")
+            if soak.growth:
+                print("largest RSS steps: " + ", ".join(f"+{g:.1f} MiB at step {n} ({a})" for g, n, a in soak.growth))
             if fds1 > fds0 + 2 or rss1 > rss0 + 20:
+                print("\n".join(memory_map(daemon.pid)))
+                print("open files: " + ", ".join(sorted(open_files(daemon.pid))))
                 print("resources are not flat", file=sys.stderr)
                 return 1
     finally:

@@ -239,8 +239,7 @@ def offered_through_time(dra: Dra, since: float) -> list[tuple[float, str, froze
     change either stand-in saw after `since`: the kubelet's from ListAndWatch (a stream's end leaves its
     devices Unhealthy), the API server's from its writes."""
     by_minor = {f"gpu-{g['minor']}": g["uuid"] for g in dra.node.scenario_gpus()}
-    views = [v for v in (*dra.node.kubelet.history, *filter(None, [dra.node.kubelet.plugin(GPU_RESOURCE)]))
-             if v.resource == GPU_RESOURCE]  # fmt: skip
+    views = dra.node.kubelet.views(GPU_RESOURCE)
     changes: list[tuple[float, str, Any]] = [
         (u.at, "kubelet", frozenset(u.healthy_ids)) for v in views for u in v.updates
     ]

@@ -13,6 +13,7 @@ Set NVPLUG_TEST_DEB to test a deb built elsewhere instead of running the script.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,10 +274,10 @@ def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
             say("\n" + TIMINGS.report())
 
 
-def _install(ctr: nspawn.Container, path: str) -> None:
+def _install(ctr: nspawn.Container, path: str, *options: str) -> None:
     """apt-get install of a local deb. The image holds its dependencies: the container has no
     network (a namespace of its own), so none can be downloaded."""
-    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Use-Pty=0", path]
+    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "Dpkg::Use-Pty=0", *options, path]
     first = ctr.run(*argv, check=False, timeout=300)
     if first.returncode == 0:
         return
@@ -557,15 +558,15 @@ def test_the_hardened_unit_resets_an_idle_gpu_itself_and_runs_its_check(node: No
 
 def mps_lists(node: Node) -> list[int]:
     """How many devices each list of the MPS resource had, across registrations."""
-    views = [*node.kubelet.history, *([p] if (p := node.kubelet.plugin(MPS_RESOURCE)) is not None else [])]
-    return [len(u.devices) for v in views if v.resource == MPS_RESOURCE for u in v.updates]
+    return [len(u.devices) for v in node.kubelet.views(MPS_RESOURCE) for u in v.updates]
 
 
 def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(node: Node, deb: Path) -> None:
     """sharing.mps under the shipped unit: the tmpfs mounted outside its sandbox, the control daemon in a unit
     of its own, a server started as UID 1001 for a client outside the unit. The client stays connected through
-    `systemctl restart`, a SIGKILL of nvplug and `systemctl stop`: the same daemon, compute modes and shm. A
-    daemon no config asks for runs on while its client does, then quits and gives the modes back."""
+    `systemctl restart`, a SIGKILL of nvplug, a deb upgrade and a downgrade, `systemctl stop` and a refused
+    `nvplug mps stop`: the same daemon, compute modes and shm. A daemon no config asks for runs on while its
+    client does, then quits and gives the modes back."""
     started = time.monotonic()
     node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
     node.ctr.write_file(CONFIG, MPS_CONFIG)
@@ -585,8 +586,13 @@ def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(nod
     assert daemon["ActiveState"] == "active" and daemon["MainPID"] not in ("", "0"), f"{daemon}\n{node.diagnose()}"
     assert daemon["ControlGroup"].endswith(f"/{MPS_DAEMON_UNIT}"), daemon
     # A CUDA process of UID 1001 that holds its connection and a segment in the shm, as a workload does.
+    # In a pod's slice, as the kubelet's systemd driver places a container, and with the pod's log directory:
+    # what `nvplug mps stop` names it by.
+    pod_uid = "6a1f0c2e-93b4-4d57-8e0a-1c2b3d4e5f60"
+    node.ctr.run("mkdir", "-p", f"/var/log/pods/default_mps-client_{pod_uid}")
     node.ctr.run(
-        "systemd-run", "--unit=mps-client", "--", "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
+        "systemd-run", "--unit=mps-client", f"--slice=kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice",
+        "--", "setpriv", "--reuid=1001", "--regid=1001", "--clear-groups",
         "env", f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE}", MPS_CONTROL, "--fake-cuda-client",
         "--hold", f"{MPS_SHM}/client.segment",
     )  # fmt: skip
@@ -615,37 +621,46 @@ def test_the_hardened_unit_runs_mps_whose_clients_outlive_restarts_of_nvplug(nod
         assert node.ctr.run("stat", "-c", "%d", MPS_SHM).stdout.strip() == shm, f"{after}: another shm"
         assert node.ctr.exists(f"{MPS_SHM}/client.segment"), after
 
-    for action in (("restart", UNIT), ("kill", "--signal=SIGKILL", UNIT)):
+    def back_after(what: str, act: Callable[[], object], within: float) -> None:
+        """`act`, then nvplug back (another main pid, registered again) with its MPS devices Healthy, no list
+        in between with fewer, and all the client uses unchanged."""
         registrations, before = node.registrations(), node.show("MainPID")["MainPID"]
-        node.ctr.run("systemctl", *action)
+        act()
 
-        def back(before: str = before, registrations: int = registrations) -> bool:
+        def back() -> bool:
             pid, served = node.show("MainPID")["MainPID"], node.kubelet.allocatable(MPS_RESOURCE)
             return pid not in ("0", "", before) and node.registrations() > registrations and served == 8
 
-        nspawn.wait_until(back, 30, f"nvplug back after systemctl {action[0]}, its MPS devices Healthy", node.diagnose)
-        unchanged(f"systemctl {' '.join(action[:-1])}")
+        nspawn.wait_until(back, within, f"nvplug back after {what}, its MPS devices Healthy", node.diagnose)
+        unchanged(what)
         assert min(mps_lists(node)) == 8, f"a list had fewer MPS devices: {mps_lists(node)}"
-    # An upgrade to the next build: prerm leaves the unit running, postinst rebuilds the venv and restarts it.
+
+    for action in (("restart", UNIT), ("kill", "--signal=SIGKILL", UNIT)):
+        back_after(f"systemctl {' '.join(action[:-1])}", functools.partial(node.ctr.run, "systemctl", *action), 30)
+    # An upgrade to the next build, and a downgrade back: the old prerm leaves the unit running, the new
+    # postinst rebuilds the venv and restarts it.
     newer = _next_build(deb, node.host)
-    node.ctr.copy_in(newer, f"/var/tmp/{newer.name}")
-    registrations, before = node.registrations(), node.show("MainPID")["MainPID"]
-    _install(node.ctr, f"/var/tmp/{newer.name}")
-    installed = node.ctr.run("dpkg-query", "-W", "-f=${Version}", "nvplug").stdout.strip()
-    assert installed.endswith("-2"), installed
-
-    def upgraded() -> bool:
-        pid, served = node.show("MainPID")["MainPID"], node.kubelet.allocatable(MPS_RESOURCE)
-        return pid not in ("0", "", before) and node.registrations() > registrations and served == 8
-
-    nspawn.wait_until(upgraded, 60, "nvplug back after the upgrade, its MPS devices Healthy", node.diagnose)
-    unchanged(f"an upgrade to {installed}")
-    assert min(mps_lists(node)) == 8, f"a list had fewer MPS devices: {mps_lists(node)}"
+    for package, options, what in ((newer, (), "an upgrade"), (deb, ("--allow-downgrades",), "a downgrade")):
+        node.ctr.copy_in(package, f"/var/tmp/{package.name}")
+        version = subprocess.run(["dpkg-deb", "-f", str(package), "Version"], capture_output=True, text=True)
+        back_after(
+            f"{what} to {version.stdout.strip()}",
+            functools.partial(_install, node.ctr, f"/var/tmp/{package.name}", *options),
+            60,
+        )
+        installed = node.ctr.run("dpkg-query", "-W", "-f=${Version}", "nvplug").stdout.strip()
+        assert installed == version.stdout.strip(), (what, installed, version.stdout)
     journal = node.ctr.journal(UNIT, "-o", "cat")
     adopted = journal.count(f"the control daemon pid {daemon['MainPID']} an earlier nvplug started adopted")
-    assert adopted == 3, journal[-3000:]
+    assert adopted == 4, journal[-3000:]
     node.ctr.run("systemctl", "stop", UNIT)
     unchanged("systemctl stop")
+    # The teardown refuses while the client is connected, and names its pod.
+    refused = node.ctr.run("nvplug", "mps", "stop", "--config", CONFIG, check=False)
+    assert refused.returncode == 1, f"{refused.stdout}\n{refused.stderr}"
+    assert f"(pid {client}: pod default/mps-client)" in refused.stderr, refused.stderr
+    print(f"nvplug mps stop with the client connected: {refused.stderr.strip()}")
+    unchanged("nvplug mps stop (refused)")
     # Started again without MPS: the daemon, which has a client, runs on; once the client is gone, a reload
     # asks again, the daemon quits, its unit goes, and the compute modes go back.
     registrations = node.registrations()

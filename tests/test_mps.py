@@ -175,8 +175,7 @@ def test_a_reload_is_refused_while_the_group_has_clients(node: SimulatedNode) ->
 
 def lists(node: SimulatedNode, resource: str = MPS_RESOURCE) -> list[int]:
     """How many devices each list the kubelet got for the resource had, across registrations."""
-    views = [*node.kubelet.history, *([p] if (p := node.kubelet.plugin(resource)) is not None else [])]
-    return [len(u.devices) for v in views if v.resource == resource for u in v.updates]
+    return [len(u.devices) for v in node.kubelet.views(resource) for u in v.updates]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -335,7 +334,7 @@ def mps_stop(node: SimulatedNode, *more: str) -> subprocess.CompletedProcess[str
     """`nvplug mps stop` as an operator runs it on the node: its config, state directory and NVML."""
     args = ["--config", str(node.config), "--state-dir", str(node.state_dir)]
     args += ["--status-listen", f"unix:{node.status_socket}", "--sysfs-root", str(node.sysfs_root)]
-    args += ["--proc-root", str(node.proc_root)]
+    args += ["--proc-root", str(node.proc_root), "--pod-logs", str(node.root / "var/log/pods")]
     return subprocess.run(
         node.isolated([sys.executable, "-m", "nvplug", "mps", "stop", *args, *more]),
         env=node.daemon_env(),
@@ -352,9 +351,19 @@ def test_mps_stop_is_the_teardown_refused_while_nvplug_runs_or_clients_are_conne
     running = mps_stop(node)
     assert running.returncode == 1 and "nvplug runs" in running.stderr, running
     node.stop_daemon()
-    # A client is connected: refused, naming it; the daemon and its modes stay.
+    # A client is connected: refused, naming its pod (from its cgroup path, in the node's /proc, and the
+    # kubelet's log directory of the pod); the daemon and its modes stay.
+    uid, container = "0b7c51f2-8d3e-4a6b-9c1d-2e4f6a8b0c3d", "9e2d" * 16
+    proc = node.proc_root / str(client.pid)
+    proc.mkdir(parents=True)
+    slice_ = f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice"
+    (proc / "cgroup").write_text(
+        f"0::/kubepods.slice/kubepods-besteffort.slice/{slice_}/cri-containerd-{container}.scope\n"
+    )
+    (node.root / "var/log/pods" / f"team-a_train-0_{uid}").mkdir(parents=True)
     held = mps_stop(node)
-    assert held.returncode == 1 and f"has clients (pids {client.pid})" in held.stderr, held
+    named = f"has clients (pid {client.pid}: pod team-a/train-0, container {container[:13]})"
+    assert held.returncode == 1 and named in held.stderr, held
     assert client.connected() and modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
     # --force: the daemon quits, its client fails as a CUDA process would, the modes go back.
     forced = mps_stop(node, "--force")

@@ -23,8 +23,10 @@ from nvplug.testing.kubelet_views import HUNG
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 TIMEOUT = 15.0
-# From the new kubelet.sock's creation to the new kubelet receiving Register.
-MAX_DELAY = 0.1
+# From the new kubelet.sock's creation to the new kubelet receiving Register: a bound that
+# tells "cut short" from "stuck until REGISTER_TIMEOUT" on a busy machine. The figure itself
+# is measured in bench/latency.py.
+MAX_DELAY = REGISTER_TIMEOUT / 5
 ROUNDS = 40
 
 
@@ -70,7 +72,7 @@ def test_a_new_kubelet_sock_cancels_a_register_stuck_on_a_hung_kubelet(node: Sim
     mark = len(node.log_text())
     node.kubelet.restart()
     # Well under REGISTER_TIMEOUT, which is what the stuck Register would otherwise take.
-    node.kubelet.wait_for(registered_with(8), 2.0)
+    node.kubelet.wait_for(registered_with(8), REGISTER_TIMEOUT / 2)
     created = node.kubelet.socket_created_at
     assert created is not None
     fresh = [r for r in node.kubelet.registrations if r.received_at >= created]

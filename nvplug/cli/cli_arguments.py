@@ -114,6 +114,14 @@ STATE_DIR = Argument(
     "$STATE_DIRECTORY as systemd sets it, else /var/lib/nvplug)",
     Path,
 )
+POD_LOGS = Argument(
+    "--pod-logs",
+    "the kubelet's pod log directories, named <namespace>_<pod>_<UID>: where a pod's name is found "
+    "(default: /var/log/pods)",
+    Path,
+    default=Path("/var/log/pods"),
+    metavar="DIR",
+)
 LOG_LEVEL = Argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 # What every command that asks the daemon takes.

@@ -27,6 +27,7 @@ from nvplug.mps.daemon_records import DaemonRecords
 from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import MpsDirError, RootLayout
 from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.pods.process_pod import pod_names, pod_of_cgroup
 from nvplug.shaping.mps_groups import LOG
 from nvplug.sinks.health_state_file import FILE_NAME, StateFile, decode_all, state_dir
 from nvplug.sources.nvml_discovery import Nvml
@@ -49,11 +50,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     if layout is None:
         return 0
     try:
-        prepared = layout.prepare_root()
+        notes = layout.prepare_root()
     except MpsDirError as err:
         print(f"nvplug mps prepare: {err}", file=sys.stderr)
         return 1
-    for note in prepared.notes:
+    for note in notes:
         print(f"nvplug mps prepare: {note}", file=sys.stderr)
     print(f"nvplug mps prepare: {layout.root} ready, the clients' shm at {layout.shm}")
     return 0
@@ -104,15 +105,36 @@ def run_stop(args: argparse.Namespace) -> int:
             how = "stopped" if daemon.found else "gone already"
             print(f"nvplug mps stop: MPS group {daemon.record.group}: control daemon pid {daemon.record.pid} {how}")
         else:
-            pids = ", ".join(map(str, daemon.clients))
+            clients = _clients_text(daemon.clients, Path(args.proc_root), Path(args.pod_logs))
             print(
                 f"nvplug mps stop: MPS group {daemon.record.group}: control daemon pid {daemon.record.pid} has clients "
-                f"(pids {pids}): left running; --force cuts them off",
+                f"({clients}): left running; --force cuts them off",
                 file=sys.stderr,
             )
     held = {uuid for d in kept for uuid in d.record.exclusive}
     failed = _restore_modes(directory / FILE_NAME, held, Nvml(Path(args.sysfs_root), Path(args.proc_root)))
     return 1 if kept or failed else 0
+
+
+def _clients_text(pids: tuple[int, ...], proc_root: Path, pod_logs: Path) -> str:
+    """Each client's pid, and the pod it runs in (namespace/name where its log directory tells)."""
+    try:
+        names = pod_names(entry.name for entry in pod_logs.iterdir())
+    except OSError:
+        names = {}
+    said = []
+    for pid in pids:
+        try:
+            pod = pod_of_cgroup((proc_root / str(pid) / "cgroup").read_text())
+        except OSError:
+            pod = None  # gone since, or not ours to read
+        if pod is None:
+            said.append(f"pid {pid}")
+            continue
+        name = names.get(pod.uid)
+        container = f", container {pod.container_id[:13]}" if pod.container_id else ""
+        said.append(f"pid {pid}: pod {name if name is not None else 'UID ' + pod.uid}{container}")
+    return "; ".join(said)
 
 
 async def _settle_all(daemons: list[LeftoverDaemon], force: bool) -> list[bool]:

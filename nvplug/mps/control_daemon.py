@@ -39,9 +39,8 @@ log = logging.getLogger("nvplug.mps")
 RESTART_BACKOFF = Backoff(first=1.0, maximum=60.0)
 # A daemon up this long has earned a quick restart again; one that dies sooner backs off further.
 STABLE_SECONDS = 60.0
-# From the start to the first answer, and from `quit` to the exit.
+# From the start to the first answer.
 START_SECONDS = 10.0
-QUIT_SECONDS = 10.0
 # How fast the first answer is asked for again while the daemon makes its socket.
 FIRST_ANSWER = Backoff(first=0.02, maximum=0.5)
 
@@ -387,19 +386,7 @@ class ControlDaemon:
         proc = self._proc
         if proc is None:
             return
-        exited = asyncio.ensure_future(proc.wait())
-        if not exited.done() and graceful:
-            with contextlib.suppress(MpsControlError):
-                await self.client.send(["quit"])
-            done, _ = await asyncio.wait({exited}, timeout=QUIT_SECONDS)
-            if not done:
-                log.warning(
-                    "%s: the control daemon did not quit within %g s: killed", self.group.describe(), QUIT_SECONDS
-                )
-        if not exited.done():
-            proc.kill()  # its servers too
-        await exited
-        proc.close()
+        await proc.end(self.client if graceful else None, f"{self.group.describe()}: the control daemon")
         self._proc = None
 
     def _exit_text(self) -> str:

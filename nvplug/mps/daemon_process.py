@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -18,9 +19,14 @@ from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
+from nvplug.mps.control_client import ControlClient, MpsControlError
 from nvplug.mps.daemon_units import start_unit
 
+log = logging.getLogger("nvplug.mps")
+
 STDERR_FILE = "control.stderr"
+# How long a daemon told to quit has before it is killed.
+QUIT_SECONDS = 10.0
 # The lines of its stderr its exit is told with.
 STDERR_TAIL = 5
 
@@ -147,6 +153,24 @@ class DaemonProcess:
         # The group outlives its leader while a server runs; its id is not reused meanwhile.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+
+    async def end(self, client: ControlClient | None, what: str) -> None:
+        """Told to quit through `client` (None: killed at once), killed if it has not gone within
+        QUIT_SECONDS or does not take the quit, then closed. `what` names it in the log."""
+        exited = asyncio.ensure_future(self.wait())
+        if client is not None:
+            try:
+                await client.send(["quit"])
+            except MpsControlError as err:
+                if not exited.done():
+                    log.warning("%s: quit failed (%s): killed", what, err)
+            else:
+                done, _ = await asyncio.wait({exited}, timeout=QUIT_SECONDS)
+                if not done:
+                    log.warning("%s did not quit within %g s: killed", what, QUIT_SECONDS)
+        self.kill()  # its servers too; nothing if it is gone
+        await exited
+        self.close()
 
     def leave(self) -> None:
         """nvplug stops: the daemon runs on, unwatched; the next nvplug adopts it."""

@@ -13,8 +13,6 @@ from nvplug.mps.daemon_records import DaemonRecord
 
 log = logging.getLogger("nvplug.mps")
 
-QUIT_SECONDS = 10.0
-
 
 class LeftoverDaemon:
     def __init__(self, record: DaemonRecord, log_dir: Path) -> None:
@@ -46,7 +44,7 @@ class LeftoverDaemon:
             self.clients = await self.client.clients(await self.client.servers())
         except MpsControlError as err:
             log.warning("%s does not answer (%s): killed", self.describe(), err)
-            await self._end(proc)
+            await self._end(proc, None)
             return True
         if self.clients and not force:
             return False
@@ -54,13 +52,7 @@ class LeftoverDaemon:
             log.warning("%s quits with clients connected (pids %s)", self.describe(), ", ".join(map(str, self.clients)))
         else:
             log.info("%s has no client: it quits", self.describe())
-        exited = asyncio.ensure_future(proc.wait())
-        try:
-            await self.client.send(["quit"])
-        except MpsControlError as err:
-            log.warning("%s: quit failed (%s): killed", self.describe(), err)
-        await asyncio.wait({exited}, timeout=QUIT_SECONDS)
-        await self._end(proc)
+        await self._end(proc, self.client)
         return True
 
     async def wait(self) -> None:
@@ -74,8 +66,6 @@ class LeftoverDaemon:
             self.proc.leave()
             self.proc = None
 
-    async def _end(self, proc: DaemonProcess) -> None:
-        proc.kill()
-        await proc.wait()
-        proc.close()
+    async def _end(self, proc: DaemonProcess, client: ControlClient | None) -> None:
+        await proc.end(client, self.describe())
         self.proc = None

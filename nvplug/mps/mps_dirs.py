@@ -35,14 +35,6 @@ class MpsDirError(OSError):
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """What preparing the root fell short of (for the log and status), and whether it mounted the tmpfs."""
-
-    notes: list[str]
-    mounted: bool
-
-
-@dataclass(frozen=True)
 class RootLayout:
     """Where the MPS files live, and how the host treats them (SELinux from the sysfs root)."""
 
@@ -54,23 +46,21 @@ class RootLayout:
     def shm(self) -> Path:
         return Path(shm_dir(str(self.root)))
 
-    def prepare_root(self) -> Prepared:
-        """The root and the shm tmpfs (mounted unless it is: nvplug-mps.service's, or left by an
-        nvplug that did not stop cleanly, with the clients' segments in it)."""
+    def prepare_root(self) -> list[str]:
+        """The root and the shm tmpfs (mounted unless it is: nvplug-mps.service's, or one an earlier
+        nvplug left, with the clients' segments in it). What it fell short of, for the log and status."""
         notes: list[str] = []
         _check_parents(self.root)  # before anything is made under a parent no server could pass
         _make_dir(self.root, DIR_MODE)
         _check_parents(self.root)
-        mounted = False
         if not (self.shm.is_dir() and self.shm.is_mount()):
             self.shm.mkdir(mode=SHM_MODE, exist_ok=True)
             failed = _mount_tmpfs(self.shm)
             if failed:
                 notes.append(f"{self.shm} is a plain directory: {failed}")
-            mounted = failed is None
         self.shm.chmod(SHM_MODE)
         notes += self._label([self.shm])
-        return Prepared(notes, mounted)
+        return notes
 
     def prepare_group(self, group: MpsGroup) -> list[str]:
         """A group's pipe and log directories, emptied of what a crashed daemon left."""
@@ -88,10 +78,10 @@ class RootLayout:
         """A stopped group's pipe directory; its log stays, for whoever asks why it stopped."""
         shutil.rmtree(self.root / group.name / PIPE, ignore_errors=True)
 
-    def remove_root(self, unmount: bool = True) -> str | None:
-        """At stop: the tmpfs unmounted (if `unmount`: whoever mounted it) and every pipe directory
+    def remove_root(self) -> str | None:
+        """The operator's teardown: the tmpfs unmounted (whoever mounted it) and every pipe directory
         removed; the logs stay. Why not; None: done."""
-        if unmount and self.shm.is_mount():
+        if self.shm.is_mount():
             done = subprocess.run(["umount", str(self.shm)], capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 return f"cannot unmount {self.shm}: {done.stderr.strip() or done.returncode}"

@@ -366,8 +366,7 @@ class MpsSupervisor(Sink):
                     failed = await asyncio.to_thread(reload_shm_unit)
                     if failed is not None:
                         log.warning("MPS: the clients' shm: %s", failed)
-                prepared = await asyncio.to_thread(self._layout.prepare_root)
-                self.root_notes = prepared.notes
+                self.root_notes = await asyncio.to_thread(self._layout.prepare_root)
                 for note in self.root_notes:
                     log.warning("MPS: %s", note)
                 self._root_ready = True

@@ -143,6 +143,11 @@ class FakeKubelet(KubeletAdmission):
     def plugin(self, resource: str) -> PluginView | None:
         return self._plugins.get(resource)
 
+    def views(self, resource: str) -> list[PluginView]:
+        """Every registration's view of `resource`, oldest first: the superseded ones, then the current."""
+        current = self._plugins.get(resource)
+        return [v for v in (*self._history, *([current] if current is not None else [])) if v.resource == resource]
+
     def capacity(self, resource: str) -> int:
         view = self._plugins.get(resource)
         return 0 if view is None else view.capacity

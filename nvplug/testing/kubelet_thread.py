@@ -172,6 +172,9 @@ class KubeletThread:
     def plugin(self, resource: str) -> PluginView | None:
         return self._kubelet.plugin(resource)
 
+    def views(self, resource: str) -> list[PluginView]:
+        return self._kubelet.views(resource)
+
     def capacity(self, resource: str) -> int:
         return self._kubelet.capacity(resource)
 
