@@ -264,6 +264,28 @@ def test_a_daemon_no_config_asks_for_runs_on_while_it_has_clients(node: Simulate
     assert not pipe_dir(node).exists()
 
 
+def test_a_daemon_whose_mps_root_moved_holds_its_group_while_it_has_clients(node: SimulatedNode) -> None:
+    """The MPS root changed while nvplug was down: the recorded daemon serves the old pipe directory, and its
+    servers hold the group's GPUs. It runs on while it has a client, and the group waits; once the client is
+    gone, it quits and the group starts under the new root."""
+    uuids = start(node)
+    daemon = group(node)["pid"]
+    client = mps.HeldClient(pipe_dir(node), binary=node.mps_control)
+    node.stop_daemon()
+    moved = node.root / "mps-moved"
+    node.start_daemon("--mps-root", str(moved))
+    node.wait_log(f"serves {pipe_dir(node)}, not {moved / GROUP / 'pipe'}, with clients (pids {client.pid})")
+    assert client.connected() and modes(node) == {uuids[0]: EXCLUSIVE_PROCESS, uuids[1]: EXCLUSIVE_PROCESS}
+    assert node.kubelet.allocatable(MPS_RESOURCE) == 0
+    assert json.loads((node.state_dir / "mps-daemons.json").read_text())["groups"][GROUP]["pid"] == daemon
+    # Its client gone, the next try (the shared backoff) ends it and starts the group where the config says.
+    client.close()
+    node.kubelet.wait_for(allocatable(8), 90)
+    wait(lambda: not Path(f"/proc/{daemon}").exists() or _zombie(daemon), "the moved daemon to quit")
+    record = json.loads((node.state_dir / "mps-daemons.json").read_text())["groups"][GROUP]
+    assert record["pid"] == group(node)["pid"] != daemon and record["pipe_dir"] == str(moved / GROUP / "pipe")
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"

@@ -31,8 +31,9 @@ from nvplug.mps.control_client import ControlClient, MpsControlError
 from nvplug.mps.daemon_process import DaemonProcess, binary_name, start_ticks
 from nvplug.mps.daemon_records import DaemonRecord, DaemonRecords, DaemonSettings
 from nvplug.mps.daemon_units import unit_name
+from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import DAEMON_PID_FILE, MpsDirError, RootLayout
-from nvplug.shaping.mps_groups import MpsGroup
+from nvplug.shaping.mps_groups import LOG, MpsGroup
 
 log = logging.getLogger("nvplug.mps")
 
@@ -280,7 +281,18 @@ class ControlDaemon:
             return False
         what = f"{self.group.describe()}: the control daemon pid {record.pid} an earlier nvplug started"
         if record.pipe_dir != self.client.pipe_dir:
-            log.warning("%s serves %s, not %s: left as it is, not adopted", what, record.pipe_dir, self.client.pipe_dir)
+            # The MPS root moved: that daemon's servers hold the group's GPUs (EXCLUSIVE_PROCESS), so the
+            # group's new one can start only once it is gone; with clients it is not, and its record stays.
+            moved = LeftoverDaemon(record, Path(record.pipe_dir).parent / LOG)
+            if not await moved.settle():
+                self._recorded = record
+                moved.leave()
+                pids = ", ".join(map(str, moved.clients))
+                raise MpsControlError(
+                    f"{what} serves {record.pipe_dir}, not {self.client.pipe_dir}, with clients (pids {pids}): "
+                    "left running; the group starts once they leave"
+                )
+            log.info("%s served %s, not %s: it is gone", what, record.pipe_dir, self.client.pipe_dir)
             return False
         proc = await asyncio.to_thread(
             DaemonProcess.adopt, record.pid, record.started, record.binary, Path(self.client.log_dir), record.unit

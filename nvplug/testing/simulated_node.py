@@ -461,9 +461,9 @@ class SimulatedNode:
         for pid_file in self.mps_root.glob(f"*/pipe/{DAEMON_PID_FILE}"):
             if mps_control.read_pid_file(pid_file.parent) not in ended:
                 kill_leftover(pid_file, mps_control.BINARY_NAME)
-        shm = self.mps_root / "shm"
-        if shm.is_mount():
-            subprocess.run(["umount", "-l", str(shm)], check=False, capture_output=True)
+        # Every shm a daemon mounted under this node's root (a test may move the MPS root).
+        for mount in self._mounts_below_root():
+            subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
         if self._kernel_log_fd >= 0:
             os.close(self._kernel_log_fd)
             self._kernel_log_fd = -1
@@ -472,6 +472,15 @@ class SimulatedNode:
             self._log_pump.wait()
         if self.netns is not None:
             self.netns.close()
+
+    def _mounts_below_root(self) -> list[str]:
+        try:
+            lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        except OSError:
+            return []
+        # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+        points = [bytes(line.split()[4], "ascii").decode("unicode_escape") for line in lines]
+        return sorted((p for p in points if p.startswith(f"{self.root}/")), reverse=True)
 
     def __enter__(self) -> SimulatedNode:
         return self
