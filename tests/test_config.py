@@ -303,6 +303,11 @@ TS = "sharing:\n  timeSlicing:\n    resources:\n    - "
             r"line 3: nvplug\.mps\.resources\[1\]\.name: nvidia\.com/gpu is listed twice",
         ),
         ("nvplug:\n  mps:\n    root: run/mps\n", r"line 3: nvplug\.mps\.root: 'run/mps' is not an absolute path"),
+        ("nvplug:\n  dra:\n    maxWritesPerSecond: 0\n", r"line 3: nvplug\.dra\.maxWritesPerSecond: must be positive"),
+        (
+            "nvplug:\n  dra:\n    maxWritesPerSecond: fast\n",
+            r"line 3: nvplug\.dra\.maxWritesPerSecond: must be a number",
+        ),
         ("imex:\n  channelIDs: [1]\n", r"line 2: imex\.channelIDs: must be \[\] or \[0\], not \[1\]"),
         ("imex:\n  channelIDs: [0, 0]\n", r"line 2: imex\.channelIDs: must be \[\] or \[0\]"),
     ],

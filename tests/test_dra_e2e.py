@@ -110,6 +110,13 @@ def serving(node: SimulatedNode, api: FakeApiServer, kubelet: DraKubelet) -> Ite
         api.stop()
 
 
+def serving_136(node: SimulatedNode) -> Iterator[Dra]:
+    """A 1.36 control plane and kubelet (taints kept, resource health watched) serving the node."""
+    api = FakeApiServer(versions=("v1",), netns=node.netns)
+    api.start()
+    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+
+
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
     # A 1.34 control plane: DRADeviceTaints is alpha and off, so an Unhealthy device leaves the pool.

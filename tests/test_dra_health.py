@@ -11,7 +11,7 @@ import pytest
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet, HealthUpdate
 from test_dra import naming
-from test_dra_e2e import DRIVER, NODE, Dra, serving
+from test_dra_e2e import DRIVER, NODE, Dra, serving, serving_136
 from test_driver_hang import MIG_CONFIG_CHANGE
 from test_health import heal
 
@@ -28,9 +28,7 @@ TIMEOUT = 15.0
 
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",), netns=node.netns)
-    api.start()
-    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+    yield from serving_136(node)
 
 
 @pytest.fixture

@@ -15,11 +15,9 @@ from typing import Any
 
 import pytest
 from support import podman
-from support.apiserver_standin import FakeApiServer
-from support.dra_kubelet_standin import DraKubelet
 from test_cdi_podman import real_device_nodes
 from test_doctor import doctor
-from test_dra_e2e import DRIVER, NODE, Dra, serving
+from test_dra_e2e import DRIVER, NODE, Dra, serving_136
 from test_mps import modes, wait
 from test_mps_podman import CONNECTED, CONTAINER_BINARY, USER, ids_of, run_client
 
@@ -39,9 +37,7 @@ NODE_KIND = "k8s.device-plugin.nvidia.com/gpu"
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
     # 1.36: taints kept, resource health watched.
-    api = FakeApiServer(versions=("v1",), netns=node.netns)
-    api.start()
-    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+    yield from serving_136(node)
     # Whatever a test left: the claims' control daemons quit at SIGTERM (stop_daemon), none run on.
 
 

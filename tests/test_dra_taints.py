@@ -11,10 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.apiserver_standin import FakeApiServer
-from support.dra_kubelet_standin import DraKubelet
 from test_devices import devices
-from test_dra_e2e import DRIVER, NODE, Dra, serving
+from test_dra_e2e import DRIVER, NODE, Dra, serving_136
 from test_health import heal
 
 from nvplug.status import status_client as statusclient
@@ -27,9 +25,7 @@ ADMIN = {"key": "example.com/maintenance", "value": "rack-7", "effect": "NoSched
 
 @pytest.fixture
 def dra(node: SimulatedNode) -> Iterator[Dra]:
-    api = FakeApiServer(versions=("v1",), netns=node.netns)
-    api.start()
-    yield from serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+    yield from serving_136(node)
 
 
 def taints(dra: Dra, device: str) -> list[dict[str, Any]]:

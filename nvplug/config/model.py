@@ -25,6 +25,7 @@ from nvplug.config.value_readers import (
     listen_address,
     memory_size,
     off_or_absolute,
+    positive_rate,
     positive_seconds,
     resource_name,
     resource_names,
@@ -163,6 +164,12 @@ class DraConfig:
     kubeconfig: str = field(
         default=DEFAULT_DRA_KUBECONFIG,
         metadata=key("kubeconfig", "credentials for publishing ResourceSlices", absolute_path),
+    )
+    # The API server's load from this node: a change after a quiet spell is written at once, a run of them
+    # is paced (and coalesced) to this many writes a second, with a burst of 2. A repair never waits.
+    max_writes_per_second: float = field(
+        default=1.0,
+        metadata=key("maxWritesPerSecond", "ResourceSlice writes a second, at most, for changes", positive_rate),
     )
     # The GPUs offered through DRA (none listed, and no extendedResources: every GPU); the device plugin
     # offers the others.

@@ -172,6 +172,11 @@ def positive_seconds(ctx: ReadContext, node: yaml.Node, path: str) -> float:
     return value
 
 
+def positive_rate(ctx: ReadContext, node: yaml.Node, path: str) -> float:
+    """A rate per second, above zero."""
+    return positive_seconds(ctx, node, path)
+
+
 def seconds_or_zero(ctx: ReadContext, node: yaml.Node, path: str) -> float:
     value = _seconds(ctx, node, path)
     if not 0 <= value < 1e9:

@@ -30,7 +30,7 @@ from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_health import DeviceReport, HealthStream
 from nvplug.dra.resource_slices import GROUP
-from nvplug.dra.slice_publisher import FAILURES, SlicePublisher
+from nvplug.dra.slice_publisher import DEFAULT_BUDGET, FAILURES, SlicePublisher
 from nvplug.dra.time_slices import TimeSlicer
 from nvplug.edges.edge_protocols import Commit, Emit, HealthVerdict, Sink, StateUpdate
 from nvplug.pods.pod_holders import ContainerDevices, Holder
@@ -104,7 +104,8 @@ class DraDriver(Sink):
             log.error("DRA: %s; no ResourceSlices are published and no claim can be prepared", err)
         self.client = client
         self._emit = emit
-        self.publisher = SlicePublisher(client, self.driver, self.node, error, self._on_change)
+        budget = replace(DEFAULT_BUDGET, per_second=dra.max_writes_per_second)
+        self.publisher = SlicePublisher(client, self.driver, self.node, error, self._on_change, budget)
         self.claims = ClaimStore(state_dir / claims.CHECKPOINT if state_dir is not None else None, boot_id)
         # Sharing and the claims' own specs; one claim at a time, since claims may share a device.
         self.setup = ClaimSetup(self.claims, ClaimSpecs(spec_dir), TimeSlicer(), mps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,8 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
-from nvplug.base.backoff import Backoff
+from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.base.write_budget import WriteBudget
 from nvplug.config import TaintEffect
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
 from nvplug.dra.device_taints import (
@@ -36,6 +38,8 @@ from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, in_pool, po
 log = logging.getLogger("nvplug.dra")
 
 RETRY_BACKOFF = Backoff(first=0.5, maximum=60.0)
+# nvplug.dra.maxWritesPerSecond's default: a node's changes cost the API server at most about this.
+DEFAULT_BUDGET = WriteBudget(per_second=1.0, burst=2)
 WATCH_BACKOFF = Backoff(first=0.2, maximum=30.0, jitter=True)
 # Longer than the kubelet's start-up wipe takes to land after it registered the plugin (60 ms seen).
 SETTLE_SECONDS = 2.0
@@ -60,9 +64,11 @@ class SlicePublisher:
         node: str,
         error: str | None = None,
         on_change: Callable[[], None] = lambda: None,
+        budget: WriteBudget = DEFAULT_BUDGET,
     ) -> None:
         """`client` None: no API server can be reached (`error` says why); the pool is only kept.
-        `on_change` is told after each write and each change of error (the status line)."""
+        `on_change` is told after each write and each change of error (the status line). `budget`
+        paces the writes of changes; a repair (the slices wiped or deleted) is written at once."""
         self.client = client
         self._on_change = on_change
         self.driver = driver
@@ -72,6 +78,19 @@ class SlicePublisher:
         self.generation = 0
         self.published_at: float | None = None
         self.writes = 0
+        self._bucket = budget.bucket(time.monotonic())
+        # Set when the slices must be listed again (a wipe, a deletion, a registration): a repair does not
+        # wait for the budget.
+        self._repair = asyncio.Event()
+        # When the next write is due, while a change waits for the budget (wall clock, for status).
+        self.next_write_at: float | None = None
+        # The pool's changes handed over; those written together with a later one; those not written yet.
+        self.changes = 0
+        self.coalesced = 0
+        self._pending = 0
+        # The requests that write slices, by (verb, outcome), and the bytes of their bodies.
+        self.requests: dict[tuple[str, str], int] = {}
+        self.bytes_written = 0
         self._devices: list[DraDevice] = []
         # The slices as last written or listed; None: list them first.
         self._known: list[dict[str, Any]] | None = None
@@ -104,7 +123,11 @@ class SlicePublisher:
         self._passed = asyncio.Event()
 
     def want(self, devices: Sequence[DraDevice]) -> None:
-        self._devices = list(devices)
+        wanted = list(devices)
+        if wanted != self._devices:
+            self.changes += 1
+            self._pending += 1
+        self._devices = wanted
         self._wake.set()
 
     def republish(self, settle: bool = True) -> None:
@@ -112,6 +135,7 @@ class SlicePublisher:
         once its start-up wipe is surely over: the watch sees it, this does if the watch cannot."""
         self._known = None
         self._republished += 1
+        self._repair.set()
         # Whether taints are kept is asked again (the control plane may have been upgraded meanwhile);
         # the last answer stands until then.
         self._probe_due = True
@@ -153,6 +177,12 @@ class SlicePublisher:
             "taints_kept": self.taints,
             "tainted": {d.name: shown for d in self._devices if (shown := self.shown_taints(d))},
             "published_at": self.published_at,
+            "writes": self.writes,
+            "next_write_at": self.next_write_at,
+            "changes": self.changes,
+            "changes_coalesced": self.coalesced,
+            "requests": {f"{verb} {outcome}": n for (verb, outcome), n in sorted(self.requests.items())},
+            "bytes_written": self.bytes_written,
             # What the API server holds, not what nvplug last wrote: False from a deletion seen by
             # the watch until the slices are written again.
             "published": self.published,
@@ -179,6 +209,8 @@ class SlicePublisher:
             self._wake.clear()
             if self.client is None:
                 continue
+            await self._within_budget()
+            writes = self.writes
             try:
                 await self._reconcile(self.client)
             except FAILURES as err:
@@ -193,6 +225,12 @@ class SlicePublisher:
                 await asyncio.sleep(retrying.next())
                 self._wake.set()
             else:
+                wrote = self.writes > writes
+                if wrote:
+                    self._bucket.spend(time.monotonic())
+                # Changes written by this pass (or that cancelled out): all but the one written were coalesced.
+                self.coalesced += max(0, self._pending - wrote)
+                self._pending = 0
                 retrying.reset()
                 if self.error is not None:
                     log.info("ResourceSlices of %s published again", self.node)
@@ -201,6 +239,18 @@ class SlicePublisher:
             self._on_change()
             passed, self._passed = self._passed, asyncio.Event()
             passed.set()
+
+    async def _within_budget(self) -> None:
+        """A change of the pool waits for its turn in the write budget: what changes meanwhile goes into the
+        same write. A repair does not wait, and stops a change's wait."""
+        wait = self._bucket.wait(time.monotonic())
+        if wait <= 0 or self._known is None:
+            return
+        self._repair.clear()
+        self.next_write_at = time.time() + wait
+        await sleep_unless(self._repair, wait)
+        self.next_write_at = None
+        self._wake.clear()  # this pass writes the newest pool
 
     async def held(self, timeout: float) -> bool:
         """Whether the API server holds the pool as it is now, waiting up to `timeout` for the writes."""
@@ -290,13 +340,30 @@ class SlicePublisher:
             if n < len(known):
                 meta = known[n]["metadata"]
                 obj["metadata"] = {"name": meta["name"], "resourceVersion": meta["resourceVersion"]}
-                written.append(await client.request("PUT", f"{base}/{meta['name']}", obj))
+                written.append(await self._send(client, "PUT", f"{base}/{meta['name']}", obj))
             else:
-                written.append(await client.request("POST", base, obj))
+                written.append(await self._send(client, "POST", base, obj))
             self._ours.add(str(written[-1]["metadata"]["resourceVersion"]))
         for old in known[len(objects) :]:
             self._deleted.add(str(old["metadata"]["name"]))
-            await client.request("DELETE", f"{base}/{old['metadata']['name']}")
+            await self._send(client, "DELETE", f"{base}/{old['metadata']['name']}")
+
+    async def _send(
+        self, client: ApiClient, verb: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One write, counted by its outcome: ok, the error status, or no answer."""
+        outcome = "no answer"
+        try:
+            answer = await client.request(verb, path, body)
+            outcome = "ok"
+            return answer
+        except ApiError as err:
+            outcome = str(err.status)
+            raise
+        finally:
+            self.requests[verb, outcome] = self.requests.get((verb, outcome), 0) + 1
+            if body is not None:
+                self.bytes_written += len(json.dumps(body, separators=(",", ":")))
 
     async def _watch_loop(self) -> None:
         """Follow the node's slices of this driver from the last list on; anything not ours: list again."""
@@ -392,6 +459,7 @@ class SlicePublisher:
     def _relist(self) -> None:
         self._known = None
         self._republished += 1
+        self._repair.set()
         self._wake.set()
         self._on_change()
 

@@ -325,7 +325,25 @@ class _DraCollector(Collector):
         for device, taints in sorted((doc.get("tainted") or {}).items()):
             for taint in taints:
                 tainted.add_metric([*driver, device, taint], 1.0)
-        yield from (claims, pool, registered, published, tainted)
+        requests = CounterMetricFamily(
+            "nvplug_dra_slice_requests",
+            "Requests that wrote the node's ResourceSlices, by verb and outcome (ok, an HTTP status, no answer)",
+            labels=["driver", "verb", "outcome"],
+        )
+        for key, n in sorted((doc.get("requests") or {}).items()):
+            verb, _, outcome = key.partition(" ")
+            requests.add_metric([*driver, verb, outcome], float(n))
+        written = CounterMetricFamily(
+            "nvplug_dra_slice_bytes_written", "Bytes of the ResourceSlices nvplug sent", labels=["driver"]
+        )
+        written.add_metric(driver, float(doc.get("bytes_written", 0)))
+        coalesced = CounterMetricFamily(
+            "nvplug_dra_slice_changes_coalesced",
+            "Changes of the pool written together with a later one (the write budget)",
+            labels=["driver"],
+        )
+        coalesced.add_metric(driver, float(doc.get("changes_coalesced", 0)))
+        yield from (claims, pool, registered, published, tainted, requests, written, coalesced)
         if doc.get("taints_kept") is not None:
             kept = GaugeMetricFamily(
                 "nvplug_dra_taints_kept",
