@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -139,6 +139,43 @@ def test_an_admins_taint_is_kept_through_nvplugs_writes(dra: Dra) -> None:
     assert heal(dra.node, "4").returncode == 0
     dra.wait(lambda: len(taints(dra, "gpu-4")) == 1, "nvplug's taint removed")
     assert taints(dra, "gpu-4") == [admin]
+
+
+def test_an_admins_taint_outlives_the_kubelets_wipe_until_the_admin_removes_it(dra: Dra) -> None:
+    """The kubelet deletes the node's slices when it starts, an admin's taints with them: nvplug writes
+    them back, timeAdded and all. One the admin removed from the live slice does not come back."""
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool")
+
+    def set_admin_taint(taints_: list[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
+        def edit(obj: dict[str, Any]) -> None:
+            for device in obj["spec"]["devices"]:
+                if device["name"] == "gpu-4":
+                    device["taints"] = taints_
+
+        return edit
+
+    mark = len(dra.node.log_text())
+    dra.api.edit_slice(dra.slices()[0]["metadata"]["name"], set_admin_taint([dict(ADMIN)]))
+    (admin,) = taints(dra, "gpu-4")
+    dra.node.wait_log("was modified by someone else", TIMEOUT, after=mark)
+    dra.kubelet.restart()  # its wipe at start
+    dra.wait(lambda: taints(dra, "gpu-4") == [admin], "the admin's taint back after the wipe")
+    dra.node.wait_log(
+        "were deleted with taints nvplug did not set: put back (gpu-4 example.com/maintenance=rack-7:NoSchedule)",
+        TIMEOUT,
+    )
+    tainted_slice(dra, "after the kubelet's wipe")
+    # The admin takes it off the live slice: nvplug sees that, and the next wipe does not bring it back.
+    mark = len(dra.node.log_text())
+    dra.api.edit_slice(dra.slices()[0]["metadata"]["name"], set_admin_taint([]))
+    dra.node.wait_log("was modified by someone else", TIMEOUT, after=mark)
+    mark = len(dra.node.log_text())
+    dra.kubelet.restart()
+    dra.node.wait_log("ResourceSlices of node-a: 4 devices in", TIMEOUT, after=mark)
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool back after the second wipe")
+    assert not taints(dra, "gpu-4")
+    assert "put back" not in dra.node.log_text()[mark:]
 
 
 def test_a_server_that_drops_taints_and_one_whose_gate_turns_off(dra: Dra) -> None:

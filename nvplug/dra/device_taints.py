@@ -123,6 +123,22 @@ def keep_stored(wanted: list[dict[str, Any]], stored: Iterable[Mapping[str, Any]
     return out
 
 
+def others(stored: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The taints under keys nvplug does not own (an admin's), by device name, as the API server stores them."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for slice_ in stored:
+        for device in _devices(slice_):
+            theirs = [t for t in taint_fields(dict(device)).get("taints") or [] if t.get("key") not in OWN_KEYS]
+            if theirs:
+                found[str(device.get("name"))] = [dict(t) for t in theirs]
+    return found
+
+
+def as_stored(taints: Mapping[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Taints by device name as a stored slice holds them: what keep_stored merges from."""
+    return [{"spec": {"devices": [{"name": name, "taints": list(t)} for name, t in sorted(taints.items())]}}]
+
+
 def kept(sent: Iterable[Mapping[str, Any]], stored: Iterable[Mapping[str, Any]]) -> bool:
     """Whether the API server kept the taints we sent: a server with DRADeviceTaints off drops the field."""
     ours = sum(1 for d in sent for t in taint_fields(dict(d)).get("taints") or [] if t.get("key") in OWN_KEYS)

@@ -29,8 +29,10 @@ from nvplug.dra.device_taints import (
     MAX_TAINTED_DEVICES,
     UNMONITORED_KEY,
     Taint,
+    as_stored,
     keep_stored,
     kept,
+    others,
 )
 from nvplug.dra.dra_devices import DraDevice
 from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, in_pool, pool_devices, slices
@@ -94,6 +96,9 @@ class SlicePublisher:
         self._devices: list[DraDevice] = []
         # The slices as last written or listed; None: list them first.
         self._known: list[dict[str, Any]] | None = None
+        # The taints nvplug did not write (an admin's), as last seen on a live slice, by device: a deletion of
+        # the slices (the kubelet's wipe at its start) takes them too, and they are put back.
+        self._others: dict[str, list[dict[str, Any]]] = {}
         # Counts republish() and changes the watch saw: one during a write outlives what that write saw.
         self._republished = 0
         self._wake = asyncio.Event()
@@ -159,7 +164,9 @@ class SlicePublisher:
         """The pool's devices as they must be stored: tainted where taints are kept (not yet asked: as if),
         with the stored ones kept."""
         devices = self._devices if self._effect_none else [_without_effect_none(d) for d in self._devices]
-        return keep_stored(pool_devices(devices, version, self.taints is not False), known)
+        # Slices gone (wiped, deleted): the others' taints come back from what was last seen of them.
+        stored = known if known or not self._others else as_stored(self._others)
+        return keep_stored(pool_devices(devices, version, self.taints is not False), stored)
 
     @property
     def slice_names(self) -> list[str]:
@@ -240,6 +247,11 @@ class SlicePublisher:
             passed, self._passed = self._passed, asyncio.Event()
             passed.set()
 
+    def _seen_others(self, stored: list[dict[str, Any]]) -> None:
+        """Live slices show the others' taints as they are now: one an admin removed is forgotten."""
+        if stored:
+            self._others = others(stored)
+
     async def _within_budget(self) -> None:
         """A change of the pool waits for its turn in the write budget: what changes meanwhile goes into the
         same write. A repair does not wait, and stops a change's wait."""
@@ -283,6 +295,7 @@ class SlicePublisher:
                         self.version = self.taints = None  # the API server changed: discover again
                     raise
                 self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
+                self._seen_others(self._known)
                 if self._watch_from is None:
                     self._watch_from = listed_at
                     self._listed.set()
@@ -312,6 +325,14 @@ class SlicePublisher:
             self._taints_kept(False)
             self._republished += 1
             self._wake.set()
+        if not known and self._others:
+            back = [f"{name} {', '.join(map(_taint_text, ts))}" for name, ts in sorted(self._others.items())]
+            log.info(
+                "ResourceSlices of %s were deleted with taints nvplug did not set: put back (%s)",
+                self.node,
+                "; ".join(back),
+            )
+        self._seen_others(written)
         # A republish() or a change seen meanwhile (the kubelet restarted and wiped them) means list again.
         self._known = written if self._republished == republished else None
         self.writes += 1
@@ -320,7 +341,7 @@ class SlicePublisher:
             "ResourceSlices of %s: %d devices in %s (pool generation %d)",
             self.node,
             len(wanted),
-            ", ".join(self.slice_names),
+            ", ".join(str(w["metadata"]["name"]) for w in written),
             self.generation,
         )
 
@@ -530,3 +551,9 @@ def _same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], genera
     if any(int(s["spec"]["pool"]["resourceSliceCount"]) != len(known) for s in known):
         return False
     return [d for s in known for d in s["spec"].get("devices") or []] == wanted
+
+
+def _taint_text(taint: dict[str, Any]) -> str:
+    """A stored taint as `key=value:Effect`."""
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
