@@ -172,7 +172,7 @@ def test_an_admins_taint_outlives_the_kubelets_wipe_until_the_admin_removes_it(d
     dra.node.wait_log("was modified by someone else", TIMEOUT, after=mark)
     mark = len(dra.node.log_text())
     dra.kubelet.restart()
-    # Logged by the name the POST gave it (it was logged with none).
+    # Logged by the name the answer to its POST gave it.
     dra.node.wait_log("ResourceSlices of node-a: 4 devices in node-a-gpu.nvidia.com-", TIMEOUT, after=mark)
     dra.wait(lambda: len(dra.pool()) == 4, "the pool back after the second wipe")
     assert not taints(dra, "gpu-4")
