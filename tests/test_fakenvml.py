@@ -446,7 +446,8 @@ def test_event_wait_times_out_and_delivers_injected_events(rig: Rig) -> None:
     assert out["reply"] == "ok queued=1"
     assert out["xid"] == [0, 0x8, 79, 0xFFFFFFFF, 0xFFFFFFFF]
     print(f"wake latency incl. control round trip: {out['latency_s'] * 1e3:.2f} ms")
-    assert out["latency_s"] < 0.25, out["latency_s"]  # includes a control round trip and the GIL
+    # Woken by the event, not by the wait's 10 s timeout (the figure itself is printed above).
+    assert out["latency_s"] < 2.0, out["latency_s"]
     assert out["queued"] == ["ok queued=1", "ok queued=1", "ok queued=0", "ok queued=0", "ok queued=1"]
     assert out["fifo"] == [[3, 8, 48, 1, 2], [0, 2, 0, 0xFFFFFFFF, 0xFFFFFFFF], [0, 8, 94, 0xFFFFFFFF, 0xFFFFFFFF]]
     assert out["drained"] == 10
@@ -519,8 +520,9 @@ def test_wait_error_wakes_a_blocked_waiter_then_counts_down(rig: Rig) -> None:
         """
     )
     assert out["blocked"] == 999
-    assert out["latency_s"] < 0.25, out["latency_s"]  # includes a control round trip and the GIL
-    assert out["second"] == 999 and out["second_s"] < 0.25
+    # Woken by the injected failure, not by the waits' 10 s and 5 s timeouts.
+    assert out["latency_s"] < 2.0, out["latency_s"]
+    assert out["second"] == 999 and out["second_s"] < 1.0
     assert out["event"] == 79
     assert out["drained"] == 10
     assert out["forever"] == [15] * 5 and out["legacy"] == 15
@@ -537,7 +539,7 @@ def test_wait_error_count_is_shared_by_all_waiters(rig: Rig) -> None:
         got = []
         def wait(s):
             t = time.monotonic()
-            got.append([code(N.nvmlEventSetWait_v2, s, 800), time.monotonic() - t])
+            got.append([code(N.nvmlEventSetWait_v2, s, 3000), time.monotonic() - t])
         threads = [threading.Thread(target=wait, args=(s,)) for s in sets]
         for th in threads:
             th.start()
@@ -550,7 +552,8 @@ def test_wait_error_count_is_shared_by_all_waiters(rig: Rig) -> None:
     )
     (first, first_s), (second, second_s) = out["got"]
     assert (first, second) == (999, 10)  # one failure to hand out; the other waiter times out
-    assert first_s < 0.5 and second_s >= 0.75
+    # The first woken long before its 3 s timeout, the second only by it.
+    assert first_s < 1.5 and second_s >= 2.9
 
 
 # ---- faults -------------------------------------------------------------------------
