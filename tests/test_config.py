@@ -303,6 +303,10 @@ TS = "sharing:\n  timeSlicing:\n    resources:\n    - "
             r"line 3: nvplug\.mps\.resources\[1\]\.name: nvidia\.com/gpu is listed twice",
         ),
         ("nvplug:\n  mps:\n    root: run/mps\n", r"line 3: nvplug\.mps\.root: 'run/mps' is not an absolute path"),
+        (
+            "nvplug:\n  dra:\n    kubeconfig: kube.conf\n",
+            r"line 3: nvplug\.dra\.kubeconfig: 'kube\.conf' is neither auto, kubelet nor an absolute path",
+        ),
         ("nvplug:\n  dra:\n    maxWritesPerSecond: 0\n", r"line 3: nvplug\.dra\.maxWritesPerSecond: must be positive"),
         (
             "nvplug:\n  dra:\n    maxWritesPerSecond: fast\n",

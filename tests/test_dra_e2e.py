@@ -416,9 +416,25 @@ def test_doctor_checks_registration_credentials_and_slices(dra: Dra) -> None:
     assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")
     print(d.out)
-    assert d.verdict(12) == "PASS", d
-    assert "12. DRA: DRA gpu.nvidia.com: registered, 4 devices published, 1 claims prepared" in d.out
+    # A cluster admin's token: in service, and a warning that it may write any node's slices.
+    assert d.verdict(12) == "WARN", d
+    assert "12. DRA: DRA gpu.nvidia.com: registered, 4 devices published, 1 claims prepared; its credentials" in d.out
     assert f"{dra.api.url}: resource.k8s.io/v1, 1 ResourceSlices of node-a for gpu.nvidia.com" in d.text(12)
+    assert (
+        "these credentials may write other nodes' ResourceSlices: a dry run (which stores nothing) of one for "
+        "node nvplug-doctor-no-such-node was accepted"
+    ) in d.text(12)
+    assert "nvplug.dra.kubeconfig: kubelet" in d.text(12)
+    # The node's own identity (the Node authorizer's rules): no warning, and the refusal as evidence.
+    dra.api.node_tokens["node-a-token"] = NODE
+    admin = dra.kubeconfig.read_text()
+    dra.api.write_kubeconfig(dra.kubeconfig, token="node-a-token")
+    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+    print(d.text(12))
+    assert d.verdict(12) == "PASS", d
+    assert "another node's ResourceSlice is refused to these credentials" in d.text(12)
+    assert 'User "system:node:node-a" cannot create resource "resourceslices"' in d.text(12)
+    dra.kubeconfig.write_text(admin)
     # Credentials the API server refuses: a FAIL that says so.
     dra.api.token = "another-token"
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")
@@ -429,7 +445,7 @@ def test_doctor_checks_registration_credentials_and_slices(dra: Dra) -> None:
     dra.node.wait_log("reg.sock was removed: serving it again", TIMEOUT)
     dra.wait(lambda: dra.kubelet.accepted(DRIVER) == 2, "registration through the new socket")
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")
-    assert d.verdict(12) == "PASS", d
+    assert d.verdict(12) == "WARN" and "registered, 4 devices published" in d.text(12), d
 
 
 def test_a_bad_kubeconfig_leaves_the_device_plugin_alone(dra: Dra) -> None:

@@ -197,7 +197,9 @@ def test_an_mps_claim_runs_its_own_daemon_and_spec_until_its_last_claim_goes(dra
     assert mounts == {str(pipe): str(pipe), "/dev/shm": str(dra.node.mps_root / "shm")}
     # doctor: every prepared claim's names resolve; a spec gone is a FAIL that names the claim.
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")
-    assert d.verdict(12) == "PASS", d
+    # WARN for the stand-in's admin token alone (it may write any node's slices), not for the claims.
+    assert d.verdict(12) == "WARN" and "may write other nodes' ResourceSlices" in d.text(12), d
+    assert "does not resolve" not in d.text(12)
     kept = spec_path.read_bytes()
     spec_path.unlink()
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")

@@ -47,9 +47,11 @@ def make_cert(directory: Path, name: str, ca: tuple[Path, Path] | None = None) -
 
 
 @contextlib.asynccontextmanager
-async def tls_front(api: FakeApiServer, key: Path, cert: Path, client_ca: Path | None) -> AsyncIterator[int]:
+async def tls_front(
+    api: FakeApiServer, key: Path, cert: Path, client_ca: Path | None, clients: list[str] | None = None
+) -> AsyncIterator[int]:
     """A TLS listener that pipes each connection to the stand-in; with `client_ca`, clients must show a
-    certificate it signed. Yields the port."""
+    certificate it signed (its common name is added to `clients` per connection). Yields the port."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     if client_ca is not None:
@@ -64,6 +66,9 @@ async def tls_front(api: FakeApiServer, key: Path, cert: Path, client_ca: Path |
         writer.close()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if clients is not None:
+            subject = dict(part[0] for part in (writer.get_extra_info("peercert") or {}).get("subject", ()))
+            clients.append(str(subject.get("commonName")))
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", api.port)
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 

@@ -51,6 +51,8 @@ NVML_ENV = {
     "FAKE_NVML_CONTROL": f"{CONTROL_DIR}/nvml.ctl",
 }
 CONFIG = "/etc/nvplug/config.yaml"
+# kubeadm's place for the kubelet's kubeconfig: nvplug.dra.kubeconfig's auto finds it.
+KUBELET_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
 STATE_FILE = "/var/lib/nvplug/health.json"
 CDI_SPEC = "k8s.device-plugin.nvidia.com-gpu.json"
 FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvplug"
@@ -716,12 +718,13 @@ def test_watchdog_kills_a_hung_daemon_and_systemd_restarts_it(node: Node) -> Non
 def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
     """DRA under the hardened unit: without the shipped drop-in the API server (TCP) and the kubelet's
     plugin directories are out of reach, and the device plugin carries on; with it, the kubelet's
-    DRA stand-in registers the plugin, the slices reach the API-server stand-in and a claim is prepared."""
+    DRA stand-in registers the plugin, the slices reach the API-server stand-in and a claim is prepared.
+    No kubeconfig of nvplug's own: it speaks with the kubelet's (nvplug.dra.kubeconfig: auto)."""
     started = time.monotonic()
     original = node.ctr.sh(f"cat {CONFIG}").stdout
     with FakeApiServer(netns=node.netns) as api:
         kubeconfig = api.write_kubeconfig(node.host / "kubeconfig")
-        node.ctr.write_file("/etc/nvplug/kubeconfig", kubeconfig.read_text(), mode=0o600)
+        node.ctr.write_file(KUBELET_KUBECONFIG, kubeconfig.read_text(), mode=0o600)
         node.ctr.copy_in(mps_control.build(node.host / "mps-build"), MPS_CONTROL, 0o755)
         node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  dra:\n    enabled: true\n    nodeName: node-a\n"
                             f"    devices: [6, 7]\n  mps:\n    controlPath: {MPS_CONTROL}\n")  # fmt: skip
@@ -742,6 +745,8 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
         kubelet.start()
         try:
             nspawn.wait_until(lambda: kubelet.accepted(DRIVER) >= 1, TIMEOUT, "DRA registration", node.diagnose)
+            journal = node.ctr.journal(UNIT, "-o", "cat")
+            assert f"with the credentials of {KUBELET_KUBECONFIG}" in journal, journal[-3000:]
 
             def devices() -> list[str]:
                 return [d["name"] for s in api.slices(node="node-a") for d in s["spec"]["devices"]]
@@ -759,7 +764,7 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
         finally:
             kubelet.stop()
     # The operator's files go with the operator (dpkg --purge leaves files it did not install).
-    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf /etc/nvplug/kubeconfig")
+    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf {KUBELET_KUBECONFIG}")
     node.ctr.write_file(CONFIG, original)
     node.ctr.run("systemctl", "daemon-reload")
     registrations = node.registrations()

@@ -22,6 +22,7 @@ from nvplug.config.value_readers import (
     dns_subdomain,
     driver_name,
     int_range,
+    kubeconfig_choice,
     listen_address,
     memory_size,
     off_or_absolute,
@@ -48,6 +49,9 @@ DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 # DRA: NVIDIA's driver name, and where the kubelet looks for plugins.
 DEFAULT_DRA_DRIVER = "gpu.nvidia.com"
 DEFAULT_DRA_KUBECONFIG = "/etc/nvplug/kubeconfig"
+# The kubelet's own kubeconfig (kubeadm's, then others'), and the certificate it rotates.
+KUBELET_KUBECONFIGS = ("/etc/kubernetes/kubelet.conf", "/var/lib/kubelet/kubeconfig")
+DEFAULT_KUBELET_CERTIFICATE = "/var/lib/kubelet/pki/kubelet-client-current.pem"
 DEFAULT_PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DEFAULT_KUBELET_PLUGINS = "/var/lib/kubelet/plugins"
 # MPS: each group's pipe and log directories, and the clients' shm, under here; every parent
@@ -161,9 +165,21 @@ class DraConfig:
     )
     # The Node object's name; None: this host's name, as the kubelet takes it.
     node_name: str | None = field(default=None, metadata=key("nodeName", "the Node object's name", dns_subdomain))
+    # auto: nvplug's own kubeconfig where it exists, else the kubelet's credentials (the node's own identity).
     kubeconfig: str = field(
-        default=DEFAULT_DRA_KUBECONFIG,
-        metadata=key("kubeconfig", "credentials for publishing ResourceSlices", absolute_path),
+        default="auto",
+        metadata=key(
+            "kubeconfig", "credentials for publishing ResourceSlices: auto, kubelet or a path", kubeconfig_choice
+        ),
+    )
+    # Where the kubelet's own kubeconfig is; None: the first of /etc/kubernetes/kubelet.conf (kubeadm) and
+    # /var/lib/kubelet/kubeconfig.
+    kubelet_kubeconfig: str | None = field(
+        default=None, metadata=key("kubeletKubeconfig", "the kubelet's kubeconfig", absolute_path)
+    )
+    kubelet_certificate: str = field(
+        default=DEFAULT_KUBELET_CERTIFICATE,
+        metadata=key("kubeletCertificate", "the kubelet's current client certificate and key (one PEM)", absolute_path),
     )
     # The API server's load from this node: a change after a quiet spell is written at once, a run of them
     # is paced (and coalesced) to this many writes a second, with a burst of 2. A repair never waits.

@@ -86,6 +86,14 @@ def off_or_absolute(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     return value
 
 
+def kubeconfig_choice(ctx: ReadContext, node: yaml.Node, path: str) -> str:
+    """auto, kubelet (the kubelet's own credentials), or a kubeconfig's absolute path."""
+    value = file_path(ctx, node, path)
+    if value not in ("auto", "kubelet") and not value.startswith("/"):
+        raise ctx.error(node, path, f"{value!r} is neither auto, kubelet nor an absolute path")
+    return value
+
+
 def boolean(ctx: ReadContext, node: yaml.Node, path: str) -> bool:
     if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
         # An explicit !!bool tag can sit on any word: only YAML's booleans count.

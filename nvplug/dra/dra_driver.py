@@ -21,11 +21,12 @@ from nvplug.config import Config
 from nvplug.core.events import Event, NotesChanged, PluginSocketRemoved, WatchedDirChanged
 from nvplug.core.snapshot import REVISED, Snapshot
 from nvplug.dra import claims, resource_health
-from nvplug.dra.api_client import ApiClient, ApiError, KubeConfig, KubeConfigError
+from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
 from nvplug.dra.claim_setup import ClaimDaemons, ClaimSetup
 from nvplug.dra.claim_specs import ClaimSpecs
 from nvplug.dra.claims import ClaimError, ClaimRef, ClaimStore, PreparedClaim, PreparedDevice
 from nvplug.dra.device_taints import unmonitored
+from nvplug.dra.dra_credentials import load_kubeconfig
 from nvplug.dra.dra_devices import DraDevice, offered
 from nvplug.dra.dra_sockets import DraSockets
 from nvplug.dra.resource_health import DeviceReport, HealthStream
@@ -98,7 +99,9 @@ class DraDriver(Sink):
         client: ApiClient | None = None
         error = None
         try:
-            client = ApiClient(KubeConfig.load(Path(dra.kubeconfig)))
+            kubeconfig = load_kubeconfig(dra)
+            client = ApiClient(kubeconfig)
+            log.info("DRA: the API server at %s, with the credentials of %s", kubeconfig.server, kubeconfig.source)
         except KubeConfigError as err:
             error = str(err)
             log.error("DRA: %s; no ResourceSlices are published and no claim can be prepared", err)

@@ -52,6 +52,8 @@ WATCH_SECONDS = 300
 MAX_OURS = 1024
 # 409s in a row (someone else wrote the slice meanwhile) read again and merged at once; then backoff.
 MAX_CONFLICTS = 3
+# A node name no node has (doctor's dry run of another node's slice).
+OTHER_NODE = "nvplug-doctor-no-such-node"
 # What a server that does not take a taint answers a dry run with: BadRequest, Invalid.
 REFUSED = (400, 422)
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
@@ -521,6 +523,21 @@ async def probe_taints(client: ApiClient, version: str, node: str, driver: str) 
     if not await keeps("NoSchedule"):
         return False, False
     return True, bool(await keeps("None"))
+
+
+async def writes_other_nodes(client: ApiClient, version: str, driver: str) -> tuple[bool, str]:
+    """Whether these credentials may create another node's ResourceSlice, asked by a dry run (it stores nothing
+    and reaches no watcher) for a node that does not exist: (True, that node) where it was accepted, (False,
+    the refusal) where authorization or admission refused it (the Node authorizer's NodeRestriction, a VAP)."""
+    device: dict[str, Any] = {"name": "probe", **({"basic": {}} if version == "v1beta1" else {})}
+    (probe,) = slices([device], driver, OTHER_NODE, 0, version)
+    try:
+        await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
+    except ApiError as err:
+        if err.status in (403, *REFUSED):
+            return False, str(err)
+        raise
+    return True, OTHER_NODE
 
 
 async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:

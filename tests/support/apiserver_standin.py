@@ -38,7 +38,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -901,6 +901,7 @@ class FakeApiServer:
         *,
         taints: bool = True,
         netns: NetNamespace | None = None,
+        node_tokens: Mapping[str, str] | None = None,
     ) -> None:
         if not versions or len(set(versions)) != len(versions):
             raise ValueError(f"versions must be distinct and not empty: {versions!r}")
@@ -909,6 +910,11 @@ class FakeApiServer:
             raise ValueError(f"unsupported {GROUP} versions: {sorted(unknown)}")
         self.versions = tuple(versions)
         self.token = token
+        # Tokens of nodes' own identities (token -> node name): `system:node:<name>` in `system:nodes`, held to
+        # the Node authorizer's and NodeRestriction's rules; the other token is a cluster admin's.
+        self.node_tokens = dict(node_tokens or {})
+        # Pods bound to nodes, (namespace, name) -> node: what lets a node read the claims they reference.
+        self._pods: dict[tuple[str, str], str] = {}
         # The DRADeviceTaints gate; a test may flip it between requests.
         self.taints = taints
         # Whether a taint may have the effect None (1.35 on); False refuses it, as 1.33 and 1.34 do.
@@ -1038,6 +1044,11 @@ class FakeApiServer:
                 and (driver is None or obj["spec"].get("driver") == driver)
             ]
         return sorted(found, key=lambda obj: str(obj["metadata"]["name"]))
+
+    def bind_pod(self, namespace: str, name: str, node: str) -> None:
+        """A pod scheduled to `node`: a claim whose status.reservedFor names it becomes readable by that node."""
+        with self._lock:
+            self._pods[(namespace, name)] = node
 
     def add_claim(self, claim: Obj) -> None:
         stored = copy.deepcopy(claim)
@@ -1205,9 +1216,11 @@ class FakeApiServer:
     ) -> tuple[int, Obj, dict[str, str]] | _WatchRequest:
         try:
             self._take_injected_failure(method)
-            self._authenticate(authorization)
+            node = self._authenticate(authorization)
             if method not in METHODS:
                 raise _method_not_allowed()
+            if node is not None:
+                self._authorize_node(node, method, target, content_type, body)
             return self._route(method, target, content_type, body)
         except ApiError as err:
             return err.code, err.status(), err.headers
@@ -1226,12 +1239,67 @@ class FakeApiServer:
         details: Obj = {"retryAfterSeconds": 1} if headers else {}
         raise ApiError(status, reason, f"injected failure: {reason}", details, headers)
 
-    def _authenticate(self, authorization: str | None) -> None:
-        if self.token is None:
-            return
+    def _authenticate(self, authorization: str | None) -> str | None:
+        """The node whose identity the request has; None: the admin's (or no token asked for)."""
         scheme, _, credential = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self.token.encode()):
-            raise ApiError(401, "Unauthorized", "Unauthorized")
+        given = credential.strip().encode() if scheme.lower() == "bearer" else b""
+        for token, node in self.node_tokens.items():
+            if hmac.compare_digest(given, token.encode()):
+                return node
+        if self.token is None or hmac.compare_digest(given, self.token.encode()):
+            return None
+        raise ApiError(401, "Unauthorized", "Unauthorized")
+
+    def _authorize_node(self, node: str, method: str, target: str, content_type: str | None, body: bytes) -> None:
+        """What the Node authorizer and NodeRestriction let `system:node:<node>` do with slices and claims."""
+        user = f"system:node:{node}"
+        parts = urlsplit(target)
+        segments = [unquote(s) for s in parts.path.split("/")[1:]]
+        query = parse_qs(parts.query, keep_blank_values=True)
+        verb = {"GET": "watch" if _flag(query, "watch") else "get", "POST": "create", "PUT": "update"}.get(method, "")
+        verb = verb or ("delete" if method == "DELETE" else method.lower())
+
+        def forbidden(resource: str, why: str, name: str = "") -> ApiError:
+            what = f'{resource} "{name}" is forbidden: ' if name else ""
+            message = f'{what}User "{user}" cannot {verb} resource "{resource}" in API group "{GROUP}": {why}'
+            return ApiError(403, "Forbidden", message, {"group": GROUP, "kind": resource, "name": name})
+
+        match segments:
+            case ["apis"] | ["apis", "resource.k8s.io"] | ["apis", "resource.k8s.io", _]:
+                return  # discovery: every authenticated user
+            case ["apis", "resource.k8s.io", _, "resourceslices"] if method in ("GET", "DELETE"):
+                verb = verb if method == "DELETE" or verb == "watch" else "list"
+                terms = _parse_field_selector(query)
+                if ("spec.nodeName", True, node) not in terms:
+                    raise forbidden("resourceslices", "can only list/watch ResourceSlices with nodeName field selector")
+            case ["apis", "resource.k8s.io", _, "resourceslices"] if method == "POST":
+                new = self._decode(content_type, body)
+                if (new.get("spec") or {}).get("nodeName") != node:
+                    name = str((new.get("metadata") or {}).get("name") or "")
+                    raise forbidden("resourceslices", "can only create ResourceSlices of its own node", name)
+            case ["apis", "resource.k8s.io", _, "resourceslices", name] if method in ("PUT", "DELETE"):
+                with self._lock:
+                    old = self._slices.get(name)
+                new = self._decode(content_type, body) if method == "PUT" else {}
+                for obj in (old, new if method == "PUT" else None):
+                    if obj is not None and (obj.get("spec") or {}).get("nodeName") != node:
+                        raise forbidden("resourceslices", "can only change ResourceSlices of its own node", name)
+            case ["apis", "resource.k8s.io", _, "namespaces", namespace, "resourceclaims", name] if method == "GET":
+                with self._lock:
+                    claim = self._claims.get((namespace, name)) or {}
+                    pods = {n for (ns, n), bound in self._pods.items() if ns == namespace and bound == node}
+                reserved = (claim.get("status") or {}).get("reservedFor") or []
+                if not any(r.get("resource") == "pods" and r.get("name") in pods for r in reserved):
+                    raise ApiError(
+                        403,
+                        "Forbidden",
+                        f'resourceclaims.{GROUP} "{name}" is forbidden: User "{user}" cannot get resource '
+                        f'"resourceclaims" in API group "{GROUP}" in the namespace "{namespace}": no relationship '
+                        "found between node and this object",
+                        {"group": GROUP, "kind": "resourceclaims", "name": name},
+                    )
+            case _:
+                raise forbidden(segments[-1] if segments else "", "not allowed to a node")
 
     def _route(
         self, method: str, target: str, content_type: str | None, body: bytes

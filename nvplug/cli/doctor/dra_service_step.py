@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from nvplug.cli.doctor.cdi_names_step import resolvable, runtime_specs
@@ -16,10 +15,11 @@ def check_dra(ctx: DoctorContext) -> Check:
     """The DRA plugin: registered with the kubelet, its kubeconfig accepted, its slices what the pool is."""
     import asyncio
 
-    from nvplug.dra.api_client import ApiClient, KubeConfig, KubeConfigError
+    from nvplug.dra.api_client import ApiClient, KubeConfigError
+    from nvplug.dra.dra_credentials import load_kubeconfig
     from nvplug.dra.dra_driver import node_name
     from nvplug.dra.resource_slices import GROUP
-    from nvplug.dra.slice_publisher import FAILURES, discover, list_slices
+    from nvplug.dra.slice_publisher import FAILURES, discover, list_slices, writes_other_nodes
 
     cfg = loaded_config(ctx)
     if isinstance(cfg, Check):
@@ -29,27 +29,36 @@ def check_dra(ctx: DoctorContext) -> Check:
     driver, node = cfg.dra.driver_name, node_name(cfg)
     fix = "check the kubeconfig's server and credentials, and the RBAC that docs/dra.md lists"
     try:
-        kubeconfig = KubeConfig.load(Path(cfg.dra.kubeconfig))
+        kubeconfig = load_kubeconfig(cfg.dra)
     except KubeConfigError as err:
         return Check("FAIL", "the DRA plugin's kubeconfig cannot be used", [str(err)], fix)
 
-    async def ask() -> tuple[str, list[dict[str, Any]]]:
+    async def ask() -> tuple[str, list[dict[str, Any]], tuple[bool, str]]:
         client = ApiClient(kubeconfig, timeout=5.0)
         try:
             version = await discover(client)
-            return version, await list_slices(client, version, node, driver)
+            slices = await list_slices(client, version, node, driver)
+            return version, slices, await writes_other_nodes(client, version, driver)
         finally:
             await client.close()
 
     try:
-        version, slices = asyncio.run(ask())
+        version, slices, (others, refusal) = asyncio.run(ask())
     except FAILURES as err:
         return Check("FAIL", f"the API server cannot be asked with {kubeconfig.source}", [str(err)], fix)
     published = sum(len(s.get("spec", {}).get("devices") or []) for s in slices)
     evidence = [
         f"{kubeconfig.server}: {GROUP}/{version}, {len(slices)} ResourceSlices of {node} for {driver} "
-        f"with {published} devices"
+        f"with {published} devices, as {kubeconfig.source}"
     ]
+    # Credentials that may write another node's slices let one node delete every node's GPUs from the scheduler.
+    if others:
+        reach = (
+            f"these credentials may write other nodes' ResourceSlices: a dry run (which stores nothing) of one "
+            f"for node {refusal} was accepted"
+        )
+    else:
+        evidence.append(f"another node's ResourceSlice is refused to these credentials ({refusal})")
     try:
         doc = statusclient.status(statusclient.listen_address(ctx.args.status_listen, ctx.args.config))
     except (statusclient.StatusUnavailable, ValueError) as err:
@@ -87,9 +96,16 @@ def check_dra(ctx: DoctorContext) -> Check:
         )
     problems += unresolved
     if problems:
-        return Check("FAIL", "the DRA plugin is not in service", problems + evidence, fix)
+        return Check("FAIL", "the DRA plugin is not in service", problems + ([reach] if others else []) + evidence, fix)
     claims = len(dra.get("claims") or [])
-    return Check("PASS", f"DRA {driver}: registered, {published} devices published, {claims} claims prepared", evidence)
+    summary = f"DRA {driver}: registered, {published} devices published, {claims} claims prepared"
+    if others:
+        fix = (
+            "speak as the node itself (nvplug.dra.kubeconfig: kubelet, or auto with no /etc/nvplug/kubeconfig), "
+            "which the Node authorizer limits to this node's slices (docs/dra.md)"
+        )
+        return Check("WARN", f"{summary}; its credentials may write other nodes' slices", [reach, *evidence], fix)
+    return Check("PASS", summary, evidence)
 
 
 def _unresolved_claims(ctx: DoctorContext, cfg: Config, claims: list[dict[str, Any]]) -> list[str]:

@@ -1,0 +1,158 @@
+"""nvplug.dra.kubeconfig resolved: auto, kubelet (the node's own identity) or a path; the kubelet's rotated
+client certificate picked up at the next connection."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from support.apiserver_standin import GROUP, FakeApiServer
+from support.dra_kubelet_standin import DraKubelet
+from test_dra_e2e import DRIVER, NODE, Dra, serving
+from test_dra_tls import make_cert, tls_front
+
+from nvplug.config.model import DraConfig
+from nvplug.dra.api_client import ApiClient, KubeConfigError
+from nvplug.dra.dra_credentials import chosen, load_kubeconfig
+from nvplug.status import status_client
+from nvplug.testing.simulated_node import SimulatedNode
+
+
+def write_kubeconfig(path: Path, server: str, user: dict[str, str], cluster: dict[str, str] | None = None) -> Path:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": server, **(cluster or {})}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_auto_is_nvplugs_own_kubeconfig_where_it_exists_else_the_kubelets(tmp_path: Path) -> None:
+    own = tmp_path / "nvplug-kubeconfig"
+    kubelet = write_kubeconfig(tmp_path / "kubelet.conf", "https://10.0.0.1:6443", {"token": "t"})
+    dra = DraConfig(kubelet_kubeconfig=str(kubelet))
+    assert dra.kubeconfig == "auto"
+    assert chosen(dra, own) == "kubelet"  # a new install on a node: the node's own identity
+    own.write_text("")
+    assert chosen(dra, own) == str(own)  # an operator's kubeconfig is kept
+    assert chosen(replace(dra, kubeconfig="kubelet"), own) == "kubelet"
+    assert chosen(replace(dra, kubeconfig="/etc/other"), own) == "/etc/other"
+    own.unlink()
+    # Neither: nvplug's own path, whose absence the error names as before.
+    assert chosen(replace(dra, kubelet_kubeconfig=str(tmp_path / "none")), own) == str(own)
+
+
+def test_the_kubelets_identity_is_its_kubeconfig_with_its_current_certificate(tmp_path: Path) -> None:
+    kubelet = write_kubeconfig(tmp_path / "kubelet.conf", "https://10.0.0.1:6443", {"token": "bootstrap"})
+    pem = tmp_path / "pki" / "kubelet-client-current.pem"
+    dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(pem))
+    # No certificate yet (a kubelet that authenticates otherwise): its kubeconfig's user.
+    config = load_kubeconfig(dra)
+    assert (config.server, config.token, config.cert_file) == ("https://10.0.0.1:6443", "bootstrap", None)
+    pem.parent.mkdir()
+    pem.write_text("")
+    config = load_kubeconfig(dra)
+    assert (config.token, config.cert_file, config.key_file) == (None, str(pem), str(pem))
+    assert str(pem) in config.source
+    missing = replace(dra, kubelet_kubeconfig=None)
+    if not any(Path(p).exists() for p in ("/etc/kubernetes/kubelet.conf", "/var/lib/kubelet/kubeconfig")):
+        with pytest.raises(KubeConfigError, match=r"no kubelet kubeconfig is at /etc/kubernetes/kubelet\.conf"):
+            load_kubeconfig(missing)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_rotated_kubelet_certificate_is_used_from_the_next_connection(tmp_path: Path) -> None:
+    ca = make_cert(tmp_path, "ca")
+    server_key, server_cert = make_cert(tmp_path, "server", ca)
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    # As the kubelet keeps them: one PEM per pair, kubelet-client-current.pem a symlink to the newest.
+    for name in ("system:node:node-a-1", "system:node:node-a-2"):
+        key, cert = make_cert(tmp_path, name, ca)
+        (pki / f"{name}.pem").write_bytes(cert.read_bytes() + key.read_bytes())
+    current = pki / "kubelet-client-current.pem"
+    current.symlink_to(pki / "system:node:node-a-1.pem")
+    clients: list[str] = []
+
+    async def main(api: FakeApiServer) -> None:
+        async with tls_front(api, server_key, server_cert, client_ca=ca[1], clients=clients) as port:
+            kubelet = write_kubeconfig(
+                tmp_path / "kubelet.conf",
+                f"https://127.0.0.1:{port}",
+                {"client-certificate": str(current), "client-key": str(current)},
+                {"certificate-authority": str(ca[1])},
+            )
+            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(current))
+            client = ApiClient(load_kubeconfig(dra), timeout=5.0)
+            assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
+            # The kubelet rotates: a new pair, the symlink moved. The open connection goes on; the next one,
+            # after the server closed this one (a watch's end, an idle timeout), shows the new certificate.
+            swap = pki / "swap"
+            swap.symlink_to(pki / "system:node:node-a-2.pem")
+            swap.replace(current)
+            assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
+            await client.close()
+            assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
+            await client.close()
+
+    with FakeApiServer(token=None) as api:
+        asyncio.run(main(api))
+    assert clients == ["system:node:node-a-1", "system:node:node-a-2"], clients
+
+
+@pytest.fixture
+def as_node(node: SimulatedNode) -> Iterator[Dra]:
+    """The daemon with the node's own identity: a token the stand-in holds to the Node authorizer's rules."""
+    api = FakeApiServer(versions=("v1",), netns=node.netns, node_tokens={"node-a-token": NODE})
+    api.start()
+    served = serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
+    dra = next(served)
+    api.write_kubeconfig(dra.kubeconfig, token="node-a-token")
+    try:
+        yield dra
+    finally:
+        served.close()
+
+
+def reserved_claim(dra: Dra, name: str, device: str, pod: str) -> tuple[str, str, str]:
+    """An allocated claim of `device`, reserved for pod ml/`pod`."""
+    uid = f"uid-{name}"
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
+    dra.api.add_claim({
+        "metadata": {"namespace": "ml", "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+        "status": {"allocation": {"devices": {"results": [result]}},
+                   "reservedFor": [{"resource": "pods", "name": pod, "uid": f"uid-{pod}"}]},
+    })  # fmt: skip
+    return ("ml", name, uid)
+
+
+def test_the_daemon_speaking_as_its_node_needs_nothing_the_node_authorizer_refuses(as_node: Dra) -> None:
+    dra = as_node
+    dra.start()
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool, written as the node")
+    dra.wait(lambda: bool(status_client.status(f"unix:{dra.node.status_socket}")["dra"]["watching"]), "the watch")
+    # Its watch (field selector spec.nodeName) sees an admin's delete, and the slice is written back.
+    dra.api.delete_slices(NODE)
+    dra.wait(lambda: len(dra.pool()) == 4, "the pool written back")
+    # A claim of a pod bound to this node is read and prepared; one of a pod bound elsewhere is refused to it.
+    dra.api.bind_pod("ml", "train-0", NODE)
+    dra.api.bind_pod("ml", "elsewhere-0", "node-b")
+    ours = reserved_claim(dra, "train", "gpu-5", "train-0")
+    theirs = reserved_claim(dra, "other", "gpu-6", "elsewhere-0")
+    answers = dra.kubelet.prepare(DRIVER, [ours, theirs])
+    assert answers[ours[2]].error == "", answers
+    assert "no relationship found between node and this object" in answers[theirs[2]].error, answers
+    # Every request the daemon made passed, but that one claim's read.
+    refused = [r for r in list(dra.api.requests) if r[2] in (401, 403)]
+    assert refused and all(r[1].endswith("/resourceclaims/other") for r in refused), refused
+    print(f"as system:node:{NODE}: {len(dra.api.requests)} requests, refused: {refused}")
