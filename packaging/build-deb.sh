@@ -34,6 +34,7 @@ install -D -m 0644 README.md "$stage/usr/share/doc/nvplug/README.md"
 install -D -m 0644 packaging/npd/nvplug-gpu-health.json "$stage/usr/share/nvplug/npd/nvplug-gpu-health.json"
 # The unit's drop-in for the DRA plugin: operators install it when they turn DRA on (docs/dra.md).
 install -D -m 0644 packaging/systemd/nvplug-dra.conf "$stage/usr/share/nvplug/systemd/nvplug-dra.conf"
+install -D -m 0644 packaging/kubernetes/nvplug-node-identity.yaml "$stage/usr/share/nvplug/kubernetes/nvplug-node-identity.yaml"
 mkdir -p "$stage/usr/bin"
 ln -s /opt/nvplug/venv/bin/nvplug "$stage/usr/bin/nvplug"
 

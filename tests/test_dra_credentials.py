@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.admission_policies import node_user
 from support.apiserver_standin import GROUP, FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 from test_dra_e2e import DRIVER, NODE, Dra, serving
@@ -112,7 +113,7 @@ def test_a_rotated_kubelet_certificate_is_used_from_the_next_connection(tmp_path
 @pytest.fixture
 def as_node(node: SimulatedNode) -> Iterator[Dra]:
     """The daemon with the node's own identity: a token the stand-in holds to the Node authorizer's rules."""
-    api = FakeApiServer(versions=("v1",), netns=node.netns, node_tokens={"node-a-token": NODE})
+    api = FakeApiServer(versions=("v1",), netns=node.netns, users={"node-a-token": node_user(NODE)})
     api.start()
     served = serving(node, api, DraKubelet(node.root / "registry", NODE, "1.36", api))
     dra = next(served)

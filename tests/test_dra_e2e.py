@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from support import podman
+from support.admission_policies import User, node_user
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 from test_cdi_podman import (
@@ -40,6 +41,8 @@ from nvplug.testing.udev_sender import pci_event
 TIMEOUT = 15.0
 DRIVER = "gpu.nvidia.com"
 NODE = "node-a"
+# The dedicated per-node identity's RBAC and ValidatingAdmissionPolicy, as shipped.
+NODE_IDENTITY_MANIFEST = Path(__file__).resolve().parent.parent / "packaging/kubernetes/nvplug-node-identity.yaml"
 
 
 @dataclass
@@ -425,15 +428,21 @@ def test_doctor_checks_registration_credentials_and_slices(dra: Dra) -> None:
         "node nvplug-doctor-no-such-node was accepted"
     ) in d.text(12)
     assert "nvplug.dra.kubeconfig: kubelet" in d.text(12)
-    # The node's own identity (the Node authorizer's rules): no warning, and the refusal as evidence.
-    dra.api.node_tokens["node-a-token"] = NODE
+    # The node's own identity (the Node authorizer's rules), and a dedicated one held by the shipped
+    # ValidatingAdmissionPolicy: no warning, and the refusal as evidence.
+    dra.api.users["node-a-token"] = node_user(NODE)
+    dra.api.users["nvplug-a-token"] = User(f"nvplug:node:{NODE}", ("nvplug:nodes", "system:authenticated"))
+    dra.api.admission.load(NODE_IDENTITY_MANIFEST)
     admin = dra.kubeconfig.read_text()
-    dra.api.write_kubeconfig(dra.kubeconfig, token="node-a-token")
-    d = doctor(dra.node, f"unix:{dra.node.status_socket}")
-    print(d.text(12))
-    assert d.verdict(12) == "PASS", d
-    assert "another node's ResourceSlice is refused to these credentials" in d.text(12)
-    assert 'User "system:node:node-a" cannot create resource "resourceslices"' in d.text(12)
+    for token, refusal in (
+        ("node-a-token", 'User "system:node:node-a" cannot create resource "resourceslices"'),
+        ("nvplug-a-token", "a member of nvplug:nodes may write only the ResourceSlices of the node in its user name"),
+    ):
+        dra.api.write_kubeconfig(dra.kubeconfig, token=token)
+        d = doctor(dra.node, f"unix:{dra.node.status_socket}")
+        print(d.text(12))
+        assert d.verdict(12) == "PASS", d
+        assert "another node's ResourceSlice is refused to these credentials" in d.text(12) and refusal in d.text(12)
     dra.kubeconfig.write_text(admin)
     # Credentials the API server refuses: a FAIL that says so.
     dra.api.token = "another-token"

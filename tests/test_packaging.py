@@ -42,6 +42,7 @@ COMMON_FILES = {
     "/usr/share/doc/nvplug/README.md",
     "/usr/share/nvplug/npd/nvplug-gpu-health.json",
     "/usr/share/nvplug/systemd/nvplug-dra.conf",
+    "/usr/share/nvplug/kubernetes/nvplug-node-identity.yaml",
     "/usr/lib/tmpfiles.d/nvplug.conf",
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"

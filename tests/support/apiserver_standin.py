@@ -49,6 +49,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import yaml
 
 from nvplug.testing.net_namespace import NetNamespace
+from support.admission_policies import AdmissionPolicies, User
 
 Obj = dict[str, Any]
 
@@ -901,7 +902,7 @@ class FakeApiServer:
         *,
         taints: bool = True,
         netns: NetNamespace | None = None,
-        node_tokens: Mapping[str, str] | None = None,
+        users: Mapping[str, User] | None = None,
     ) -> None:
         if not versions or len(set(versions)) != len(versions):
             raise ValueError(f"versions must be distinct and not empty: {versions!r}")
@@ -910,9 +911,10 @@ class FakeApiServer:
             raise ValueError(f"unsupported {GROUP} versions: {sorted(unknown)}")
         self.versions = tuple(versions)
         self.token = token
-        # Tokens of nodes' own identities (token -> node name): `system:node:<name>` in `system:nodes`, held to
-        # the Node authorizer's and NodeRestriction's rules; the other token is a cluster admin's.
-        self.node_tokens = dict(node_tokens or {})
+        # Other users by token: a node's kubelet (`system:node:<name>`, held to the Node authorizer's and
+        # NodeRestriction's rules), or a user the loaded admission policies judge. `token` is a cluster admin's.
+        self.users = dict(users or {})
+        self.admission = AdmissionPolicies()
         # Pods bound to nodes, (namespace, name) -> node: what lets a node read the claims they reference.
         self._pods: dict[tuple[str, str], str] = {}
         # The DRADeviceTaints gate; a test may flip it between requests.
@@ -1216,11 +1218,13 @@ class FakeApiServer:
     ) -> tuple[int, Obj, dict[str, str]] | _WatchRequest:
         try:
             self._take_injected_failure(method)
-            node = self._authenticate(authorization)
+            user = self._authenticate(authorization)
             if method not in METHODS:
                 raise _method_not_allowed()
-            if node is not None:
-                self._authorize_node(node, method, target, content_type, body)
+            if user is not None:
+                if user.node is not None:
+                    self._authorize_node(user.node, method, target, content_type, body)
+                self._admit(user, method, target, content_type, body)
             return self._route(method, target, content_type, body)
         except ApiError as err:
             return err.code, err.status(), err.headers
@@ -1239,16 +1243,42 @@ class FakeApiServer:
         details: Obj = {"retryAfterSeconds": 1} if headers else {}
         raise ApiError(status, reason, f"injected failure: {reason}", details, headers)
 
-    def _authenticate(self, authorization: str | None) -> str | None:
-        """The node whose identity the request has; None: the admin's (or no token asked for)."""
+    def _authenticate(self, authorization: str | None) -> User | None:
+        """Who the request comes from; None: the cluster admin (or anyone, where no token is asked for)."""
         scheme, _, credential = (authorization or "").strip().partition(" ")
         given = credential.strip().encode() if scheme.lower() == "bearer" else b""
-        for token, node in self.node_tokens.items():
+        for token, user in list(self.users.items()):
             if hmac.compare_digest(given, token.encode()):
-                return node
+                return user
         if self.token is None or hmac.compare_digest(given, self.token.encode()):
             return None
         raise ApiError(401, "Unauthorized", "Unauthorized")
+
+    def _admit(self, user: User, method: str, target: str, content_type: str | None, body: bytes) -> None:
+        """The loaded ValidatingAdmissionPolicies on a write of a slice (a dry run is admitted alike)."""
+        segments = [unquote(s) for s in urlsplit(target).path.split("/")[1:]]
+        match segments:
+            case ["apis", "resource.k8s.io", _, "resourceslices"] if method == "POST":
+                operation, new, old = "CREATE", self._decode(content_type, body), None
+            case ["apis", "resource.k8s.io", _, "resourceslices", name] if method in ("PUT", "DELETE"):
+                with self._lock:
+                    old = copy.deepcopy(self._slices.get(name))
+                if old is None:
+                    return  # not found: the route says so
+                operation = "UPDATE" if method == "PUT" else "DELETE"
+                new = self._decode(content_type, body) if method == "PUT" else None
+            case _:
+                return
+        denied = self.admission.check(user, GROUP, "resourceslices", operation, new, old)
+        if denied is not None:
+            name = str(((new or old or {}).get("metadata") or {}).get("name") or "")
+            raise ApiError(
+                422,
+                "Invalid",
+                f"resourceslices.{GROUP} \"{name}\" is forbidden: ValidatingAdmissionPolicy '{denied.policy}' with "
+                f"binding '{denied.policy}' denied request: {denied.message}",
+                {"group": GROUP, "kind": "resourceslices", "name": name},
+            )
 
     def _authorize_node(self, node: str, method: str, target: str, content_type: str | None, body: bytes) -> None:
         """What the Node authorizer and NodeRestriction let `system:node:<node>` do with slices and claims."""
