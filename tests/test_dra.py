@@ -814,6 +814,49 @@ def test_a_republish_while_the_publisher_probes_lists_again_and_fails_nothing(
         assert not [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
 
 
+def test_a_failure_that_is_no_api_error_is_logged_with_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TypeError in reconcile (a bug, or an answer nvplug cannot read) is retried like an API failure, but
+    not passed off as one: its traceback is in the log. An API server's refusal has none."""
+    with FakeApiServer(taints=False) as api:
+        kc = api.write_kubeconfig(tmp_path / "kc")
+        probe = slice_publisher.probe_taints
+        calls: list[int] = []
+
+        async def main() -> None:
+            async with publishing(kc) as pub:
+
+                async def broken_once(*args: Any) -> tuple[bool, bool]:
+                    calls.append(1)
+                    if len(calls) == 1:
+                        raise TypeError("'NoneType' object is not iterable")
+                    return await probe(*args)
+
+                monkeypatch.setattr(slice_publisher, "probe_taints", broken_once)
+                pub.want([dra_device(i) for i in range(3)])
+                await until(lambda: settled(api, pub, 1, 1), "the slice, after the retry")
+                assert pub.error is None
+
+        with caplog.at_level("ERROR", logger="nvplug.dra"):
+            asyncio.run(main())
+        (failed,) = [r for r in caplog.records if "not published" in r.getMessage()]
+        assert failed.exc_info is not None and failed.exc_info[0] is TypeError
+
+        api.fail_next(1, 503, "ServiceUnavailable")
+        caplog.clear()
+
+        async def refused() -> None:
+            async with publishing(kc) as pub:
+                pub.want([dra_device(i) for i in range(2)])
+                await until(lambda: settled(api, pub, 2, 1), "the slice, after the 503")
+
+        with caplog.at_level("ERROR", logger="nvplug.dra"):
+            asyncio.run(refused())
+        (failed,) = [r for r in caplog.records if "not published" in r.getMessage()]
+        assert "503" in failed.getMessage() and not failed.exc_info
+
+
 def test_publisher_writes_the_pool_and_updates_it_in_place(tmp_path: Path) -> None:
     # A server that drops taints (DRADeviceTaints off): an Unhealthy device leaves the pool.
     with FakeApiServer(taints=False) as api:

@@ -57,7 +57,8 @@ OTHER_NODE = "nvplug-doctor-no-such-node"
 # What a server that does not take a taint answers a dry run with: BadRequest, Invalid.
 REFUSED = (400, 422)
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
-FAILURES = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError, ValueError, KeyError, TypeError)
+TRANSPORT = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError)
+FAILURES = (*TRANSPORT, ValueError, KeyError, TypeError)
 
 
 class SlicePublisher:
@@ -230,7 +231,7 @@ class SlicePublisher:
                     log.info("ResourceSlices of %s changed meanwhile (%s); reading them again", self.node, err)
                     self._wake.set()
                     continue
-                self._failed(f"ResourceSlices of {self.node} not published: {err}")
+                self._failed(f"ResourceSlices of {self.node} not published: {err}", err)
                 await asyncio.sleep(retrying.next())
                 self._wake.set()
             else:
@@ -277,9 +278,12 @@ class SlicePublisher:
                 await asyncio.wait_for(self._passed.wait(), left)
         return True
 
-    def _failed(self, error: str) -> None:
+    def _failed(self, error: str, cause: BaseException) -> None:
         if error != self.error:
-            log.error("%s; retrying with backoff (the device plugin is not affected)", error)
+            # Not the API server's answer nor the network's: an answer nvplug could not read, or a bug of
+            # nvplug's. Either way the traceback says where.
+            unexpected = not isinstance(cause, TRANSPORT)
+            log.error("%s; retrying with backoff (the device plugin is not affected)", error, exc_info=unexpected)
             self.error = error
 
     async def _reconcile(self, client: ApiClient) -> None:
