@@ -4,8 +4,10 @@ client certificate picked up at the next connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,12 +16,14 @@ import yaml
 from support.admission_policies import node_user
 from support.apiserver_standin import GROUP, FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
+from test_dra import dra_device
 from test_dra_e2e import DRIVER, NODE, Dra, serving
 from test_dra_tls import make_cert, tls_front
 
 from nvplug.config.model import DraConfig
 from nvplug.dra.api_client import ApiClient, KubeConfigError
 from nvplug.dra.dra_credentials import chosen, load_kubeconfig
+from nvplug.dra.slice_publisher import SlicePublisher
 from nvplug.status import status_client
 from nvplug.testing.simulated_node import SimulatedNode
 
@@ -157,3 +161,61 @@ def test_the_daemon_speaking_as_its_node_needs_nothing_the_node_authorizer_refus
     refused = [r for r in list(dra.api.requests) if r[2] in (401, 403)]
     assert refused and all(r[1].endswith("/resourceclaims/other") for r in refused), refused
     print(f"as system:node:{NODE}: {len(dra.api.requests)} requests, refused: {refused}")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_rotation_under_an_open_watch_is_taken_when_the_watch_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The publisher's watch is a connection of its own, open for minutes: when it ends (here the API server
+    restarts), the watch and the writes after it show the new certificate, with one line in the log."""
+    ca = make_cert(tmp_path, "ca")
+    server_key, server_cert = make_cert(tmp_path, "server", ca)
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    for name in ("system:node:node-a-1", "system:node:node-a-2"):
+        key, cert = make_cert(tmp_path, name, ca)
+        (pki / f"{name}.pem").write_bytes(cert.read_bytes() + key.read_bytes())
+    current = pki / "kubelet-client-current.pem"
+    current.symlink_to(pki / "system:node:node-a-1.pem")
+    clients: list[str] = []
+
+    async def until(check: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 15
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main(api: FakeApiServer) -> None:
+        async with tls_front(api, server_key, server_cert, client_ca=ca[1], clients=clients) as port:
+            kubelet = write_kubeconfig(
+                tmp_path / "kubelet.conf", f"https://127.0.0.1:{port}", {}, {"certificate-authority": str(ca[1])}
+            )
+            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(current))
+            client = ApiClient(load_kubeconfig(dra), timeout=5.0)
+            publisher = SlicePublisher(client, DRIVER, NODE)
+            task = asyncio.create_task(publisher.run())
+            try:
+                publisher.want([dra_device(i) for i in range(2)])
+                await until(lambda: publisher.published and publisher.watching, "published and watching")
+                swap = pki / "swap"
+                swap.symlink_to(pki / "system:node:node-a-2.pem")
+                swap.replace(current)
+                first = len(clients)
+                await asyncio.to_thread(api.restart)
+                await until(lambda: "system:node:node-a-2" in clients[first:], "a connection with the new one")
+                publisher.want([dra_device(i) for i in range(3)])
+                await until(lambda: len(api.slices(node=NODE)[0]["spec"]["devices"]) == 3, "a write after it")
+                await until(lambda: publisher.watching and publisher.published, "watching again")
+                assert set(clients[first:]) == {"system:node:node-a-2"}, clients
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await client.close()
+
+    with caplog.at_level("WARNING", logger="nvplug.dra"), FakeApiServer(token=None) as api:
+        asyncio.run(main(api))
+    said = [r.getMessage() for r in caplog.records]
+    print(f"connections: {clients}; the log: {said}")
+    assert len(said) <= 1, said
