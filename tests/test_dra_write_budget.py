@@ -6,12 +6,13 @@ The storms' figures, against an unpaced publisher, are in bench/slice_storms.py.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_dra_e2e import Dra, serving_136
+from test_dra_e2e import DRIVER, Dra, serving_136
 
 from nvplug.dra.slice_publisher import DEFAULT_BUDGET
 from nvplug.status import status_client as statusclient
@@ -144,3 +145,21 @@ def test_a_flapping_gpu_writes_at_the_budget_and_the_stream_tells_each_flap(dra:
     # The kubelet's stream is not paced: all 20 changes, in order.
     flaps = health_states(dra, "gpu-5")
     assert flaps[-20:] == ["UNHEALTHY", "HEALTHY"] * 10, flaps
+
+
+def test_no_write_without_a_change_restart_reload_or_list(dra: Dra) -> None:
+    """A restart of nvplug, a reload that changes nothing in the pool, and the lists they make write nothing:
+    the stored slice keeps its resourceVersion, so no watcher in the cluster hears of it."""
+    before = started(dra)
+    (stored,) = dra.slices()
+    assert dra.node.stop_daemon() == 0
+    dra.node.start_daemon()
+    dra.wait(lambda: dra.kubelet.accepted(DRIVER) >= 2, "registered again")
+    dra.wait(lambda: status(dra)["dra"]["published"], "the pool known held again")
+    mark = len(dra.node.log_text())
+    assert dra.node.daemon is not None
+    dra.node.daemon.send_signal(signal.SIGHUP)
+    dra.node.wait_log("reloaded the config", after=mark)
+    time.sleep(2.5)  # past the registration's second list
+    assert len(writes(dra)) == before, writes(dra)[before:]
+    assert dra.slices()[0]["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
