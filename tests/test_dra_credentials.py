@@ -74,36 +74,47 @@ def test_the_kubelets_identity_is_its_kubeconfig_with_its_current_certificate(tm
             load_kubeconfig(missing)
 
 
+class KubeletPki:
+    """A CA, a server certificate, and two client pairs of node-a as the kubelet keeps them: one PEM per
+    pair, kubelet-client-current.pem a symlink to the newest."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = make_cert(directory, "ca")
+        self.server_key, self.server_cert = make_cert(directory, "server", self.ca)
+        self.dir = directory / "pki"
+        self.dir.mkdir()
+        for name in ("system:node:node-a-1", "system:node:node-a-2"):
+            key, cert = make_cert(directory, name, self.ca)
+            (self.dir / f"{name}.pem").write_bytes(cert.read_bytes() + key.read_bytes())
+        self.current = self.dir / "kubelet-client-current.pem"
+        self.current.symlink_to(self.dir / "system:node:node-a-1.pem")
+
+    def rotate(self) -> None:
+        """The second pair made current, as the kubelet does: a new symlink renamed over the old."""
+        swap = self.dir / "swap"
+        swap.symlink_to(self.dir / "system:node:node-a-2.pem")
+        swap.replace(self.current)
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_a_rotated_kubelet_certificate_is_used_from_the_next_connection(tmp_path: Path) -> None:
-    ca = make_cert(tmp_path, "ca")
-    server_key, server_cert = make_cert(tmp_path, "server", ca)
-    pki = tmp_path / "pki"
-    pki.mkdir()
-    # As the kubelet keeps them: one PEM per pair, kubelet-client-current.pem a symlink to the newest.
-    for name in ("system:node:node-a-1", "system:node:node-a-2"):
-        key, cert = make_cert(tmp_path, name, ca)
-        (pki / f"{name}.pem").write_bytes(cert.read_bytes() + key.read_bytes())
-    current = pki / "kubelet-client-current.pem"
-    current.symlink_to(pki / "system:node:node-a-1.pem")
+    pki = KubeletPki(tmp_path)
     clients: list[str] = []
 
     async def main(api: FakeApiServer) -> None:
-        async with tls_front(api, server_key, server_cert, client_ca=ca[1], clients=clients) as port:
+        async with tls_front(api, pki.server_key, pki.server_cert, client_ca=pki.ca[1], clients=clients) as port:
             kubelet = write_kubeconfig(
                 tmp_path / "kubelet.conf",
                 f"https://127.0.0.1:{port}",
-                {"client-certificate": str(current), "client-key": str(current)},
-                {"certificate-authority": str(ca[1])},
+                {"client-certificate": str(pki.current), "client-key": str(pki.current)},
+                {"certificate-authority": str(pki.ca[1])},
             )
-            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(current))
+            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(pki.current))
             client = ApiClient(load_kubeconfig(dra), timeout=5.0)
             assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
             # The kubelet rotates: a new pair, the symlink moved. The open connection goes on; the next one,
             # after the server closed this one (a watch's end, an idle timeout), shows the new certificate.
-            swap = pki / "swap"
-            swap.symlink_to(pki / "system:node:node-a-2.pem")
-            swap.replace(current)
+            pki.rotate()
             assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
             await client.close()
             assert (await client.request("GET", f"/apis/{GROUP}"))["name"] == GROUP
@@ -169,15 +180,7 @@ def test_a_rotation_under_an_open_watch_is_taken_when_the_watch_ends(
 ) -> None:
     """The publisher's watch is a connection of its own, open for minutes: when it ends (here the API server
     restarts), the watch and the writes after it show the new certificate, with one line in the log."""
-    ca = make_cert(tmp_path, "ca")
-    server_key, server_cert = make_cert(tmp_path, "server", ca)
-    pki = tmp_path / "pki"
-    pki.mkdir()
-    for name in ("system:node:node-a-1", "system:node:node-a-2"):
-        key, cert = make_cert(tmp_path, name, ca)
-        (pki / f"{name}.pem").write_bytes(cert.read_bytes() + key.read_bytes())
-    current = pki / "kubelet-client-current.pem"
-    current.symlink_to(pki / "system:node:node-a-1.pem")
+    pki = KubeletPki(tmp_path)
     clients: list[str] = []
 
     async def until(check: Callable[[], bool], what: str) -> None:
@@ -187,20 +190,18 @@ def test_a_rotation_under_an_open_watch_is_taken_when_the_watch_ends(
             await asyncio.sleep(0.01)
 
     async def main(api: FakeApiServer) -> None:
-        async with tls_front(api, server_key, server_cert, client_ca=ca[1], clients=clients) as port:
+        async with tls_front(api, pki.server_key, pki.server_cert, client_ca=pki.ca[1], clients=clients) as port:
             kubelet = write_kubeconfig(
-                tmp_path / "kubelet.conf", f"https://127.0.0.1:{port}", {}, {"certificate-authority": str(ca[1])}
+                tmp_path / "kubelet.conf", f"https://127.0.0.1:{port}", {}, {"certificate-authority": str(pki.ca[1])}
             )
-            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(current))
+            dra = DraConfig(kubeconfig="kubelet", kubelet_kubeconfig=str(kubelet), kubelet_certificate=str(pki.current))
             client = ApiClient(load_kubeconfig(dra), timeout=5.0)
             publisher = SlicePublisher(client, DRIVER, NODE)
             task = asyncio.create_task(publisher.run())
             try:
                 publisher.want([dra_device(i) for i in range(2)])
                 await until(lambda: publisher.published and publisher.watching, "published and watching")
-                swap = pki / "swap"
-                swap.symlink_to(pki / "system:node:node-a-2.pem")
-                swap.replace(current)
+                pki.rotate()
                 first = len(clients)
                 await asyncio.to_thread(api.restart)
                 await until(lambda: "system:node:node-a-2" in clients[first:], "a connection with the new one")
