@@ -10,7 +10,7 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +57,14 @@ class Discovery:
 class Scan:
     discovery: Discovery
     probes: tuple[ProbeResult, ...]
+
+
+@dataclass(frozen=True)
+class Enumerated:
+    """A GPU as a scan's first calls name it (its handle, its UUID): enough to subscribe to its events."""
+
+    uuid: str
+    label: str
 
 
 @contextlib.contextmanager
@@ -215,10 +223,13 @@ class Nvml:
         # Which GPU a scan is reading now (index, UUID once read): what a hung scan waits on.
         self.reading: tuple[int | None, str | None] = (None, None)
 
-    def scan(self) -> Scan:
-        """Read every GPU and probe each once, in one NVML session. Raises NvmlUnavailable."""
+    def scan(self, enumerated: Callable[[Sequence[Enumerated]], None] = lambda gpus: None) -> Scan:
+        """Read every GPU and probe each once, in one NVML session. `enumerated` is handed the GPUs as soon
+        as they are counted and named, before any call that reads one of them (a call that may hang in a
+        failing GPU): its event watch starts there. Raises NvmlUnavailable."""
         try:
             with session():
+                enumerated(self._enumerate())
                 discovery = self._read_all()
                 probes = []
                 for gpu in discovery.gpus:
@@ -270,6 +281,20 @@ class Nvml:
                 pynvml.nvmlDeviceSetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid), mode)
             except pynvml.NVMLError as err:
                 raise NvmlUnavailable(f"cannot set the compute mode of {uuid} to {mode}: {err}") from err
+
+    def _enumerate(self) -> list[Enumerated]:
+        """Each GPU's UUID by index; one that cannot be named is left to _read_all, which says why."""
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError:
+            return []
+        found = []
+        for index in range(count):
+            self.reading = (index, None)
+            with contextlib.suppress(pynvml.NVMLError):
+                uuid = _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
+                found.append(Enumerated(uuid, f"gpu {index} {uuid}"))
+        return found
 
     def _read_all(self) -> Discovery:
         try:

@@ -13,7 +13,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pynvml  # type: ignore[import-untyped]
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
@@ -27,7 +27,6 @@ from nvplug.core.events import (
     RecoveryActionChanged,
     XidOccurred,
 )
-from nvplug.core.gpu import Gpu
 from nvplug.core.health import Clears, Fault
 from nvplug.core.xid_policy import READS_RECOVERY_ACTION
 from nvplug.sources.nvml_discovery import recovery_action
@@ -56,10 +55,20 @@ SUBSCRIBE_BACKOFF = Backoff(first=0.5, maximum=30.0, jitter=True)
 WAIT_BACKOFF = Backoff(first=0.1, maximum=30.0, jitter=True)
 
 
+class Watched(Protocol):
+    """What the watch needs of a GPU: a scan's first naming of it, or a whole Gpu."""
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+
 class NvmlEventWatch:
     def __init__(
         self,
-        gpus: Sequence[Gpu],
+        gpus: Sequence[Watched],
         emit: Callable[[Event], None],
         wait_ms: int = DEFAULT_WAIT_MS,
     ) -> None:

@@ -25,7 +25,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.nvml.nvml_calls import NvmlCalls
 from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
-from nvplug.sources.nvml_discovery import Nvml
+from nvplug.sources.nvml_discovery import Enumerated, Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class Scanner:
         self._release_watch()
         self.scans += 1
         try:
-            scan = self._nvml.scan()
+            scan = self._nvml.scan(self._watch_from_here)
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
         found = scan.discovery
@@ -228,11 +228,6 @@ class Scanner:
         for problem in found.problems:
             log.warning("%s", problem)
         log.info("scan %d: %d GPUs (driver %s)", self.scans, len(found.gpus), found.driver_version or "unknown")
-        # Subscribe before the result is published: no XID may slip past an advertised GPU.
-        if found.gpus:
-            watch = NvmlEventWatch(found.gpus, self._publish, self._wait_ms)
-            watch.start()
-            self._watch = watch
         problems = unready(found.gpus, found.cap_minors, self._node_exists)
         return InventoryFound(
             found.gpus,
@@ -245,6 +240,15 @@ class Scanner:
             found.driver_version,
             found.cuda_version,
         )
+
+    def _watch_from_here(self, gpus: Sequence[Enumerated]) -> None:
+        """The new watch, subscribed as soon as the scan has named the GPUs (it re-enumerated at init count
+        zero): before the result is published, so no XID slips past an advertised GPU, and before any call
+        that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits."""
+        if gpus:
+            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms)
+            watch.start()
+            self._watch = watch
 
     def _node_exists(self, path: str) -> bool:
         return Path(host_path(self.dev_root, path)).exists()

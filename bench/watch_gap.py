@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""The NVML event watch's hand-over gap on a rescan that does not hang.
+
+A rescan must drop every reference on NVML's init count (only a count of zero enumerates GPUs again), so
+the old watch is handed over first and the new one subscribes during the scan. Between the two no event
+is waited for. This measures that gap: from the old watch's hand-over to the new watch subscribed to
+every GPU, over `--rescans` rescans of the simulated 8-GPU node, with nvplug's own Scanner on the fake
+NVML library loaded through the real pynvml. To compare two trees, run it with each on PYTHONPATH.
+
+    python bench/watch_gap.py [--rescans 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD = "NVPLUG_WATCH_GAP_CHILD"
+
+
+def child(rescans: int, sysfs_root: Path, proc_root: Path) -> list[float]:
+    from nvplug.sources import nvml_events
+    from nvplug.sources.nvml_discovery import Nvml
+    from nvplug.sources.nvml_scanner import Scanner
+
+    handed: list[float] = []
+    subscribed: list[float] = []
+    hand_over, start = nvml_events.NvmlEventWatch.hand_over, nvml_events.NvmlEventWatch.start
+
+    def timed_hand_over(self: Any) -> None:
+        handed.append(time.perf_counter())
+        hand_over(self)
+
+    def timed_start(self: Any) -> None:
+        start(self)  # returns once every GPU is subscribed
+        subscribed.append(time.perf_counter())
+
+    nvml_events.NvmlEventWatch.hand_over = timed_hand_over  # type: ignore[method-assign]
+    nvml_events.NvmlEventWatch.start = timed_start  # type: ignore[method-assign]
+
+    async def main() -> None:
+        scanner = Scanner(Nvml(sysfs_root, proc_root), lambda event: None)
+        for _ in range(rescans + 1):  # the first scan has no watch to hand over
+            await scanner.scan()
+        await scanner.stop()
+
+    asyncio.run(main())
+    # Each hand-over is followed by the next scan's subscription.
+    return [(s - h) * 1000 for h, s in zip(handed, subscribed[1:], strict=False)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rescans", type=int, default=200)
+    parser.add_argument("--child", nargs=2, metavar=("SYSFS", "PROC"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        gaps = child(args.rescans, Path(args.child[0]), Path(args.child[1]))
+        print(" ".join(f"{g:.4f}" for g in gaps))
+        return 0
+    from nvplug.testing.simulated_node import SimulatedNode
+
+    root = Path(tempfile.mkdtemp(prefix="nvg-", dir="/tmp"))
+    try:
+        with SimulatedNode(root) as node:
+            node.build_library()
+            # The fake library must be on the loader's path before the process starts: a child of its own.
+            env = node.daemon_env() | {CHILD: "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+            argv = [sys.executable, __file__, "--rescans", str(args.rescans), "--child"]
+            out = subprocess.run(
+                [*argv, str(node.sysfs_root), str(node.proc_root)], env=env, capture_output=True, text=True
+            )
+            if out.returncode != 0 or not out.stdout.split():
+                print(f"the measuring child failed ({out.returncode}):\n{out.stderr[-3000:]}", file=sys.stderr)
+                return 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    gaps = sorted(float(g) for g in out.stdout.split())
+    p95 = gaps[int(0.95 * (len(gaps) - 1))]
+    print(f"hand-over gap over {len(gaps)} rescans (8 GPUs): median {statistics.median(gaps):.2f} ms, "
+          f"p95 {p95:.2f} ms, max {gaps[-1]:.2f} ms")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
