@@ -529,18 +529,19 @@ async def probe_taints(client: ApiClient, version: str, node: str, driver: str) 
     return True, bool(await keeps("None"))
 
 
-async def writes_other_nodes(client: ApiClient, version: str, driver: str) -> tuple[bool, str]:
+async def writes_other_nodes(client: ApiClient, version: str, driver: str) -> tuple[bool | None, str]:
     """Whether these credentials may create another node's ResourceSlice, asked by a dry run (it stores nothing
     and reaches no watcher) for a node that does not exist: (True, that node) where it was accepted, (False,
-    the refusal) where authorization or admission refused it (the Node authorizer's NodeRestriction, a VAP)."""
+    the refusal) where authorization or admission refused it (the Node authorizer's NodeRestriction, a VAP),
+    (None, why) where the API server gave no verdict (it failed, or did not answer)."""
     device: dict[str, Any] = {"name": "probe", **({"basic": {}} if version == "v1beta1" else {})}
     (probe,) = slices([device], driver, OTHER_NODE, 0, version)
     try:
         await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
     except ApiError as err:
-        if err.status in (403, *REFUSED):
-            return False, str(err)
-        raise
+        return (False if err.status in (403, *REFUSED) else None), str(err)
+    except (OSError, TimeoutError) as err:
+        return None, str(err) or type(err).__name__
     return True, OTHER_NODE
 
 

@@ -33,7 +33,7 @@ def check_dra(ctx: DoctorContext) -> Check:
     except KubeConfigError as err:
         return Check("FAIL", "the DRA plugin's kubeconfig cannot be used", [str(err)], fix)
 
-    async def ask() -> tuple[str, list[dict[str, Any]], tuple[bool, str]]:
+    async def ask() -> tuple[str, list[dict[str, Any]], tuple[bool | None, str]]:
         client = ApiClient(kubeconfig, timeout=5.0)
         try:
             version = await discover(client)
@@ -57,6 +57,8 @@ def check_dra(ctx: DoctorContext) -> Check:
             f"these credentials may write other nodes' ResourceSlices: a dry run (which stores nothing) of one "
             f"for node {refusal} was accepted"
         )
+    elif others is None:
+        evidence.append(f"whether these credentials may write other nodes' ResourceSlices is not known: {refusal}")
     else:
         evidence.append(f"another node's ResourceSlice is refused to these credentials ({refusal})")
     try:
