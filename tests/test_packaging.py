@@ -203,7 +203,7 @@ def test_rpm_holds_the_layout(built: Built) -> None:
         for line in _run("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]", built.rpm).splitlines()
     )
     dirs = {"/opt/nvplug", WHEELS, "/etc/nvplug", "/usr/share/doc/nvplug", "/usr/share/nvplug", "/usr/share/nvplug/npd",
-            "/usr/share/nvplug/systemd"}  # fmt: skip
+            "/usr/share/nvplug/systemd", "/usr/share/nvplug/kubernetes"}  # fmt: skip
     files = set(listed) - dirs
     _expected_wheels(files)
     assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {RPM_UNIT, RPM_MPS_UNIT}
