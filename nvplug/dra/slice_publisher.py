@@ -250,10 +250,16 @@ class SlicePublisher:
             passed, self._passed = self._passed, asyncio.Event()
             passed.set()
 
-    def _seen_others(self, stored: list[dict[str, Any]]) -> None:
-        """Live slices show the others' taints as they are now: one an admin removed is forgotten."""
-        if stored:
+    def _seen_others(self, stored: list[dict[str, Any]], whole: bool = True) -> None:
+        """Live slices show the others' taints as they are now: one an admin removed is forgotten. `whole`:
+        these are all the node's slices (a list, our writes); else some of them (a watch event)."""
+        if not stored:
+            return
+        if whole:
             self._others = others(stored)
+            return
+        shown = {str(d.get("name")) for s in stored for d in (s.get("spec") or {}).get("devices") or []}
+        self._others = {n: t for n, t in self._others.items() if n not in shown} | others(stored)
 
     async def _within_budget(self) -> None:
         """A change of the pool waits for its turn in the write budget: what changes meanwhile goes into the
@@ -294,6 +300,7 @@ class SlicePublisher:
         # kubelet registered us again, and may wipe the slices) asks to list again.
         while (known := self._known) is None or self.taints is None or self._probe_due:
             if known is None:
+                before = self._republished
                 try:
                     self._known, listed_at = await list_slices_at(client, version, self.node, self.driver)
                 except ApiError as err:
@@ -301,7 +308,8 @@ class SlicePublisher:
                         self.version = self.taints = None  # the API server changed: discover again
                     raise
                 self.generation = max([self.generation, *(int(s["spec"]["pool"]["generation"]) for s in self._known)])
-                self._seen_others(self._known)
+                if self._republished == before:  # else a change crossed the list: its answer may be older
+                    self._seen_others(self._known)
                 if self._watch_from is None:
                     self._watch_from = listed_at
                     self._listed.set()
@@ -338,8 +346,9 @@ class SlicePublisher:
                 self.node,
                 "; ".join(back),
             )
-        self._seen_others(written)
         # A republish() or a change seen meanwhile (the kubelet restarted and wiped them) means list again.
+        if self._republished == republished:
+            self._seen_others(written)
         self._known = written if self._republished == republished else None
         self.writes += 1
         self.published_at = time.time()
@@ -452,6 +461,9 @@ class SlicePublisher:
             self._deleted.discard(name)
         if ours:
             return True
+        if kind in ("ADDED", "MODIFIED"):
+            # An admin's taint may be seen only here: a wipe right after it leaves nothing for a list to show.
+            self._seen_others([obj], whole=False)
         what = f"{str(kind).lower()} {name}"
         log.warning(
             "ResourceSlice %s of %s was %s by someone else; writing the pool again", name, self.node, str(kind).lower()
