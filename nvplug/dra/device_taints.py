@@ -139,6 +139,12 @@ def as_stored(taints: Mapping[str, list[dict[str, Any]]]) -> list[dict[str, Any]
     return [{"spec": {"devices": [{"name": name, "taints": list(t)} for name, t in sorted(taints.items())]}}]
 
 
+def stored_taint_text(taint: Mapping[str, Any]) -> str:
+    """A stored taint as `key=value:Effect`."""
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
 def kept(sent: Iterable[Mapping[str, Any]], stored: Iterable[Mapping[str, Any]]) -> bool:
     """Whether the API server kept the taints we sent: a server with DRADeviceTaints off drops the field."""
     ours = sum(1 for d in sent for t in taint_fields(dict(d)).get("taints") or [] if t.get("key") in OWN_KEYS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nvplug.config import TaintEffects
 from nvplug.core.gpu import NO_NUMA_NODE, Gpu, MigDevice, uuid_of
@@ -174,3 +174,8 @@ def _capacity(gpu: Gpu, mig: MigDevice | None) -> dict[str, str]:
             "ofaEngines": str(attrs.ofa_engines),
         }
     return out
+
+
+def without_effect_none(device: DraDevice) -> DraDevice:
+    """The device without its taints of effect None, for a server that takes no such effect (before 1.35)."""
+    return replace(device, taints=tuple(t for t in device.taints if t.effect != "None"))

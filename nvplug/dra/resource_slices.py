@@ -63,3 +63,12 @@ def slices(
         }
         for chunk in chunks
     ]
+
+
+def same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], generation: int) -> bool:
+    """Whether the slices already hold exactly these devices, all of one current generation."""
+    if not known or any(int(s["spec"]["pool"]["generation"]) != generation for s in known):
+        return False
+    if any(int(s["spec"]["pool"]["resourceSliceCount"]) != len(known) for s in known):
+        return False
+    return [d for s in known for d in s["spec"].get("devices") or []] == wanted

@@ -17,25 +17,16 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
 from nvplug.base.backoff import Backoff, sleep_unless
 from nvplug.base.write_budget import WriteBudget
-from nvplug.config import TaintEffect
 from nvplug.dra.api_client import ApiClient, ApiError, KubeConfigError
-from nvplug.dra.device_taints import (
-    MAX_TAINTED_DEVICES,
-    UNMONITORED_KEY,
-    Taint,
-    as_stored,
-    keep_stored,
-    kept,
-    others,
-)
-from nvplug.dra.dra_devices import DraDevice
-from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, VERSIONS, in_pool, pool_devices, slices
+from nvplug.dra.device_taints import MAX_TAINTED_DEVICES, as_stored, keep_stored, kept, others, stored_taint_text
+from nvplug.dra.dra_devices import DraDevice, without_effect_none
+from nvplug.dra.resource_slices import GROUP, MAX_DEVICES, in_pool, pool_devices, same_pool, slices
+from nvplug.dra.slice_requests import discover, list_slices_at, probe_taints
 
 log = logging.getLogger("nvplug.dra")
 
@@ -52,10 +43,6 @@ WATCH_SECONDS = 300
 MAX_OURS = 1024
 # 409s in a row (someone else wrote the slice meanwhile) read again and merged at once; then backoff.
 MAX_CONFLICTS = 3
-# A node name no node has (doctor's dry run of another node's slice).
-OTHER_NODE = "nvplug-doctor-no-such-node"
-# What a server that does not take a taint answers a dry run with: BadRequest, Invalid.
-REFUSED = (400, 422)
 # asyncio.TimeoutError is not TimeoutError before Python 3.11.
 TRANSPORT = (ApiError, OSError, TimeoutError, asyncio.TimeoutError, KubeConfigError)
 FAILURES = (*TRANSPORT, ValueError, KeyError, TypeError)
@@ -160,13 +147,13 @@ class SlicePublisher:
         return (
             known is not None
             and version is not None
-            and _same_pool(known, self._wanted(version, known), self.generation)
+            and same_pool(known, self._wanted(version, known), self.generation)
         )
 
     def _wanted(self, version: str, known: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The pool's devices as they must be stored: tainted where taints are kept (not yet asked: as if),
         with the stored ones kept."""
-        devices = self._devices if self._effect_none else [_without_effect_none(d) for d in self._devices]
+        devices = self._devices if self._effect_none else [without_effect_none(d) for d in self._devices]
         # Slices gone (wiped, deleted): the others' taints come back from what was last seen of them.
         stored = known if known or not self._others else as_stored(self._others)
         return keep_stored(pool_devices(devices, version, self.taints is not False), stored)
@@ -317,7 +304,7 @@ class SlicePublisher:
                 self._probe_due = False
                 self._taints_kept(*await probe_taints(client, version, self.node, self.driver))
         wanted = self._wanted(version, known)
-        if _same_pool(known, wanted, self.generation):
+        if same_pool(known, wanted, self.generation):
             return
         self.generation += 1
         per_slice = MAX_TAINTED_DEVICES if self.taints else MAX_DEVICES
@@ -340,7 +327,7 @@ class SlicePublisher:
             self._republished += 1
             self._wake.set()
         if not known and self._others:
-            back = [f"{name} {', '.join(map(_taint_text, ts))}" for name, ts in sorted(self._others.items())]
+            back = [f"{name} {', '.join(map(stored_taint_text, ts))}" for name, ts in sorted(self._others.items())]
             log.info(
                 "ResourceSlices of %s were deleted with taints nvplug did not set: put back (%s)",
                 self.node,
@@ -506,88 +493,3 @@ class SlicePublisher:
         self.version = await discover(client)
         log.info("publishing ResourceSlices as %s/%s", GROUP, self.version)
         return self.version
-
-
-async def discover(client: ApiClient) -> str:
-    """The newest resource.k8s.io version the API server serves (and nvplug writes)."""
-    group = await client.request("GET", f"/apis/{GROUP}")
-    served = {v.get("version") for v in group.get("versions") or [] if isinstance(v, dict)}
-    version = next((v for v in VERSIONS if v in served), None)
-    if version is None:
-        raise ValueError(f"the API server serves {GROUP} {sorted(map(str, served))}, none of {list(VERSIONS)}")
-    return version
-
-
-async def probe_taints(client: ApiClient, version: str, node: str, driver: str) -> tuple[bool, bool]:
-    """(whether the API server keeps device taints, whether it takes the effect None), asked by dry runs
-    that store nothing: discovery cannot tell, since a server with the gate off serves the field and
-    drops it on write, and the effect None came after the field (1.35). A server that refuses the
-    taint itself (400, 422) keeps none."""
-
-    async def keeps(effect: TaintEffect) -> bool | None:
-        taints = {"taints": [Taint(UNMONITORED_KEY, "", effect).as_object()]}
-        device: dict[str, Any] = {"name": "taint-probe", **({"basic": taints} if version == "v1beta1" else taints)}
-        (probe,) = slices([device], driver, node, 0, version)
-        try:
-            answer = await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
-        except ApiError as err:
-            if err.status in REFUSED:
-                return None
-            raise
-        return kept([device], (answer.get("spec") or {}).get("devices") or [])
-
-    if not await keeps("NoSchedule"):
-        return False, False
-    return True, bool(await keeps("None"))
-
-
-async def writes_other_nodes(client: ApiClient, version: str, driver: str) -> tuple[bool | None, str]:
-    """Whether these credentials may create another node's ResourceSlice, asked by a dry run (it stores nothing
-    and reaches no watcher) for a node that does not exist: (True, that node) where it was accepted, (False,
-    the refusal) where authorization or admission refused it (the Node authorizer's NodeRestriction, a VAP),
-    (None, why) where the API server gave no verdict (it failed, or did not answer)."""
-    device: dict[str, Any] = {"name": "probe", **({"basic": {}} if version == "v1beta1" else {})}
-    (probe,) = slices([device], driver, OTHER_NODE, 0, version)
-    try:
-        await client.request("POST", f"/apis/{GROUP}/{version}/resourceslices?dryRun=All", probe)
-    except ApiError as err:
-        return (False if err.status in (403, *REFUSED) else None), str(err)
-    except (OSError, TimeoutError) as err:
-        return None, str(err) or type(err).__name__
-    return True, OTHER_NODE
-
-
-async def list_slices(client: ApiClient, version: str, node: str, driver: str) -> list[dict[str, Any]]:
-    """The node's ResourceSlices of this driver, by name."""
-    return (await list_slices_at(client, version, node, driver))[0]
-
-
-async def list_slices_at(
-    client: ApiClient, version: str, node: str, driver: str
-) -> tuple[list[dict[str, Any]], str | None]:
-    """The node's ResourceSlices of this driver, by name, and the list's resourceVersion (a watch's start)."""
-    selector = quote(f"spec.nodeName={node},spec.driver={driver}")
-    listed = await client.request("GET", f"/apis/{GROUP}/{version}/resourceslices?fieldSelector={selector}")
-    items = sorted(listed.get("items") or [], key=lambda s: str(s["metadata"]["name"]))
-    version_at = (listed.get("metadata") or {}).get("resourceVersion")
-    return items, str(version_at) if version_at else None
-
-
-def _without_effect_none(device: DraDevice) -> DraDevice:
-    """The device without its taints of effect None, for a server that takes no such effect (before 1.35)."""
-    return replace(device, taints=tuple(t for t in device.taints if t.effect != "None"))
-
-
-def _same_pool(known: list[dict[str, Any]], wanted: list[dict[str, Any]], generation: int) -> bool:
-    """Whether the slices already hold exactly these devices, all of one current generation."""
-    if not known or any(int(s["spec"]["pool"]["generation"]) != generation for s in known):
-        return False
-    if any(int(s["spec"]["pool"]["resourceSliceCount"]) != len(known) for s in known):
-        return False
-    return [d for s in known for d in s["spec"].get("devices") or []] == wanted
-
-
-def _taint_text(taint: dict[str, Any]) -> str:
-    """A stored taint as `key=value:Effect`."""
-    value = taint.get("value")
-    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"

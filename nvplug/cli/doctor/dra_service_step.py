@@ -19,7 +19,8 @@ def check_dra(ctx: DoctorContext) -> Check:
     from nvplug.dra.dra_credentials import load_kubeconfig
     from nvplug.dra.dra_driver import node_name
     from nvplug.dra.resource_slices import GROUP
-    from nvplug.dra.slice_publisher import FAILURES, discover, list_slices, writes_other_nodes
+    from nvplug.dra.slice_publisher import FAILURES
+    from nvplug.dra.slice_requests import discover, list_slices, writes_other_nodes
 
     cfg = loaded_config(ctx)
     if isinstance(cfg, Check):
