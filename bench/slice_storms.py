@@ -30,13 +30,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import test_dra_write_budget as budget_test
 from test_dra_e2e import Dra, serving_136
+from test_dra_write_budget import heal, tainted, unhealthy, writes
 
-from nvplug.status import status_client as statusclient
 from nvplug.testing.simulated_node import SimulatedNode
 
 TARGETS = {"A": 2, "B": 6, "C": 7}
@@ -55,31 +57,10 @@ class Result:
     exact: bool
 
 
-def writes(dra: Dra) -> int:
-    return sum(
-        1
-        for method, target, _ in list(dra.api.requests)
-        if method in ("PUT", "POST", "DELETE") and "/resourceslices" in target and "dryRun" not in target
-    )
-
-
-def tainted(dra: Dra) -> set[str]:
-    return {d["name"] for s in dra.slices() for d in s["spec"]["devices"] if d.get("taints")}
-
-
-def status(dra: Dra) -> dict[str, object]:
-    doc: dict[str, object] = statusclient.status(f"unix:{dra.node.status_socket}", timeout=5)["dra"]
+def status(dra: Dra) -> dict[str, Any]:
+    """/status's dra section."""
+    doc: dict[str, Any] = budget_test.status(dra)["dra"]
     return doc
-
-
-def unhealthy(dra: Dra) -> set[str]:
-    doc = statusclient.status(f"unix:{dra.node.status_socket}", timeout=5)["dra"]
-    return {d["name"] for d in doc["devices"] if not d["healthy"]}
-
-
-def heal(dra: Dra, gpu: int) -> None:
-    body = f'{{"gpu": "{gpu}", "operator": "bench"}}'.encode()
-    statusclient.fetch(f"unix:{dra.node.status_socket}", "/heal", 15.0, body)
 
 
 def until(check: Callable[[], bool], what: str, step: float = 0.001) -> float:
@@ -158,7 +139,7 @@ def dra_node(rate: float) -> Iterator[Dra]:
 
 def run(name: str, rate: float) -> Result:
     with dra_node(rate) as dra:
-        before = writes(dra)
+        before = len(writes(dra))
         doc = status(dra)
         changes0, coalesced0 = int(str(doc["changes"])), int(str(doc["changes_coalesced"]))
         first = STORMS[name](dra)
@@ -166,7 +147,7 @@ def run(name: str, rate: float) -> Result:
         time.sleep(1.5)  # a write still to come would show now
         doc = status(dra)
         return Result(
-            writes(dra) - before,
+            len(writes(dra)) - before,
             int(str(doc["changes"])) - changes0,
             int(str(doc["changes_coalesced"])) - coalesced0,
             first * 1000,

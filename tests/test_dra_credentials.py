@@ -12,13 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 from support.admission_policies import node_user
 from support.apiserver_standin import GROUP, FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 from test_dra import dra_device
 from test_dra_e2e import DRIVER, NODE, Dra, serving
-from test_dra_tls import make_cert, tls_front
+from test_dra_tls import make_cert, tls_front, write_kubeconfig
 
 from nvplug.config.model import DraConfig
 from nvplug.dra.api_client import ApiClient, KubeConfigError
@@ -26,19 +25,6 @@ from nvplug.dra.dra_credentials import chosen, load_kubeconfig
 from nvplug.dra.slice_publisher import SlicePublisher
 from nvplug.status import status_client
 from nvplug.testing.simulated_node import SimulatedNode
-
-
-def write_kubeconfig(path: Path, server: str, user: dict[str, str], cluster: dict[str, str] | None = None) -> Path:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": server, **(cluster or {})}}],
-        "users": [{"name": "u", "user": user}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def test_auto_is_nvplugs_own_kubeconfig_where_it_exists_else_the_kubelets(tmp_path: Path) -> None:

@@ -79,17 +79,23 @@ async def tls_front(
         server.close()
 
 
-def kubeconfig(path: Path, port: int, cluster: dict[str, str], user: dict[str, str]) -> KubeConfig:
+def write_kubeconfig(path: Path, server: str, user: dict[str, str], cluster: dict[str, str] | None = None) -> Path:
+    """A kubeconfig of one cluster and one user, as `path`."""
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}", **cluster}}],
-        "users": [{"name": "u", "user": {"token": "test-token", **user}}],
+        "clusters": [{"name": "c", "cluster": {"server": server, **(cluster or {})}}],
+        "users": [{"name": "u", "user": user}],
         "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
         "current-context": "x",
     }
     path.write_text(yaml.safe_dump(doc))
-    return KubeConfig.load(path)
+    return path
+
+
+def kubeconfig(path: Path, port: int, cluster: dict[str, str], user: dict[str, str]) -> KubeConfig:
+    server = f"https://127.0.0.1:{port}"
+    return KubeConfig.load(write_kubeconfig(path, server, {"token": "test-token", **user}, cluster))
 
 
 def b64(path: Path) -> str:

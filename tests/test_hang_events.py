@@ -4,6 +4,7 @@ hot-added meanwhile is served when the hang ends."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -21,9 +22,8 @@ MIG_CONFIG_CHANGE = 0x100  # an NVML event after which nvplug rescans
 HANG_SECONDS = 2.0
 
 
-@pytest.fixture
-def hung(node: SimulatedNode) -> Iterator[list[dict[str, object]]]:
-    """The daemon serving, then a rescan started into GPU 3's hung probe call; released at the end."""
+def serving(node: SimulatedNode) -> list[dict[str, object]]:
+    """The daemon serving the node's GPUs, with short NVML deadlines."""
     node.config.write_text(
         f"version: v1\nnvplug:\n  health:\n    nvmlCallDeadlineSeconds: 0.5\n    driverHangSeconds: {HANG_SECONDS:g}\n"
     )
@@ -31,10 +31,23 @@ def hung(node: SimulatedNode) -> Iterator[list[dict[str, object]]]:
     node.kubelet.start()
     node.start_daemon()
     node.kubelet.wait_for(registered_with(len(gpus)), TIMEOUT)
+    return gpus
+
+
+@contextlib.contextmanager
+def rescan_hung(node: SimulatedNode) -> Iterator[None]:
+    """A rescan started into GPU 3's hung probe call, held for the body; released at its end."""
     with node.control.blocked(HUNG, HUNG_CALL):
         node.control.event(0, MIG_CONFIG_CHANGE)
         node.control.wait_blocked(1)
         node.wait_log("NVML has not returned from scan")
+        yield
+
+
+@pytest.fixture
+def hung(node: SimulatedNode) -> Iterator[list[dict[str, object]]]:
+    gpus = serving(node)
+    with rescan_hung(node):
         yield gpus
 
 
@@ -66,19 +79,10 @@ def test_an_ecc_double_bit_error_reaches_the_kubelet_during_the_hang(node: Simul
 
 
 def test_a_gpu_hot_added_during_the_hang_is_served_when_it_ends(node: SimulatedNode) -> None:
-    node.config.write_text(
-        f"version: v1\nnvplug:\n  health:\n    nvmlCallDeadlineSeconds: 0.5\n    driverHangSeconds: {HANG_SECONDS:g}\n"
-    )
-    gpus = node.scenario_gpus()
-    node.kubelet.start()
-    node.start_daemon()
-    node.kubelet.wait_for(registered_with(len(gpus)), TIMEOUT)
-    with node.control.blocked(HUNG, HUNG_CALL):
-        node.control.event(0, MIG_CONFIG_CHANGE)
-        node.control.wait_blocked(1)
+    gpus = serving(node)
+    with rescan_hung(node):
         node.add_gpu(NEW_GPU)
         node.send_uevent(pci_event("add", "0000:cc:00.0"))
-        node.wait_log("NVML has not returned from scan")
         # The others' events flow meanwhile.
         node.control.xid(5, 79)
         arrives(node, str(gpus[5]["uuid"]))
