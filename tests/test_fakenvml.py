@@ -785,6 +785,47 @@ nvlink,retired_pages,remapped_rows,mig,persistence,recovery_action
     assert out["b_events"] == [0x8, 0, 3]
 
 
+def test_ecc_counts_grow_whether_or_not_an_event_set_hears(rig: Rig) -> None:
+    """nvmlDeviceGetTotalEccErrors(handle, errorType, counterType): volatile counts start again at a reset,
+    aggregate ones never; the control line counts and queues one event to the sets that exist."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 unsupported=ecc
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        def counts(h):
+            return [N.nvmlDeviceGetTotalEccErrors(h, kind, counter) for kind in (0, 1) for counter in (0, 1)]
+        out["start"] = counts(a)
+        out["no_set"] = [CTL.ecc(0, "dbe", 3), CTL.ecc(0, "sbe")]
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(a, 2, s)
+        out["with_set"] = CTL.ecc(0, "dbe")
+        out["event"] = N.nvmlEventSetWait_v2(s, 1000).eventType
+        out["counted"] = counts(a)
+        out["restore"] = CTL.restore(0)
+        out["after_reset"] = counts(a)
+        out["b"] = [code(N.nvmlDeviceGetTotalEccErrors, b, 1, 0), ctl_error(CTL.ecc, 1, "dbe")]
+        out["bad"] = [code(N.nvmlDeviceGetTotalEccErrors, a, 2, 0), code(N.nvmlDeviceGetTotalEccErrors, a, 0, 2),
+                      ctl_error(CTL.ecc, 0, "dbe", 0)]
+        """,
+        scenario,
+    )
+    assert out["start"] == [0, 0, 0, 0]
+    assert out["no_set"] == ["ok queued=0", "ok queued=0"]
+    assert out["with_set"] == "ok queued=1" and out["event"] == 2
+    # [corrected volatile, corrected aggregate, uncorrected volatile, uncorrected aggregate]
+    assert out["counted"] == [1, 1, 4, 4]
+    assert out["restore"] == "ok"
+    assert out["after_reset"] == [0, 1, 0, 4]
+    assert out["b"][0] == 3 and "unsupported=ecc" in out["b"][1]
+    assert out["bad"][:2] == [2, 2] and "count must be" in out["bad"][2]
+
+
 def test_init_error_from_scenario_and_control(rig: Rig) -> None:
     scenario = rig.scenario(
         """

@@ -1,16 +1,20 @@
 """A hung GPU blinds no other: while a rescan waits on one GPU's hung call, the event watch of every other
 GPU keeps delivering (an XID, an ECC double-bit error), before and after the hung GPU turns Unhealthy; a GPU
-hot-added meanwhile is served when the hang ends."""
+hot-added meanwhile is served when the hang ends. And the hand-over itself loses and doubles nothing: a
+rescan that need not count the GPUs again keeps the watch, and what fires while a rescan that does has no
+watch subscribed is reported once, from the driver's ECC count and from the kernel log."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 
 import pytest
 from test_faults import NEW_GPU, NEW_UUID
 
+from nvplug.status import status_client
 from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 from nvplug.testing.udev_sender import pci_event
 
@@ -19,6 +23,8 @@ HUNG = 3
 # A call a rescan makes of every GPU (its probe), after the GPUs are named.
 HUNG_CALL = "nvmlDeviceGetRetiredPagesPendingStatus"
 MIG_CONFIG_CHANGE = 0x100  # an NVML event after which nvplug rescans
+# The first call of a scan that counts the GPUs again: held, it holds the scan with no event set alive.
+COUNT_CALL = "nvmlDeviceGetCount_v2"
 HANG_SECONDS = 2.0
 
 
@@ -35,19 +41,23 @@ def serving(node: SimulatedNode) -> list[dict[str, object]]:
 
 
 @contextlib.contextmanager
-def rescan_hung(node: SimulatedNode) -> Iterator[None]:
-    """A rescan started into GPU 3's hung probe call, held for the body; released at its end."""
+def rescan_hung(node: SimulatedNode, recount: bool = False) -> Iterator[None]:
+    """A rescan started into GPU 3's hung probe call, held for the body; released at its end. It runs beside
+    the watch (after a MIG layout change), or `recount`s the GPUs with a new watch (after a udev bind)."""
     with node.control.blocked(HUNG, HUNG_CALL):
-        node.control.event(0, MIG_CONFIG_CHANGE)
+        if recount:
+            node.send_uevent(pci_event("bind", str(node.scenario_gpus()[0]["bus"]).lower()))
+        else:
+            node.control.event(0, MIG_CONFIG_CHANGE)
         node.control.wait_blocked(1)
         node.wait_log("NVML has not returned from scan")
         yield
 
 
-@pytest.fixture
-def hung(node: SimulatedNode) -> Iterator[list[dict[str, object]]]:
+@pytest.fixture(params=[False, True], ids=["beside-the-watch", "new-watch"])
+def hung(node: SimulatedNode, request: pytest.FixtureRequest) -> Iterator[list[dict[str, object]]]:
     gpus = serving(node)
-    with rescan_hung(node):
+    with rescan_hung(node, recount=request.param):
         yield gpus
 
 
@@ -89,3 +99,54 @@ def test_a_gpu_hot_added_during_the_hang_is_served_when_it_ends(node: SimulatedN
     # The hang ends: the scan completes, and the one owed for the hotplug serves the new GPU.
     node.kubelet.wait_for(device_health(NEW_UUID, True), TIMEOUT)
     node.kubelet.wait_for(device_health(str(gpus[HUNG]["uuid"]), True), TIMEOUT)
+
+
+def test_a_rescan_that_need_not_count_the_gpus_keeps_the_watch(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    node.control.reset_calls()
+    node.control.event(0, MIG_CONFIG_CHANGE)  # MIG devices are read afresh in any session
+    node.wait_log("scan 2:")
+    calls = node.control.calls()
+    assert "nvmlEventSetCreate" not in calls and "nvmlEventSetFree" not in calls, calls
+    node.control.xid(5, 79)
+    node.kubelet.wait_for(device_health(str(gpus[5]["uuid"]), False), TIMEOUT)
+
+
+@contextlib.contextmanager
+def no_watch(node: SimulatedNode, gpus: list[dict[str, str]]) -> Iterator[None]:
+    """A rescan that counts the GPUs again (a udev bind), held after the old watch is handed over and
+    before the new one subscribes: NVML has no event set then."""
+    with node.control.blocked("*", COUNT_CALL):
+        node.send_uevent(pci_event("bind", str(gpus[0]["bus"]).lower()))
+        node.control.wait_blocked(1)
+        yield
+
+
+def test_an_ecc_error_while_no_watch_runs_is_reported_once_from_the_count(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    with no_watch(node, gpus):
+        assert node.control.ecc(4, "dbe", 2) == "ok queued=0", "an event set existed: this proves nothing"
+    node.kubelet.wait_for(device_health(str(gpus[4]["uuid"]), False), TIMEOUT)
+    node.wait_log("2 double-bit ECC errors counted while no event watch ran")
+    node.wait_log("scan 2:")
+    # The catch-up reported them; the next rescan has nothing more to report, and the watch runs.
+    with no_watch(node, gpus):
+        pass
+    node.wait_log("scan 3:")
+    assert node.log_text().count("double-bit ECC errors counted while no event watch ran") == 1
+    assert node.control.ecc(5, "dbe") == "ok queued=1"
+    node.kubelet.wait_for(device_health(str(gpus[5]["uuid"]), False), TIMEOUT)
+
+
+def test_an_xid_while_no_watch_runs_counts_once_from_the_kernel_log(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    uuid, bus = str(gpus[5]["uuid"]), str(gpus[5]["bus"]).lower()
+    with no_watch(node, gpus):
+        assert node.control.xid(5, 79) == "ok queued=0", "an event set existed: this proves nothing"
+        node.kernel_log(f"NVRM: Xid (PCI:{bus[:-2]}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+        node.kubelet.wait_for(device_health(uuid, False), TIMEOUT)
+    node.wait_log("scan 2:")
+    code, body = status_client.fetch(f"unix:{node.status_socket}", "/status", timeout=5)
+    assert code == 200, body
+    (gpu,) = [g for g in json.loads(body)["gpus"] if g["uuid"] == uuid]
+    assert gpu["xids"] == 1, gpu

@@ -63,6 +63,7 @@ class Scan:
 class Enumerated:
     """A GPU as a scan's first calls name it (its handle, its UUID): enough to subscribe to its events."""
 
+    index: int
     uuid: str
     label: str
 
@@ -293,7 +294,7 @@ class Nvml:
             self.reading = (index, None)
             with contextlib.suppress(pynvml.NVMLError):
                 uuid = _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
-                found.append(Enumerated(uuid, f"gpu {index} {uuid}"))
+                found.append(Enumerated(index, uuid, f"gpu {index} {uuid}"))
         return found
 
     def _read_all(self) -> Discovery:

@@ -1,9 +1,10 @@
 """NVML health events: one thread blocks in nvmlEventSetWait_v2 and hands events to the loop.
 
 The watcher holds one reference on NVML's init count for as long as it runs.
-A rescan needs that count at zero (only then does NVML enumerate GPUs again),
-so the watcher does not release its reference itself: `hand_over()`, called
-on the thread that will rescan, drops it. That also wakes the blocked wait.
+A rescan that must enumerate GPUs again needs that count at zero, so the
+watcher does not release its reference itself: `hand_over()`, called on the
+thread that will rescan, drops it. That also wakes the blocked wait. A rescan
+that need not enumerate keeps the watch, and `add()`s the GPUs it lacks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nvplug.core.events import (
 )
 from nvplug.core.health import Clears, Fault
 from nvplug.core.xid_policy import READS_RECOVERY_ACTION
+from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import recovery_action
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,15 @@ class NvmlEventWatch:
         gpus: Sequence[Watched],
         emit: Callable[[Event], None],
         wait_ms: int = DEFAULT_WAIT_MS,
+        double_bit: DoubleBitCounts | None = None,
     ) -> None:
         self._gpus = tuple(gpus)
         self._emit = emit
         self._wait_ms = wait_ms
+        self._double_bit = double_bit or DoubleBitCounts()
+        # Set once subscribed; add() replaces the map whole, so the waiting thread reads one or the other.
+        self._event_set: Any = None
+        self._handles: dict[int, str] = {}
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
@@ -86,6 +93,34 @@ class NvmlEventWatch:
         """Blocks until every GPU is subscribed, so no event is lost before registration."""
         self._thread.start()
         self._subscribed.wait()
+
+    @property
+    def subscribed(self) -> bool:
+        """It has its event set and waits on it: add() can take more GPUs."""
+        return self._event_set is not None and not self._stopping.is_set()
+
+    def add(self, gpus: Sequence[Watched]) -> bool:
+        """Subscribe more GPUs to the running watch; on the thread that uses NVML. False: it is not subscribed
+        (it failed, or was handed over), so only a new watch can take them."""
+        if not self.subscribed:
+            return False
+        added = self._subscribe(self._event_set, gpus)
+        self._gpus += tuple(gpus)
+        self._handles = {**self._handles, **added}
+        return True
+
+    def catch_up(self, gpu: Watched) -> None:
+        """Report the double-bit ECC errors of `gpu` that no event told of (they fired while no watch was
+        subscribed); on the thread that uses NVML, once this watch is subscribed."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+        except pynvml.NVMLError as err:
+            log.debug("%s: no ECC count to catch up on: %s", gpu.label, err)
+            return
+        missed = self._double_bit.catch_up(handle, gpu.uuid)
+        if missed:
+            log.warning("%s: %d double-bit ECC errors counted while no event watch ran", gpu.label, missed)
+            self._emit(HealthReported(gpu.uuid, f"double-bit ECC error ({missed} counted while no event watch ran)"))
 
     def hand_over(self) -> None:
         """Stop watching and drop our NVML reference; call on the thread that uses NVML next."""
@@ -123,11 +158,13 @@ class NvmlEventWatch:
                 if self._stopping.is_set():
                     return
                 event_set, handles = self._open()
+        self._handles = handles
+        self._event_set = event_set
         self._subscribed.set()
         if not handles:
             return
         self._emit(HealthWatchChanged(None))
-        self._watch(event_set, handles)
+        self._watch(event_set)
 
     def _open(self) -> tuple[Any, dict[int, str]]:
         with self._lock:
@@ -136,7 +173,7 @@ class NvmlEventWatch:
                 self._holds_ref = True
         event_set = pynvml.nvmlEventSetCreate()
         try:
-            return event_set, self._subscribe(event_set)
+            return event_set, self._subscribe(event_set, self._gpus)
         except pynvml.NVMLError:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlEventSetFree(event_set)
@@ -150,9 +187,9 @@ class NvmlEventWatch:
         self._emit(HealthWatchChanged(f"cannot subscribe to NVML events: {err}; retry in {delay:.1f}s"))
         self._subscribed.set()
 
-    def _subscribe(self, event_set: Any) -> dict[int, str]:
+    def _subscribe(self, event_set: Any, gpus: Sequence[Watched]) -> dict[int, str]:
         handles: dict[int, str] = {}
-        for gpu in self._gpus:
+        for gpu in gpus:
             try:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
                 supported = self._supported(handle)
@@ -181,7 +218,7 @@ class NvmlEventWatch:
                 return 0
             raise
 
-    def _watch(self, event_set: Any, handles: dict[int, str]) -> None:
+    def _watch(self, event_set: Any) -> None:
         while not self._stopping.is_set():
             try:
                 data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_ms)
@@ -189,11 +226,11 @@ class NvmlEventWatch:
                 if self._stopping.is_set():
                     return  # hand_over() shut NVML down under us, as intended
                 if err.value != pynvml.NVML_ERROR_TIMEOUT:
-                    self._recover(event_set, handles, err)
+                    self._recover(event_set, err)
                 continue
-            self._dispatch(data, handles)
+            self._dispatch(data)
 
-    def _recover(self, event_set: Any, handles: dict[int, str], first: Exception) -> None:
+    def _recover(self, event_set: Any, first: Exception) -> None:
         """The wait itself fails: report it, and retry with backoff until it works again."""
         self._emit(HealthWatchChanged(f"nvmlEventSetWait failed: {first}; retrying with backoff"))
         retrying = Retrying(
@@ -214,7 +251,7 @@ class NvmlEventWatch:
             return
         self._emit(HealthWatchChanged(None))
         if data is not None:
-            self._dispatch(data, handles)
+            self._dispatch(data)
 
     def _sleep(self, seconds: float) -> None:
         self._stopping.wait(seconds)
@@ -229,8 +266,8 @@ class NvmlEventWatch:
                 return None
             raise
 
-    def _dispatch(self, data: Any, handles: dict[int, str]) -> None:
-        uuid = handles.get(_address(data.device))
+    def _dispatch(self, data: Any) -> None:
+        uuid = self._handles.get(_address(data.device))
         if uuid is None:
             log.warning("NVML event 0x%x for a device we did not subscribe", data.eventType)
             return
@@ -241,7 +278,10 @@ class NvmlEventWatch:
             if payload in READS_RECOVERY_ACTION:
                 self._emit_recovery_action(data.device, uuid, None)
         elif kind & DOUBLE_BIT_ECC:
-            self._emit(HealthReported(uuid, "double-bit ECC error"))
+            if self._double_bit.confirm(data.device, uuid):
+                self._emit(HealthReported(uuid, "double-bit ECC error"))
+            else:
+                log.info("%s: double-bit ECC event already reported from its count", uuid)
         elif kind & FATAL_POISON:
             self._emit(HealthReported(uuid, "fatal poison error"))
         elif kind & GPU_UNAVAILABLE:

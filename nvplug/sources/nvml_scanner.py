@@ -25,6 +25,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.nvml.nvml_calls import NvmlCalls
 from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
+from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import Enumerated, Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
 
@@ -64,7 +65,10 @@ class Scanner:
         self._wait_ms = wait_ms
         self.calls = NvmlCalls(publish, deadline, hang_limit, lambda: nvml.reading)
         self._watch: NvmlEventWatch | None = None
+        self._double_bit = DoubleBitCounts()
         self._wanted = asyncio.Event()
+        # Whether a rescan owed must enumerate GPUs again (which hands the event watch over).
+        self._recount = False
         self.scans = 0
         # A scan that left GPUs without event subscriptions is retried, with backoff, until none is left.
         self._resubscribe: asyncio.TimerHandle | None = None
@@ -76,7 +80,8 @@ class Scanner:
     async def work(self, event: Event) -> None:
         match event:
             case MigConfigChanged(uuid=uuid):
-                self.request(f"MIG layout of {uuid} changed")
+                # MIG devices are read afresh in any session: the watch can stay.
+                self.request(f"MIG layout of {uuid} changed", recount=False)
             case PciChanged(action=action, bus_id=bus_id) if action in RESCAN_ACTIONS:
                 self.request(f"udev {action} of {bus_id}")
             case _:
@@ -89,17 +94,21 @@ class Scanner:
             self.request("NVML unavailable at start")
         return () if first is None else (first,)
 
-    def request(self, why: str) -> None:
-        """Rescan soon; requests that arrive during a scan fold into one more."""
+    def request(self, why: str, recount: bool = True) -> None:
+        """Rescan soon; requests that arrive during a scan fold into one more. `recount`: GPUs may have
+        come or gone (udev, a lost GPU), so NVML must count them again."""
         log.debug("rescan requested: %s", why)
+        self._recount |= recount
         self._wanted.set()
 
-    async def scan(self) -> InventoryFound | NvmlFailed | None:
-        """Hand the watch over, scan at init count zero, subscribe the new set of GPUs.
+    async def scan(self, recount: bool = True) -> InventoryFound | NvmlFailed | None:
+        """Scan, and keep every GPU found subscribed to events. To enumerate GPUs again (`recount`, or no
+        watch running), hand the watch over, scan at init count zero and subscribe the GPUs found; else
+        scan beside the running watch, which takes only the GPUs it lacks.
 
         None: the scan hung, or waits for a hung call (published as NvmlCallHung); scan again once clear."""
         try:
-            result = await self.calls.run("scan", None, self._scan_blocking)
+            result = await self.calls.run("scan", None, self._scan_blocking, recount)
         except NvmlHung as err:
             log.warning("no scan now: %s", err)
             return None
@@ -113,7 +122,8 @@ class Scanner:
         if self._resubscribe is not None:
             self._resubscribe.cancel()
             self._resubscribe = None
-        subscribed = self._watch.subscriptions if self._watch is not None else {}
+        watch = self._watch
+        subscribed = watch.subscriptions if watch is not None else {}
         unwatched = [g.label for g in found.gpus if g.uuid not in subscribed]
         if not unwatched and not found.lost:
             if self._resubscribing.failures:
@@ -125,8 +135,10 @@ class Scanner:
         log.warning(
             "no NVML events from %s: rescanning in %.0f s to subscribe them", ", ".join(unwatched + lost), delay
         )
+        # A GPU NVML counts but cannot name may need a new enumeration; a watch that failed, a new watch.
+        recount = bool(found.lost) or watch is None or not watch.subscribed
         self._resubscribe = asyncio.get_running_loop().call_later(
-            delay, self.request, "GPUs without event subscriptions"
+            delay, functools.partial(self.request, "GPUs without event subscriptions", recount)
         )
 
     async def probe(self, uuid: str, evidence: str) -> ProbeResult:
@@ -185,10 +197,11 @@ class Scanner:
             async for attempt in retrying:
                 with attempt:
                     self._wanted.clear()
-                    result = await self.scan()
+                    recount, self._recount = self._recount, False
+                    result = await self.scan(recount)
                     if result is None:
                         await self.calls.until_clear()
-                        self._wanted.set()  # the scan asked for is still owed
+                        self.request("a scan that hung", recount)  # still owed
                         break
                     self._publish(result)
                     if isinstance(result, NvmlFailed):
@@ -215,11 +228,15 @@ class Scanner:
             self._watch.hand_over()
             self._watch = None
 
-    def _scan_blocking(self) -> InventoryFound | NvmlFailed:
-        self._release_watch()
+    def _scan_blocking(self, recount: bool) -> InventoryFound | NvmlFailed:
+        if recount or self._watch is None or not self._watch.subscribed:
+            self._release_watch()
+            watch = self._watch_from_here
+        else:
+            watch = self._watch_more
         self.scans += 1
         try:
-            scan = self._nvml.scan(self._watch_from_here)
+            scan = self._nvml.scan(watch)
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
         found = scan.discovery
@@ -246,9 +263,24 @@ class Scanner:
         zero): before the result is published, so no XID slips past an advertised GPU, and before any call
         that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits."""
         if gpus:
-            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms)
+            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit)
             watch.start()
             self._watch = watch
+            self._catch_up(gpus)
+
+    def _watch_more(self, gpus: Sequence[Enumerated]) -> None:
+        """The GPUs the running watch lacks (it could not subscribe them before), subscribed to it."""
+        assert self._watch is not None
+        lacking = [gpu for gpu in gpus if gpu.uuid not in self._watch.subscriptions]
+        if lacking and self._watch.add(lacking):
+            self._catch_up(lacking)
+
+    def _catch_up(self, gpus: Sequence[Enumerated]) -> None:
+        """The errors that fired while no watch was subscribed, read with the scan's other calls."""
+        assert self._watch is not None
+        for gpu in gpus:
+            self._nvml.reading = (gpu.index, gpu.uuid)
+            self._watch.catch_up(gpu)
 
     def _node_exists(self, path: str) -> bool:
         return Path(host_path(self.dev_root, path)).exists()

@@ -19,11 +19,14 @@
  *                                       [ mig=prof/gi/ci/uuid,...|-][ procs=...][ blocks=fn,...][ waiting=N]
  *                                       | ..." (cm: compute mode; blocks: below)
  *   xid <gpu> <code> [gi ci]            event 0x8, eventData = code
- *   ecc <gpu> sbe|dbe                   event 0x1 / 0x2
+ *   ecc <gpu> sbe|dbe [count]           count corrected / uncorrected ECC errors (default 1),
+ *                                       volatile and aggregate (nvmlDeviceGetTotalEccErrors), and
+ *                                       queue one event 0x1 / 0x2; unsupported=ecc: an error
  *   event <gpu> <hex type> <data> [gi ci]
  *   lose <gpu>                          GPU_IS_LOST from now on, event 0x4000 (once)
  *   remove <gpu>                        like lose now; not enumerated from the next 0->1 init
- *   restore <gpu>                       undo lose/remove, clear the probes below
+ *   restore <gpu>                       undo lose/remove, clear the probes below and the
+ *                                       volatile ECC counts (as a reset does)
  *   pending_pages <gpu> 0|1
  *   remap <gpu> <pending> <failure> [corr unc]
  *   recovery_action <gpu> <n>           field 230 value, event 0x8000 with data n
@@ -341,14 +344,14 @@ enum {
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
     U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14,
-    U_COMPUTE_MODE = 1 << 15
+    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
     {"serial", U_SERIAL}, {"name", U_NAME}, {"events", U_EVENTS}, {"topology", U_TOPOLOGY},
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
-    {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE},
+    {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE}, {"ecc", U_ECC},
 };
 
 /* Which running-process queries list a process (procs= KIND). */
@@ -385,6 +388,9 @@ struct fake_dev {
     /* health probes */
     unsigned pending_pages, remap_pending, remap_failure, corr_rows, unc_rows;
     unsigned recovery_action;
+    /* ECC error counts by nvmlMemoryErrorType_t (corrected, uncorrected) and nvmlEccCounterType_t
+     * (volatile: since the driver loaded or the GPU was reset; aggregate: the GPU's whole life) */
+    unsigned long long ecc[2][2];
     /* MIG */
     int mig_mode;
     int nmig;
@@ -485,6 +491,7 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetNvLinkRemoteDeviceType, DEV) X(nvmlDeviceGetNvLinkRemotePciInfo, DEV)                 \
     X(nvmlDeviceGetNvLinkRemotePciInfo_v2, DEV) X(nvmlDeviceGetRetiredPagesPendingStatus, DEV)           \
     X(nvmlDeviceGetRemappedRows, DEV) X(nvmlDeviceGetFieldValues, DEV)                                   \
+    X(nvmlDeviceGetTotalEccErrors, DEV)                                                                  \
     X(nvmlDeviceGetSupportedEventTypes, DEV) X(nvmlEventSetCreate, SYS) X(nvmlDeviceRegisterEvents, DEV) \
     X(nvmlEventSetFree, SYS) X(nvmlEventSetWait, SYS) X(nvmlEventSetWait_v2, SYS)                        \
     X(nvmlDeviceGetComputeRunningProcesses, DEV) X(nvmlDeviceGetComputeRunningProcesses_v2, DEV)         \
@@ -1931,14 +1938,29 @@ static void ctl_command(char *line, char *out, size_t cap)
         }
         snprintf(out, cap, "ok queued=%d", deliver(slot, type, data, gi, ci));
     } else if (!strcmp(cmd, "ecc")) {
-        if (need_args(n, 3, "ecc <gpu> sbe|dbe", out, cap))
+        /* The counts grow whether or not any event set hears of it, as the driver's do. */
+        int dbe;
+        l = 1;
+        if (n != 3 && n != 4) {
+            snprintf(out, cap, "error: usage: ecc <gpu> sbe|dbe [count]");
             return;
+        }
         if (strcmp(tok[2], "sbe") && strcmp(tok[2], "dbe")) {
             snprintf(out, cap, "error: ecc: kind must be sbe or dbe, got '%s'", tok[2]);
             return;
         }
-        snprintf(out, cap, "ok queued=%d",
-                 deliver(slot, strcmp(tok[2], "sbe") ? EV_DBE : EV_SBE, 0, 0xFFFFFFFFu, 0xFFFFFFFFu));
+        if (n == 4 && parse_int(tok[3], 1, 1 << 20, &l)) {
+            snprintf(out, cap, "error: ecc: count must be 1 to %d", 1 << 20);
+            return;
+        }
+        if (d->unsupported & U_ECC) {
+            snprintf(out, cap, "error: ecc: the GPU has unsupported=ecc");
+            return;
+        }
+        dbe = !strcmp(tok[2], "dbe");
+        d->ecc[dbe][0] += (unsigned long long)l;
+        d->ecc[dbe][1] += (unsigned long long)l;
+        snprintf(out, cap, "ok queued=%d", deliver(slot, dbe ? EV_DBE : EV_SBE, 0, 0xFFFFFFFFu, 0xFFFFFFFFu));
     } else if (!strcmp(cmd, "lose") || !strcmp(cmd, "remove")) {
         int was_gone = d->lost || d->removed;
         if (need_args(n, 2, "lose|remove <gpu>", out, cap))
@@ -1965,6 +1987,7 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->lost = d->removed = 0;
         d->pending_pages = d->remap_pending = d->remap_failure = 0;
         d->recovery_action = 0;
+        d->ecc[0][0] = d->ecc[1][0] = 0;   /* a reset starts the volatile counts afresh */
         snprintf(out, cap, d->visible ? "ok" : "ok pending");
     } else if (!strcmp(cmd, "pending_pages")) {
         if (need_args(n, 3, "pending_pages <gpu> 0|1", out, cap))
@@ -3131,6 +3154,18 @@ nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRo
     *uncRows = d->unc_rows;
     *isPending = d->remap_pending;
     *failureOccurred = d->remap_failure;
+    return done(NVML_SUCCESS);
+}
+
+/* errorType: NVML_MEMORY_ERROR_TYPE_CORRECTED 0, _UNCORRECTED 1; counterType: NVML_VOLATILE_ECC 0, NVML_AGGREGATE_ECC 1. */
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
+                                         unsigned long long *eccCounts)
+{
+    COUNT(nvmlDeviceGetTotalEccErrors);
+    DEV_BEGIN(device);
+    REQUIRE(eccCounts && (errorType == 0 || errorType == 1) && (counterType == 0 || counterType == 1));
+    SUPPORTED(U_ECC);
+    *eccCounts = d->ecc[errorType][counterType];
     return done(NVML_SUCCESS);
 }
 

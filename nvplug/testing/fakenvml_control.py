@@ -82,9 +82,9 @@ class Control:
         any_id = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / NVML_COMPUTE_INSTANCE_ID_ANY
         return self.send(f"xid {gpu} {code} {any_id if gi is None else gi} {any_id if ci is None else ci}")
 
-    def ecc(self, gpu: GpuRef, kind: Literal["sbe", "dbe"]) -> str:
-        """Queue a single (0x1) or double (0x2) bit ECC error event."""
-        return self.send(f"ecc {gpu} {kind}")
+    def ecc(self, gpu: GpuRef, kind: Literal["sbe", "dbe"], count: int = 1) -> str:
+        """Count `count` single- or double-bit ECC errors (volatile and aggregate) and queue one event (0x1 / 0x2)."""
+        return self.send(f"ecc {gpu} {kind}" + (f" {count}" if count != 1 else ""))
 
     def event(self, gpu: GpuRef, event_type: int, data: int = 0) -> str:
         return self.send(f"event {gpu} {event_type:#x} {data}")
