@@ -523,6 +523,17 @@ def test_pods_are_named_for_the_gpus_they_hold_through_dra(dra: Dra) -> None:
         Pod("ml", "trainer-0", (Container("main", {}, (ClaimDevice("ml", "train", DRIVER, NODE, "gpu-5"),)),))
     )
     dra.wait(lambda: "ml/trainer-0 (container main, claim train)" in devices(dra.node)[1], "the container named")
+    # A second pod sharing the claim: the 1.36 kubelet lists the device twice in each pod's container (the
+    # second entry with the CDI id twice). Each pod is named once.
+    cdi = (f"k8s.{DRIVER}/claim=train-gpu-5",)
+    for pod in ("trainer-0", "trainer-1"):
+        shared = ClaimDevice("ml", "train", DRIVER, NODE, "gpu-5", cdi)
+        dra.node.kubelet.pod_resources.admit(Pod("ml", pod, (Container("main", {}, (shared,)),)))
+    both = "pods: ml/trainer-0 (container main, claim train), ml/trainer-1 (container main, claim train)"
+    dra.wait(lambda: both in devices(dra.node)[1], "each pod named once")
+    _, metrics = statusclient.fetch(f"unix:{dra.node.status_socket}", "/metrics", timeout=5)
+    assert metrics.count('pod="trainer-1"') == 1, metrics
+    dra.node.kubelet.pod_resources.delete("ml", "trainer-1")
     d = doctor(dra.node, f"unix:{dra.node.status_socket}")
     assert d.verdict(11) == "PASS", d
     # A pod the kubelet says holds a device through a claim nvplug never prepared: doctor says so.

@@ -89,7 +89,8 @@ class TokenBucket:
 
 
 def _entries(pods: Iterable[pb.PodResources]) -> tuple[ContainerDevices, ...]:
-    """Each container's device-plugin devices, and its DRA devices (one entry per claimed device)."""
+    """Each container's device-plugin devices, and its DRA devices (one entry per claimed device), each
+    once: a 1.36 kubelet lists a claim that two pods share twice in each of their containers."""
     out: list[ContainerDevices] = []
     for pod in pods:
         for c in pod.containers:
@@ -104,7 +105,7 @@ def _entries(pods: Iterable[pb.PodResources]) -> tuple[ContainerDevices, ...]:
                     out.append(
                         ContainerDevices(pod.namespace, pod.name, c.name, r.driver_name, device, r.pool_name, claim)
                     )
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 class PodResourcesClient:

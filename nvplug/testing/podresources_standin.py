@@ -129,8 +129,9 @@ class FakePodResources:
 
     def _list(self, request: pb.ListPodResourcesRequest, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
         self._limit("List", context)
-        pods = [_message(p, self.dynamic_resources) for p in list(self.pods.values())]
-        return pb.ListPodResourcesResponse(pod_resources=pods)
+        pods = list(self.pods.values())
+        sharing = _sharing(pods) if self.dynamic_resources else Counter()
+        return pb.ListPodResourcesResponse(pod_resources=[_message(p, self.dynamic_resources, sharing) for p in pods])
 
     def _get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
         self._limit("Get", context)
@@ -139,7 +140,8 @@ class FakePodResources:
             missing = f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
             context.abort(grpc.StatusCode.NOT_FOUND, missing)
         assert pod is not None
-        return pb.GetPodResourcesResponse(pod_resources=_message(pod, self.dynamic_resources))
+        sharing = _sharing(list(self.pods.values())) if self.dynamic_resources else Counter()
+        return pb.GetPodResourcesResponse(pod_resources=_message(pod, self.dynamic_resources, sharing))
 
     def _allocatable_resources(
         self, request: pb.AllocatableResourcesRequest, context: grpc.ServicerContext
@@ -149,7 +151,14 @@ class FakePodResources:
         return pb.AllocatableResourcesResponse(devices=devices)
 
 
-def _message(pod: Pod, dynamic: bool) -> pb.PodResources:
+def _sharing(pods: list[Pod]) -> Counter[tuple[str, str]]:
+    """How many pods hold each claim (namespace, name)."""
+    return Counter(
+        claim for pod in pods for claim in {(d.claim_namespace, d.claim) for c in pod.containers for d in c.claimed}
+    )
+
+
+def _message(pod: Pod, dynamic: bool, sharing: Counter[tuple[str, str]]) -> pb.PodResources:
     return pb.PodResources(
         name=pod.name,
         namespace=pod.namespace,
@@ -160,15 +169,16 @@ def _message(pod: Pod, dynamic: bool) -> pb.PodResources:
                 devices=[
                     pb.ContainerDevices(resource_name=r, device_ids=[i]) for r, ids in c.devices.items() for i in ids
                 ],
-                dynamic_resources=_dynamic(c.claimed) if dynamic else [],
+                dynamic_resources=_dynamic(c.claimed, sharing) if dynamic else [],
             )
             for c in pod.containers
         ],
     )
 
 
-def _dynamic(claimed: tuple[ClaimDevice, ...]) -> list[pb.DynamicResource]:
-    """One DynamicResource per claim, its devices in it."""
+def _dynamic(claimed: tuple[ClaimDevice, ...], sharing: Counter[tuple[str, str]]) -> list[pb.DynamicResource]:
+    """One DynamicResource per claim, its devices in it. As a 1.36 kubelet lists a claim that several pods
+    share: each device once per pod holding the claim, the n-th entry with its CDI ids n times."""
     by_claim: dict[tuple[str, str], list[ClaimDevice]] = {}
     for d in claimed:
         by_claim.setdefault((d.claim_namespace, d.claim), []).append(d)
@@ -178,12 +188,13 @@ def _dynamic(claimed: tuple[ClaimDevice, ...]) -> list[pb.DynamicResource]:
             claim_namespace=namespace,
             claim_resources=[
                 pb.ClaimResource(
-                    cdi_devices=[pb.CDIDevice(name=i) for i in d.cdi_ids],
+                    cdi_devices=[pb.CDIDevice(name=i) for i in d.cdi_ids * n],
                     driver_name=d.driver,
                     pool_name=d.pool,
                     device_name=d.device,
                 )
                 for d in devices
+                for n in range(1, max(1, sharing[(namespace, name)]) + 1)
             ],
         )
         for (namespace, name), devices in by_claim.items()
