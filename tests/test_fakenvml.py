@@ -826,6 +826,104 @@ def test_ecc_counts_grow_whether_or_not_an_event_set_hears(rig: Rig) -> None:
     assert out["bad"][:2] == [2, 2] and "count must be" in out["bad"][2]
 
 
+def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
+    """Utilization, temperature, power and energy, clocks, clock event reasons, PCIe replays and the
+    framebuffer used (what the driver keeps plus the processes' memory), each on a GPU handle; a MIG
+    device handle has none of them, and a GPU in MIG mode no utilization."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0 procs=11:1024,12:512:mps
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 unsupported=telemetry
+        gpu uuid=GPU-c bus=0000:03:00.0 minor=2 mig=1
+        mig 2 3g.40gb
+        mig 2 3g.40gb
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b, c = (N.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+        def figures(h):
+            u = N.nvmlDeviceGetUtilizationRates(h)
+            return [u.gpu, u.memory, N.nvmlDeviceGetTemperature(h, 0), N.nvmlDeviceGetPowerUsage(h),
+                    N.nvmlDeviceGetClockInfo(h, 1), N.nvmlDeviceGetClockInfo(h, 2),
+                    N.nvmlDeviceGetCurrentClocksEventReasons(h), N.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                    N.nvmlDeviceGetPcieReplayCounter(h)]
+        out["idle"] = figures(a)
+        out["set"] = CTL.telemetry(0, util=87, mem_util=40, temp=71, power_mw=612000, sm_clock=1755, mem_clock=2619,
+                                   throttle=0x4, pcie_replays=3, reserved_mib=600, energy_mj=1000)
+        out["busy"] = figures(a)
+        e1 = N.nvmlDeviceGetTotalEnergyConsumption(a)
+        time.sleep(0.2)
+        e2 = N.nvmlDeviceGetTotalEnergyConsumption(a)
+        out["energy"] = [e1, e2]
+        m = N.nvmlDeviceGetMemoryInfo(a)
+        out["memory"] = [m.total >> 20, m.used >> 20, m.free >> 20]
+        out["unsupported"] = [code(N.nvmlDeviceGetTemperature, b, 0), code(N.nvmlDeviceGetPowerUsage, b)]
+        mig = N.nvmlDeviceGetMigDeviceHandleByIndex(c, 0)
+        out["mig"] = [code(N.nvmlDeviceGetTemperature, mig, 0), code(N.nvmlDeviceGetUtilizationRates, mig),
+                      code(N.nvmlDeviceGetUtilizationRates, c), N.nvmlDeviceGetTemperature(c, 0)]
+        out["bad"] = [code(N.nvmlDeviceGetTemperature, a, 1), code(N.nvmlDeviceGetClockInfo, a, 4),
+                      ctl_error(CTL.send, "telemetry 0 util=101"), ctl_error(CTL.send, "telemetry 0 volts=3"),
+                      ctl_error(CTL.send, "telemetry 0")]
+        """,
+        scenario,
+    )
+    assert out["idle"] == [0, 0, 34, 69000, 1980, 2619, 1, 1, 0]
+    assert out["set"] == "ok"
+    assert out["busy"] == [87, 40, 71, 612000, 1755, 2619, 4, 4, 3]
+    e1, e2 = out["energy"]
+    # 612 W for at least 0.2 s is at least 122 J more; a busy machine may take longer, never less.
+    assert 1000 <= e1 and e2 - e1 >= 122_000, out["energy"]
+    assert out["memory"] == [81559, 600 + 1024 + 512, 81559 - 2136]
+    assert out["unsupported"] == [3, 3]
+    assert out["mig"] == [3, 3, 3, 34]
+    assert out["bad"][:2] == [2, 2]
+    assert "bad value in 'util=101'" in out["bad"][2]
+    assert "unknown item 'volts=3'" in out["bad"][3] and "usage: telemetry" in out["bad"][4]
+
+
+def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
+    """nvmlDeviceGetProcessUtilization: the samples after lastSeenTimeStamp; NOT_FOUND when none is newer;
+    INSUFFICIENT_SIZE with the count for a NULL buffer; NOT_SUPPORTED with MIG on."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-c bus=0000:03:00.0 minor=2 mig=1
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, c = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+        out["none"] = code(N.nvmlDeviceGetProcessUtilization, a, 0)
+        first = CTL.samples(0, [(101, 60, 20), (102, 30, 10)])
+        got = N.nvmlDeviceGetProcessUtilization(a, 0)
+        out["all"] = [[s.pid, s.smUtil, s.memUtil] for s in got]
+        out["stamps_rise"] = got[0].timeStamp < got[1].timeStamp == first
+        out["seen"] = code(N.nvmlDeviceGetProcessUtilization, a, first)
+        CTL.samples(0, [(101, 70, 25)])
+        out["window"] = [[s.pid, s.smUtil] for s in N.nvmlDeviceGetProcessUtilization(a, first)]
+        count = ctypes.c_uint(0)
+        rc = N.nvmlLib.nvmlDeviceGetProcessUtilization(a, None, ctypes.byref(count), ctypes.c_ulonglong(0))
+        out["size"] = [rc, count.value]
+        out["mig"] = code(N.nvmlDeviceGetProcessUtilization, c, 0)
+        out["cleared"] = [CTL.samples(0, []), code(N.nvmlDeviceGetProcessUtilization, a, 0)]
+        out["bad"] = [ctl_error(CTL.send, "samples 0 1:101:0"), ctl_error(CTL.send, "samples 0 0:1:1"),
+                      ctl_error(CTL.send, "samples 0 1:1")]
+        """,
+        scenario,
+    )
+    assert out["none"] == 6  # NVML_ERROR_NOT_FOUND
+    assert out["all"] == [[101, 60, 20], [102, 30, 10]] and out["stamps_rise"]
+    assert out["seen"] == 6
+    assert out["window"] == [[101, 70]]
+    assert out["size"] == [7, 3]  # NVML_ERROR_INSUFFICIENT_SIZE, and the count needed
+    assert out["mig"] == 3
+    assert out["cleared"] == [0, 6]
+    assert all(e is not None and "want pid:sm:mem" in e for e in out["bad"]), out["bad"]
+
+
 def test_init_error_from_scenario_and_control(rig: Rig) -> None:
     scenario = rig.scenario(
         """
@@ -1697,9 +1795,9 @@ def test_running_processes_from_add_and_bad_commands(rig: Rig) -> None:
         bad = ["procs", "procs 0", "procs 0 1 2", "procs 0 0", "procs 0 x", "procs 0 1:x", "procs 0 1:5:gpu",
                "procs 0 1:5:compute:6", "procs 0 1:-5", "procs 0 1,,2", "procs 0 1,", "procs 0 1,1",
                "procs 0 4294967296", "procs 0 1@1", "procs 0 1@15/0", "procs 0 1@1/8", "procs 0 1:compute+",
-               "procs 0 " + ",".join(str(p) for p in range(1, 66)), "procs 9 1", "procs 0 1:1073741825"]
+               "procs 0 " + ",".join(str(p) for p in range(1, 514)), "procs 9 1", "procs 0 1:1073741825"]
         out["errors"] = {c: ctl_error(CTL.send, c) for c in bad}
-        out["max"] = CTL.send("procs 0 " + ",".join(str(p) for p in range(1, 65)))
+        out["max"] = CTL.send("procs 0 " + ",".join(str(p) for p in range(1, 513)))
         out["n"] = len(N.nvmlDeviceGetComputeRunningProcesses(N.nvmlDeviceGetHandleByIndex(0)))
         out["dash"] = [CTL.send("procs 0 -"), lists(N.nvmlDeviceGetHandleByIndex(0))]
         """
@@ -1715,9 +1813,9 @@ def test_running_processes_from_add_and_bad_commands(rig: Rig) -> None:
     assert errors["procs 0"].startswith("error: usage: procs <gpu> ")
     assert errors["procs 0 1:x"] == ("error: procs: bad process '1:x' (want PID[:MIB][:compute|graphics|mps][@GI/CI])")
     assert errors["procs 0 1,1"] == "error: procs: duplicate pid 1"
-    assert errors["procs 0 " + ",".join(str(p) for p in range(1, 66))] == "error: procs: more than 64 processes"
+    assert errors["procs 0 " + ",".join(str(p) for p in range(1, 514))] == "error: procs: more than 512 processes"
     assert errors["procs 9 1"] == "error: procs: unknown gpu '9'"
-    assert out["max"] == "ok" and out["n"] == 64
+    assert out["max"] == "ok" and out["n"] == 512
     assert out["dash"] == ["ok", [[], [], []]]
 
 

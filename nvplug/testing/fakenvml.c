@@ -52,6 +52,15 @@
  *                                       EXCLUSIVE_THREAD PROHIBITED EXCLUSIVE_PROCESS) set it, as an
  *                                       operator's nvidia-smi -c does: no root check, error for a
  *                                       lost GPU or one in MIG mode; written to the state file
+ *   telemetry <gpu> key=value ...       what the device figures answer: util mem_util (%), temp (C),
+ *                                       power_mw, energy_mj (then growing at power_mw), sm_clock
+ *                                       mem_clock (MHz), throttle (clocks event reasons), pcie_replays,
+ *                                       reserved_mib (framebuffer used before any process's memory);
+ *                                       none on a MIG device handle, no utilization with MIG on
+ *   samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -
+ *                                       process utilization samples stamped now (realtime us,
+ *                                       rising per GPU; the last SAMPLES_MAX kept), for
+ *                                       nvmlDeviceGetProcessUtilization; "-" forgets them
  *   block <gpu>|* <function>            calls of that entry point (exact exported name) on that
  *                                       GPU hang until released, like a GPU wedged in the driver
  *   release <gpu>|* <function>          undo one block (error if not set); they return normally
@@ -248,7 +257,8 @@ enum {
 #define MIG_SLOTS (MAX_GPUS * MIG_PER_GPU)
 #define MIG_MAX_GI 14     /* GPU instance ids 0..14 (15 per GPU, as in nvidia-caps) */
 #define MIG_MAX_CI 7      /* compute instance ids 0..7 */
-#define PROCS_MAX 64      /* running processes per GPU */
+#define PROCS_MAX 512     /* running processes per GPU */
+#define SAMPLES_MAX 1024  /* process utilization samples kept per GPU, oldest dropped */
 
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct fake_evset *nvmlEventSet_t;
@@ -344,7 +354,7 @@ enum {
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
     U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14,
-    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16
+    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16, U_TELEMETRY = 1 << 17
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
@@ -352,6 +362,7 @@ static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
     {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE}, {"ecc", U_ECC},
+    {"telemetry", U_TELEMETRY},
 };
 
 /* Which running-process queries list a process (procs= KIND). */
@@ -359,6 +370,17 @@ enum { K_COMPUTE = 1, K_GRAPHICS = 2, K_MPS = 4 };
 static const struct { const char *name; unsigned bit; } proc_kinds[] = {
     {"compute", K_COMPUTE}, {"graphics", K_GRAPHICS}, {"mps", K_MPS},
 };
+
+/* nvmlProcessUtilizationSample_t */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;   /* CPU timestamp in microseconds */
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+
+typedef struct {
+    unsigned int gpu, memory;
+} nvmlUtilization_t;
 
 struct fake_proc {
     unsigned pid;
@@ -391,6 +413,16 @@ struct fake_dev {
     /* ECC error counts by nvmlMemoryErrorType_t (corrected, uncorrected) and nvmlEccCounterType_t
      * (volatile: since the driver loaded or the GPU was reset; aggregate: the GPU's whole life) */
     unsigned long long ecc[2][2];
+    /* telemetry ("telemetry"): what the device figures answer */
+    unsigned util_gpu, util_mem;        /* percent */
+    unsigned temp_c, power_mw, sm_mhz, mem_mhz, pcie_replays;
+    unsigned long long throttle;        /* nvmlClocksEventReasons bits */
+    unsigned long long reserved_mib;    /* framebuffer the driver keeps: used before any process */
+    unsigned long long energy_mj;       /* at energy_since; grows at power_mw from then */
+    struct timespec energy_since;
+    /* process utilization samples ("samples"), oldest first, a ring */
+    int nsamples, sample_head;
+    unsigned long long last_sample_us;
     /* MIG */
     int mig_mode;
     int nmig;
@@ -441,6 +473,8 @@ struct fake_evset {
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct fake_dev g_devs[MAX_GPUS];
+/* Each slot's process utilization samples: a ring of SAMPLES_MAX from sample_head (fake_dev). */
+static nvmlProcessUtilizationSample_t g_samples[MAX_GPUS][SAMPLES_MAX];
 static int g_nslots;
 static int g_order[MAX_GPUS];   /* slots enumerated in this init cycle, by index */
 static int g_count;
@@ -491,7 +525,11 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetNvLinkRemoteDeviceType, DEV) X(nvmlDeviceGetNvLinkRemotePciInfo, DEV)                 \
     X(nvmlDeviceGetNvLinkRemotePciInfo_v2, DEV) X(nvmlDeviceGetRetiredPagesPendingStatus, DEV)           \
     X(nvmlDeviceGetRemappedRows, DEV) X(nvmlDeviceGetFieldValues, DEV)                                   \
-    X(nvmlDeviceGetTotalEccErrors, DEV)                                                                  \
+    X(nvmlDeviceGetTotalEccErrors, DEV) X(nvmlDeviceGetUtilizationRates, DEV)                            \
+    X(nvmlDeviceGetTemperature, DEV) X(nvmlDeviceGetPowerUsage, DEV)                                     \
+    X(nvmlDeviceGetTotalEnergyConsumption, DEV) X(nvmlDeviceGetClockInfo, DEV)                           \
+    X(nvmlDeviceGetCurrentClocksEventReasons, DEV) X(nvmlDeviceGetCurrentClocksThrottleReasons, DEV)     \
+    X(nvmlDeviceGetPcieReplayCounter, DEV) X(nvmlDeviceGetProcessUtilization, DEV)                       \
     X(nvmlDeviceGetSupportedEventTypes, DEV) X(nvmlEventSetCreate, SYS) X(nvmlDeviceRegisterEvents, DEV) \
     X(nvmlEventSetFree, SYS) X(nvmlEventSetWait, SYS) X(nvmlEventSetWait_v2, SYS)                        \
     X(nvmlDeviceGetComputeRunningProcesses, DEV) X(nvmlDeviceGetComputeRunningProcesses_v2, DEV)         \
@@ -849,6 +887,13 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->pci_device_id = 0x233010DE;
     d->pci_subsystem_id = 0x16C110DE;
     d->events = EV_DEFAULT;
+    /* An idle H100 SXM at its default clocks. */
+    d->temp_c = 34;
+    d->power_mw = 69000;
+    d->sm_mhz = 1980;
+    d->mem_mhz = 2619;
+    d->throttle = 0x1;   /* nvmlClocksEventReasonGpuIdle */
+    clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
 
     for (i = 0; i < n; i++) {
         char *k = tok[i], *v = strchr(tok[i], '=');
@@ -1798,6 +1843,117 @@ static void ctl_block(int set, char **tok, int n, char *out, size_t cap)
     snprintf(out, cap, "ok");
 }
 
+/* Total energy now: what was set, plus power_mw over the time since (mW x ms = uJ). */
+static unsigned long long energy_now(struct fake_dev *d)
+{
+    struct timespec now;
+    long long ms;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    ms = (now.tv_sec - d->energy_since.tv_sec) * 1000LL + (now.tv_nsec - d->energy_since.tv_nsec) / 1000000L;
+    return d->energy_mj + (unsigned long long)(ms > 0 ? ms : 0) * d->power_mw / 1000ULL;
+}
+
+/*
+ * "telemetry <gpu> key=value ...": util mem_util (percent), temp (C), power_mw, energy_mj,
+ * sm_clock mem_clock (MHz), throttle (a bitmask, 0x... or decimal), pcie_replays, reserved_mib.
+ */
+static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size_t cap)
+{
+    static const struct { const char *key; unsigned long long max; } keys[] = {
+        {"util", 100}, {"mem_util", 100}, {"temp", 200}, {"power_mw", 2000000}, {"energy_mj", ~0ULL},
+        {"sm_clock", 10000}, {"mem_clock", 20000}, {"throttle", ~0ULL}, {"pcie_replays", 0xFFFFFFFFULL},
+        {"reserved_mib", 1 << 24},
+    };
+    unsigned long long v[sizeof keys / sizeof keys[0]];
+    int set[sizeof keys / sizeof keys[0]] = {0}, i;
+    size_t k;
+    if (n < 3) {
+        snprintf(out, cap, "error: usage: telemetry <gpu> key=value ... (util mem_util temp power_mw energy_mj "
+                           "sm_clock mem_clock throttle pcie_replays reserved_mib)");
+        return;
+    }
+    for (i = 2; i < n; i++) {
+        char *eq = strchr(tok[i], '=');
+        for (k = 0; eq && k < sizeof keys / sizeof keys[0]; k++)
+            if ((size_t)(eq - tok[i]) == strlen(keys[k].key) && !strncmp(tok[i], keys[k].key, (size_t)(eq - tok[i])))
+                break;
+        if (!eq || k == sizeof keys / sizeof keys[0]) {
+            snprintf(out, cap, "error: telemetry: unknown item '%s'", tok[i]);
+            return;
+        }
+        if (parse_ull(eq + 1, 0, keys[k].max, &v[k])) {
+            snprintf(out, cap, "error: telemetry: bad value in '%s' (0 to %llu)", tok[i], keys[k].max);
+            return;
+        }
+        set[k] = 1;
+    }
+    /* Energy so far is kept at the old power; from now it grows at the new one. */
+    d->energy_mj = set[4] ? v[4] : energy_now(d);
+    clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
+    if (set[0]) d->util_gpu = (unsigned)v[0];
+    if (set[1]) d->util_mem = (unsigned)v[1];
+    if (set[2]) d->temp_c = (unsigned)v[2];
+    if (set[3]) d->power_mw = (unsigned)v[3];
+    if (set[5]) d->sm_mhz = (unsigned)v[5];
+    if (set[6]) d->mem_mhz = (unsigned)v[6];
+    if (set[7]) d->throttle = v[7];
+    if (set[8]) d->pcie_replays = (unsigned)v[8];
+    if (set[9]) d->reserved_mib = v[9];
+    snprintf(out, cap, "ok");
+}
+
+/*
+ * "samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -": one utilization sample per item, stamped
+ * now (CLOCK_REALTIME microseconds, rising on each GPU), as the driver takes one per sample period for
+ * each process that used the GPU in it.  "-" forgets them all.
+ */
+static void ctl_samples(int slot, char *list, char *out, size_t cap)
+{
+    struct fake_dev *d = &g_devs[slot];
+    char *item, *save = NULL;
+    int added = 0;
+    if (!strcmp(list, "-")) {
+        d->nsamples = d->sample_head = 0;
+        snprintf(out, cap, "ok");
+        return;
+    }
+    for (item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        unsigned long long f[5] = {0, 0, 0, 0, 0};
+        char *part, *psave = NULL;
+        int nf = 0;
+        struct timespec ts;
+        unsigned long long us;
+        nvmlProcessUtilizationSample_t *smp;
+        for (part = strtok_r(item, ":", &psave); part && nf < 6; part = strtok_r(NULL, ":", &psave), nf++)
+            if (nf == 5 || parse_ull(part, 10, nf ? 100 : 0xFFFFFFFFULL, &f[nf]) || (!nf && !f[0])) {
+                snprintf(out, cap, "error: samples: want pid:sm:mem[:enc:dec], sm..dec 0-100");
+                return;
+            }
+        if (nf != 3 && nf != 5) {
+            snprintf(out, cap, "error: samples: want pid:sm:mem[:enc:dec], sm..dec 0-100");
+            return;
+        }
+        clock_gettime(CLOCK_REALTIME, &ts);
+        us = (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+        if (us <= d->last_sample_us)
+            us = d->last_sample_us + 1;
+        d->last_sample_us = us;
+        smp = &g_samples[slot][(d->sample_head + d->nsamples) % SAMPLES_MAX];
+        if (d->nsamples == SAMPLES_MAX)
+            d->sample_head = (d->sample_head + 1) % SAMPLES_MAX;
+        else
+            d->nsamples++;
+        smp->pid = (unsigned)f[0];
+        smp->timeStamp = us;
+        smp->smUtil = (unsigned)f[1];
+        smp->memUtil = (unsigned)f[2];
+        smp->encUtil = (unsigned)f[3];
+        smp->decUtil = (unsigned)f[4];
+        added++;
+    }
+    snprintf(out, cap, "ok added=%d last=%llu", added, d->last_sample_us);
+}
+
 /* Parses and runs one command (caller holds g_lock); writes the reply to out. */
 static void ctl_command(char *line, char *out, size_t cap)
 {
@@ -1891,7 +2047,8 @@ static void ctl_command(char *line, char *out, size_t cap)
 
     /* The remaining commands all take a GPU as the first argument. */
     static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove", "pending_pages",
-                                     "remap", "recovery_action", "mig", "procs", "compute_mode"};
+                                     "remap", "recovery_action", "mig", "procs", "compute_mode", "telemetry",
+                                     "samples"};
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -2014,6 +2171,12 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->corr_rows = (unsigned)corr;
         d->unc_rows = (unsigned)unc;
         snprintf(out, cap, "ok");
+    } else if (!strcmp(cmd, "telemetry")) {
+        ctl_telemetry(d, tok, n, out, cap);
+    } else if (!strcmp(cmd, "samples")) {
+        if (need_args(n, 3, "samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -", out, cap))
+            return;
+        ctl_samples(slot, tok[2], out, cap);
     } else if (!strcmp(cmd, "procs")) {
         struct fake_proc procs[PROCS_MAX];
         int np;
@@ -2128,7 +2291,7 @@ static void *ctl_main(void *arg)
 {
     int fd = (int)(intptr_t)arg;
     for (;;) {
-        char buf[4096], reply[8192];
+        static char buf[65536], reply[65536];   /* one control thread: a procs line of hundreds */
         struct sockaddr_un from;
         socklen_t fl = sizeof from;
         struct pollfd p = {fd, POLLIN, 0};
@@ -2806,6 +2969,19 @@ nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfoLegacy_t *pci)
     return pci_info_legacy(device, pci);
 }
 
+static int proc_listed(const struct fake_proc *p, unsigned kind, const struct fake_mig *mig);
+
+/* Used: what the driver keeps (the GPU's, or a MIG device's share of it) and what its processes use. */
+static unsigned long long fb_used(const struct fake_dev *d, const struct fake_mig *mig, unsigned long long total)
+{
+    unsigned long long used = mig ? 0 : d->reserved_mib << 20;
+    int i;
+    for (i = 0; i < d->nprocs; i++)
+        if (proc_listed(&d->procs[i], K_COMPUTE | K_GRAPHICS | K_MPS, mig) && d->procs[i].mem != NVML_VALUE_NOT_AVAILABLE_ULL)
+            used += d->procs[i].mem;
+    return used < total ? used : total;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     COUNT(nvmlDeviceGetMemoryInfo);
@@ -2813,8 +2989,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
     REQUIRE(memory);
     SUPPORTED(U_MEMORY);
     memory->total = (mig ? mig_profiles[mig->profile].memory_mb : d->memory_mib) << 20;
-    memory->used = 0;
-    memory->free = memory->total;
+    memory->used = fb_used(d, mig, memory->total);
+    memory->free = memory->total - memory->used;
     return done(NVML_SUCCESS);
 }
 
@@ -2828,8 +3004,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         return done(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     memory->total = (mig ? mig_profiles[mig->profile].memory_mb : d->memory_mib) << 20;
     memory->reserved = 0;
-    memory->used = 0;
-    memory->free = memory->total;
+    memory->used = fb_used(d, mig, memory->total);
+    memory->free = memory->total - memory->used;
     return done(NVML_SUCCESS);
 }
 
@@ -3307,6 +3483,118 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsign
 {
     COUNT(nvmlDeviceGetMPSComputeRunningProcesses);
     return running_procs(device, infoCount, infos, K_MPS, 1);
+}
+
+/* ---- exported: telemetry -------------------------------------------------------- */
+
+/* A GPU's figures: a MIG device handle has none of these, as on real MIG devices. */
+#define FIGURES_BEGIN(h, out)                          \
+    ANY_BEGIN(h);                                      \
+    REQUIRE(out);                                      \
+    SUPPORTED(U_TELEMETRY);                            \
+    if (mig)                                           \
+        return done(NVML_ERROR_NOT_SUPPORTED)
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
+{
+    COUNT(nvmlDeviceGetUtilizationRates);
+    FIGURES_BEGIN(device, utilization);
+    if (d->mig_mode)   /* "not supported" with MIG on: the GPU's figure would mix instances */
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    utilization->gpu = d->util_gpu;
+    utilization->memory = d->util_mem;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsigned int *temp)
+{
+    COUNT(nvmlDeviceGetTemperature);
+    FIGURES_BEGIN(device, temp);
+    REQUIRE(sensorType == 0);   /* NVML_TEMPERATURE_GPU, the only sensor there is */
+    *temp = d->temp_c;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    COUNT(nvmlDeviceGetPowerUsage);
+    FIGURES_BEGIN(device, power);
+    *power = d->power_mw;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy)
+{
+    COUNT(nvmlDeviceGetTotalEnergyConsumption);
+    FIGURES_BEGIN(device, energy);
+    *energy = energy_now(d);
+    return done(NVML_SUCCESS);
+}
+
+/* type: NVML_CLOCK_GRAPHICS 0, NVML_CLOCK_SM 1, NVML_CLOCK_MEM 2, NVML_CLOCK_VIDEO 3. */
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
+{
+    COUNT(nvmlDeviceGetClockInfo);
+    FIGURES_BEGIN(device, clock);
+    REQUIRE(type >= 0 && type <= 3);
+    *clock = type == 2 ? d->mem_mhz : type == 3 ? d->sm_mhz * 9 / 10 : d->sm_mhz;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    COUNT(nvmlDeviceGetCurrentClocksEventReasons);
+    FIGURES_BEGIN(device, reasons);
+    *reasons = d->throttle;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    COUNT(nvmlDeviceGetCurrentClocksThrottleReasons);
+    FIGURES_BEGIN(device, reasons);
+    *reasons = d->throttle;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)
+{
+    COUNT(nvmlDeviceGetPcieReplayCounter);
+    FIGURES_BEGIN(device, value);
+    *value = d->pcie_replays;
+    return done(NVML_SUCCESS);
+}
+
+/*
+ * The samples newer than lastSeenTimeStamp, oldest first.  NOT_FOUND when there is none; a NULL buffer
+ * or too small a count: INSUFFICIENT_SIZE with the count needed.  Not on MIG (nvml.h: "querying process
+ * utilization is not currently supported" with MIG enabled).
+ */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp)
+{
+    unsigned need = 0, k = 0;
+    int i, slot;
+    COUNT(nvmlDeviceGetProcessUtilization);
+    FIGURES_BEGIN(device, processSamplesCount);
+    if (d->mig_mode)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    slot = (int)(d - g_devs);
+    for (i = 0; i < d->nsamples; i++)
+        need += g_samples[slot][(d->sample_head + i) % SAMPLES_MAX].timeStamp > lastSeenTimeStamp;
+    if (!need)
+        return done(NVML_ERROR_NOT_FOUND);
+    if (!utilization || *processSamplesCount < need) {
+        *processSamplesCount = need;
+        return done(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (i = 0; i < d->nsamples; i++) {
+        const nvmlProcessUtilizationSample_t *smp = &g_samples[slot][(d->sample_head + i) % SAMPLES_MAX];
+        if (smp->timeStamp > lastSeenTimeStamp)
+            utilization[k++] = *smp;
+    }
+    *processSamplesCount = need;
+    return done(NVML_SUCCESS);
 }
 
 /* ---- exported: events ----------------------------------------------------------- */

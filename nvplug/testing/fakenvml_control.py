@@ -168,6 +168,21 @@ class Control:
         items = [p if isinstance(p, GpuProcess) else GpuProcess(p) for p in procs]
         return self.send(f"procs {gpu} {','.join(p.spec() for p in items) or '-'}")
 
+    def telemetry(self, gpu: GpuRef, **figures: int) -> str:
+        """Set what the GPU's figures answer: util, mem_util (percent), temp (C), power_mw, energy_mj,
+        sm_clock, mem_clock (MHz), throttle (nvmlClocksEventReasons bits), pcie_replays, reserved_mib
+        (framebuffer used before any process). Energy grows at power_mw from then on."""
+        if not figures:
+            raise ValueError("telemetry needs at least one figure")
+        return self.send(f"telemetry {gpu} " + " ".join(f"{k}={v}" for k, v in figures.items()))
+
+    def samples(self, gpu: GpuRef, samples: Sequence[tuple[int, int, int]]) -> int:
+        """Record one process utilization sample (pid, sm %, memory %) per item, stamped now; an empty
+        sequence forgets them all. Returns the last sample's timestamp (microseconds)."""
+        items = ",".join(f"{pid}:{sm}:{mem}" for pid, sm, mem in samples) or "-"
+        reply = self.send(f"samples {gpu} {items}")
+        return int(reply.rpartition("last=")[2]) if "last=" in reply else 0
+
     def init_error(self, code: int) -> str:
         """Make later nvmlInit calls fail with ``code`` (0 clears it)."""
         return self.send(f"init_error {code}")

@@ -32,7 +32,7 @@ MIG_PROFILES: tuple[MigProfile, ...] = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.
 # Which running-process query lists a process: nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses.
 ProcessKind: TypeAlias = Literal["compute", "graphics", "mps"]
 _PROCESS_KINDS: tuple[ProcessKind, ...] = ("compute", "graphics", "mps")
-PROCS_MAX = 64  # PROCS_MAX in the C: processes per GPU
+PROCS_MAX = 512  # PROCS_MAX in the C: processes per GPU
 _MIG_MAX_GI = 14
 _MIG_MAX_CI = 7
 
