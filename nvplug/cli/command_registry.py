@@ -99,6 +99,12 @@ COMMANDS: tuple[Command, ...] = (
                 "where the MPS pipes, logs and shm live (default: the config's nvplug.mps.root, /run/nvplug/mps)",
                 Path,
             ),
+            Argument(
+                "--pod-log-root",
+                "where the kubelet's pods/ and containers/ log records are (default: the config's "
+                "nvplug.telemetry.podLogRoot, /var/log)",
+                Path,
+            ),
         ),
         run_command.run,
     ),

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         feature_file=args.nfd_feature_file,
         pod_resources_socket=args.pod_resources_socket,
         mps_root=args.mps_root,
+        pod_log_root=args.pod_log_root,
     )
     options = Options(
         plugin_dir=args.device_plugin_dir,

@@ -21,6 +21,7 @@ from nvplug.config.model import (
     MpsLimits,
     TaintEffect,
     TaintEffects,
+    TelemetryConfig,
 )
 from nvplug.config.nvidia_sections import (
     GPU_RESOURCE,
@@ -100,6 +101,7 @@ __all__ = [
     "SharingStrategy",
     "TaintEffect",
     "TaintEffects",
+    "TelemetryConfig",
     "as_dict",
     "load",
     "off_or_path",

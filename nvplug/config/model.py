@@ -63,6 +63,9 @@ MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
 SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
 
 AutoResetMode = Literal["off", "idle"]
+MetricNaming = Literal["dcgm", "nvplug"]
+# Where the kubelet keeps its pod and container log records, which name the pods of GPU processes.
+DEFAULT_POD_LOG_ROOT = "/var/log"
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,20 @@ class TaintEffects:
     unhealthy: TaintEffect = field(
         default="NoSchedule",
         metadata=key("unhealthy", "any other fault (ECC, a pending repair, ...)", choice(TaintEffect)),
+    )
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """nvplug.telemetry: GPU figures on /metrics, per GPU and per container."""
+
+    # dcgm: dcgm-exporter's names and units before its 4.9.0 renames, for the dashboards built on them.
+    naming: MetricNaming = field(
+        default="dcgm", metadata=key("naming", "the metric names: dcgm or nvplug", choice(MetricNaming))
+    )
+    log_root: str = field(
+        default=DEFAULT_POD_LOG_ROOT,
+        metadata=key("podLogRoot", "where the kubelet's pods/ and containers/ log records are", absolute_path),
     )
 
 
@@ -327,6 +344,10 @@ class Config:
     )
     mps: MpsConfig = field(
         default_factory=MpsConfig, metadata=key("nvplug.mps", "the MPS control daemons", section=MpsConfig)
+    )
+    telemetry: TelemetryConfig = field(
+        default_factory=TelemetryConfig,
+        metadata=key("nvplug.telemetry", "GPU figures on /metrics", section=TelemetryConfig),
     )
     resources: Resources = field(
         default_factory=Resources, metadata=key("resources", "the resource names devices get", section=Resources)

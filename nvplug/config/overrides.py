@@ -33,6 +33,8 @@ class Overrides:
     pod_resources_socket: Path | None = None
     # --mps-root: nvplug.mps.root
     mps_root: Path | None = None
+    # --pod-log-root: nvplug.telemetry.podLogRoot
+    pod_log_root: Path | None = None
 
 
 def overridden(cfg: Config, given: Overrides) -> Config:
@@ -55,6 +57,8 @@ def overridden(cfg: Config, given: Overrides) -> Config:
         cfg = replace(cfg, pod_resources_socket=_path_key(given.pod_resources_socket))
     if given.mps_root is not None:
         cfg = replace(cfg, mps=replace(cfg.mps, root=str(given.mps_root)))
+    if given.pod_log_root is not None:
+        cfg = replace(cfg, telemetry=replace(cfg.telemetry, log_root=str(given.pod_log_root)))
     return cfg
 
 

@@ -36,6 +36,7 @@ from nvplug.sources.kubelet_dir_watch import KubeletDirWatch
 from nvplug.sources.nvml_discovery import Nvml
 from nvplug.sources.nvml_scanner import Scanner
 from nvplug.sources.reprober import Reprober
+from nvplug.sources.telemetry_reader import GpuTelemetry
 from nvplug.sources.udev_monitor import UdevSource
 from nvplug.status.change_log import ChangeLog
 from nvplug.status.heal_route import Healer
@@ -126,7 +127,9 @@ def wire(
         ),
     )
     roots = options.roots(cfg)
-    report = StatusReport(cfg, state, fleet, pods, dra, notifier.status, roots)
+    # NVML names host PIDs: their cgroups are the host's /proc, whatever --proc-root says of the driver.
+    telemetry = GpuTelemetry(scanner.calls, Path("/proc"), Path(cfg.telemetry.log_root))
+    report = StatusReport(cfg, state, fleet, pods, dra, notifier.status, roots, telemetry)
     dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
     dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet, report)
@@ -153,6 +156,7 @@ def wire(
         FeatureFile(cfg, options.sysfs_root),
         AutoReset(health, healer.reset, holders_now, scanner.processes, dispatcher.emit),
         *((dra,) if dra is not None else ()),
+        telemetry,
         report,  # the status line says what the others did
         StatusEndpoint(status),  # last: it asks the others
     )

@@ -379,7 +379,15 @@ class DraDriver(Sink):
                 uuid = by_name.get(name)
                 if uuid is not None:
                     listed.add((entry.namespace, entry.claim or ""))
-                    holder = Holder(entry.namespace, entry.pod, entry.container, self.driver, name, claim=entry.claim)
+                    holder = Holder(
+                        entry.namespace,
+                        entry.pod,
+                        entry.container,
+                        self.driver,
+                        name,
+                        claim=entry.claim,
+                        pool=self.node,
+                    )
                     out.setdefault(uuid, []).append(holder)
         for prepared in self.claims:
             ref = prepared.claim
@@ -387,7 +395,7 @@ class DraDriver(Sink):
                 continue
             for device in prepared.devices:
                 for pod in prepared.pods:
-                    holder = Holder(ref.namespace, pod, "", self.driver, device.device, claim=ref.name)
+                    holder = Holder(ref.namespace, pod, "", self.driver, device.device, claim=ref.name, pool=self.node)
                     out.setdefault(device.uuid, []).append(holder)
         return out
 

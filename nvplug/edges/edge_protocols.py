@@ -15,6 +15,7 @@ from typing import Literal, Protocol, runtime_checkable
 from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.snapshot import Change, Snapshot
+from nvplug.core.telemetry import Telemetry
 
 Publish = Callable[[Event], None]
 """The bus's publish: safe from any thread."""
@@ -51,6 +52,15 @@ class Source(Protocol):
     def start(self) -> asyncio.Task[None] | None: ...
 
     async def stop(self) -> None: ...
+
+
+class TelemetryReader(Protocol):
+    """GPU figures read when asked (a scrape): `refresh` reads what is due and answers within its budget,
+    with stale figures marked; `latest` is what the last refresh left."""
+
+    async def refresh(self) -> Telemetry: ...
+
+    def latest(self) -> Telemetry: ...
 
 
 @runtime_checkable

@@ -44,8 +44,9 @@ class Holder:
     resource: str
     device_id: str
     replica: int | None = None
-    # DRA: the ResourceClaim through which the pod holds it (its container is not known then).
+    # DRA: the ResourceClaim through which the pod holds it (its container is not known then), and the pool.
     claim: str | None = None
+    pool: str | None = None
 
     @property
     def text(self) -> str:
@@ -67,6 +68,7 @@ class Holder:
             str(doc.get("device_id") or ""),
             doc.get("replica"),
             doc.get("claim"),
+            doc.get("pool"),
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -78,6 +80,7 @@ class Holder:
             "device_id": self.device_id,
             "replica": self.replica,
             "claim": self.claim,
+            "pool": self.pool,
         }
 
 

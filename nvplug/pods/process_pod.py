@@ -6,7 +6,8 @@ the kubelet's cgroup drivers:
   (Guaranteed pods have no qos part: `kubepods-pod<UID>.slice`);
 - cgroupfs: `.../kubepods/<qos>/pod<UID>/<container id>` (Guaranteed: `kubepods/pod<UID>/...`).
 The pod's namespace and name are in the name of its log directory, `/var/log/pods/<namespace>_<name>_<UID>`
-(neither a namespace nor a pod name may hold `_`).
+(neither a namespace nor a pod name may hold `_`), and each container's name beside its ID in the link the
+kubelet makes to its log, `/var/log/containers/<pod>_<namespace>_<container>-<container ID>.log`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _POD_SEGMENT = re.compile(rf"^(?:kubepods(?:-[a-z]+)?-)?pod(?P<uid>{_UID})(?:\.s
 _SCOPE = re.compile(r"^(?:[a-z-]+-)?(?P<id>[0-9a-f]{12,64})\.scope$")
 _CONTAINER_DIR = re.compile(r"^[0-9a-f]{12,64}$")
 _LOG_DIR = re.compile(rf"^(?P<namespace>[^_/]+)_(?P<name>[^_/]+)_(?P<uid>{_UID})$")
+_CONTAINER_LOG = re.compile(r"^(?P<pod>[^_/]+)_(?P<namespace>[^_/]+)_(?P<container>[^/]+)-(?P<id>[0-9a-f]{64})\.log$")
 
 
 @dataclass(frozen=True)
@@ -78,4 +80,14 @@ def pod_names(log_dirs: Iterable[str]) -> Mapping[str, PodName]:
         matched = _LOG_DIR.match(entry)
         if matched is not None:
             names[matched["uid"].lower()] = PodName(matched["namespace"], matched["name"])
+    return names
+
+
+def container_names(log_links: Iterable[str]) -> Mapping[str, str]:
+    """Container ID to container name, from the names of the kubelet's links in /var/log/containers."""
+    names: dict[str, str] = {}
+    for entry in log_links:
+        matched = _CONTAINER_LOG.match(entry)
+        if matched is not None:
+            names[matched["id"]] = matched["container"]
     return names

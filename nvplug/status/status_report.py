@@ -6,19 +6,21 @@ status; nothing is kept twice. The status line goes to systemd whenever it chang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, NotesChanged
 from nvplug.core.node_state import NodeState
 from nvplug.core.snapshot import Snapshot
-from nvplug.dra.dra_driver import DraDriver
-from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
+from nvplug.dra.dra_driver import DraDriver, node_name
+from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate, TelemetryReader
 from nvplug.kubelet.plugin_fleet import PluginFleet
 from nvplug.kubelet.podresources_client import PodView
 from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
 from nvplug.shaping.resource_plan import moved
+from nvplug.status.gpu_metrics import GpuMetrics
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
@@ -50,6 +52,7 @@ class StatusReport(Sink):
         dra: DraDriver | None,
         push: Callable[[str], None],
         roots: Mapping[str, str] | None = None,
+        telemetry: TelemetryReader | None = None,
     ) -> None:
         self._cfg = cfg
         self._state = state
@@ -58,6 +61,7 @@ class StatusReport(Sink):
         self._dra = dra
         self._push = push
         self._roots = roots
+        self._telemetry = telemetry
         # Every sink, in the dispatcher's order: their notes and their parts of /status.
         self.sinks: Sequence[Sink] = ()
         self._said = ""
@@ -67,6 +71,16 @@ class StatusReport(Sink):
             dra.status if dra is not None else lambda: None,
             lambda: self._state.current,
         )
+        if telemetry is not None:
+            self.metrics.registry.register(
+                GpuMetrics(
+                    telemetry.latest,
+                    lambda: self._state.current,
+                    lambda: self.holders() or {},
+                    lambda: self._cfg.telemetry.naming,
+                    node_name(cfg),
+                )
+            )
 
     async def open(self, snapshot: Snapshot) -> None:
         """The last part but the endpoint: the line READY=1 says, once the others serve."""
@@ -151,7 +165,11 @@ class StatusReport(Sink):
         return json_answer(doc)
 
     async def metrics_page(self) -> Answer:
-        await self._pods.fresh(wait=PODS_READER_WAIT)
+        """Within a second: the kubelet's answer and the GPUs' reads each wait a bounded time, at once."""
+        reads: list[Awaitable[object]] = [self._pods.fresh(wait=PODS_READER_WAIT)]
+        if self._telemetry is not None:
+            reads.append(self._telemetry.refresh())
+        await asyncio.gather(*reads)
         return 200, PROMETHEUS_TEXT, self.metrics.render()
 
 

@@ -120,6 +120,7 @@ class SimulatedNode:
         # The daemon's MPS root (--mps-root: never the machine's /run/nvplug/mps), and the stand-in
         # control binary a test that runs MPS names.
         self.mps_root = root / "mps"
+        self.pod_log_root = root / "var/log"  # the kubelet's pods/ and containers/ log records
         self.mps_control = self.bin_dir / mps_control.BINARY_NAME
         self.kubelet = KubeletThread(self.plugin_dir)
         # The daemon's network namespace, where this node's udev messages go; None where none can be
@@ -361,10 +362,8 @@ class SimulatedNode:
                 str(self.kubelet.pod_resources.socket_path),
                 "--log-level",
                 log_level,
-                "--kernel-log",
-                str(self.kernel_log_path),
-                "--mps-root",
-                str(self.mps_root),
+                *("--kernel-log", str(self.kernel_log_path), "--mps-root", str(self.mps_root)),
+                *("--pod-log-root", str(self.pod_log_root)),
                 *extra,
             ]
         )

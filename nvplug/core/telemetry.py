@@ -1,0 +1,109 @@
+"""What a GPU is doing, as NVML says on a scrape: its figures, its MIG devices' memory, the processes on it,
+and the pod each process runs in. Pure: the reads are sources/telemetry_reader.py's.
+
+A figure the driver does not give (an older driver, a GPU in MIG mode, a MIG device) is None, and its
+series is left out rather than shown as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ProcessKind = Literal["compute", "graphics", "mps"]
+
+
+@dataclass(frozen=True)
+class GpuFigures:
+    """One read of one GPU. Memory in MiB, utilization in percent, power in W, energy in mJ, clocks in MHz."""
+
+    util_gpu: int | None = None
+    util_memory: int | None = None
+    fb_used_mib: int | None = None
+    fb_free_mib: int | None = None
+    fb_total_mib: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    energy_mj: int | None = None
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    # nvmlClocksEventReasons bits (what holds the clocks down: idle, power cap, thermal).
+    clock_event_reasons: int | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    ecc_sbe_aggregate: int | None = None
+    ecc_dbe_aggregate: int | None = None
+    retired_pages_sbe: int | None = None
+    retired_pages_dbe: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    pcie_replays: int | None = None
+
+
+@dataclass(frozen=True)
+class MigFigures:
+    """A MIG device's framebuffer: NVML gives a MIG device no other figure."""
+
+    uuid: str
+    fb_used_mib: int | None = None
+    fb_free_mib: int | None = None
+    fb_total_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessUse:
+    """A process on a GPU or one of its MIG devices (`device`: that device's UUID)."""
+
+    pid: int
+    device: str
+    kind: ProcessKind
+    # None: NVML does not know (usedGpuMemory NOT_AVAILABLE, as for MPS clients without the privilege).
+    used_mib: float | None = None
+    # Mean percent over the samples since the last read; None where NVML has none (MIG: it gives none).
+    sm_util: float | None = None
+    memory_util: float | None = None
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """The last read of a GPU that worked, and what went wrong since (the series stay, marked stale)."""
+
+    uuid: str
+    read_at: float  # wall clock, seconds
+    figures: GpuFigures
+    mig: tuple[MigFigures, ...] = ()
+    processes: tuple[ProcessUse, ...] = ()
+    # The read that failed or did not answer in time after `read_at`: its figures are older than asked.
+    stale: str | None = None
+
+
+@dataclass(frozen=True)
+class ProcessContainer:
+    """The container a process runs in, from its cgroup and the kubelet's records; empty names when it
+    runs in no pod (a host process) or in one the records do not name."""
+
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    pod_uid: str = ""
+
+    @property
+    def attributed(self) -> bool:
+        return bool(self.pod)
+
+
+HOST = ProcessContainer()
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What a scrape shows: each GPU's reading, and the container of each process in them."""
+
+    readings: tuple[GpuReading, ...] = ()
+    containers: dict[int, ProcessContainer] = field(default_factory=dict)
+
+    def container_of(self, pid: int) -> ProcessContainer:
+        return self.containers.get(pid, HOST)

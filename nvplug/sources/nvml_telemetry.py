@@ -1,0 +1,183 @@
+"""One GPU's telemetry through pynvml: its figures, its MIG devices' memory, and the processes on it with
+their memory and utilization. Every call blocks: run on NVML's worker (sources/telemetry_reader.py).
+
+A figure the driver lacks (or refuses on this GPU) is None; only a GPU NVML cannot find or reach fails the
+read (NvmlUnavailable). Process utilization comes from the samples newer than the last read's, so each
+read covers exactly the window since the one before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pynvml  # type: ignore[import-untyped]
+
+from nvplug.core.telemetry import GpuFigures, MigFigures, ProcessKind, ProcessUse
+from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.sources.nvml_discovery import session
+
+T = TypeVar("T")
+
+MIB = 1 << 20
+CORRECTED, UNCORRECTED = 0, 1  # nvmlMemoryErrorType_t
+VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
+CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
+TEMPERATURE_GPU = 0
+
+
+@dataclass(frozen=True)
+class GpuRead:
+    figures: GpuFigures
+    mig: tuple[MigFigures, ...]
+    processes: tuple[ProcessUse, ...]
+    # The newest process utilization sample seen: where the next read's window starts.
+    last_seen: int
+
+
+def read_gpu(uuid: str, last_seen: int) -> GpuRead:
+    """Raises NvmlUnavailable when the GPU cannot be found or reached."""
+    with session():
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            lost = _optional(lambda: pynvml.nvmlDeviceGetUUID(handle)) is None
+        except pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"cannot read the telemetry of {uuid}: {err}") from err
+        if lost:
+            raise NvmlUnavailable(f"{uuid} does not answer")
+        mig_handles = _mig_handles(handle)
+        figures = _figures(handle, in_mig_mode=bool(mig_handles))
+        migs = tuple(_mig_figures(h) for h in mig_handles.values())
+        devices = mig_handles or {uuid: handle}
+        samples, newest = _samples(handle, last_seen)
+        processes = tuple(p for device, h in devices.items() for p in _processes(device, h, samples))
+    return GpuRead(figures, migs, processes, newest)
+
+
+def _optional(read: Callable[[], T]) -> T | None:
+    try:
+        return read()
+    except pynvml.NVMLError:
+        return None
+
+
+def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
+    util = None if in_mig_mode else _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
+    memory = _optional(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    power = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))
+    rows = _optional(lambda: pynvml.nvmlDeviceGetRemappedRows(handle))
+    pending = _optional(lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
+
+    def ecc(kind: int, counter: int) -> int | None:
+        return _optional(lambda: int(pynvml.nvmlDeviceGetTotalEccErrors(handle, kind, counter)))
+
+    def retired(cause: int) -> int | None:
+        return _optional(lambda: len(pynvml.nvmlDeviceGetRetiredPages(handle, cause)))
+
+    return GpuFigures(
+        util_gpu=None if util is None else int(util.gpu),
+        util_memory=None if util is None else int(util.memory),
+        fb_used_mib=None if memory is None else int(memory.used) // MIB,
+        fb_free_mib=None if memory is None else int(memory.free) // MIB,
+        fb_total_mib=None if memory is None else int(memory.total) // MIB,
+        temperature_c=_optional(lambda: int(pynvml.nvmlDeviceGetTemperature(handle, TEMPERATURE_GPU))),
+        power_w=None if power is None else int(power) / 1000.0,
+        energy_mj=_optional(lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))),
+        sm_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_SM))),
+        memory_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_MEM))),
+        clock_event_reasons=_clock_event_reasons(handle),
+        ecc_sbe_volatile=ecc(CORRECTED, VOLATILE),
+        ecc_dbe_volatile=ecc(UNCORRECTED, VOLATILE),
+        ecc_sbe_aggregate=ecc(CORRECTED, AGGREGATE),
+        ecc_dbe_aggregate=ecc(UNCORRECTED, AGGREGATE),
+        retired_pages_sbe=retired(pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
+        retired_pages_dbe=retired(pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
+        retired_pages_pending=None if pending is None else bool(pending),
+        remapped_rows_correctable=None if rows is None else int(rows[0]),
+        remapped_rows_uncorrectable=None if rows is None else int(rows[1]),
+        remapped_rows_pending=None if rows is None else bool(rows[2]),
+        remapped_rows_failure=None if rows is None else bool(rows[3]),
+        pcie_replays=_optional(lambda: int(pynvml.nvmlDeviceGetPcieReplayCounter(handle))),
+    )
+
+
+def _clock_event_reasons(handle: Any) -> int | None:
+    """nvmlDeviceGetCurrentClocksEventReasons, or on a driver before R535 its old name."""
+    found = _optional(lambda: int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)))
+    if found is None:
+        found = _optional(lambda: int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)))
+    return found
+
+
+def _mig_handles(handle: Any) -> dict[str, Any]:
+    """The MIG devices of a GPU in MIG mode, by UUID; none when it is not."""
+    mode = _optional(lambda: pynvml.nvmlDeviceGetMigMode(handle))
+    if mode is None or mode[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+        return {}
+    out: dict[str, Any] = {}
+    for index in range(_optional(lambda: int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))) or 0):
+        mig = _optional(lambda: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index))  # noqa: B023
+        uuid = None if mig is None else _optional(lambda: _text(pynvml.nvmlDeviceGetUUID(mig)))  # noqa: B023
+        if uuid is not None:
+            out[uuid] = mig
+    return out
+
+
+def _mig_figures(handle: Any) -> MigFigures:
+    memory = _optional(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    uuid = _text(_optional(lambda: pynvml.nvmlDeviceGetUUID(handle)) or "")
+    if memory is None:
+        return MigFigures(uuid)
+    return MigFigures(uuid, int(memory.used) // MIB, int(memory.free) // MIB, int(memory.total) // MIB)
+
+
+_LISTS: tuple[tuple[ProcessKind, str], ...] = (
+    ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+    ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+    ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
+)
+
+
+def _processes(device: str, handle: Any, samples: dict[int, tuple[float, float]] | None) -> list[ProcessUse]:
+    """Each process once (the first list that has it: an MPS server is a compute process, its clients are
+    MPS ones), with its share over the window: 0 where it left no sample (NVML samples only the busy)."""
+    seen: dict[int, ProcessUse] = {}
+    for kind, function in _LISTS:
+        for info in _optional(lambda: getattr(pynvml, function)(handle)) or ():  # noqa: B023
+            pid = int(info.pid)
+            if pid in seen:
+                continue
+            used = info.usedGpuMemory
+            sm, mem = (None, None) if samples is None else samples.get(pid, (0.0, 0.0))
+            seen[pid] = ProcessUse(pid, device, kind, None if used is None else int(used) / MIB, sm, mem)
+    return list(seen.values())
+
+
+def _samples(handle: Any, last_seen: int) -> tuple[dict[int, tuple[float, float]] | None, int]:
+    """Each process's mean SM and memory utilization over the samples after `last_seen`, and the newest
+    sample's time. None: NVML gives no per-process utilization here (MIG, an older driver)."""
+    for _ in range(3):  # samples taken between pynvml's count and its read make the buffer short: again
+        try:
+            found = pynvml.nvmlDeviceGetProcessUtilization(handle, last_seen)
+            break
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_ERROR_NOT_FOUND:
+                return {}, last_seen  # nothing newer: no process was busy since
+            if err.value != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                return None, last_seen
+    else:
+        return None, last_seen
+    sums: dict[int, list[float]] = {}
+    newest = last_seen
+    for sample in found:
+        total = sums.setdefault(int(sample.pid), [0.0, 0.0, 0.0])
+        total[0] += int(sample.smUtil)
+        total[1] += int(sample.memUtil)
+        total[2] += 1
+        newest = max(newest, int(sample.timeStamp))
+    return {pid: (sm / n, mem / n) for pid, (sm, mem, n) in sums.items()}, newest
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

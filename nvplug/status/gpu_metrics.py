@@ -1,0 +1,319 @@
+"""GPU telemetry as Prometheus series, in one of two namings (`nvplug.telemetry.naming`):
+
+- `dcgm` (the default): dcgm-exporter's names, labels and units before its 4.9.0 renames
+  (`DCGM_FI_DEV_GPU_UTIL` in percent, `DCGM_FI_DEV_FB_USED` in MiB, clocks in MHz, energy in mJ), so that
+  dashboards built on them (Grafana 12239) work unchanged;
+- `nvplug`: nvplug's own, in base units (ratios, bytes, hertz, joules), documented in docs/telemetry.md.
+
+The per-container series are nvplug's in both (`nvplug_container_gpu_*`): dcgm-exporter has no names of
+its own for them. So are `nvplug_gpu_metrics_stale` and the read's time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from nvplug.config.model import MetricNaming
+from nvplug.core.gpu import Gpu
+from nvplug.core.snapshot import Snapshot
+from nvplug.core.telemetry import GpuReading, ProcessContainer, ProcessUse, Telemetry
+from nvplug.pods.pod_holders import Holder
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Series:
+    """One figure: its dcgm-exporter name, and nvplug's family with the labels that tell it apart there."""
+
+    figure: str  # a GpuFigures field
+    dcgm: str
+    nvplug: str
+    scale: float  # from the figure's unit to nvplug's
+    counter: bool
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+GPU_SERIES = (
+    Series("util_gpu", "DCGM_FI_DEV_GPU_UTIL", "nvplug_gpu_utilization_ratio", 0.01, False, "GPU utilization"),
+    Series(
+        "util_memory",
+        "DCGM_FI_DEV_MEM_COPY_UTIL",
+        "nvplug_gpu_memory_utilization_ratio",
+        0.01,
+        False,
+        "Memory bandwidth utilization",
+    ),
+    Series("fb_used_mib", "DCGM_FI_DEV_FB_USED", "nvplug_gpu_framebuffer_used_bytes", MIB, False, "Framebuffer used"),
+    Series("fb_free_mib", "DCGM_FI_DEV_FB_FREE", "nvplug_gpu_framebuffer_free_bytes", MIB, False, "Framebuffer free"),
+    Series(
+        "fb_total_mib", "DCGM_FI_DEV_FB_TOTAL", "nvplug_gpu_framebuffer_total_bytes", MIB, False, "Framebuffer size"
+    ),
+    Series("temperature_c", "DCGM_FI_DEV_GPU_TEMP", "nvplug_gpu_temperature_celsius", 1, False, "GPU temperature"),
+    Series("power_w", "DCGM_FI_DEV_POWER_USAGE", "nvplug_gpu_power_watts", 1, False, "Power draw"),
+    Series(
+        "energy_mj",
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "nvplug_gpu_energy_joules",
+        0.001,
+        True,
+        "Energy used since the driver loaded",
+    ),
+    Series("sm_clock_mhz", "DCGM_FI_DEV_SM_CLOCK", "nvplug_gpu_sm_clock_hertz", 1e6, False, "SM clock"),
+    Series("memory_clock_mhz", "DCGM_FI_DEV_MEM_CLOCK", "nvplug_gpu_memory_clock_hertz", 1e6, False, "Memory clock"),
+    Series(
+        "clock_event_reasons",
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+        "nvplug_gpu_clock_event_reasons",
+        1,
+        False,
+        "What holds the clocks down (nvmlClocksEventReasons bits)",
+    ),
+    *(
+        Series(
+            f"ecc_{kind}_{counter}",
+            f"DCGM_FI_DEV_ECC_{kind.upper()}_{counter[:3].upper()}_TOTAL",
+            "nvplug_gpu_ecc_errors",
+            1,
+            True,
+            "ECC errors",
+            (("error", "corrected" if kind == "sbe" else "uncorrected"), ("counter", counter)),
+        )
+        for kind in ("sbe", "dbe")
+        for counter in ("volatile", "aggregate")
+    ),
+    Series(
+        "retired_pages_sbe",
+        "DCGM_FI_DEV_RETIRED_SBE",
+        "nvplug_gpu_retired_pages",
+        1,
+        False,
+        "Retired pages",
+        (("cause", "single_bit"),),
+    ),
+    Series(
+        "retired_pages_dbe",
+        "DCGM_FI_DEV_RETIRED_DBE",
+        "nvplug_gpu_retired_pages",
+        1,
+        False,
+        "Retired pages",
+        (("cause", "double_bit"),),
+    ),
+    Series(
+        "retired_pages_pending",
+        "DCGM_FI_DEV_RETIRED_PENDING",
+        "nvplug_gpu_retired_pages_pending",
+        1,
+        False,
+        "1 while a page retirement waits for a reset",
+    ),
+    Series(
+        "remapped_rows_correctable",
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "nvplug_gpu_remapped_rows",
+        1,
+        False,
+        "Rows remapped",
+        (("error", "corrected"),),
+    ),
+    Series(
+        "remapped_rows_uncorrectable",
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        "nvplug_gpu_remapped_rows",
+        1,
+        False,
+        "Rows remapped",
+        (("error", "uncorrected"),),
+    ),
+    Series(
+        "remapped_rows_pending",
+        "DCGM_FI_DEV_ROW_REMAP_PENDING",
+        "nvplug_gpu_row_remap_pending",
+        1,
+        False,
+        "1 while a row remap waits for a reset",
+    ),
+    Series(
+        "remapped_rows_failure",
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+        "nvplug_gpu_row_remap_failure",
+        1,
+        False,
+        "1 once a row remap failed",
+    ),
+    Series("pcie_replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "nvplug_gpu_pcie_replays", 1, True, "PCIe replays"),
+)
+MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
+
+
+class GpuMetrics(Collector):
+    """Read at scrape time from the telemetry's last refresh, the snapshot and who holds each device."""
+
+    def __init__(
+        self,
+        telemetry: Callable[[], Telemetry | None],
+        snapshot: Callable[[], Snapshot],
+        holders: Callable[[], Mapping[str, list[Holder]]],
+        naming: Callable[[], MetricNaming],
+        hostname: str,
+    ) -> None:
+        self._telemetry = telemetry
+        self._snapshot = snapshot
+        self._holders = holders
+        self._naming = naming
+        self._hostname = hostname
+
+    def collect(self) -> Iterator[Metric]:
+        telemetry = self._telemetry()
+        if telemetry is None:
+            return
+        snap = self._snapshot()
+        gpus = {g.uuid: g for g in snap.gpus}
+        naming = self._naming()
+        families: dict[str, Metric] = {}
+        stale = Metric("nvplug_gpu_metrics_stale", "1 while a GPU's figures are older than asked", "gauge")
+        read_at = Metric("nvplug_gpu_metrics_read_timestamp_seconds", "When the GPU's figures were read", "gauge")
+        for reading in telemetry.readings:
+            gpu = gpus.get(reading.uuid)
+            if gpu is None:
+                continue
+            labels = self._gpu_labels(gpu, snap, naming)
+            stale.add_sample(stale.name, labels, 1.0 if reading.stale else 0.0)
+            read_at.add_sample(read_at.name, labels, reading.read_at)
+            self._figures(families, GPU_SERIES, reading.figures, labels, naming)
+            profiles = {m.uuid: m for m in gpu.mig}
+            for mig in reading.mig:
+                known = profiles.get(mig.uuid)
+                if known is None:
+                    continue
+                extra = (
+                    {"GPU_I_ID": str(known.gpu_instance), "GPU_I_PROFILE": known.profile}
+                    if naming == "dcgm"
+                    else {
+                        "gpu_instance_id": str(known.gpu_instance),
+                        "gpu_instance_profile": known.profile,
+                        "mig_uuid": mig.uuid,
+                    }
+                )
+                self._figures(families, MIG_SERIES, mig, labels | extra, naming)
+        yield from families.values()
+        yield stale
+        yield read_at
+        yield from self._containers(telemetry, gpus, naming)
+
+    def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
+        device = f"nvidia{gpu.minor}" if gpu.minor is not None else ""
+        if naming == "dcgm":
+            return {
+                "gpu": str(gpu.index),
+                "UUID": gpu.uuid,
+                "pci_bus_id": gpu.bus_id,
+                "device": device,
+                "modelName": gpu.name or "",
+                "Hostname": self._hostname,
+                "DCGM_FI_DRIVER_VERSION": snap.driver_version or "",
+            }
+        return {
+            "gpu": str(gpu.index),
+            "uuid": gpu.uuid,
+            "pci_bus_id": gpu.bus_id,
+            "device": device,
+            "model": gpu.name or "",
+            "hostname": self._hostname,
+        }
+
+    @staticmethod
+    def _figures(
+        families: dict[str, Metric],
+        series: tuple[Series, ...],
+        figures: object,
+        labels: dict[str, str],
+        naming: MetricNaming,
+    ) -> None:
+        for s in series:
+            value = getattr(figures, s.figure, None)
+            if value is None:
+                continue  # the driver does not give it: no series, rather than a false 0
+            if naming == "dcgm":
+                # As dcgm-exporter's text shows them: every field a plain gauge, under its own name.
+                family = families.setdefault(s.dcgm, Metric(s.dcgm, s.help, "gauge"))
+                family.add_sample(s.dcgm, labels, float(value))
+                continue
+            family = families.setdefault(s.nvplug, Metric(s.nvplug, s.help, "counter" if s.counter else "gauge"))
+            name = f"{s.nvplug}_total" if s.counter else s.nvplug
+            family.add_sample(name, labels | dict(s.labels), float(value) * s.scale)
+
+    def _containers(self, telemetry: Telemetry, gpus: Mapping[str, Gpu], naming: MetricNaming) -> Iterator[Metric]:
+        """Per container and device: its processes' memory and utilization, summed. Processes in no pod
+        the kubelet names are counted under pod=""."""
+        memory = Metric("nvplug_container_gpu_memory_used_bytes", "GPU memory the container's processes use", "gauge")
+        util = Metric(
+            "nvplug_container_gpu_utilization_ratio",
+            "SM utilization of the container's processes over the window since the last read",
+            "gauge",
+        )
+        mem_util = Metric(
+            "nvplug_container_gpu_memory_utilization_ratio",
+            "Memory bandwidth utilization of the container's processes over the window since the last read",
+            "gauge",
+        )
+        count = Metric("nvplug_container_gpu_processes", "The container's processes on the device", "gauge")
+        holders = self._holders()
+        for reading in telemetry.readings:
+            gpu = gpus.get(reading.uuid)
+            if gpu is None:
+                continue
+            base = self._gpu_labels(gpu, self._snapshot(), naming)
+            for (device, container), uses in _by_container(reading, telemetry).items():
+                labels = base | _container_labels(device, container, holders.get(device, ()))
+                count.add_sample(count.name, labels, float(len(uses)))
+                known = [u.used_mib for u in uses if u.used_mib is not None]
+                if known:
+                    memory.add_sample(memory.name, labels, sum(known) * MIB)
+                sm = [u.sm_util for u in uses if u.sm_util is not None]
+                if sm:  # none on MIG: NVML gives no per-process utilization there
+                    util.add_sample(util.name, labels, sum(sm) / 100.0)
+                    mem_util.add_sample(mem_util.name, labels, sum(u.memory_util or 0.0 for u in uses) / 100.0)
+        yield from (memory, util, mem_util, count)
+
+
+def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], list[ProcessUse]]:
+    out: dict[tuple[str, ProcessContainer], list[ProcessUse]] = {}
+    for use in reading.processes:
+        out.setdefault((use.device, telemetry.container_of(use.pid)), []).append(use)
+    return out
+
+
+def _container_labels(device: str, container: ProcessContainer, holders: Sequence[Holder]) -> dict[str, str]:
+    """The container's names, the device it uses, and the DRA claim through which it holds it, if any."""
+    labels = {
+        "device_uuid": device,
+        "namespace": container.namespace,
+        "pod": container.pod,
+        "container": container.container,
+    }
+    claim = next(
+        (
+            h
+            for h in holders
+            if h.claim is not None
+            and (h.namespace, h.pod) == (container.namespace, container.pod)
+            and h.container in ("", container.container)
+        ),
+        None,
+    )
+    if claim is not None:
+        labels |= {
+            "dra_claim_name": claim.claim or "",
+            "dra_claim_namespace": claim.namespace,
+            "dra_driver_name": claim.resource,
+            "dra_pool_name": claim.pool or "",
+            "dra_device_name": claim.device_id,
+        }
+    return labels
