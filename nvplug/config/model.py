@@ -313,6 +313,13 @@ class Config:
             "nvplug.status.listen", "where /healthz, /status and /metrics are served", listen_address, direct=True
         ),
     )
+    # dcgm-exporter's port is 9400; off by default: the unit must allow AF_INET first (docs/telemetry.md).
+    metrics_listen: str = field(
+        default="off",
+        metadata=key(
+            "nvplug.status.metricsListen", "where /metrics alone is served too: off or host:port", listen_address
+        ),
+    )
     cdi_spec_dir: str = field(
         default=DEFAULT_CDI_SPEC_DIR,
         metadata=key("nvplug.cdi.specDir", "where the CDI spec is written; off: not at all", off_or_absolute),

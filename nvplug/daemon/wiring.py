@@ -128,7 +128,7 @@ def wire(
     )
     roots = options.roots(cfg)
     # NVML names host PIDs: their cgroups are the host's /proc, whatever --proc-root says of the driver.
-    telemetry = GpuTelemetry(scanner.calls, Path("/proc"), Path(cfg.telemetry.log_root))
+    telemetry = GpuTelemetry(scanner.sessions, Path("/proc"), Path(cfg.telemetry.log_root))
     report = StatusReport(cfg, state, fleet, pods, dra, notifier.status, roots, telemetry)
     dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
@@ -145,6 +145,8 @@ def wire(
         {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
         {"/heal": healer.route},
     )
+    # For Prometheus over the network: /metrics alone, never /status or a POST.
+    scraped = StatusServer(cfg.metrics_listen, {"/metrics": report.metrics_page})
     sinks: tuple[Sink, ...] = (
         DevRootFollower(cfg, scanner, dev_nodes, roots),  # first: a reload's new dev root, before what reads it
         reprober,
@@ -159,6 +161,7 @@ def wire(
         telemetry,
         report,  # the status line says what the others did
         StatusEndpoint(status),  # last: it asks the others
+        StatusEndpoint(scraped),
     )
     dispatcher.sinks = report.sinks = sinks
     kernel_log = KernelLogSource(options.kernel_log, bus.publish) if health.kernel_log else None

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import subprocess
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.edges.edge_protocols import BlockingRunsOn, Publish
 from nvplug.nvml.nvml_calls import NvmlCalls
 from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
+from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import Enumerated, Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
@@ -64,6 +66,9 @@ class Scanner:
         self._stopped = False
         self._wait_ms = wait_ms
         self.calls = NvmlCalls(publish, deadline, hang_limit, lambda: nvml.reading)
+        # Reads beside the worker (telemetry) share NVML; what must take its count to zero waits for them.
+        self.sessions = NvmlSessions()
+        self._counting = threading.local()  # the scan's hold on NVML alone, on the thread that scans
         self._watch: NvmlEventWatch | None = None
         self._double_bit = DoubleBitCounts()
         self._wanted = asyncio.Event()
@@ -172,10 +177,11 @@ class Scanner:
         return await self.calls.run("reset", None, self._reset_blocking, tuple(command), timeout, deadline=None)
 
     def _reset_blocking(self, command: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
-        self._release_watch()
-        return subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
-        )
+        with self.sessions.alone():
+            self._release_watch()
+            return subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+            )
 
     def start(self) -> asyncio.Task[None]:
         """Serve rescan requests from now on; the first scan is the caller's, so that it can act on it."""
@@ -229,16 +235,19 @@ class Scanner:
             self._watch = None
 
     def _scan_blocking(self, recount: bool) -> InventoryFound | NvmlFailed:
-        if recount or self._watch is None or not self._watch.subscribed:
+        recount = recount or self._watch is None or not self._watch.subscribed
+        held = None
+        if recount:
+            # Until the GPUs are counted: _watch_from_here lets the reads go on.
+            held = self._counting.held = self.sessions.take_alone()
             self._release_watch()
-            watch = self._watch_from_here
-        else:
-            watch = self._watch_more
         self.scans += 1
         try:
-            scan = self._nvml.scan(watch)
+            scan = self._nvml.scan(self._watch_from_here if recount else self._watch_more)
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
+        finally:
+            self.sessions.release_alone(held)
         found = scan.discovery
         for note in found.absent:
             log.info("%s", note)
@@ -262,6 +271,7 @@ class Scanner:
         """The new watch, subscribed as soon as the scan has named the GPUs (it re-enumerated at init count
         zero): before the result is published, so no XID slips past an advertised GPU, and before any call
         that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits."""
+        self.sessions.release_alone(getattr(self._counting, "held", None))
         if gpus:
             watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit)
             watch.start()

@@ -1,15 +1,17 @@
-"""GPU telemetry on demand: a scrape asks, each GPU is read on NVML's worker at most once a second, and
-each process is placed in its container from the host's /proc and the kubelet's records.
+"""GPU telemetry on demand: a scrape asks, each GPU is read at most once a second, and each process is
+placed in its container from the host's /proc and the kubelet's records.
 
-A scrape waits at most `budget` for the reads; a GPU whose read fails, or has not answered by then, keeps
-its last reading, marked stale with why, and its read goes on (a hung one is reported as any hung NVML
-call is). A process's container is looked up afresh on every read, so a PID that has gone, or been
-reused, is never attributed to the pod it once was in.
+Each GPU's read runs on a thread of its own, beside NVML's worker (sharing NVML with it, nvml_sessions.py),
+so that one GPU whose calls hang holds up no other GPU's figures, nor a probe. A scrape waits at most
+`budget` for the reads; a GPU whose read fails, or has not answered by then, keeps its last reading,
+marked stale with why, and its read goes on. A process's container is looked up afresh on every read, so
+a PID that has gone, or been reused, is never attributed to the pod it once was in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -22,8 +24,8 @@ from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import GpuFigures, GpuReading, ProcessContainer, Telemetry
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
-from nvplug.nvml.nvml_calls import NvmlCalls
 from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.nvml.nvml_sessions import NvmlBusy, NvmlSessions
 from nvplug.pods.process_pod import container_names, pod_names, pod_of_cgroup
 from nvplug.sources.nvml_telemetry import GpuRead, read_gpu
 
@@ -43,13 +45,15 @@ class GpuTelemetry(Sink):
 
     def __init__(
         self,
-        calls: NvmlCalls,
+        sessions: NvmlSessions,
         proc_root: Path = Path("/proc"),
         log_root: Path = Path("/var/log"),
         read: Callable[[str, int], GpuRead] = read_gpu,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._calls = calls
+        self._sessions = sessions
+        # A thread per GPU read at once; one whose read hangs keeps its thread, and the others theirs.
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="telemetry")
         self._proc_root = proc_root
         self._log_root = log_root
         self._read = read
@@ -118,21 +122,30 @@ class GpuTelemetry(Sink):
         return task
 
     async def _read_one(self, gpu: Gpu) -> None:
+        last_seen = self._last_seen.get(gpu.uuid, 0)
         try:
-            got = await self._calls.run("telemetry", gpu.uuid, self._read, gpu.uuid, self._last_seen.get(gpu.uuid, 0))
-        except NvmlUnavailable as err:  # a hung call too: NvmlCalls has reported it
+            loop = asyncio.get_running_loop()
+            got = await loop.run_in_executor(self._threads, self._read_shared, gpu.uuid, last_seen)
+        except (NvmlUnavailable, NvmlBusy) as err:
             self._mark_stale(gpu.uuid, str(err))
             return
         self.read_count += 1
         self._last_seen[gpu.uuid] = got.last_seen
         self._readings[gpu.uuid] = GpuReading(gpu.uuid, time.time(), got.figures, got.mig, got.processes)
 
+    def _read_shared(self, uuid: str, last_seen: int) -> GpuRead:
+        with self._sessions.shared(timeout=SCRAPE_BUDGET):
+            return self._read(uuid, last_seen)
+
+    async def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
     def _mark_stale(self, uuid: str, why: str) -> None:
         old = self._readings.get(uuid)
         if old is None:
             self._readings[uuid] = GpuReading(uuid, 0.0, GpuFigures(), stale=why)
         elif old.stale != why:
-            log.debug("telemetry of %s stale: %s", uuid, why)
+            log.warning("the figures of %s are stale: %s", uuid, why)
             self._readings[uuid] = GpuReading(uuid, old.read_at, old.figures, old.mig, old.processes, why)
 
     def _place(self, pids: Iterable[int]) -> tuple[dict[int, ProcessContainer], int]:

@@ -11,11 +11,8 @@ its own for them. So are `nvplug_gpu_metrics_stale` and the read's time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from nvplug.config.model import MetricNaming
 from nvplug.core.gpu import Gpu
@@ -152,7 +149,37 @@ GPU_SERIES = (
 MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
 
 
-class GpuMetrics(Collector):
+class Families:
+    """Prometheus text, written directly: a scrape of 8 GPUs with 64 processes each is 2,000 series of a
+    dozen labels, whose encoding by prometheus_client (each label name checked and escaped, per series)
+    costs more than all the reads. Labels are rendered once per device and container here."""
+
+    def __init__(self) -> None:
+        self._lines: dict[str, list[str]] = {}
+        self._heads: dict[str, str] = {}
+
+    def add(self, name: str, help_text: str, kind: str, sample: str, labels: str, value: float) -> None:
+        if name not in self._heads:
+            self._heads[name] = f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+            self._lines[name] = []
+        self._lines[name].append(f"{sample}{{{labels}}} {value!r}\n")
+
+    def text(self) -> str:
+        return "".join(self._heads[name] + "".join(lines) for name, lines in self._lines.items())
+
+
+def label_text(labels: Mapping[str, str]) -> str:
+    """`a="x",b="y"`, each value escaped as the text format wants."""
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+
+
+def _escape(value: str) -> str:
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+class GpuMetrics:
     """Read at scrape time from the telemetry's last refresh, the snapshot and who holds each device."""
 
     def __init__(
@@ -169,24 +196,22 @@ class GpuMetrics(Collector):
         self._naming = naming
         self._hostname = hostname
 
-    def collect(self) -> Iterator[Metric]:
+    def render(self) -> bytes:
         telemetry = self._telemetry()
         if telemetry is None:
-            return
+            return b""
         snap = self._snapshot()
         gpus = {g.uuid: g for g in snap.gpus}
         naming = self._naming()
-        families: dict[str, Metric] = {}
-        stale = Metric("nvplug_gpu_metrics_stale", "1 while a GPU's figures are older than asked", "gauge")
-        read_at = Metric("nvplug_gpu_metrics_read_timestamp_seconds", "When the GPU's figures were read", "gauge")
+        out = Families()
+        holders = self._holders()
         for reading in telemetry.readings:
             gpu = gpus.get(reading.uuid)
             if gpu is None:
                 continue
             labels = self._gpu_labels(gpu, snap, naming)
-            stale.add_sample(stale.name, labels, 1.0 if reading.stale else 0.0)
-            read_at.add_sample(read_at.name, labels, reading.read_at)
-            self._figures(families, GPU_SERIES, reading.figures, labels, naming)
+            text = label_text(labels)
+            self._figures(out, GPU_SERIES, reading.figures, text, naming)
             profiles = {m.uuid: m for m in gpu.mig}
             for mig in reading.mig:
                 known = profiles.get(mig.uuid)
@@ -201,11 +226,20 @@ class GpuMetrics(Collector):
                         "mig_uuid": mig.uuid,
                     }
                 )
-                self._figures(families, MIG_SERIES, mig, labels | extra, naming)
-        yield from families.values()
-        yield stale
-        yield read_at
-        yield from self._containers(telemetry, gpus, naming)
+                self._figures(out, MIG_SERIES, mig, label_text(labels | extra), naming)
+            stale = "nvplug_gpu_metrics_stale"
+            out.add(
+                stale,
+                "1 while a GPU's figures are older than asked",
+                "gauge",
+                stale,
+                text,
+                1.0 if reading.stale else 0.0,
+            )
+            read_at = "nvplug_gpu_metrics_read_timestamp_seconds"
+            out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
+            self._containers(out, reading, telemetry, labels, holders)
+        return out.text().encode()
 
     def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
         device = f"nvidia{gpu.minor}" if gpu.minor is not None else ""
@@ -229,58 +263,46 @@ class GpuMetrics(Collector):
         }
 
     @staticmethod
-    def _figures(
-        families: dict[str, Metric],
-        series: tuple[Series, ...],
-        figures: object,
-        labels: dict[str, str],
-        naming: MetricNaming,
-    ) -> None:
+    def _figures(out: Families, series: tuple[Series, ...], figures: object, labels: str, naming: MetricNaming) -> None:
         for s in series:
             value = getattr(figures, s.figure, None)
             if value is None:
                 continue  # the driver does not give it: no series, rather than a false 0
             if naming == "dcgm":
                 # As dcgm-exporter's text shows them: every field a plain gauge, under its own name.
-                family = families.setdefault(s.dcgm, Metric(s.dcgm, s.help, "gauge"))
-                family.add_sample(s.dcgm, labels, float(value))
+                out.add(s.dcgm, s.help, "gauge", s.dcgm, labels, float(value))
                 continue
-            family = families.setdefault(s.nvplug, Metric(s.nvplug, s.help, "counter" if s.counter else "gauge"))
-            name = f"{s.nvplug}_total" if s.counter else s.nvplug
-            family.add_sample(name, labels | dict(s.labels), float(value) * s.scale)
+            sample = f"{s.nvplug}_total" if s.counter else s.nvplug
+            extra = "".join(f',{k}="{v}"' for k, v in s.labels)
+            kind = "counter" if s.counter else "gauge"
+            out.add(s.nvplug, s.help, kind, sample, labels + extra, float(value) * s.scale)
 
-    def _containers(self, telemetry: Telemetry, gpus: Mapping[str, Gpu], naming: MetricNaming) -> Iterator[Metric]:
+    @staticmethod
+    def _containers(
+        out: Families,
+        reading: GpuReading,
+        telemetry: Telemetry,
+        gpu_labels: dict[str, str],
+        holders: Mapping[str, list[Holder]],
+    ) -> None:
         """Per container and device: its processes' memory and utilization, summed. Processes in no pod
         the kubelet names are counted under pod=""."""
-        memory = Metric("nvplug_container_gpu_memory_used_bytes", "GPU memory the container's processes use", "gauge")
-        util = Metric(
-            "nvplug_container_gpu_utilization_ratio",
-            "SM utilization of the container's processes over the window since the last read",
-            "gauge",
-        )
-        mem_util = Metric(
-            "nvplug_container_gpu_memory_utilization_ratio",
-            "Memory bandwidth utilization of the container's processes over the window since the last read",
-            "gauge",
-        )
-        count = Metric("nvplug_container_gpu_processes", "The container's processes on the device", "gauge")
-        holders = self._holders()
-        for reading in telemetry.readings:
-            gpu = gpus.get(reading.uuid)
-            if gpu is None:
-                continue
-            base = self._gpu_labels(gpu, self._snapshot(), naming)
-            for (device, container), uses in _by_container(reading, telemetry).items():
-                labels = base | _container_labels(device, container, holders.get(device, ()))
-                count.add_sample(count.name, labels, float(len(uses)))
-                known = [u.used_mib for u in uses if u.used_mib is not None]
-                if known:
-                    memory.add_sample(memory.name, labels, sum(known) * MIB)
-                sm = [u.sm_util for u in uses if u.sm_util is not None]
-                if sm:  # none on MIG: NVML gives no per-process utilization there
-                    util.add_sample(util.name, labels, sum(sm) / 100.0)
-                    mem_util.add_sample(mem_util.name, labels, sum(u.memory_util or 0.0 for u in uses) / 100.0)
-        yield from (memory, util, mem_util, count)
+        for (device, container), uses in _by_container(reading, telemetry).items():
+            labels = label_text(gpu_labels | _container_labels(device, container, holders.get(device, ())))
+            name = "nvplug_container_gpu_processes"
+            out.add(name, "The container's processes on the device", "gauge", name, labels, float(len(uses)))
+            known = [u.used_mib for u in uses if u.used_mib is not None]
+            if known:
+                name = "nvplug_container_gpu_memory_used_bytes"
+                out.add(name, "GPU memory the container's processes use", "gauge", name, labels, sum(known) * MIB)
+            sm = [u.sm_util for u in uses if u.sm_util is not None]
+            if sm:  # none on MIG: NVML gives no per-process utilization there
+                name = "nvplug_container_gpu_utilization_ratio"
+                why = "SM utilization of the container's processes over the window since the last read"
+                out.add(name, why, "gauge", name, labels, sum(sm) / 100.0)
+                name = "nvplug_container_gpu_memory_utilization_ratio"
+                why = "Memory bandwidth utilization of the container's processes over the window since the last read"
+                out.add(name, why, "gauge", name, labels, sum(u.memory_util or 0.0 for u in uses) / 100.0)
 
 
 def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], list[ProcessUse]]:

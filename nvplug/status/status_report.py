@@ -71,16 +71,17 @@ class StatusReport(Sink):
             dra.status if dra is not None else lambda: None,
             lambda: self._state.current,
         )
-        if telemetry is not None:
-            self.metrics.registry.register(
-                GpuMetrics(
-                    telemetry.latest,
-                    lambda: self._state.current,
-                    lambda: self.holders() or {},
-                    lambda: self._cfg.telemetry.naming,
-                    node_name(cfg),
-                )
+        self._gpu_metrics = (
+            GpuMetrics(
+                telemetry.latest,
+                lambda: self._state.current,
+                lambda: self.holders() or {},
+                lambda: self._cfg.telemetry.naming,
+                node_name(cfg),
             )
+            if telemetry is not None
+            else None
+        )
 
     async def open(self, snapshot: Snapshot) -> None:
         """The last part but the endpoint: the line READY=1 says, once the others serve."""
@@ -170,7 +171,8 @@ class StatusReport(Sink):
         if self._telemetry is not None:
             reads.append(self._telemetry.refresh())
         await asyncio.gather(*reads)
-        return 200, PROMETHEUS_TEXT, self.metrics.render()
+        gpus = self._gpu_metrics.render() if self._gpu_metrics is not None else b""
+        return 200, PROMETHEUS_TEXT, self.metrics.render() + gpus
 
 
 def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:

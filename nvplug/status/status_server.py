@@ -395,7 +395,7 @@ class StatusServer:
         else:
             host, _, port = self.listen.rpartition(":")
             self._server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
-        log.info("status endpoint on %s (/healthz, /status, /metrics)", self.listen)
+        log.info("status endpoint on %s (%s)", self.listen, ", ".join([*self._routes, *self._posts]))
 
     async def stop(self) -> None:
         server, self._server = self._server, None
@@ -429,16 +429,16 @@ class StatusServer:
         writer.close()
 
     async def _answer(self, method: str, path: str, data: bytes, writer: asyncio.StreamWriter) -> Answer:
+        if path not in self._routes and path not in self._posts:
+            return 404, "text/plain", f"try {', '.join(self._routes)}\n".encode()
         if method == "POST" and path in self._posts:
             peer = _peer(writer)
             if peer is None:
                 # Acting on a GPU is for root on the node, never for whoever reaches a TCP port.
                 return 403, "text/plain", b"POST is served on the unix socket only\n"
             return await self._posts[path](data, peer)
-        if method != "GET":
-            return 405, "text/plain", b"GET only, or POST to /heal\n"
-        if path not in self._routes:
-            return 404, "text/plain", b"try /healthz, /status or /metrics\n"
+        if method != "GET" or path not in self._routes:
+            return 405, "text/plain", f"GET {path} only\n".encode() if path in self._routes else b"POST only\n"
         answer = self._routes[path]()
         return await answer if inspect.isawaitable(answer) else answer
 

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""What a Prometheus scrape of GPU telemetry costs the real daemon.
+
+Runs `nvplug run` on the simulated 8-GPU node (fake NVML through the real pynvml) and scrapes /metrics on
+its status socket, each scrape a second apart so that each reads every GPU afresh:
+- with no process on any GPU, then with `--processes` on each (real `sleep`s, in kubelet-shaped cgroups
+  with the kubelet's log records where this machine lets us make cgroups, each with a utilization sample
+  per scrape): p50 and p99 of the scrape, and their ratio (targets: p99 <= 20 ms, <= 2x the first);
+- the daemon's CPU over `--idle-seconds` with a scrape every 15 s (target: <= 0.1 % of one core).
+
+    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60]
+
+It prints figures and ratios; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from nvplug.status import status_client
+from nvplug.testing.fakenvml_devices import GpuProcess
+from nvplug.testing.pod_cgroups import CgroupsUnavailable, PodCgroups
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
+
+TIMEOUT = 20.0
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[SimulatedNode]:
+    root = Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
+    try:
+        with SimulatedNode(root) as node:
+            node.build_library()
+            node.kubelet.start()
+            node.start_daemon(log_level="info")
+            node.kubelet.wait_for(registered_with(8), TIMEOUT)
+            yield node
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def scrape(node: SimulatedNode) -> tuple[float, int]:
+    began = time.perf_counter()
+    code, body = status_client.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
+    took = (time.perf_counter() - began) * 1000
+    if code != 200:
+        raise SystemExit(f"/metrics answered {code}")
+    return took, body.count("\n")
+
+
+def timed(node: SimulatedNode, scrapes: int, pids: list[int]) -> tuple[list[float], int]:
+    out: list[float] = []
+    lines = 0
+    for _ in range(scrapes):
+        if pids:
+            for gpu in range(8):  # a busy window since the last read, for each process
+                node.control.samples(gpu, [(pid, 30, 10) for pid in pids])
+        time.sleep(1.05)  # past the once-a-second bound: the scrape reads every GPU
+        took, lines = scrape(node)
+        out.append(took)
+    return out, lines
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def report(what: str, times: list[float], lines: int) -> float:
+    ordered = sorted(times)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    print(f"{what}: p50 {statistics.median(ordered):.1f} ms, p99 {p99:.1f} ms, {lines} lines")
+    return p99
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scrapes", type=int, default=30)
+    parser.add_argument("--processes", type=int, default=64)
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    args = parser.parse_args()
+    with serving() as node:
+        scrape(node)  # the first read of each GPU, and the reader's threads
+        bare, lines = timed(node, args.scrapes, [])
+        p99_bare = report("8 GPUs, no processes", bare, lines)
+        cgroups = None
+        try:
+            cgroups = PodCgroups(node.pod_log_root)
+            pids = [cgroups.start("bench", f"pod-{i}").pid for i in range(args.processes)]
+            placed = "in pod cgroups"
+        except CgroupsUnavailable as err:
+            print(f"(no pod cgroups here: {err}; host PIDs instead)", file=sys.stderr)
+            pids = list(range(100000, 100000 + args.processes))
+            placed = "not in pods"
+        try:
+            for gpu in range(8):
+                node.control.procs(gpu, [GpuProcess(pid, 512) for pid in pids])
+            busy, lines = timed(node, args.scrapes, pids)
+        finally:
+            if cgroups is not None:
+                cgroups.close()
+        p99_busy = report(f"8 GPUs, {len(pids)} processes each ({placed})", busy, lines)
+        print(f"p99 with processes: {p99_busy:.1f} ms, target <= 20 ms: ratio {p99_busy / 20:.2f}")
+        print(f"p99 with / without: {p99_busy / p99_bare:.2f}x, target <= 2x: ratio {p99_busy / p99_bare / 2:.2f}")
+        for gpu in range(8):
+            node.control.procs(gpu, [])
+        assert node.daemon is not None
+        before, began = cpu_seconds(node.daemon.pid), time.monotonic()
+        while time.monotonic() - began < args.idle_seconds:
+            scrape(node)
+            time.sleep(min(15.0, max(0.0, args.idle_seconds - (time.monotonic() - began))))
+        used = cpu_seconds(node.daemon.pid) - before
+        share = used / (time.monotonic() - began) * 100
+        print(
+            f"idle CPU with a scrape every 15 s: {share:.3f} % of one core over {args.idle_seconds:.0f} s, "
+            f"target <= 0.1 %: ratio {share / 0.1:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

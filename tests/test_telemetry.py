@@ -1,0 +1,181 @@
+"""GPU telemetry on /metrics, through the daemon: per GPU in dcgm-exporter's names (Grafana 12239's queries)
+or nvplug's, and per container from real processes in real cgroups named as the kubelet names them, placed in
+their pods by the kubelet's log records; a GPU whose read hangs is stale, never the scrape."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_status import get, metrics, value
+
+from nvplug.status import status_client
+from nvplug.testing.fakenvml_devices import GpuProcess
+from nvplug.testing.pod_cgroups import CgroupsUnavailable, PodCgroups
+from nvplug.testing.simulated_node import SimulatedNode, registered_with
+
+TIMEOUT = 15.0
+MIB = 1 << 20
+
+
+def serving(node: SimulatedNode, config: str = "") -> list[dict[str, str]]:
+    node.config.write_text(f"version: v1\n{config}")
+    gpus = node.scenario_gpus()
+    node.kubelet.start()
+    node.start_daemon()
+    node.kubelet.wait_for(registered_with(len(gpus)), TIMEOUT)
+    return gpus
+
+
+@pytest.fixture
+def pods(node: SimulatedNode) -> Iterator[PodCgroups]:
+    try:
+        cgroups = PodCgroups(node.pod_log_root)
+    except CgroupsUnavailable as err:
+        pytest.skip(str(err))
+    try:
+        yield cgroups
+    finally:
+        cgroups.close()
+
+
+def scrape_later(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A scrape past the once-a-second bound, so that what was just set is read."""
+    time.sleep(1.1)
+    return metrics(node)
+
+
+def test_grafana_12239_queries_are_answered_in_dcgm_names(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    node.control.telemetry(2, util=87, temp=71, power_mw=612500, sm_clock=1755)
+    node.control.procs(2, [GpuProcess(4242, 3000)])
+    got = scrape_later(node)
+    uuid = gpus[2]["uuid"]
+    # The dashboard's panels: temperature, power, SM clock (MHz), utilization (%), framebuffer used (MiB).
+    assert value(got, "DCGM_FI_DEV_GPU_TEMP", gpu="2", UUID=uuid) == 71
+    assert value(got, "DCGM_FI_DEV_POWER_USAGE", gpu="2") == 612.5
+    assert value(got, "DCGM_FI_DEV_SM_CLOCK", gpu="2") == 1755
+    assert value(got, "DCGM_FI_DEV_GPU_UTIL", gpu="2") == 87
+    assert value(got, "DCGM_FI_DEV_FB_USED", gpu="2") == 3000
+    (labels, _), *_ = got["DCGM_FI_DEV_GPU_TEMP"]
+    assert {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"} <= set(labels), labels
+    assert len(got["DCGM_FI_DEV_GPU_TEMP"]) == len(gpus)  # one series per GPU: `label_values(..., gpu)`
+
+
+def test_nvplug_naming_in_base_units(node: SimulatedNode) -> None:
+    serving(node, "nvplug:\n  telemetry:\n    naming: nvplug\n")
+    node.control.telemetry(1, util=50, sm_clock=1500, power_mw=250000, energy_mj=5000)
+    node.control.ecc(1, "sbe", 3)
+    got = scrape_later(node)
+    assert value(got, "nvplug_gpu_utilization_ratio", gpu="1") == 0.5
+    assert value(got, "nvplug_gpu_sm_clock_hertz", gpu="1") == 1.5e9
+    assert value(got, "nvplug_gpu_framebuffer_total_bytes", gpu="1") == 81559 * MIB
+    assert value(got, "nvplug_gpu_ecc_errors_total", gpu="1", error="corrected", counter="volatile") == 3
+    assert value(got, "nvplug_gpu_energy_joules_total", gpu="1") >= 5.0
+    assert not any(name.startswith("DCGM_") for name in got)
+
+
+def test_two_pods_sharing_a_gpu_each_have_their_own_figures(node: SimulatedNode, pods: PodCgroups) -> None:
+    gpus = serving(node)
+    a = pods.start("ml", "ts-a")
+    b = pods.start("ml", "ts-b", qos="burstable")
+    node.control.procs(0, [GpuProcess(a.pid, 1024), GpuProcess(b.pid, 4096)])
+    node.control.samples(0, [(a.pid, 60, 20), (b.pid, 10, 4), (a.pid, 40, 10)])
+    got = scrape_later(node)
+    uuid = gpus[0]["uuid"]
+    for pod, mib, util in (("ts-a", 1024, 0.5), ("ts-b", 4096, 0.1)):
+        at = {"namespace": "ml", "pod": pod, "container": "main", "device_uuid": uuid}
+        assert value(got, "nvplug_container_gpu_memory_used_bytes", **at) == mib * MIB, (pod, got)
+        assert value(got, "nvplug_container_gpu_utilization_ratio", **at) == pytest.approx(util), pod
+    # The next window has no samples: nobody was busy, and each says so.
+    got = scrape_later(node)
+    assert value(got, "nvplug_container_gpu_utilization_ratio", pod="ts-a") == 0.0
+
+
+def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods: PodCgroups) -> None:
+    gpus = serving(node)
+    client = pods.start("ml", "mps-client")
+    mig_user = pods.start("ml", "mig-user")
+    node.control.procs(1, [GpuProcess(client.pid, 512, ("mps",))])
+    node.control.mig_mode(4, True)
+    node.control.mig_layout(4, ["3g.40gb"])
+    node.control.procs(4, [GpuProcess(mig_user.pid, 2048, mig=(1, 0))])
+    node.wait_log("scan 2:")  # the MIG layout's rescan names the MIG device
+    got = scrape_later(node)
+    assert value(got, "nvplug_container_gpu_memory_used_bytes", pod="mps-client", device_uuid=gpus[1]["uuid"]) == (
+        512 * MIB
+    )
+    ((labels, used),) = [s for s in got["nvplug_container_gpu_memory_used_bytes"] if s[0]["pod"] == "mig-user"]
+    assert used == 2048 * MIB and labels["device_uuid"].startswith("MIG-"), labels
+    # NVML gives no per-process utilization on MIG: no series, rather than a false 0.
+    assert not [s for s in got.get("nvplug_container_gpu_utilization_ratio", []) if s[0]["pod"] == "mig-user"]
+    assert value(got, "DCGM_FI_DEV_FB_USED", gpu="4", GPU_I_PROFILE="3g.40gb", GPU_I_ID="1") == 2048
+
+
+def test_a_pid_that_went_or_moved_is_never_the_old_pod_s(node: SimulatedNode, pods: PodCgroups) -> None:
+    serving(node)
+    a = pods.start("ml", "first")
+    b = pods.start("ml", "second")
+    node.control.procs(0, [GpuProcess(a.pid, 100)])
+    assert value(scrape_later(node), "nvplug_container_gpu_processes", pod="first") == 1
+    # The same PID, now in another pod's cgroup (as a reused PID would be): the new pod's at once.
+    pods.move(a.pid, pods.cgroup_of(b))
+    got = scrape_later(node)
+    assert value(got, "nvplug_container_gpu_processes", pod="second") == 1
+    assert value(got, "nvplug_container_gpu_processes", pod="first") == 0
+    # Gone from /proc while NVML still lists it: counted, under no pod.
+    pods.stop(a)
+    got = scrape_later(node)
+    assert value(got, "nvplug_container_gpu_processes", pod="") == 1
+    assert value(got, "nvplug_container_gpu_processes", pod="second") == 0
+
+
+def test_a_gpu_whose_read_hangs_is_stale_and_the_scrape_answers(node: SimulatedNode) -> None:
+    serving(node)
+    node.control.telemetry(3, temp=50)
+    assert value(scrape_later(node), "DCGM_FI_DEV_GPU_TEMP", gpu="3") == 50
+    with node.control.blocked(3, "nvmlDeviceGetTemperature"):
+        node.control.telemetry(3, temp=90)
+        time.sleep(1.1)
+        began = time.monotonic()
+        got = metrics(node)
+        took = time.monotonic() - began
+        assert took < 1.0 + 0.5, took  # the scrape's own budget, and a busy machine's slack
+        assert value(got, "nvplug_gpu_metrics_stale", gpu="3") == 1
+        # Every other GPU is read meanwhile, those after it in NVML's order too.
+        assert all(value(got, "nvplug_gpu_metrics_stale", gpu=str(i)) == 0 for i in (0, 1, 2, 4, 5, 6, 7)), got
+        assert value(got, "DCGM_FI_DEV_GPU_TEMP", gpu="3") == 50  # the last figure that was read
+    got = scrape_later(node)
+    assert value(got, "nvplug_gpu_metrics_stale", gpu="3") == 0
+    assert value(got, "DCGM_FI_DEV_GPU_TEMP", gpu="3") == 90
+
+
+def test_each_gpu_is_read_at_most_once_a_second(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    time.sleep(1.1)
+    node.control.reset_calls()
+    for _ in range(5):
+        assert get(node, "/metrics")[0] == 200
+    reads = node.control.calls().get("nvmlDeviceGetTemperature", 0)
+    assert reads <= 2 * len(gpus), reads  # 5 scrapes within a second or two: one read each, or two
+
+
+def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
+    if node.netns is None:
+        pytest.skip(node.no_netns_reason)
+    serving(node, "nvplug:\n  status:\n    metricsListen: 127.0.0.1:9400\n")
+    node.wait_log("status endpoint on 127.0.0.1:9400 (/metrics)")
+    netns = node.netns
+
+    def ask(method: str, path: str) -> tuple[int, str]:
+        body = b"{}" if method == "POST" else None
+        return netns.run(lambda: status_client.fetch("127.0.0.1:9400", path, timeout=5, body=body))
+
+    code, text = ask("GET", "/metrics")
+    assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text
+    for method, path in (("GET", "/status"), ("GET", "/healthz"), ("POST", "/heal"), ("POST", "/status")):
+        assert ask(method, path)[0] == 404, (method, path)
+    assert ask("POST", "/metrics")[0] == 405
+    # The unix socket still serves everything.
+    assert get(node, "/status")[0] == 200
