@@ -147,6 +147,8 @@ GPU_SERIES = (
     Series("pcie_replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "nvplug_gpu_pcie_replays", 1, True, "PCIe replays"),
 )
 MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
+# The GPU's labels a container's series carry: what the others join on.
+JOIN_LABELS = frozenset({"gpu", "UUID", "uuid", "Hostname", "hostname"})
 
 
 class Families:
@@ -238,7 +240,9 @@ class GpuMetrics:
             )
             read_at = "nvplug_gpu_metrics_read_timestamp_seconds"
             out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
-            self._containers(out, reading, telemetry, labels, holders)
+            # The GPU's own labels but for the two that join: 2,000 series of a busy node stay small.
+            joins: dict[str, str] = {k: v for k, v in labels.items() if k in JOIN_LABELS}
+            self._containers(out, reading, telemetry, joins, holders)
         return out.text().encode()
 
     def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
