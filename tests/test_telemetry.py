@@ -4,6 +4,12 @@ their pods by the kubelet's log records; a GPU whose read hangs is stale, never 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pty
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -13,7 +19,7 @@ from test_status import get, metrics, value
 from nvplug.status import status_client
 from nvplug.testing.fakenvml_devices import GpuProcess
 from nvplug.testing.pod_cgroups import CgroupsUnavailable, PodCgroups
-from nvplug.testing.simulated_node import SimulatedNode, registered_with
+from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 MIB = 1 << 20
@@ -179,3 +185,39 @@ def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
     assert ask("POST", "/metrics")[0] == 405
     # The unix socket still serves everything.
     assert get(node, "/status")[0] == 200
+
+
+def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroups) -> None:
+    serving(node)
+    a = pods.start("ml", "ts-a")
+    node.control.telemetry(0, util=70, temp=61, power_mw=410000)
+    node.control.procs(0, [GpuProcess(a.pid, 20480), GpuProcess(777, 512)])
+    node.control.samples(0, [(a.pid, 50, 20)])
+    node.control.xid(3, 79)
+    node.kubelet.wait_for(device_health(node.scenario_gpus()[3]["uuid"], False), TIMEOUT)
+    argv = [sys.executable, "-m", "nvplug", "top", "--status-listen", f"unix:{node.status_socket}"]
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    print(plain.stdout)
+    assert plain.returncode == 0, plain.stderr
+    assert "\x1b[" not in plain.stdout and plain.stdout.count("nvplug top") == 1
+    rows = plain.stdout.splitlines()
+    assert re.match(r"\s+0\s+70%\s+20\.5/79\.6 GiB\s+61C\s+410W\s+Healthy$", rows[2]), rows[2]
+    assert re.search(r"ml/ts-a \(main\)\s+pid \d+\s+compute\s+20\.0 GiB\s+25% of memory\s+50% SM", rows[3]), rows
+    assert "(no pod)" in rows[4] and "pid 777" in rows[4]
+    assert any(r.lstrip().startswith("3 ") and "Unhealthy: XID 79" in r for r in rows), rows
+    # On a terminal: redrawn in place, once a second or as asked.
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([*argv, "--count", "2", "--interval", "0.2"], stdout=follower, timeout=30)
+        assert proc.returncode == 0
+        os.close(follower)
+        follower = -1
+        drawn = b""
+        with contextlib.suppress(OSError):  # EIO once the writer has gone and all is read
+            while chunk := os.read(leader, 65536):
+                drawn += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert drawn.count(b"\x1b[H\x1b[2J") == 2 and drawn.count(b"nvplug top") == 2, drawn[:400]

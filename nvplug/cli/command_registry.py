@@ -21,6 +21,7 @@ from nvplug.cli import (
     mps_command,
     reload_command,
     run_command,
+    top_command,
 )
 from nvplug.cli.cli_arguments import (
     ASKS_THE_DAEMON,
@@ -149,6 +150,16 @@ COMMANDS: tuple[Command, ...] = (
             PROC_ROOT,
         ),
         devices_command.run,
+    ),
+    Command(
+        "top",
+        "the GPUs, their utilization, memory, temperature and health, and the pods using them, once a second",
+        (
+            Argument("--count", "draw this many times, then stop (default: until ^C on a terminal, else once)", int),
+            Argument("--interval", "seconds between draws", float, 1.0),
+            *ASKS_THE_DAEMON,
+        ),
+        top_command.run,
     ),
     Command(
         "heal",

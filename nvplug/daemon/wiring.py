@@ -142,7 +142,12 @@ def wire(
     dev_nodes = DevNodeWatch(dev_root, bus.publish)
     status = StatusServer(
         cfg.status_listen,
-        {"/healthz": report.healthz, "/status": report.status_page, "/metrics": report.metrics_page},
+        {
+            "/healthz": report.healthz,
+            "/status": report.status_page,
+            "/metrics": report.metrics_page,
+            "/telemetry": report.telemetry_page,
+        },
         {"/heal": healer.route},
     )
     # For Prometheus over the network: /metrics alone, never /status or a POST.

@@ -11,6 +11,7 @@ its own for them. So are `nvplug_gpu_metrics_stale` and the read's time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -307,6 +308,38 @@ class GpuMetrics:
                 name = "nvplug_container_gpu_memory_utilization_ratio"
                 why = "Memory bandwidth utilization of the container's processes over the window since the last read"
                 out.add(name, why, "gauge", name, labels, sum(u.memory_util or 0.0 for u in uses) / 100.0)
+
+
+def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, object]:
+    """/telemetry: each GPU's figures and health, and its processes with their containers (`nvplug top`)."""
+    gpus = {g.uuid: g for g in snapshot.gpus}
+    out = []
+    for reading in telemetry.readings:
+        gpu = gpus.get(reading.uuid)
+        if gpu is None:
+            continue
+        health = snapshot.health.get(gpu.uuid)
+        processes = []
+        for use in reading.processes:
+            where = telemetry.container_of(use.pid)
+            processes.append(
+                dataclasses.asdict(use) | {"namespace": where.namespace, "pod": where.pod, "container": where.container}
+            )
+        out.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "healthy": health is None or health.healthy,
+                "reason": None if health is None or health.healthy else health.reason,
+                "read_at": reading.read_at,
+                "stale": reading.stale,
+                "figures": dataclasses.asdict(reading.figures),
+                "mig": [dataclasses.asdict(m) for m in reading.mig],
+                "processes": processes,
+            }
+        )
+    return {"gpus": out}
 
 
 def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], list[ProcessUse]]:

@@ -72,17 +72,18 @@ def fetch(listen: str, path: str, timeout: float = 2.0, body: bytes | None = Non
         conn.close()
 
 
-def status(listen: str, timeout: float = 2.0) -> dict[str, Any]:
-    """The daemon's /status document. Raises StatusUnavailable, also for a non-200 or non-JSON answer."""
-    code, body = fetch(listen, "/status", timeout)
+def status(listen: str, timeout: float = 2.0, path: str = "/status") -> dict[str, Any]:
+    """The daemon's /status document (or another JSON page's, `path`). Raises StatusUnavailable, also for a
+    non-200 or non-JSON answer."""
+    code, body = fetch(listen, path, timeout)
     if code != 200:
-        raise StatusUnavailable(f"{listen}/status answered HTTP {code}: {body.strip()[:200]}")
+        raise StatusUnavailable(f"{listen}{path} answered HTTP {code}: {body.strip()[:200]}")
     try:
         doc = json.loads(body)
     except ValueError as err:
-        raise StatusUnavailable(f"{listen}/status is not JSON: {err}") from err
+        raise StatusUnavailable(f"{listen}{path} is not JSON: {err}") from err
     if not isinstance(doc, dict):
-        raise StatusUnavailable(f"{listen}/status is not a JSON object")
+        raise StatusUnavailable(f"{listen}{path} is not a JSON object")
     return doc
 
 

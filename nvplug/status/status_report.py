@@ -20,7 +20,7 @@ from nvplug.kubelet.podresources_client import PodView
 from nvplug.kubelet.resource_fit import unready_note
 from nvplug.pods.pod_holders import Holder, holders
 from nvplug.shaping.resource_plan import moved
-from nvplug.status.gpu_metrics import GpuMetrics
+from nvplug.status.gpu_metrics import GpuMetrics, telemetry_document
 from nvplug.status.status_server import PROMETHEUS_TEXT, Answer, Metrics, json_answer, status_document
 
 # How long /status and /metrics wait for the kubelet's PodResources answer before serving without it.
@@ -164,6 +164,13 @@ class StatusReport(Sink):
         if self._dra is None:
             doc["dra"] = None  # DRA off: the document still says so
         return json_answer(doc)
+
+    async def telemetry_page(self) -> Answer:
+        """The GPUs' figures and processes, read as a scrape reads them (`nvplug top`)."""
+        if self._telemetry is None:
+            return 404, "text/plain", b"no GPU telemetry in this daemon\n"
+        telemetry = await self._telemetry.refresh()
+        return json_answer(telemetry_document(telemetry, self._state.current))
 
     async def metrics_page(self) -> Answer:
         """Within a second: the kubelet's answer and the GPUs' reads each wait a bounded time, at once."""
