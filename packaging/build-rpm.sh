@@ -34,6 +34,8 @@ install -D -m 0644 packaging/npd/nvplug-gpu-health.json "$stage/usr/share/nvplug
 # The unit's drop-in for the DRA plugin: operators install it when they turn DRA on (docs/dra.md).
 install -D -m 0644 packaging/systemd/nvplug-dra.conf "$stage/usr/share/nvplug/systemd/nvplug-dra.conf"
 install -D -m 0644 packaging/kubernetes/nvplug-node-identity.yaml "$stage/usr/share/nvplug/kubernetes/nvplug-node-identity.yaml"
+install -D -m 0644 packaging/systemd/nvplug-metrics.conf "$stage/usr/share/nvplug/systemd/nvplug-metrics.conf"
+install -D -m 0644 packaging/grafana/nvplug-gpus.json "$stage/usr/share/nvplug/grafana/nvplug-gpus.json"
 mkdir -p "$stage/usr/bin"
 ln -s /opt/nvplug/venv/bin/nvplug "$stage/usr/bin/nvplug"
 

@@ -43,6 +43,8 @@ COMMON_FILES = {
     "/usr/share/nvplug/npd/nvplug-gpu-health.json",
     "/usr/share/nvplug/systemd/nvplug-dra.conf",
     "/usr/share/nvplug/kubernetes/nvplug-node-identity.yaml",
+    "/usr/share/nvplug/systemd/nvplug-metrics.conf",
+    "/usr/share/nvplug/grafana/nvplug-gpus.json",
     "/usr/lib/tmpfiles.d/nvplug.conf",
 }
 DEB_UNIT = "/lib/systemd/system/nvplug.service"
@@ -203,7 +205,7 @@ def test_rpm_holds_the_layout(built: Built) -> None:
         for line in _run("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]", built.rpm).splitlines()
     )
     dirs = {"/opt/nvplug", WHEELS, "/etc/nvplug", "/usr/share/doc/nvplug", "/usr/share/nvplug", "/usr/share/nvplug/npd",
-            "/usr/share/nvplug/systemd", "/usr/share/nvplug/kubernetes"}  # fmt: skip
+            "/usr/share/nvplug/systemd", "/usr/share/nvplug/kubernetes", "/usr/share/nvplug/grafana"}  # fmt: skip
     files = set(listed) - dirs
     _expected_wheels(files)
     assert files - {p for p in files if p.startswith(WHEELS + "/")} == COMMON_FILES | {RPM_UNIT, RPM_MPS_UNIT}

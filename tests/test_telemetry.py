@@ -5,6 +5,7 @@ their pods by the kubelet's log records; a GPU whose read hangs is stale, never 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pty
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from test_status import get, metrics, value
@@ -221,3 +223,24 @@ def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroup
         if follower >= 0:
             os.close(follower)
     assert drawn.count(b"\x1b[H\x1b[2J") == 2 and drawn.count(b"nvplug top") == 2, drawn[:400]
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "packaging/grafana/nvplug-gpus.json"
+
+
+@pytest.mark.parametrize("naming", ["dcgm", "nvplug"])
+def test_the_shipped_dashboard_asks_for_series_the_daemon_serves(node: SimulatedNode, naming: str) -> None:
+    """Every panel and variable of packaging/grafana/nvplug-gpus.json, in either naming, names a series that a
+    scrape with a pod's process on a GPU has."""
+    serving(node, f"nvplug:\n  telemetry:\n    naming: {naming}\n")
+    node.control.procs(0, [GpuProcess(4242, 100)])
+    node.control.samples(0, [(4242, 10, 1)])
+    served = set(scrape_later(node))
+    served |= {name.removesuffix("_total") for name in served}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        names = set(re.findall(r"\b(DCGM_FI_\w+|nvplug_\w+)\b", expr))
+        assert names & served, f"{expr!r}: none of {sorted(names)} is served in the {naming} naming"
