@@ -244,3 +244,17 @@ def test_the_shipped_dashboard_asks_for_series_the_daemon_serves(node: Simulated
     for expr in exprs:
         names = set(re.findall(r"\b(DCGM_FI_\w+|nvplug_\w+)\b", expr))
         assert names & served, f"{expr!r}: none of {sorted(names)} is served in the {naming} naming"
+
+
+def test_xids_per_code_and_the_last_one(node: SimulatedNode) -> None:
+    gpus = serving(node)
+    for code in (13, 31, 13):
+        node.control.xid(5, code)
+    node.wait_log("XID 13", TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while value(got := scrape_later(node), "nvplug_gpu_xid_errors_total", gpu="5") < 3:
+        assert time.monotonic() < deadline, got.get("nvplug_gpu_xid_errors_total")
+    assert value(got, "nvplug_gpu_xid_errors_total", gpu="5", code="13", UUID=gpus[5]["uuid"]) == 2
+    assert value(got, "nvplug_gpu_xid_errors_total", gpu="5", code="31") == 1
+    assert value(got, "DCGM_FI_DEV_XID_ERRORS", gpu="5") == 13
+    assert value(got, "DCGM_FI_DEV_XID_ERRORS", gpu="4") == 0  # none taken in: no series

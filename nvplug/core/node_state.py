@@ -292,7 +292,7 @@ class NodeState:
             return
         if self._seen_before(gpu, event.code, event.source, draft):
             return
-        draft.count_xid(gpu)
+        draft.count_xid(gpu, event.code)
         decision = self._xid.decide(event.code)
         # An XID that names a GPU and compute instance belongs to that MIG device alone.
         mig = next(
@@ -410,7 +410,7 @@ class NodeState:
             live_xid = isinstance(event, KernelXid) and not event.replayed
             if live_xid and self._seen_before(gpu, code, event.source, draft):
                 return
-            draft.count_xid(gpu)
+            draft.count_xid(gpu, code)
         if isinstance(event, GpuFellOffBus):
             reason = f"{self._xid.name(code)}: GPU has fallen off the bus ({when})"
             remedy = self._xid.decide(code).action or None

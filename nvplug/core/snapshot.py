@@ -20,7 +20,7 @@ from nvplug.core.mps_state import MpsGroupState, unit_health
 from nvplug.core.topology import Topology
 
 # Snapshot fields that are counts for operators, not the node's picture: they bump no revision.
-COUNTERS = frozenset({"xids", "xids_matched", "kernel_log_seq", "kernel_log_lost", "switch_errors"})
+COUNTERS = frozenset({"xids", "xid_codes", "xids_matched", "kernel_log_seq", "kernel_log_lost", "switch_errors"})
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,8 @@ class Snapshot(GpuLookups):
     hung_calls: Mapping[int, HungCall] = field(default_factory=lambda: MappingProxyType({}))
     # Xids taken in per GPU this run, each once however many sources reported it.
     xids: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The same per code, (code, count) the last one taken in last: telemetry's per-code counts and last Xid.
+    xid_codes: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=lambda: MappingProxyType({}))
     # Xids that both NVML and the kernel log reported, taken in once.
     xids_matched: int = 0
     # nvplug's own resets: the last step per GPU UUID, and the times of the resets this boot.

@@ -54,6 +54,7 @@ class SnapshotDraft(GpuLookups):
     switch_errors: Mapping[str, SwitchErrors]
     hung_calls: Mapping[int, HungCall]
     xids: Mapping[str, int]
+    xid_codes: Mapping[str, tuple[tuple[int, int], ...]]
     xids_matched: int
     auto_reset: Mapping[str, str]
     auto_resets: Mapping[str, tuple[float, ...]]
@@ -73,10 +74,13 @@ class SnapshotDraft(GpuLookups):
     def note(self, change: Change) -> None:
         self.changes.append(change)
 
-    def count_xid(self, gpu: Gpu) -> None:
+    def count_xid(self, gpu: Gpu, code: int) -> None:
         xids = dict(self.xids)
         xids[gpu.uuid] = xids.get(gpu.uuid, 0) + 1
         self.xids = MappingProxyType(xids)
+        codes = dict(self.xid_codes.get(gpu.uuid, ()))
+        seen = codes.pop(code, 0) + 1  # popped, so that the last one taken in comes last
+        self.xid_codes = MappingProxyType({**self.xid_codes, gpu.uuid: (*codes.items(), (code, seen))})
 
     def fault(
         self,

@@ -230,6 +230,7 @@ class GpuMetrics:
                     }
                 )
                 self._figures(out, MIG_SERIES, mig, label_text(labels | extra), naming)
+            self._xids(out, snap.xid_codes.get(gpu.uuid, ()), text, naming)
             stale = "nvplug_gpu_metrics_stale"
             out.add(
                 stale,
@@ -266,6 +267,20 @@ class GpuMetrics:
             "model": gpu.name or "",
             "hostname": self._hostname,
         }
+
+    @staticmethod
+    def _xids(out: Families, codes: tuple[tuple[int, int], ...], labels: str, naming: MetricNaming) -> None:
+        """nvplug's own count of each Xid it took in (NVML's and the kernel log's once each); in dcgm's naming
+        the last one's code too, as DCGM_FI_DEV_XID_ERRORS has it."""
+        if not codes:
+            return
+        if naming == "dcgm":
+            out.add(
+                "DCGM_FI_DEV_XID_ERRORS", "The last Xid's code", "gauge", "DCGM_FI_DEV_XID_ERRORS", labels, codes[-1][0]
+            )
+        name = "nvplug_gpu_xid_errors"
+        for code, count in sorted(codes):
+            out.add(name, "Xids taken in, by code", "counter", f"{name}_total", f'{labels},code="{code}"', count)
 
     @staticmethod
     def _figures(out: Families, series: tuple[Series, ...], figures: object, labels: str, naming: MetricNaming) -> None:
