@@ -6,9 +6,11 @@ its status socket, each scrape a second apart so that each reads every GPU afres
 - with no process on any GPU, then with `--processes` on each (real `sleep`s, in kubelet-shaped cgroups
   with the kubelet's log records where this machine lets us make cgroups, each with a utilization sample
   per scrape): p50 and p99 of the scrape, and their ratio (targets: p99 <= 20 ms, <= 2x the first);
-- the daemon's CPU over `--idle-seconds` with a scrape every 15 s (target: <= 0.1 % of one core).
+- the daemon's CPU over `--idle-seconds` with a scrape every 15 s (target: <= 0.1 % of one core);
+- the XID to kubelet list latency (bench/latency.py's) over `--xids` XIDs, with no scrape and then with a
+  scrape every second, in one run: no NVML call runs on the loop, so the two should not differ.
 
-    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60]
+    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60] [--xids 100]
 
 It prints figures and ratios; it asserts nothing.
 """
@@ -22,11 +24,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import latency
 
 from nvplug.status import status_client
 from nvplug.testing.fakenvml_devices import GpuProcess
@@ -89,6 +94,7 @@ def main() -> int:
     parser.add_argument("--scrapes", type=int, default=30)
     parser.add_argument("--processes", type=int, default=64)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--xids", type=int, default=100)
     args = parser.parse_args()
     with serving() as node:
         scrape(node)  # the first read of each GPU, and the reader's threads
@@ -126,7 +132,34 @@ def main() -> int:
             f"idle CPU with a scrape every 15 s: {share:.3f} % of one core over {args.idle_seconds:.0f} s, "
             f"target <= 0.1 %: ratio {share / 0.1:.2f}"
         )
+        quiet = xid_latency(node, args.xids, scraping=False)
+        busy = xid_latency(node, args.xids, scraping=True)
+        print(f"XID to the kubelet's list, scraped every second / not: p50 {busy / quiet:.2f}x (target: 1.00x)")
     return 0
+
+
+def xid_latency(node: SimulatedNode, samples: int, scraping: bool) -> float:
+    """The p50 of nvplug's own part of XID to list, with a scrape every second meanwhile or none."""
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.wait(1.0):
+            scrape(node)
+
+    thread = threading.Thread(target=scraper, daemon=True)
+    if scraping:
+        thread.start()
+    try:
+        total, own = latency.bench_xid(node, samples)
+    finally:
+        stop.set()
+        if scraping:
+            thread.join()
+    figures = own or total
+    p50 = statistics.median(figures) * 1000
+    what = "with a scrape every second" if scraping else "no scrape"
+    print(f"XID to the kubelet's list, {what}: p50 {p50:.2f} ms (nvplug's own part), {len(figures)} samples")
+    return p50
 
 
 if __name__ == "__main__":

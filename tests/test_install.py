@@ -35,6 +35,7 @@ from nvplug.base.linked_socket_server import LISTENERS
 from nvplug.testing import fakenvml_control, fakenvml_library
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing.fake_kubelet import FakeKubelet
+from nvplug.testing.fakenvml_devices import GpuProcess
 from nvplug.testing.kubelet_thread import KubeletThread
 from nvplug.testing.net_namespace import NetNamespace
 from nvplug.testing.simulated_node import GPU_RESOURCE, device_health, registered_with
@@ -528,6 +529,61 @@ def test_the_hardened_unit_reads_the_kernel_log(node: Node) -> None:
     node.kubelet.wait_for(device_health(gpu7, healthy=True), TIMEOUT)
     assert "kernel log unread" not in node.show("StatusText")["StatusText"]
     _timed("check 5b: the kernel log under the hardened unit", started)
+
+
+def test_the_hardened_unit_places_a_pod_s_gpu_process_in_its_pod(node: Node) -> None:
+    """A process of another UID in a cgroup the kubelet's systemd driver would make (a scope of containerd's
+    under its pod's slice), named by the kubelet's log records: the unit's /metrics and `nvplug top` put
+    its memory and utilization under its pod. The unit's ProtectProc=invisible hides other users' processes
+    from any process outside group 0: nvplug, root:root, reads them."""
+    started = time.monotonic()
+    uid, cid = "6f1b2c3d-0a0b-4c0d-8e0f-00000000abcd", "ab" * 32
+    logs = f"/var/log/pods/ml_ts-a_{uid}/main"
+    node.ctr.sh(
+        f"mkdir -p {logs} /var/log/containers && touch {logs}/0.log && "
+        f"ln -sf {logs}/0.log /var/log/containers/ts-a_ml_main-{cid}.log"
+    )
+    slice_name = f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice"
+    # The container's systemd makes the scope for a process already in its tree (ours, entered from the
+    # host, is not): a transient service asks for it, and the scope outlives the service.
+    scope = (
+        f"systemd-run --quiet --scope --unit=cri-containerd-{cid} --slice={slice_name} -- "
+        "setpriv --reuid=4242 --regid=4242 --clear-groups sleep 600 >/dev/null 2>&1 & sleep 2"
+    )
+    node.ctr.run("systemd-run", "--quiet", "--wait", "--collect", "-p", "Type=oneshot", "sh", "-c", scope)
+    # The image has no pgrep: the scope's own cgroup lists it (v2, or the hybrid's two hierarchies).
+    find = (
+        f"cg=$(systemctl show -p ControlGroup --value cri-containerd-{cid}.scope); "
+        "for base in /sys/fs/cgroup/unified /sys/fs/cgroup/systemd /sys/fs/cgroup; do "
+        '[ -f "$base$cg/cgroup.procs" ] && head -n1 "$base$cg/cgroup.procs" && break; done; true'
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not (pid := node.ctr.sh(find).stdout.strip()):
+        assert time.monotonic() < deadline, f"the pod's process did not start\n{node.diagnose()}"
+        time.sleep(0.1)
+    cgroup = node.ctr.sh(f"cat /proc/{pid}/cgroup").stdout
+    assert f"{slice_name}/cri-containerd-{cid}.scope" in cgroup, cgroup
+    try:
+        node.control.procs(1, [GpuProcess(int(pid), 2048)])
+        node.control.samples(1, [(int(pid), 40, 10)])
+        time.sleep(1.1)  # past the last read's second
+        scrape = (
+            "from nvplug.status import status_client as s; "
+            "print(s.fetch('unix:/run/nvplug/status.sock', '/metrics', timeout=5)[1])"
+        )
+        metrics = node.ctr.run("/opt/nvplug/venv/bin/python", "-c", scrape, timeout=60).stdout
+        series = [line for line in metrics.splitlines() if line.startswith("nvplug_container_gpu_memory_used_bytes{")]
+        print("\n".join(series))
+        assert any(
+            'namespace="ml",pod="ts-a",container="main"' in s and s.endswith(f" {2048 * 1024 * 1024}.0") for s in series
+        ), f"{series}\n{node.diagnose()}"
+        top = node.ctr.run("nvplug", "top", timeout=60).stdout
+        print(top)
+        assert re.search(rf"ml/ts-a \(main\)\s+pid {pid}\s+compute\s+2\.0 GiB", top), top
+    finally:
+        node.control.procs(1, [])
+        node.ctr.sh(f"kill {pid}", check=False)
+    _timed("check 5c: a pod's GPU process under the hardened unit", started)
 
 
 def test_the_hardened_unit_resets_an_idle_gpu_itself_and_runs_its_check(node: Node) -> None:

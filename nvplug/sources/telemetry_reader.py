@@ -173,6 +173,10 @@ class GpuTelemetry(Sink):
         except (NvmlUnavailable, NvmlBusy) as err:
             self._mark_stale(uuid, str(err))
             return
+        except Exception as err:  # a bug must cost this GPU's figures, never the scrape or the next read
+            log.exception("reading the figures of %s failed", uuid)
+            self._mark_stale(uuid, f"the read failed: {err!r}")
+            return
         self.read_count += 1
         self._last_seen[uuid] = got.last_seen
         self._readings[uuid] = GpuReading(uuid, time.time(), got.figures, got.mig, got.processes)
@@ -186,6 +190,9 @@ class GpuTelemetry(Sink):
             return self._read(uuid, last_seen)
 
     async def close(self) -> None:
+        if self._pass is not None:
+            self._pass.cancel()
+            await asyncio.gather(self._pass, return_exceptions=True)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _mark_stale(self, uuid: str, why: str) -> None:

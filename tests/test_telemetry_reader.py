@@ -1,0 +1,139 @@
+"""The telemetry reader as a unit: its pace (once a second per GPU however often asked), a read that hangs
+left behind while the others are read, a failing read that costs its GPU's figures alone, and processes
+placed from a /proc and the kubelet's log records laid out in a directory. The NVML read itself is scripted
+here; tests/test_telemetry.py reads the fake NVML through the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from nvplug.core.gpu import Gpu
+from nvplug.core.snapshot import Snapshot
+from nvplug.core.telemetry import GpuFigures, ProcessContainer, ProcessUse
+from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.nvml.nvml_sessions import NvmlSessions
+from nvplug.sources.nvml_telemetry import GpuRead
+from nvplug.sources.telemetry_reader import GpuTelemetry
+
+GPUS = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(3))
+UID = "6f1b2c3d-0a0b-4c0d-8e0f-00000000abcd"
+CID = "ab" * 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Driver:
+    """What each GPU's read gives: a temperature, processes, a failure, or a hang until released."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self.hang: dict[str, threading.Event] = {}
+        self.fail: set[str] = set()
+        self.processes: dict[str, tuple[ProcessUse, ...]] = {}
+
+    def read(self, uuid: str, last_seen: int) -> GpuRead:
+        self.reads.append(uuid)
+        if uuid in self.hang:
+            self.hang[uuid].wait(10)
+        if uuid in self.fail:
+            raise NvmlUnavailable(f"{uuid} is lost")
+        return GpuRead(GpuFigures(temperature_c=40 + len(self.reads)), (), self.processes.get(uuid, ()), last_seen + 1)
+
+
+def reader(driver: Driver, clock: Clock, tmp_path: Path) -> GpuTelemetry:
+    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", driver.read, clock)
+    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=GPUS)))
+    return telemetry
+
+
+def test_each_gpu_is_read_once_a_second_however_often_asked(tmp_path: Path) -> None:
+    driver, clock = Driver(), Clock()
+    telemetry = reader(driver, clock, tmp_path)
+
+    async def scrapes() -> None:
+        for _ in range(5):
+            await telemetry.refresh()
+        clock.now += 1.0
+        await telemetry.refresh()
+
+    asyncio.run(scrapes())
+    assert driver.reads == ["GPU-0", "GPU-1", "GPU-2"] * 2
+    assert [r.stale for r in telemetry.latest().readings] == [None] * 3
+
+
+def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path) -> None:
+    driver, clock = Driver(), Clock()
+    released = driver.hang["GPU-1"] = threading.Event()
+    telemetry = reader(driver, clock, tmp_path)
+
+    async def scrapes() -> None:
+        first = await telemetry.refresh(budget=2.0)
+        assert [r.uuid for r in first.readings if r.stale is None] == ["GPU-0", "GPU-2"]
+        (hung,) = [r for r in first.readings if r.stale]
+        assert hung.uuid == "GPU-1" and "no answer from NVML" in hung.stale
+        # The next second: GPU 1's read still hangs and is not started again; the others are read.
+        clock.now += 1.0
+        await telemetry.refresh(budget=2.0)
+        assert driver.reads.count("GPU-1") == 1 and driver.reads.count("GPU-0") == 2
+        released.set()
+        for _ in range(100):  # its read returns: its figures are the newest
+            await asyncio.sleep(0.01)
+            if "GPU-1" not in telemetry.status()["left_behind"]:  # type: ignore[index]
+                break
+        assert [r.stale for r in telemetry.latest().readings] == [None] * 3
+        await telemetry.close()
+
+    asyncio.run(scrapes())
+
+
+def test_a_failing_read_keeps_the_last_figures_marked(tmp_path: Path) -> None:
+    driver, clock = Driver(), Clock()
+    telemetry = reader(driver, clock, tmp_path)
+
+    async def scrapes() -> None:
+        await telemetry.refresh()
+        before = {r.uuid: r.figures for r in telemetry.latest().readings}
+        driver.fail.add("GPU-2")
+        clock.now += 1.0
+        await telemetry.refresh()
+        (failed,) = [r for r in telemetry.latest().readings if r.uuid == "GPU-2"]
+        assert failed.stale == "GPU-2 is lost" and failed.figures == before["GPU-2"]
+
+    asyncio.run(scrapes())
+
+
+@pytest.mark.parametrize(
+    "cgroup",
+    [
+        f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}.slice/"
+        f"cri-containerd-{CID}.scope\n",
+        f"12:pids:/kubepods/besteffort/pod{UID}/{CID}\n11:cpu:/\n0::/\n",
+    ],
+    ids=["v2-systemd", "v1-cgroupfs"],
+)
+def test_processes_are_placed_from_their_cgroup_and_the_kubelet_s_records(tmp_path: Path, cgroup: str) -> None:
+    for pid, text in (
+        (101, cgroup),
+        (102, "0::/system.slice/sshd.service\n"),
+        (103, f"0::/kubepods/pod{'0' * 8}-0000-0000-0000-{'0' * 12}/x\n"),
+    ):
+        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "cgroup").write_text(text)
+    (tmp_path / "log/pods" / f"ml_ts-a_{UID}").mkdir(parents=True)
+    (tmp_path / "log/containers").mkdir(parents=True)
+    (tmp_path / "log/containers" / f"ts-a_ml_main-{CID}.log").symlink_to(tmp_path / "nowhere")
+    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log")
+    # 104 has gone: no /proc entry.
+    placed, unattributed = telemetry._place([101, 102, 103, 104])
+    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID)}
+    assert unattributed == 2  # 103's pod has no record, 104 has gone; 102 is a host process
