@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from nvplug.config import Config
 from nvplug.core.events import Event
@@ -33,6 +34,7 @@ from nvplug.pods.process_pod import container_names, pod_names, pod_of_cgroup
 from nvplug.sources.nvml_telemetry import GpuRead, read_gpu
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # However often it is scraped, a GPU is read at most this often.
 READ_EVERY = 1.0
@@ -70,6 +72,8 @@ class GpuTelemetry(Sink):
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
         self._left_behind: dict[str, asyncio.Future[GpuRead]] = {}
         self._containers: dict[int, ProcessContainer] = {}
+        self._pod_names = _Listing(pod_names)
+        self._container_names = _Listing(container_names)
         # Processes of the last scrape placed in no pod the kubelet's records name; reads that worked.
         self.unattributed = 0
         self.read_count = 0
@@ -210,8 +214,8 @@ class GpuTelemetry(Sink):
         pids = list(pids)
         if not pids:
             return {}, 0
-        pods = pod_names(_listing(self._log_root / "pods"))
-        names = container_names(_listing(self._log_root / "containers"))
+        pods = self._pod_names.read(self._log_root / "pods")
+        names = self._container_names.read(self._log_root / "containers")
         out: dict[int, ProcessContainer] = {}
         unattributed = 0
         for pid in pids:
@@ -220,7 +224,7 @@ class GpuTelemetry(Sink):
             except OSError:
                 unattributed += 1
                 continue
-            found = pod_of_cgroup(text)
+            found = _pod_of_cgroup(text)
             if found is None:
                 continue  # a host process: pod=""
             pod = pods.get(found.uid)
@@ -230,6 +234,31 @@ class GpuTelemetry(Sink):
             container = names.get(found.container_id or "", "")
             out[pid] = ProcessContainer(pod.namespace, pod.name, container, found.uid)
         return out, unattributed
+
+
+# The same cgroup texts come back scrape after scrape: parse each once (bounded: a PID's text is looked up
+# afresh every time, only its parse is kept).
+_pod_of_cgroup = functools.lru_cache(maxsize=4096)(pod_of_cgroup)
+
+
+class _Listing(Generic[T]):
+    """A directory's entries, parsed, read again only when the directory changed (its mtime): the kubelet's
+    log records change when pods come and go, not on every scrape."""
+
+    def __init__(self, parse: Callable[[list[str]], T]) -> None:
+        self._parse = parse
+        self._kept: tuple[Path, int, T] | None = None
+
+    def read(self, directory: Path) -> T:
+        try:
+            stamp = directory.stat().st_mtime_ns
+        except OSError:
+            return self._parse([])
+        if self._kept is not None and self._kept[:2] == (directory, stamp):
+            return self._kept[2]
+        parsed = self._parse(_listing(directory))
+        self._kept = (directory, stamp, parsed)
+        return parsed
 
 
 def _read_small(path: Path) -> str:
