@@ -32,6 +32,7 @@ from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
 
 from nvplug.base.linked_socket_server import LISTENERS
+from nvplug.status import status_client as statusclient
 from nvplug.testing import fakenvml_control, fakenvml_library
 from nvplug.testing import mps_control_standin as mps_control
 from nvplug.testing.fake_kubelet import FakeKubelet
@@ -61,6 +62,7 @@ POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 KUBELET_PLUGINS_DIR = "/var/lib/kubelet/plugins"
 DRA_DROPIN = "/usr/share/nvplug/systemd/nvplug-dra.conf"
+METRICS_DROPIN = "/usr/share/nvplug/systemd/nvplug-metrics.conf"
 UNIT = "nvplug"
 DRIVER = "gpu.nvidia.com"
 WATCHDOG_SEC = 3
@@ -879,6 +881,41 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
     assert calls[-1] == f"compute-policy -i {node.uuids[6]} --set-timeslice 0", calls
     assert not node.ctr.exists(spec)
     assert fakenvml_library.persisted_compute_modes(node.host / "ctl")[node.uuids[7]] == 0
+
+
+def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
+    """nvplug.status.metricsListen under the hardened unit: without the shipped drop-in TCP is refused, said
+    once, and the GPUs are served all the same; with it, /metrics alone answers on the port."""
+    started = time.monotonic()
+    original = node.ctr.sh(f"cat {CONFIG}").stdout
+    node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  status:\n    metricsListen: 127.0.0.1:9400\n")
+    registrations = node.registrations()
+    node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+    node.wait_registered_again(registrations)
+    node.ctr.wait_journal(UNIT, "status endpoint 127.0.0.1:9400 unavailable", "-o", "cat", timeout=TIMEOUT)
+    assert "Address family not supported by protocol" in node.ctr.journal(UNIT, "-o", "cat")
+
+    def ask(path: str) -> tuple[int, str]:
+        return node.netns.run(lambda: statusclient.fetch("127.0.0.1:9400", path, timeout=5))
+
+    try:
+        node.ctr.sh(f"install -D -m 0644 {METRICS_DROPIN} /etc/systemd/system/{UNIT}.service.d/metrics.conf")
+        node.ctr.run("systemctl", "daemon-reload")
+        registrations = node.registrations()
+        node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+        node.wait_registered_again(registrations)
+        node.ctr.wait_journal(UNIT, "status endpoint on 127.0.0.1:9400 (/metrics)", "-o", "cat", timeout=TIMEOUT)
+        code, text = ask("/metrics")
+        assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text, f"{code} {text[:300]}\n{node.diagnose()}"
+        assert ask("/status")[0] == 404
+    finally:
+        node.ctr.sh(f"rm -f /etc/systemd/system/{UNIT}.service.d/metrics.conf")
+        node.ctr.write_file(CONFIG, original)
+        node.ctr.run("systemctl", "daemon-reload")
+        registrations = node.registrations()
+        node.ctr.run("systemctl", "restart", UNIT, timeout=60)
+        node.wait_registered_again(registrations)
+    _timed("check 7c: /metrics on TCP with its drop-in", started)
 
 
 def test_at_boot_the_kubelet_ordered_after_nvplug_finds_the_gpus_in_its_first_second(node: Node) -> None:

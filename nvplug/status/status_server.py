@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import json
 import logging
@@ -394,7 +395,14 @@ class StatusServer:
                 os.umask(old)
         else:
             host, _, port = self.listen.rpartition(":")
-            self._server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
+            server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
+            if not server.sockets:
+                # asyncio skips each address whose socket cannot be made, and serves none without a word.
+                server.close()
+                raise OSError(
+                    errno.EAFNOSUPPORT, f"no socket can be made for {self.listen}: {os.strerror(errno.EAFNOSUPPORT)}"
+                )
+            self._server = server
         log.info("status endpoint on %s (%s)", self.listen, ", ".join([*self._routes, *self._posts]))
 
     async def stop(self) -> None:
