@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 from test_faults import NEW_GPU, NEW_UUID
+from test_telemetry import serving as serving_with
 
 from nvplug.status import status_client
-from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
+from nvplug.testing.simulated_node import SimulatedNode, device_health
 from nvplug.testing.udev_sender import pci_event
 
 TIMEOUT = 15.0
@@ -28,16 +29,11 @@ COUNT_CALL = "nvmlDeviceGetCount_v2"
 HANG_SECONDS = 2.0
 
 
-def serving(node: SimulatedNode) -> list[dict[str, object]]:
+def serving(node: SimulatedNode) -> list[dict[str, str]]:
     """The daemon serving the node's GPUs, with short NVML deadlines."""
-    node.config.write_text(
-        f"version: v1\nnvplug:\n  health:\n    nvmlCallDeadlineSeconds: 0.5\n    driverHangSeconds: {HANG_SECONDS:g}\n"
+    return serving_with(
+        node, f"nvplug:\n  health:\n    nvmlCallDeadlineSeconds: 0.5\n    driverHangSeconds: {HANG_SECONDS:g}\n"
     )
-    gpus = node.scenario_gpus()
-    node.kubelet.start()
-    node.start_daemon()
-    node.kubelet.wait_for(registered_with(len(gpus)), TIMEOUT)
-    return gpus
 
 
 @contextlib.contextmanager

@@ -821,14 +821,19 @@ def test_the_dra_plugin_needs_and_works_with_its_drop_in(node: Node) -> None:
             _shared_claims_under_the_unit(node, api, kubelet)
         finally:
             kubelet.stop()
-    # The operator's files go with the operator (dpkg --purge leaves files it did not install).
-    node.ctr.sh(f"rm /etc/systemd/system/{UNIT}.service.d/dra.conf {KUBELET_KUBECONFIG}")
-    node.ctr.write_file(CONFIG, original)
+    _drop_in_removed(node, "dra.conf", original, KUBELET_KUBECONFIG)
+    _timed("check 7b: DRA with its drop-in", started)
+
+
+def _drop_in_removed(node: Node, drop_in: str, config: str, *files: str) -> None:
+    """The drop-in and `files` gone, the config as it was, and the unit restarted and registered again: the
+    operator's files go with the operator (dpkg --purge leaves files it did not install)."""
+    node.ctr.sh(f"rm -f /etc/systemd/system/{UNIT}.service.d/{drop_in} {' '.join(files)}")
+    node.ctr.write_file(CONFIG, config)
     node.ctr.run("systemctl", "daemon-reload")
     registrations = node.registrations()
     node.ctr.run("systemctl", "restart", UNIT, timeout=60)
     node.wait_registered_again(registrations)
-    _timed("check 7b: DRA with its drop-in", started)
 
 
 def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKubelet) -> None:
@@ -909,12 +914,7 @@ def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
         assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text, f"{code} {text[:300]}\n{node.diagnose()}"
         assert ask("/status")[0] == 404
     finally:
-        node.ctr.sh(f"rm -f /etc/systemd/system/{UNIT}.service.d/metrics.conf")
-        node.ctr.write_file(CONFIG, original)
-        node.ctr.run("systemctl", "daemon-reload")
-        registrations = node.registrations()
-        node.ctr.run("systemctl", "restart", UNIT, timeout=60)
-        node.wait_registered_again(registrations)
+        _drop_in_removed(node, "metrics.conf", original)
     _timed("check 7c: /metrics on TCP with its drop-in", started)
 
 

@@ -28,6 +28,7 @@ MIB = 1 << 20
 
 
 def serving(node: SimulatedNode, config: str = "") -> list[dict[str, str]]:
+    """The daemon serving the node's GPUs, with `config` under `version: v1`."""
     node.config.write_text(f"version: v1\n{config}")
     gpus = node.scenario_gpus()
     node.kubelet.start()

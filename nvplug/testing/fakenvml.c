@@ -3541,20 +3541,24 @@ nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int 
     return done(NVML_SUCCESS);
 }
 
-nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons)
+static nvmlReturn_t clock_reasons(nvmlDevice_t device, unsigned long long *reasons)
 {
-    COUNT(nvmlDeviceGetCurrentClocksEventReasons);
     FIGURES_BEGIN(device, reasons);
     *reasons = d->throttle;
     return done(NVML_SUCCESS);
 }
 
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons)
+{
+    COUNT(nvmlDeviceGetCurrentClocksEventReasons);
+    return clock_reasons(device, reasons);
+}
+
+/* The name before R535, kept by NVML. */
 nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons)
 {
     COUNT(nvmlDeviceGetCurrentClocksThrottleReasons);
-    FIGURES_BEGIN(device, reasons);
-    *reasons = d->throttle;
-    return done(NVML_SUCCESS);
+    return clock_reasons(device, reasons);
 }
 
 nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)
