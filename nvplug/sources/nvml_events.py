@@ -96,8 +96,9 @@ class NvmlEventWatch:
 
     @property
     def subscribed(self) -> bool:
-        """It has its event set and waits on it: add() can take more GPUs."""
-        return self._event_set is not None and not self._stopping.is_set()
+        """It has its event set and waits on it: add() can take more GPUs. (A watch that subscribed no GPU
+        has ended: nothing waits on its set.)"""
+        return self._event_set is not None and not self._stopping.is_set() and self._thread.is_alive()
 
     def add(self, gpus: Sequence[Watched]) -> bool:
         """Subscribe more GPUs to the running watch; on the thread that uses NVML. False: it is not subscribed
