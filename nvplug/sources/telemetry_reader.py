@@ -77,6 +77,7 @@ class GpuTelemetry(Sink):
         # Processes of the last scrape placed in no pod the kubelet's records name; reads that worked.
         self.unattributed = 0
         self.read_count = 0
+        self._placed_for = 0  # read_count when the processes were last placed
         self.pass_seconds = 0.0
         self.place_seconds = 0.0
 
@@ -106,7 +107,6 @@ class GpuTelemetry(Sink):
         """Read what is due (each GPU at most once per READ_EVERY), wait up to `budget` for it, then place
         the processes of every reading in their containers."""
         began = self._clock()
-        reads = self.read_count
         if self._pass is None or self._pass.done():
             due = [g for g in self._gpus if g.uuid not in self._left_behind and self._due(g.uuid)]
             if due:
@@ -116,8 +116,9 @@ class GpuTelemetry(Sink):
             await asyncio.wait({self._pass}, timeout=budget)
         for uuid in self._pending:
             self._mark_stale(uuid, f"no answer from NVML in {budget:.1f} s")
-        if self.read_count == reads:
-            return self.latest()  # the figures of the last scrape: so are their processes' containers
+        if self.read_count == self._placed_for:
+            return self.latest()  # no reading since the last placing (a late one counts too)
+        self._placed_for = self.read_count
         pids = {p.pid for r in self._readings.values() for p in r.processes}
         left = max(0.05, budget - (self._clock() - began))
         placing = self._clock()
