@@ -528,3 +528,17 @@ def test_each_command_line_override_is_written_onto_its_key() -> None:
     # The rest of the file is untouched, and a flag's path named `off` is a path, never the key's `off`.
     assert out.flags.nvidia_driver_root == cfg.flags.nvidia_driver_root and out.source == cfg.source
     assert config.off_or_path(config.overridden(cfg, config.Overrides(cdi_spec_dir=Path("off"))).cdi_spec_dir)
+
+
+def test_a_bare_off_turns_a_path_or_listener_off() -> None:
+    """YAML 1.1 reads a bare `off` as false: for the keys that take `off`, it is `off`; elsewhere a bool
+    is still refused where a string belongs."""
+    text = (
+        "version: v1\nnvplug:\n  cdi:\n    specDir: off\n  status:\n    listen: off\n    metricsListen: off\n"
+        "  telemetry:\n    naming: nvplug\n"
+    )
+    cfg = config.parse(text, "off.yaml")
+    assert (cfg.cdi_spec_dir, cfg.status_listen, cfg.metrics_listen) == ("off", "off", "off")
+    assert cfg.telemetry.naming == "nvplug"
+    with pytest.raises(config.ConfigError, match="must be a string"):
+        config.parse("version: v1\nnvplug:\n  status:\n    metricsListen: no\n", "no.yaml")

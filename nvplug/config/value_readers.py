@@ -79,8 +79,15 @@ def absolute_path(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     return value
 
 
+def _off_or(read: Callable[[ReadContext, yaml.Node, str], str], ctx: ReadContext, node: yaml.Node, path: str) -> str:
+    """`off` as the key means it, though YAML 1.1 reads a bare `off` as false."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG and str(node.value).lower() == "off":
+        return "off"
+    return read(ctx, node, path)
+
+
 def off_or_absolute(ctx: ReadContext, node: yaml.Node, path: str) -> str:
-    value = file_path(ctx, node, path)
+    value = _off_or(file_path, ctx, node, path)
     if value != "off" and not value.startswith("/"):
         raise ctx.error(node, path, f"{value!r} is neither off nor an absolute path")
     return value
@@ -266,7 +273,7 @@ def driver_name(ctx: ReadContext, node: yaml.Node, path: str) -> str:
 
 def listen_address(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     """`off`, `unix:/absolute/path` or `host:port`."""
-    value = string(ctx, node, path)
+    value = _off_or(string, ctx, node, path)
     if value == "off" or (value.startswith("unix:/") and "\0" not in value):
         return value
     host, _, port = value.rpartition(":")
