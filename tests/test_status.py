@@ -117,12 +117,15 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
         seen.append((body, peer))
         return 200, "text/plain", b"done\n"
 
+    def status() -> tuple[int, str, bytes]:
+        return 200, "application/json", b"{}"
+
     async def scenario() -> list[tuple[int, str]]:
         with socket.socket() as probe:  # a free port on the loopback
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         servers = [
-            StatusServer(f"unix:{short_tmp / 's.sock'}", {}, {"/heal": record}),
+            StatusServer(f"unix:{short_tmp / 's.sock'}", {"/status": status}, {"/heal": record}),
             StatusServer(f"127.0.0.1:{port}", {}, {"/heal": record}),
         ]
         for server in servers:
@@ -133,15 +136,17 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
                 await ask(f"unix:{short_tmp / 's.sock'}", "/heal", 5, b'{"gpu": "0"}'),
                 await ask(f"127.0.0.1:{port}", "/heal", 5, b'{"gpu": "0"}'),
                 await ask(f"unix:{short_tmp / 's.sock'}", "/status", 5, b"{}"),
+                await ask(f"unix:{short_tmp / 's.sock'}", "/nope", 5, b"{}"),
             ]
         finally:
             for server in servers:
                 await server.stop()
 
-    unix, tcp, other = asyncio.run(scenario())
+    unix, tcp, other, unserved = asyncio.run(scenario())
     assert unix == (200, "done\n") and seen == [(b'{"gpu": "0"}', Peer(os.getpid(), os.getuid()))]
     assert tcp == (403, "POST is served on the unix socket only\n")
-    assert other[0] == 405
+    assert other == (405, "GET /status only\n")  # a path served for GET
+    assert unserved[0] == 404  # a path not served at all, whatever the method
 
 
 def test_the_endpoint_serves_once_opened_and_an_address_in_use_costs_it_alone(
