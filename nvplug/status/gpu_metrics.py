@@ -242,7 +242,7 @@ class GpuMetrics:
             )
             read_at = "nvplug_gpu_metrics_read_timestamp_seconds"
             out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
-            # The GPU's own labels but for the two that join: 2,000 series of a busy node stay small.
+            # Of the GPU's labels only those the others join on: 2,000 series of a busy node stay small.
             joins: dict[str, str] = {k: v for k, v in labels.items() if k in JOIN_LABELS}
             self._containers(out, reading, telemetry, joins, holders)
         return out.text().encode()
