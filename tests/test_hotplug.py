@@ -62,11 +62,16 @@ def test_removed_gpu_leaves_the_list(node: SimulatedNode) -> None:
 
 def test_unbind_marks_unhealthy_and_bind_with_a_good_probe_heals(node: SimulatedNode) -> None:
     gpus = start(node)
+    uuid = gpus[3]["uuid"]
+    # Unbound, the GPU is out of NVML's reach, as on a real node: the probe the unbind's evidence starts at
+    # once fails. (A fake still answering would heal it within milliseconds, before any check could see it.)
+    node.control.lose(3)
     udev(node, "unbind", gpus[3]["bus"])
-    node.kubelet.wait_for(device_health(gpus[3]["uuid"], healthy=False), TIMEOUT)
     node.wait_log("unhealthy: driver unbound from the PCI device")
+    node.kubelet.wait_for(device_health(uuid, healthy=False), TIMEOUT)
+    node.control.restore(uuid)
     udev(node, "bind", gpus[3]["bus"])
-    node.kubelet.wait_for(device_health(gpus[3]["uuid"], healthy=True), TIMEOUT)
+    node.kubelet.wait_for(device_health(uuid, healthy=True), TIMEOUT)
     node.wait_log("healthy: recovered: driver unbound and re-bound, probe passed")
 
 
@@ -76,7 +81,9 @@ def test_the_daemon_hears_only_its_own_namespace(node: SimulatedNode, netns: Net
     gpus = start(node)
     send_uevent(netns, pci_event("unbind", gpus[3]["bus"]))
     udev(node, "unbind", gpus[4]["bus"])
-    node.kubelet.wait_for(device_health(gpus[4]["uuid"], healthy=False), TIMEOUT)
+    # The log, not the kubelet's view: the fake still answers for an unbound GPU, so the probe the unbind
+    # starts heals it within milliseconds, and a look at the view may come after both.
+    node.wait_log(f"{gpus[4]['uuid']} ({gpus[4]['bus'].lower()}) unhealthy: driver unbound")
     plugin = node.kubelet.plugin(GPU_RESOURCE)
     assert plugin is not None and plugin.devices[gpus[3]["uuid"]].healthy
     assert f"{gpus[3]['uuid']} ({gpus[3]['bus'].lower()}) unhealthy" not in node.log_text()
