@@ -54,9 +54,9 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
         health = "Healthy" if gpu.get("healthy") else f"Unhealthy: {gpu.get('reason') or '?'}"
         stale = f"  (stale: {gpu['stale']})" if gpu.get("stale") else ""
         lines.append(
-            f"{gpu.get('index', '?'):>3}  {_percent(f.get('util_gpu')):>4}  "
+            f"{gpu.get('index', '?'):>3}  {_value(f.get('util_gpu'), '%'):>4}  "
             f"{_memory(f.get('fb_used_mib'), total):>15}  {_value(f.get('temperature_c'), 'C'):>4}  "
-            f"{_value(f.get('power_w'), 'W', 0):>6}  {health}{stale}"
+            f"{_value(f.get('power_w'), 'W'):>6}  {health}{stale}"
         )
         processes = sorted(gpu.get("processes") or [], key=lambda p: (p.get("pod") == "", p.get("pod"), p["pid"]))
         for p in processes:
@@ -73,12 +73,8 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
     return lines
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}%"
-
-
-def _value(value: float | None, unit: str, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}{unit}"
+def _value(value: float | None, unit: str) -> str:
+    return "-" if value is None else f"{value:.0f}{unit}"
 
 
 def _memory(used: float | None, total: float | None) -> str:

@@ -90,10 +90,6 @@ class ProcessContainer:
     container: str = ""
     pod_uid: str = ""
 
-    @property
-    def attributed(self) -> bool:
-        return bool(self.pod)
-
 
 HOST = ProcessContainer()
 

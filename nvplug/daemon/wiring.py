@@ -129,7 +129,7 @@ def wire(
     roots = options.roots(cfg)
     # NVML names host PIDs: their cgroups are the host's /proc, whatever --proc-root says of the driver.
     telemetry = GpuTelemetry(scanner.sessions, Path("/proc"), Path(cfg.telemetry.log_root))
-    report = StatusReport(cfg, state, fleet, pods, dra, notifier.status, roots, telemetry)
+    report = StatusReport(cfg, state, fleet, pods, dra, telemetry, notifier.status, roots)
     dispatcher.metrics = report.metrics
     # Who works for which events, in order: DRA's sockets before the device plugins'.
     dispatcher.workers = (scanner, *((dra,) if dra is not None else ()), fleet, report)

@@ -88,7 +88,7 @@ def probe_gpu(uuid: str, evidence: str) -> ProbeResult:
     """Handle valid, UUID and PCI info readable, nothing pending that needs a reset."""
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        read_back = _text(pynvml.nvmlDeviceGetUUID(handle))
+        read_back = as_text(pynvml.nvmlDeviceGetUUID(handle))
         if read_back != uuid:
             return ProbeResult(uuid, f"UUID reads back as {read_back}", evidence)
         pynvml.nvmlDeviceGetPciInfo(handle)
@@ -179,7 +179,7 @@ def _read_mig(handle: Any, label: str, total_mib: int | None, notes: _Notes) -> 
             )
             devices.append(
                 MigDevice(
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(mig)),
+                    uuid=as_text(pynvml.nvmlDeviceGetUUID(mig)),
                     gpu_instance=int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),
                     compute_instance=int(pynvml.nvmlDeviceGetComputeInstanceId(mig)),
                     profile=profile,
@@ -209,11 +209,12 @@ def _nvlink_peers(gpu: Gpu, handle: Any, notes: _Notes) -> list[str]:
             if err.value not in (*_ABSENT, pynvml.NVML_ERROR_INVALID_ARGUMENT):
                 notes.problems.append(f"{gpu.label}: NVLink {link} unreadable: {err}")
             break
-        peers.append(normalize_bus_id(_text(remote.busId)))
+        peers.append(normalize_bus_id(as_text(remote.busId)))
     return peers
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """What pynvml returns as bytes or str (it depends on its version), as str."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -293,7 +294,7 @@ class Nvml:
         for index in range(count):
             self.reading = (index, None)
             with contextlib.suppress(pynvml.NVMLError):
-                uuid = _text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
+                uuid = as_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index)))
                 found.append(Enumerated(index, uuid, f"gpu {index} {uuid}"))
         return found
 
@@ -303,7 +304,7 @@ class Nvml:
         except pynvml.NVMLError as err:
             raise NvmlUnavailable(f"NVML cannot count devices: {err}") from err
         notes = _Notes()
-        driver = notes.optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
+        driver = notes.optional(lambda: as_text(pynvml.nvmlSystemGetDriverVersion()), "NVML", "driver version")
         cuda = notes.optional(lambda: int(pynvml.nvmlSystemGetCudaDriverVersion_v2()), "NVML", "CUDA driver version")
         found: list[tuple[Gpu, Any]] = []
         lost = 0
@@ -339,8 +340,8 @@ class Nvml:
             return None
 
     def _read_gpu(self, index: int, handle: Any, notes: _Notes) -> Gpu:
-        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-        bus_id = normalize_bus_id(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        uuid = as_text(pynvml.nvmlDeviceGetUUID(handle))
+        bus_id = normalize_bus_id(as_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
         label = f"gpu {index} {uuid} ({bus_id})"
 
         def opt(read: Callable[[], T], what: str) -> T | None:
@@ -362,7 +363,7 @@ class Nvml:
             bus_id=bus_id,
             minor=opt(lambda: int(pynvml.nvmlDeviceGetMinorNumber(handle)), "minor number"),
             numa_node=NO_NUMA_NODE if numa is None or numa < 0 else numa,
-            name=opt(lambda: _text(pynvml.nvmlDeviceGetName(handle)), "name"),
+            name=opt(lambda: as_text(pynvml.nvmlDeviceGetName(handle)), "name"),
             memory_mib=memory,
             compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
             mig_enabled=mig is not None,

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import subprocess
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,7 +67,6 @@ class Scanner:
         self.calls = NvmlCalls(publish, deadline, hang_limit, lambda: nvml.reading)
         # Reads beside the worker (telemetry) share NVML; what must take its count to zero waits for them.
         self.sessions = NvmlSessions()
-        self._counting = threading.local()  # the scan's hold on NVML alone, on the thread that scans
         self._watch: NvmlEventWatch | None = None
         self._double_bit = DoubleBitCounts()
         self._wanted = asyncio.Event()
@@ -239,11 +237,11 @@ class Scanner:
         held = None
         if recount:
             # Until the GPUs are counted: _watch_from_here lets the reads go on.
-            held = self._counting.held = self.sessions.take_alone()
+            held = self.sessions.take_alone()
             self._release_watch()
         self.scans += 1
         try:
-            scan = self._nvml.scan(self._watch_from_here if recount else self._watch_more)
+            scan = self._nvml.scan(functools.partial(self._watch_from_here, held) if recount else self._watch_more)
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
         finally:
@@ -267,11 +265,12 @@ class Scanner:
             found.cuda_version,
         )
 
-    def _watch_from_here(self, gpus: Sequence[Enumerated]) -> None:
+    def _watch_from_here(self, held: object, gpus: Sequence[Enumerated]) -> None:
         """The new watch, subscribed as soon as the scan has named the GPUs (it re-enumerated at init count
         zero): before the result is published, so no XID slips past an advertised GPU, and before any call
-        that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits."""
-        self.sessions.release_alone(getattr(self._counting, "held", None))
+        that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits.
+        `held`: the scan's hold on NVML alone, let go here, now that the GPUs are counted."""
+        self.sessions.release_alone(held)
         if gpus:
             watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit)
             watch.start()

@@ -1,5 +1,5 @@
 """One GPU's telemetry through pynvml: its figures, its MIG devices' memory, and the processes on it with
-their memory and utilization. Every call blocks: run on NVML's worker (sources/telemetry_reader.py).
+their memory and utilization. Every call blocks: run on the telemetry's own thread (sources/telemetry_reader.py).
 
 A figure the driver lacks (or refuses on this GPU) is None; only a GPU NVML cannot find or reach fails the
 read (NvmlUnavailable). Process utilization comes from the samples newer than the last read's, so each
@@ -16,7 +16,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from nvplug.core.telemetry import GpuFigures, MigFigures, ProcessKind, ProcessUse
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import session
+from nvplug.sources.nvml_discovery import as_text, session
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ def read_gpu(uuid: str, last_seen: int) -> GpuRead:
             raise NvmlUnavailable(f"{uuid} does not answer")
         mig_handles = _mig_handles(handle)
         figures = _figures(handle, in_mig_mode=bool(mig_handles))
-        migs = tuple(_mig_figures(h) for h in mig_handles.values())
+        migs = tuple(_mig_figures(mig, h) for mig, h in mig_handles.items())
         devices = mig_handles or {uuid: handle}
         samples, newest = _samples(handle, last_seen)
         processes = tuple(p for device, h in devices.items() for p in _processes(device, h, samples))
@@ -118,15 +118,14 @@ def _mig_handles(handle: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for index in range(_optional(lambda: int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))) or 0):
         mig = _optional(lambda: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index))  # noqa: B023
-        uuid = None if mig is None else _optional(lambda: _text(pynvml.nvmlDeviceGetUUID(mig)))  # noqa: B023
+        uuid = None if mig is None else _optional(lambda: as_text(pynvml.nvmlDeviceGetUUID(mig)))  # noqa: B023
         if uuid is not None:
             out[uuid] = mig
     return out
 
 
-def _mig_figures(handle: Any) -> MigFigures:
+def _mig_figures(uuid: str, handle: Any) -> MigFigures:
     memory = _optional(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
-    uuid = _text(_optional(lambda: pynvml.nvmlDeviceGetUUID(handle)) or "")
     if memory is None:
         return MigFigures(uuid)
     return MigFigures(uuid, int(memory.used) // MIB, int(memory.free) // MIB, int(memory.total) // MIB)
@@ -177,7 +176,3 @@ def _samples(handle: Any, last_seen: int) -> tuple[dict[int, tuple[float, float]
         total[2] += 1
         newest = max(newest, int(sample.timeStamp))
     return {pid: (sm / n, mem / n) for pid, (sm, mem, n) in sums.items()}, newest
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -72,6 +72,9 @@ class GpuTelemetry(Sink):
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
         self._left_behind: dict[str, asyncio.Future[GpuRead]] = {}
         self._containers: dict[int, ProcessContainer] = {}
+        # The same cgroup texts come back scrape after scrape: each is parsed once (a PID's text is read
+        # afresh every time; only the parse of a text is kept).
+        self._pod_of_cgroup = functools.lru_cache(maxsize=4096)(pod_of_cgroup)
         self._pod_names = _Listing(pod_names)
         self._container_names = _Listing(container_names)
         # Processes of the last scrape placed in no pod the kubelet's records name; reads that worked.
@@ -225,7 +228,7 @@ class GpuTelemetry(Sink):
             except OSError:
                 unattributed += 1
                 continue
-            found = _pod_of_cgroup(text)
+            found = self._pod_of_cgroup(text)
             if found is None:
                 continue  # a host process: pod=""
             pod = pods.get(found.uid)
@@ -235,11 +238,6 @@ class GpuTelemetry(Sink):
             container = names.get(found.container_id or "", "")
             out[pid] = ProcessContainer(pod.namespace, pod.name, container, found.uid)
         return out, unattributed
-
-
-# The same cgroup texts come back scrape after scrape: parse each once (bounded: a PID's text is looked up
-# afresh every time, only its parse is kept).
-_pod_of_cgroup = functools.lru_cache(maxsize=4096)(pod_of_cgroup)
 
 
 class _Listing(Generic[T]):

@@ -187,7 +187,7 @@ class GpuMetrics:
 
     def __init__(
         self,
-        telemetry: Callable[[], Telemetry | None],
+        telemetry: Callable[[], Telemetry],
         snapshot: Callable[[], Snapshot],
         holders: Callable[[], Mapping[str, list[Holder]]],
         naming: Callable[[], MetricNaming],
@@ -201,8 +201,6 @@ class GpuMetrics:
 
     def render(self) -> bytes:
         telemetry = self._telemetry()
-        if telemetry is None:
-            return b""
         snap = self._snapshot()
         gpus = {g.uuid: g for g in snap.gpus}
         naming = self._naming()

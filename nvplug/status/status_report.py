@@ -7,7 +7,7 @@ status; nothing is kept twice. The status line goes to systemd whenever it chang
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import Event, NotesChanged
@@ -50,9 +50,9 @@ class StatusReport(Sink):
         fleet: PluginFleet,
         pods: PodView,
         dra: DraDriver | None,
+        telemetry: TelemetryReader,
         push: Callable[[str], None],
         roots: Mapping[str, str] | None = None,
-        telemetry: TelemetryReader | None = None,
     ) -> None:
         self._cfg = cfg
         self._state = state
@@ -71,16 +71,12 @@ class StatusReport(Sink):
             dra.status if dra is not None else lambda: None,
             lambda: self._state.current,
         )
-        self._gpu_metrics = (
-            GpuMetrics(
-                telemetry.latest,
-                lambda: self._state.current,
-                lambda: self.holders() or {},
-                lambda: self._cfg.telemetry.naming,
-                node_name(cfg),
-            )
-            if telemetry is not None
-            else None
+        self._gpu_metrics = GpuMetrics(
+            telemetry.latest,
+            lambda: self._state.current,
+            lambda: self.holders() or {},
+            lambda: self._cfg.telemetry.naming,
+            node_name(cfg),
         )
 
     async def open(self, snapshot: Snapshot) -> None:
@@ -167,19 +163,13 @@ class StatusReport(Sink):
 
     async def telemetry_page(self) -> Answer:
         """The GPUs' figures and processes, read as a scrape reads them (`nvplug top`)."""
-        if self._telemetry is None:
-            return 404, "text/plain", b"no GPU telemetry in this daemon\n"
         telemetry = await self._telemetry.refresh()
         return json_answer(telemetry_document(telemetry, self._state.current))
 
     async def metrics_page(self) -> Answer:
         """Within a second: the kubelet's answer and the GPUs' reads each wait a bounded time, at once."""
-        reads: list[Awaitable[object]] = [self._pods.fresh(wait=PODS_READER_WAIT)]
-        if self._telemetry is not None:
-            reads.append(self._telemetry.refresh())
-        await asyncio.gather(*reads)
-        gpus = self._gpu_metrics.render() if self._gpu_metrics is not None else b""
-        return 200, PROMETHEUS_TEXT, self.metrics.render() + gpus
+        await asyncio.gather(self._pods.fresh(wait=PODS_READER_WAIT), self._telemetry.refresh())
+        return 200, PROMETHEUS_TEXT, self.metrics.render() + self._gpu_metrics.render()
 
 
 def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:
