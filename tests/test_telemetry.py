@@ -147,10 +147,9 @@ def test_a_gpu_whose_read_hangs_is_stale_and_the_scrape_answers(node: SimulatedN
     with node.control.blocked(3, "nvmlDeviceGetTemperature"):
         node.control.telemetry(3, temp=90)
         time.sleep(1.1)
-        began = time.monotonic()
         got = metrics(node)
-        took = time.monotonic() - began
-        assert took < 1.0 + 0.5, took  # the scrape's own budget, and a busy machine's slack
+        # Answered while GPU 3's read still hangs in the driver: the scrape did not wait for it.
+        assert node.control.blocked_waiting() == 1
         assert value(got, "nvplug_gpu_metrics_stale", gpu="3") == 1
         # Every other GPU is read meanwhile, those after it in NVML's order too.
         assert all(value(got, "nvplug_gpu_metrics_stale", gpu=str(i)) == 0 for i in (0, 1, 2, 4, 5, 6, 7)), got
@@ -164,10 +163,13 @@ def test_each_gpu_is_read_at_most_once_a_second(node: SimulatedNode) -> None:
     gpus = serving(node)
     time.sleep(1.1)
     node.control.reset_calls()
+    began = time.monotonic()
     for _ in range(5):
         assert get(node, "/metrics")[0] == 200
+    seconds = time.monotonic() - began
     reads = node.control.calls().get("nvmlDeviceGetTemperature", 0)
-    assert reads <= 2 * len(gpus), reads  # 5 scrapes within a second or two: one read each, or two
+    # One read of each GPU in each second the 5 scrapes spanned, however slow the machine made them.
+    assert len(gpus) <= reads <= len(gpus) * (int(seconds) + 1), (reads, seconds)
 
 
 def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
