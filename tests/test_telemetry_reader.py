@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import GpuFigures, ProcessContainer, ProcessUse
+from nvplug.core.telemetry import HOST, GpuFigures, ProcessContainer, ProcessUse
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.sources.nvml_telemetry import GpuRead
@@ -134,6 +135,39 @@ def test_processes_are_placed_from_their_cgroup_and_the_kubelet_s_records(tmp_pa
     (tmp_path / "log/containers" / f"ts-a_ml_main-{CID}.log").symlink_to(tmp_path / "nowhere")
     telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log")
     # 104 has gone: no /proc entry.
-    placed, unattributed = telemetry._place([101, 102, 103, 104])
-    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID)}
-    assert unattributed == 2  # 103's pod has no record, 104 has gone; 102 is a host process
+    placed = telemetry._place([101, 102, 103, 104])
+    # 102 is a host process; 103's pod has no record and 104 has gone: both unattributed.
+    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID), 102: HOST, 103: None, 104: None}
+
+
+def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(tmp_path: Path) -> None:
+    driver, clock = Driver(), Clock()
+    (tmp_path / "proc/101").mkdir(parents=True)
+    (tmp_path / "proc/101/cgroup").write_text(f"0::/kubepods/besteffort/pod{UID}/{CID}\n")
+    (tmp_path / "log/pods" / f"ml_ts-a_{UID}").mkdir(parents=True)
+    # 101 runs on GPU 0 and GPU 2 (one pod, two GPUs); 105 has no /proc entry: it has gone.
+    for gpu in ("GPU-0", "GPU-2"):
+        driver.processes[gpu] = (ProcessUse(101, gpu, "compute", 100.0), ProcessUse(105, gpu, "compute", 1.0))
+    telemetry = reader(driver, clock, tmp_path)
+    placed: list[list[int]] = []
+    place = telemetry._place
+
+    def counted(pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
+        placed.append(list(pids))
+        return place(placed[-1])
+
+    telemetry._place = counted  # type: ignore[method-assign]
+
+    async def scrapes() -> None:
+        got = await telemetry.refresh()
+        assert got.container_of(101) == ProcessContainer("ml", "ts-a", "", UID)
+        assert got.container_of(105) == HOST and telemetry.unattributed == 1
+        assert sorted(p for pids in placed for p in pids) == [101, 105]  # once each, though on two GPUs
+        # The next pass places them afresh: 101 has gone too.
+        (tmp_path / "proc/101/cgroup").unlink()
+        clock.now += 1.0
+        got = await telemetry.refresh()
+        assert got.container_of(101) == HOST and telemetry.unattributed == 2
+        await telemetry.close()
+
+    asyncio.run(scrapes())

@@ -17,6 +17,7 @@ import pynvml  # type: ignore[import-untyped]
 from nvplug.core.telemetry import GpuFigures, MigFigures, ProcessKind, ProcessUse
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import as_text, session
+from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
 
 T = TypeVar("T")
 
@@ -132,9 +133,9 @@ def _mig_figures(uuid: str, handle: Any) -> MigFigures:
 
 
 _LISTS: tuple[tuple[ProcessKind, str], ...] = (
-    ("compute", "nvmlDeviceGetComputeRunningProcesses"),
-    ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
-    ("mps", "nvmlDeviceGetMPSComputeRunningProcesses"),
+    ("compute", "nvmlDeviceGetComputeRunningProcesses_v3"),
+    ("graphics", "nvmlDeviceGetGraphicsRunningProcesses_v3"),
+    ("mps", "nvmlDeviceGetMPSComputeRunningProcesses_v3"),
 )
 
 
@@ -143,36 +144,29 @@ def _processes(device: str, handle: Any, samples: dict[int, tuple[float, float]]
     MPS ones), with its share over the window: 0 where it left no sample (NVML samples only the busy)."""
     seen: dict[int, ProcessUse] = {}
     for kind, function in _LISTS:
-        for info in _optional(lambda: getattr(pynvml, function)(handle)) or ():  # noqa: B023
-            pid = int(info.pid)
+        for pid, used in _optional(lambda: list(running_processes(function, handle))) or ():  # noqa: B023
             if pid in seen:
                 continue
-            used = info.usedGpuMemory
             sm, mem = (None, None) if samples is None else samples.get(pid, (0.0, 0.0))
-            seen[pid] = ProcessUse(pid, device, kind, None if used is None else int(used) / MIB, sm, mem)
+            seen[pid] = ProcessUse(pid, device, kind, None if used is None else used / MIB, sm, mem)
     return list(seen.values())
 
 
 def _samples(handle: Any, last_seen: int) -> tuple[dict[int, tuple[float, float]] | None, int]:
     """Each process's mean SM and memory utilization over the samples after `last_seen`, and the newest
     sample's time. None: NVML gives no per-process utilization here (MIG, an older driver)."""
-    for _ in range(3):  # samples taken between pynvml's count and its read make the buffer short: again
-        try:
-            found = pynvml.nvmlDeviceGetProcessUtilization(handle, last_seen)
-            break
-        except pynvml.NVMLError as err:
-            if err.value == pynvml.NVML_ERROR_NOT_FOUND:
-                return {}, last_seen  # nothing newer: no process was busy since
-            if err.value != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-                return None, last_seen
-    else:
+    try:
+        found = list(utilization_samples(handle, last_seen))
+    except pynvml.NVMLError as err:
+        if err.value == pynvml.NVML_ERROR_NOT_FOUND:
+            return {}, last_seen  # nothing newer: no process was busy since
         return None, last_seen
     sums: dict[int, list[float]] = {}
     newest = last_seen
-    for sample in found:
-        total = sums.setdefault(int(sample.pid), [0.0, 0.0, 0.0])
-        total[0] += int(sample.smUtil)
-        total[1] += int(sample.memUtil)
+    for pid, stamp, sm, mem in found:
+        total = sums.setdefault(pid, [0.0, 0.0, 0.0])
+        total[0] += sm
+        total[1] += mem
         total[2] += 1
-        newest = max(newest, int(sample.timeStamp))
+        newest = max(newest, stamp)
     return {pid: (sm / n, mem / n) for pid, (sm, mem, n) in sums.items()}, newest

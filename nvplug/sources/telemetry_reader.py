@@ -5,8 +5,8 @@ The reads run on a thread of the telemetry's own, beside NVML's worker (sharing 
 nvml_sessions.py), so that no probe waits for them; a GPU whose read hangs is left behind on its thread and
 holds up no other GPU's figures. A scrape waits at most `budget` for the reads; a GPU whose read fails,
 or has not answered by then, keeps its last reading, marked stale with why, and its read goes on. A
-process's container is looked up afresh on every read, so a PID that has gone, or been reused, is never
-attributed to the pod it once was in.
+process's container is looked up afresh on every read, right after its GPU's process list, so a PID that
+has gone, or been reused, is never attributed to the pod it once was in.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -26,7 +27,7 @@ from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import GpuFigures, GpuReading, ProcessContainer, Telemetry
+from nvplug.core.telemetry import HOST, GpuFigures, GpuReading, ProcessContainer, Telemetry
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlBusy, NvmlSessions
@@ -70,19 +71,17 @@ class GpuTelemetry(Sink):
         self._last_seen: dict[str, int] = {}
         self._pass: asyncio.Task[None] | None = None
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
-        self._left_behind: dict[str, asyncio.Future[GpuRead]] = {}
-        self._containers: dict[int, ProcessContainer] = {}
+        self._left_behind: dict[str, asyncio.Future[_Read]] = {}
+        self._job: _Job | None = None
+        # Each reading's processes, placed as they were read: a container, or None where unattributed.
+        self._where: dict[str, dict[int, ProcessContainer | None]] = {}
         # The same cgroup texts come back scrape after scrape: each is parsed once (a PID's text is read
         # afresh every time; only the parse of a text is kept).
         self._pod_of_cgroup = functools.lru_cache(maxsize=4096)(pod_of_cgroup)
         self._pod_names = _Listing(pod_names)
         self._container_names = _Listing(container_names)
-        # Processes of the last scrape placed in no pod the kubelet's records name; reads that worked.
-        self.unattributed = 0
-        self.read_count = 0
-        self._placed_for = 0  # read_count when the processes were last placed
+        self.read_count = 0  # reads that worked
         self.pass_seconds = 0.0
-        self.place_seconds = 0.0
 
     async def open(self, snapshot: Snapshot) -> None:
         self._gpus = snapshot.gpus
@@ -93,6 +92,7 @@ class GpuTelemetry(Sink):
         for uuid in [u for u in self._readings if u not in known]:  # a GPU gone has no series
             del self._readings[uuid]
             self._last_seen.pop(uuid, None)
+            self._where.pop(uuid, None)
         return ()
 
     def prepare(self, cfg: Config) -> Commit:
@@ -104,12 +104,21 @@ class GpuTelemetry(Sink):
     def latest(self) -> Telemetry:
         order = [g.uuid for g in self._gpus]
         readings = tuple(self._readings[u] for u in order if u in self._readings)
-        return Telemetry(readings, dict(self._containers))
+        containers = {
+            pid: where
+            for r in readings
+            for pid, where in self._where.get(r.uuid, {}).items()
+            if where is not None and where != HOST
+        }
+        return Telemetry(readings, containers)
+
+    @property
+    def unattributed(self) -> int:
+        """Processes of the readings placed in no pod the kubelet's records name, or whose cgroup is gone."""
+        return len({pid for placed in self._where.values() for pid, where in placed.items() if where is None})
 
     async def refresh(self, budget: float = SCRAPE_BUDGET) -> Telemetry:
-        """Read what is due (each GPU at most once per READ_EVERY), wait up to `budget` for it, then place
-        the processes of every reading in their containers."""
-        began = self._clock()
+        """Read what is due (each GPU at most once per READ_EVERY) and wait up to `budget` for it."""
         if self._pass is None or self._pass.done():
             due = [g for g in self._gpus if g.uuid not in self._left_behind and self._due(g.uuid)]
             if due:
@@ -119,24 +128,12 @@ class GpuTelemetry(Sink):
             await asyncio.wait({self._pass}, timeout=budget)
         for uuid in self._pending:
             self._mark_stale(uuid, f"no answer from NVML in {budget:.1f} s")
-        if self.read_count == self._placed_for:
-            return self.latest()  # no reading since the last placing (a late one counts too)
-        self._placed_for = self.read_count
-        pids = {p.pid for r in self._readings.values() for p in r.processes}
-        left = max(0.05, budget - (self._clock() - began))
-        placing = self._clock()
-        with contextlib.suppress(TimeoutError):
-            self._containers, self.unattributed = await asyncio.wait_for(
-                asyncio.to_thread(self._place, sorted(pids)), left
-            )
-        self.place_seconds = self._clock() - placing
         return self.latest()
 
     def status(self) -> object:
         return {
             "reads": self.read_count,
             "last_pass_ms": round(self.pass_seconds * 1000, 2),
-            "last_placing_ms": round(self.place_seconds * 1000, 2),
             "processes_unattributed": self.unattributed,
             "left_behind": sorted(self._left_behind),
             "stale": {r.uuid: r.stale for r in self._readings.values() if r.stale},
@@ -150,34 +147,44 @@ class GpuTelemetry(Sink):
         return True
 
     async def _read_pass(self, due: Sequence[Gpu]) -> None:
-        """One GPU after the other on one thread: eight reads in a row cost less than eight threads contending
-        for the interpreter. A read slower than SLOW_READ is left behind on its thread (it hangs): a fresh one
-        takes the rest, and that GPU is not read again until its read returns."""
+        """One GPU after the other, in one job on one thread: eight reads in a row cost less than eight
+        threads contending for the interpreter, or eight hand-offs from the loop. A read slower than
+        SLOW_READ is left behind on its thread (it hangs): that job ends with it, a fresh thread takes the
+        rest, and that GPU is not read again until its read returns."""
         loop = asyncio.get_running_loop()
         began = self._clock()
-        for gpu in due:
-            read = loop.run_in_executor(self._worker, self._read_shared, gpu.uuid, self._last_seen.get(gpu.uuid, 0))
-            done, _ = await asyncio.wait({read}, timeout=SLOW_READ)
-            self._pending.discard(gpu.uuid)
-            if done:
-                self._take(gpu.uuid, read)
-                continue
-            self._mark_stale(gpu.uuid, f"no answer from NVML in {SLOW_READ:.2f} s")
-            self._left_behind[gpu.uuid] = read
-            read.add_done_callback(functools.partial(self._returned, gpu.uuid))
-            stuck, self._worker = self._worker, self._new_worker()
-            stuck.shutdown(wait=False)  # its thread ends once the read returns
+        turns = [_Turn(g.uuid, self._last_seen.get(g.uuid, 0), loop.create_future()) for g in due]
+        while turns:
+            job = _Job(turns, loop)
+            self._job = job
+            self._worker.submit(job.run, self._read_shared, self._place)
+            for at, turn in enumerate(turns):
+                done, _ = await asyncio.wait({turn.read}, timeout=SLOW_READ)
+                self._pending.discard(turn.uuid)
+                if done:
+                    self._take(turn.uuid, turn.read)
+                    continue
+                job.abandoned = True  # its thread reads no GPU after this one
+                self._mark_stale(turn.uuid, f"no answer from NVML in {SLOW_READ:.2f} s")
+                self._left_behind[turn.uuid] = turn.read
+                turn.read.add_done_callback(functools.partial(self._returned, turn.uuid))
+                stuck, self._worker = self._worker, self._new_worker()
+                stuck.shutdown(wait=False)  # its thread ends once the read returns
+                turns = turns[at + 1 :]
+                break
+            else:
+                turns = []
         self.pass_seconds = self._clock() - began
 
-    def _returned(self, uuid: str, read: asyncio.Future[GpuRead]) -> None:
+    def _returned(self, uuid: str, read: asyncio.Future[_Read]) -> None:
         """A read left behind came back: its figures are the newest there are."""
         self._left_behind.pop(uuid, None)
         if not read.cancelled():
             self._take(uuid, read)
 
-    def _take(self, uuid: str, read: asyncio.Future[GpuRead]) -> None:
+    def _take(self, uuid: str, read: asyncio.Future[_Read]) -> None:
         try:
-            got = read.result()
+            got, where = read.result()
         except (NvmlUnavailable, NvmlBusy) as err:
             self._mark_stale(uuid, str(err))
             return
@@ -187,6 +194,7 @@ class GpuTelemetry(Sink):
             return
         self.read_count += 1
         self._last_seen[uuid] = got.last_seen
+        self._where[uuid] = where
         self._readings[uuid] = GpuReading(uuid, time.time(), got.figures, got.mig, got.processes)
 
     @staticmethod
@@ -198,6 +206,8 @@ class GpuTelemetry(Sink):
             return self._read(uuid, last_seen)
 
     async def close(self) -> None:
+        if self._job is not None:
+            self._job.abandoned = True
         if self._pass is not None:
             self._pass.cancel()
             await asyncio.gather(self._pass, return_exceptions=True)
@@ -211,33 +221,83 @@ class GpuTelemetry(Sink):
             log.warning("the figures of %s are stale: %s", uuid, why)
             self._readings[uuid] = GpuReading(uuid, old.read_at, old.figures, old.mig, old.processes, why)
 
-    def _place(self, pids: Iterable[int]) -> tuple[dict[int, ProcessContainer], int]:
+    def _place(self, pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
         """Each PID's container: its cgroup names the pod's UID and the container's ID, the kubelet's log
-        records name them. Off the loop: these are file reads. A PID whose cgroup cannot be read (it ended)
-        or names a pod the records do not, is unattributed."""
+        records name them. HOST for a process in no pod; None for one whose cgroup cannot be read (it ended)
+        or that names a pod the records do not: unattributed. File reads: on the telemetry's thread."""
         pids = list(pids)
         if not pids:
-            return {}, 0
+            return {}
         pods = self._pod_names.read(self._log_root / "pods")
         names = self._container_names.read(self._log_root / "containers")
-        out: dict[int, ProcessContainer] = {}
-        unattributed = 0
+        out: dict[int, ProcessContainer | None] = {}
+        proc = str(self._proc_root)
         for pid in pids:
             try:
-                text = _read_small(self._proc_root / str(pid) / "cgroup")
+                text = _read_small(f"{proc}/{pid}/cgroup")
             except OSError:
-                unattributed += 1
+                out[pid] = None
                 continue
             found = self._pod_of_cgroup(text)
             if found is None:
-                continue  # a host process: pod=""
+                out[pid] = HOST
+                continue
             pod = pods.get(found.uid)
             if pod is None:
-                unattributed += 1
+                out[pid] = None
                 continue
-            container = names.get(found.container_id or "", "")
-            out[pid] = ProcessContainer(pod.namespace, pod.name, container, found.uid)
-        return out, unattributed
+            out[pid] = ProcessContainer(pod.namespace, pod.name, names.get(found.container_id or "", ""), found.uid)
+        return out
+
+
+# A GPU's read, and where each of its processes runs (placed right after the read: the same moment).
+_Read = tuple[GpuRead, dict[int, ProcessContainer | None]]
+_Place = Callable[[Iterable[int]], dict[int, ProcessContainer | None]]
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A GPU's read in a pass: where its window starts, and where its result goes (on the loop)."""
+
+    uuid: str
+    last_seen: int
+    read: asyncio.Future[_Read]
+
+
+class _Job:
+    """A pass's reads on the telemetry's thread, each handed to the loop as it returns, with its processes
+    placed: a PID on several GPUs is placed once a pass."""
+
+    def __init__(self, turns: Sequence[_Turn], loop: asyncio.AbstractEventLoop) -> None:
+        self._turns = turns
+        self._loop = loop
+        self._placed: dict[int, ProcessContainer | None] = {}
+        # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU.
+        self.abandoned = False
+
+    def run(self, read: Callable[[str, int], GpuRead], place: _Place) -> None:
+        for turn in self._turns:
+            if self.abandoned:
+                return
+            try:
+                got = read(turn.uuid, turn.last_seen)
+                self._placed.update(place([p.pid for p in got.processes if p.pid not in self._placed]))
+            except Exception as err:
+                self._hand(turn.read, None, err)
+            else:
+                self._hand(turn.read, (got, {p.pid: self._placed[p.pid] for p in got.processes}), None)
+
+    def _hand(self, future: asyncio.Future[_Read], got: _Read | None, err: Exception | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return  # the pass was cancelled: the reader closed
+            if err is not None:
+                future.set_exception(err)
+            else:
+                future.set_result(got)  # type: ignore[arg-type]
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
+            self._loop.call_soon_threadsafe(settle)
 
 
 class _Listing(Generic[T]):
@@ -260,7 +320,7 @@ class _Listing(Generic[T]):
         return parsed
 
 
-def _read_small(path: Path) -> str:
+def _read_small(path: str) -> str:
     """A procfs file in one read: hundreds of them a scrape, where Path.read_text's layers cost 5x more."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

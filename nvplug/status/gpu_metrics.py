@@ -150,6 +150,21 @@ GPU_SERIES = (
 MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
 # The GPU's labels a container's series carry: what the others join on.
 JOIN_LABELS = frozenset({"gpu", "UUID", "uuid", "Hostname", "hostname"})
+# The families per container and device: name, help, type.
+CONTAINER_PROCESSES = ("nvplug_container_gpu_processes", "The container's processes on the device", "gauge")
+CONTAINER_MEMORY = ("nvplug_container_gpu_memory_used_bytes", "GPU memory the container's processes use", "gauge")
+CONTAINER_SM = (
+    "nvplug_container_gpu_utilization_ratio",
+    "SM utilization of the container's processes over the window since the last read",
+    "gauge",
+)
+CONTAINER_MEMORY_UTIL = (
+    "nvplug_container_gpu_memory_utilization_ratio",
+    "Memory bandwidth utilization of the container's processes over the window since the last read",
+    "gauge",
+)
+# A container's labels are the same scrape after scrape: their text is kept, for this many.
+CONTAINER_TEXTS = 8192
 
 
 class Families:
@@ -161,11 +176,16 @@ class Families:
         self._lines: dict[str, list[str]] = {}
         self._heads: dict[str, str] = {}
 
-    def add(self, name: str, help_text: str, kind: str, sample: str, labels: str, value: float) -> None:
-        if name not in self._heads:
+    def family(self, name: str, help_text: str, kind: str) -> list[str]:
+        """The lines of a family, for series that are many: each `sample{labels} value\n`."""
+        lines = self._lines.get(name)
+        if lines is None:
             self._heads[name] = f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
-            self._lines[name] = []
-        self._lines[name].append(f"{sample}{{{labels}}} {value!r}\n")
+            lines = self._lines[name] = []
+        return lines
+
+    def add(self, name: str, help_text: str, kind: str, sample: str, labels: str, value: float) -> None:
+        self.family(name, help_text, kind).append(f"{sample}{{{labels}}} {value!r}\n")
 
     def text(self) -> str:
         return "".join(self._heads[name] + "".join(lines) for name, lines in self._lines.items())
@@ -198,6 +218,7 @@ class GpuMetrics:
         self._holders = holders
         self._naming = naming
         self._hostname = hostname
+        self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None], str] = {}
 
     def render(self) -> bytes:
         telemetry = self._telemetry()
@@ -295,8 +316,8 @@ class GpuMetrics:
             kind = "counter" if s.counter else "gauge"
             out.add(s.nvplug, s.help, kind, sample, labels + extra, float(value) * s.scale)
 
-    @staticmethod
     def _containers(
+        self,
         out: Families,
         reading: GpuReading,
         telemetry: Telemetry,
@@ -305,22 +326,27 @@ class GpuMetrics:
     ) -> None:
         """Per container and device: its processes' memory and utilization, summed. Processes in no pod
         the kubelet names are counted under pod=""."""
-        for (device, container), uses in _by_container(reading, telemetry).items():
-            labels = label_text(gpu_labels | _container_labels(device, container, holders.get(device, ())))
-            name = "nvplug_container_gpu_processes"
-            out.add(name, "The container's processes on the device", "gauge", name, labels, float(len(uses)))
-            known = [u.used_mib for u in uses if u.used_mib is not None]
-            if known:
-                name = "nvplug_container_gpu_memory_used_bytes"
-                out.add(name, "GPU memory the container's processes use", "gauge", name, labels, sum(known) * MIB)
-            sm = [u.sm_util for u in uses if u.sm_util is not None]
-            if sm:  # none on MIG: NVML gives no per-process utilization there
-                name = "nvplug_container_gpu_utilization_ratio"
-                why = "SM utilization of the container's processes over the window since the last read"
-                out.add(name, why, "gauge", name, labels, sum(sm) / 100.0)
-                name = "nvplug_container_gpu_memory_utilization_ratio"
-                why = "Memory bandwidth utilization of the container's processes over the window since the last read"
-                out.add(name, why, "gauge", name, labels, sum(u.memory_util or 0.0 for u in uses) / 100.0)
+        joins = label_text(gpu_labels)
+        texts = self._container_texts
+        processes, memory, sm_util, memory_util = (
+            (name, out.family(name, help_text, kind))
+            for name, help_text, kind in (CONTAINER_PROCESSES, CONTAINER_MEMORY, CONTAINER_SM, CONTAINER_MEMORY_UTIL)
+        )
+        for (device, container), sums in _by_container(reading, telemetry).items():
+            held = holders.get(device)
+            claim = _claim_of(container, held) if held else None
+            key = (joins, device, container, claim)
+            labels = texts.get(key)
+            if labels is None:
+                if len(texts) >= CONTAINER_TEXTS:  # pods come and go: forget the old
+                    texts.clear()
+                labels = texts[key] = "{" + joins + "," + label_text(_container_labels(device, container, claim)) + "} "
+            processes[1].append(f"{processes[0]}{labels}{float(sums.processes)!r}\n")
+            if sums.used_mib is not None:
+                memory[1].append(f"{memory[0]}{labels}{sums.used_mib * MIB!r}\n")
+            if sums.sm_util is not None:  # none on MIG: NVML gives no per-process utilization there
+                sm_util[1].append(f"{sm_util[0]}{labels}{sums.sm_util / 100.0!r}\n")
+                memory_util[1].append(f"{memory_util[0]}{labels}{sums.memory_util / 100.0!r}\n")
 
 
 def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, object]:
@@ -336,7 +362,7 @@ def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, ob
         for use in reading.processes:
             where = telemetry.container_of(use.pid)
             processes.append(
-                dataclasses.asdict(use) | {"namespace": where.namespace, "pod": where.pod, "container": where.container}
+                use._asdict() | {"namespace": where.namespace, "pod": where.pod, "container": where.container}
             )
         out.append(
             {
@@ -355,22 +381,40 @@ def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, ob
     return {"gpus": out}
 
 
-def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], list[ProcessUse]]:
-    out: dict[tuple[str, ProcessContainer], list[ProcessUse]] = {}
+class _Sums:
+    """A container's processes on one device, summed: None where no process has the figure."""
+
+    __slots__ = ("memory_util", "processes", "sm_util", "used_mib")
+
+    def __init__(self) -> None:
+        self.processes = 0
+        self.used_mib: float | None = None
+        self.sm_util: float | None = None
+        self.memory_util = 0.0
+
+    def add(self, use: ProcessUse) -> None:
+        self.processes += 1
+        if use.used_mib is not None:
+            self.used_mib = (self.used_mib or 0.0) + use.used_mib
+        if use.sm_util is not None:
+            self.sm_util = (self.sm_util or 0.0) + use.sm_util
+            self.memory_util += use.memory_util or 0.0
+
+
+def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], _Sums]:
+    out: dict[tuple[str, ProcessContainer], _Sums] = {}
     for use in reading.processes:
-        out.setdefault((use.device, telemetry.container_of(use.pid)), []).append(use)
+        key = (use.device, telemetry.container_of(use.pid))
+        sums = out.get(key)
+        if sums is None:
+            sums = out[key] = _Sums()
+        sums.add(use)
     return out
 
 
-def _container_labels(device: str, container: ProcessContainer, holders: Sequence[Holder]) -> dict[str, str]:
-    """The container's names, the device it uses, and the DRA claim through which it holds it, if any."""
-    labels = {
-        "device_uuid": device,
-        "namespace": container.namespace,
-        "pod": container.pod,
-        "container": container.container,
-    }
-    claim = next(
+def _claim_of(container: ProcessContainer, holders: Sequence[Holder]) -> Holder | None:
+    """The DRA claim through which the container holds the device, if it holds it through one."""
+    return next(
         (
             h
             for h in holders
@@ -380,6 +424,16 @@ def _container_labels(device: str, container: ProcessContainer, holders: Sequenc
         ),
         None,
     )
+
+
+def _container_labels(device: str, container: ProcessContainer, claim: Holder | None) -> dict[str, str]:
+    """The container's names, the device it uses, and the DRA claim through which it holds it, if any."""
+    labels = {
+        "device_uuid": device,
+        "namespace": container.namespace,
+        "pod": container.pod,
+        "container": container.container,
+    }
     if claim is not None:
         labels |= {
             "dra_claim_name": claim.claim or "",
