@@ -2684,3 +2684,399 @@ def test_state_file_and_persisted_compute_modes_helpers(tmp_path: Path) -> None:
     assert fakenvml_library.persisted_compute_modes(tmp_path / fakenvml_library.STATE_FILE) == expected
     assert fakenvml_library.persisted_compute_modes({"FAKE_NVML_STATE_DIR": str(tmp_path)}) == expected
     assert list(fakenvml_devices.ComputeMode) == [0, 1, 2, 3]
+
+
+# ---- page retirement lists (before Ampere) -------------------------------------------------
+
+NOT_FOUND, INSUFFICIENT_SIZE, ARGUMENT_VERSION_MISMATCH = 6, 7, 25
+
+
+def test_retired_pages_before_ampere(rig: Rig) -> None:
+    """nvmlDeviceGetRetiredPages(_v2): a cause's pages in retirement order, sized as nvml.h says (the size
+    query, INSUFFICIENT_SIZE with the count needed), kept across a reset; NOT_SUPPORTED from Ampere on."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-v bus=0000:01:00.0 minor=0 cc=7.0
+        gpu uuid=GPU-h bus=0000:02:00.0 minor=1
+        gpu uuid=GPU-u bus=0000:03:00.0 minor=2 cc=7.0 unsupported=retired_pages
+        gpu uuid=GPU-a bus=0000:04:00.0 minor=3 cc=8.0
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        v, h, u, a = (N.nvmlDeviceGetHandleByIndex(i) for i in range(4))
+        SBE = N.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+        DBE = N.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        lib = N.nvmlLib
+        out["none"] = [N.nvmlDeviceGetRetiredPages(v, SBE), N.nvmlDeviceGetRetiredPages_v2(v, DBE)]
+        before = time.time_ns() // 1000
+        out["retire"] = [CTL.retire(0, "dbe", 3), CTL.retire(0, "sbe"), CTL.retire("GPU-v", "dbe")]
+        after = time.time_ns() // 1000
+        out["window"] = [before, after]
+        # pynvml's own wrappers: a size query (count 0, NULL buffers), then a call with room.
+        CTL.reset_calls()
+        out["dbe"] = N.nvmlDeviceGetRetiredPages(v, DBE)
+        out["dbe_calls"] = CTL.calls()
+        out["dbe_v2"] = N.nvmlDeviceGetRetiredPages_v2(v, DBE)
+        out["sbe"] = N.nvmlDeviceGetRetiredPages(v, SBE)
+        # The same by raw calls.
+        def raw(v2, room, buffers=True):
+            count = ctypes.c_uint(room)
+            pages, stamps = (ctypes.c_ulonglong * 8)(), (ctypes.c_ulonglong * 8)()
+            args = [v, DBE, ctypes.byref(count), pages if buffers else None]
+            if v2:
+                args.append(stamps if buffers else None)
+            rc = (lib.nvmlDeviceGetRetiredPages_v2 if v2 else lib.nvmlDeviceGetRetiredPages)(*args)
+            if rc:
+                return [rc, count.value, [], []]
+            return [rc, count.value, list(pages[:count.value]), list(stamps[:count.value])]
+        out["raw"] = {"size": raw(False, 0, False), "size_v2": raw(True, 0, False), "small": raw(False, 3),
+                      "small_v2": raw(True, 2), "exact_v2": raw(True, 4), "room": raw(False, 8),
+                      "null_with_room": raw(False, 8, False)}
+        out["bad_cause"] = [code(N.nvmlDeviceGetRetiredPages, v, 2), code(N.nvmlDeviceGetRetiredPages_v2, v, 7)]
+        out["restore"] = CTL.restore(0)
+        out["kept"] = [len(N.nvmlDeviceGetRetiredPages(v, DBE)), len(N.nvmlDeviceGetRetiredPages(v, SBE))]
+        # The pending status is its own probe, answered on every GPU as before.
+        out["pending"] = [N.nvmlDeviceGetRetiredPagesPendingStatus(x) for x in (v, h, a)]
+        out["unsupported"] = [code(f, x, c) for f in (N.nvmlDeviceGetRetiredPages, N.nvmlDeviceGetRetiredPages_v2)
+                              for x in (h, u, a) for c in (SBE, DBE)]
+        out["ctl_errors"] = [ctl_error(CTL.retire, 1, "dbe"), ctl_error(CTL.retire, 2, "sbe"),
+                             ctl_error(CTL.retire, 3, "sbe"), ctl_error(CTL.send, "retire 0 tbe"),
+                             ctl_error(CTL.send, "retire 0 sbe 0"), ctl_error(CTL.send, "retire 0"),
+                             ctl_error(CTL.send, "retire 0 sbe 256")]
+        out["full"] = [CTL.retire(0, "sbe", 255), ctl_error(CTL.retire, 0, "sbe")]
+        CTL.lose(0)
+        out["lost"] = [code(N.nvmlDeviceGetRetiredPages, v, SBE), code(N.nvmlDeviceGetRetiredPages_v2, v, DBE)]
+        """,
+        scenario,
+    )
+    assert out["none"] == [[], []]
+    assert out["retire"] == ["ok pages=3", "ok pages=1", "ok pages=4"]
+    dbe, sbe = out["dbe"], out["sbe"]
+    assert len(dbe) == 4 and len(sbe) == 1
+    assert len(set(dbe + sbe)) == 5 and all(p > 0 and p % 4096 == 0 for p in dbe + sbe)
+    assert out["dbe_calls"] == {"nvmlDeviceGetRetiredPages": 2}
+    assert [p["address"] for p in out["dbe_v2"]] == dbe
+    stamps = [p["timestamp"] for p in out["dbe_v2"]]
+    # One command stamps its pages alike; realtime microseconds of about now (a clock step aside).
+    assert stamps[0] == stamps[1] == stamps[2] <= stamps[3], stamps
+    before, after = out["window"]
+    assert before - 60_000_000 <= stamps[0] <= stamps[3] <= after + 60_000_000, (stamps, out["window"])
+    raw = out["raw"]
+    assert raw["size"] == raw["size_v2"] == [INSUFFICIENT_SIZE, 4, [], []]
+    assert raw["small"] == raw["small_v2"] == [INSUFFICIENT_SIZE, 4, [], []]
+    assert raw["exact_v2"] == [0, 4, dbe, stamps]
+    assert raw["room"] == [0, 4, dbe, [0, 0, 0, 0]]  # the unversioned call has no timestamps
+    assert raw["null_with_room"][0] == INVALID_ARGUMENT
+    assert out["bad_cause"] == [INVALID_ARGUMENT, INVALID_ARGUMENT]
+    assert out["restore"] == "ok" and out["kept"] == [4, 1]
+    assert out["pending"] == [0, 0, 0]
+    assert out["unsupported"] == [NOT_SUPPORTED] * 12
+    errors = out["ctl_errors"]
+    assert "cc 8.0 or later" in errors[0] and "cc 8.0 or later" in errors[2]
+    assert "unsupported=retired_pages" in errors[1]
+    assert "cause must be sbe or dbe" in errors[3] and "count must be 1 to 256" in errors[4]
+    assert "usage: retire" in errors[5]
+    assert "at most 256 kept" in errors[6]
+    assert out["full"][0] == "ok pages=256" and "at most 256 kept" in out["full"][1]
+    assert out["lost"] == [GPU_IS_LOST, GPU_IS_LOST]
+
+
+def test_retired_pages_on_the_default_h100s_are_not_supported(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        out["codes"] = [code(N.nvmlDeviceGetRetiredPages, h, 0), code(N.nvmlDeviceGetRetiredPages_v2, h, 1)]
+        out["pending"] = N.nvmlDeviceGetRetiredPagesPendingStatus(h)
+        out["retire"] = ctl_error(CTL.retire, 0, "sbe")
+        """
+    )
+    assert out["codes"] == [NOT_SUPPORTED, NOT_SUPPORTED]
+    assert out["pending"] == 0
+    assert out["retire"] is not None and "remaps rows" in out["retire"]
+
+
+# ---- GPM (Hopper and later) ------------------------------------------------------------------
+
+GPM_IDS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 20, 21]
+
+GPM_HELPERS = """
+def sample(h, gi=None):
+    # Apart from the sample before it even on a coarse clock: a window must have a length.
+    time.sleep(0.01)
+    s = N.nvmlGpmSampleAlloc()
+    if gi is None:
+        N.nvmlGpmSampleGet(h, s)
+    else:
+        N.nvmlGpmMigSampleGet(h, gi, s)
+    return s
+def metrics(s1, s2, ids=IDS, version=None, num=None):
+    # [[id, nvmlReturn, value, shortName, unit], ...], or the call's nvmlReturn_t when it fails
+    g = N.c_nvmlGpmMetricsGet_t()
+    g.version = N.NVML_GPM_METRICS_GET_VERSION if version is None else version
+    g.numMetrics = len(ids) if num is None else num
+    g.sample1, g.sample2 = s1, s2
+    for i, m in enumerate(ids):
+        g.metrics[i].metricId = m
+    rc = N.nvmlLib.nvmlGpmMetricsGet(ctypes.byref(g))
+    if rc:
+        return rc
+    return [[m.metricId, m.nvmlReturn, m.value, txt(m.metricInfo.shortName), txt(m.metricInfo.unit)]
+            for m in g.metrics[:len(ids)]]
+def values(s1, s2, ids=IDS):
+    got = metrics(s1, s2, ids)
+    assert not isinstance(got, int) and all(m[1] == 0 for m in got), got
+    return [m[2] for m in got]
+"""
+
+
+def gpm_body(body: str) -> str:
+    """A child body with the GPM helpers in front (IDS: the metric ids the fake models)."""
+    return f"IDS = {GPM_IDS!r}\n" + GPM_HELPERS + textwrap.dedent(body)
+
+
+def test_gpm_support_and_a_constant_level(rig: Rig) -> None:
+    """nvmlGpmQueryDeviceSupport: Hopper and later without unsupported=gpm; a window over constant levels
+    gives those levels; unmodelled metric ids get NOT_SUPPORTED in their own entry; restore idles the GPU."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-h bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-i bus=0000:02:00.0 minor=1
+        gpu uuid=GPU-a bus=0000:03:00.0 minor=2 cc=8.0
+        gpu uuid=GPU-n bus=0000:04:00.0 minor=3 unsupported=gpm
+        gpu uuid=GPU-b bus=0000:05:00.0 minor=4 cc=10.0
+        """
+    )
+    out = rig.run(
+        gpm_body(
+            """
+            N.nvmlInit()
+            h, i, a, n, b = (N.nvmlDeviceGetHandleByIndex(k) for k in range(5))
+            out["support"] = [N.nvmlGpmQueryDeviceSupport(x).isSupportedDevice for x in (h, i, a, n, b)]
+            out["set"] = CTL.gpm(0, graphics=80, sm=62.5, sm_occupancy=30, integer=5, tensor=45, dfma=1, hmma=40,
+                                 imma=4, dram=55, fp64=2, fp32=20, fp16=10, pcie_tx=1500, pcie_rx=2500.25)
+            CTL.gpm(4, sm=100)
+            s1 = sample(h)
+            time.sleep(0.05)
+            s2 = sample(h)
+            out["constant"] = metrics(s1, s2)
+            i1 = sample(i)
+            i2 = sample(i)
+            out["idle"] = values(i1, i2)
+            b1 = sample(b)
+            b2 = sample(b)
+            out["blackwell"] = values(b1, b2, [2])
+            out["other_ids"] = [m[:2] for m in metrics(s1, s2, [2, 8, 30, 60, 0, 476, 1000])]
+            out["no_gpm"] = [code(N.nvmlGpmSampleGet, x, N.nvmlGpmSampleAlloc()) for x in (a, n)]
+            out["ctl_errors"] = [ctl_error(lambda: CTL.gpm(2, sm=1)), ctl_error(lambda: CTL.gpm(3, sm=1)),
+                                 ctl_error(CTL.send, "gpm 0 volts=1"), ctl_error(CTL.send, "gpm 0 sm=100.5"),
+                                 ctl_error(CTL.send, "gpm 0 pcie_tx=-1"), ctl_error(CTL.send, "gpm 0 sm=nan"),
+                                 ctl_error(CTL.send, "gpm 0 sm"), ctl_error(CTL.send, "gpm 0"),
+                                 ctl_error(CTL.send, "gpm 0 fp64=3 bogus=1")]
+            k1 = sample(h)
+            k2 = sample(h)
+            out["kept"] = values(k1, k2, [11])  # the bad line set nothing, not even fp64
+            out["restore"] = CTL.restore(0)
+            r1 = sample(h)
+            r2 = sample(h)
+            out["restored"] = values(r1, r2)
+            out["window_across_restore"] = values(k1, r2, [2])
+            CTL.lose(1)
+            out["lost"] = [code(N.nvmlGpmSampleGet, i, N.nvmlGpmSampleAlloc()),
+                           code(N.nvmlGpmQueryDeviceSupport, i), values(i1, i2, [2])]
+            for s in (s1, s2, i1, i2, b1, b2, k1, k2, r1, r2):
+                N.nvmlGpmSampleFree(s)
+            """
+        ),
+        scenario,
+    )
+    assert out["support"] == [1, 1, 0, 0, 1]
+    assert out["set"] == "ok"
+    expected = [80, 62.5, 30, 5, 45, 1, 40, 4, 55, 2, 20, 10, 1500, 2500.25]
+    constant = out["constant"]
+    assert [m[0] for m in constant] == GPM_IDS and all(m[1] == 0 for m in constant), constant
+    assert [m[2] for m in constant] == pytest.approx(expected, rel=1e-9)
+    assert all(m[3] for m in constant) and [m[4] for m in constant] == ["%"] * 12 + ["MiB/s"] * 2
+    assert out["idle"] == [0.0] * len(GPM_IDS)
+    assert out["blackwell"] == pytest.approx([100.0], rel=1e-9)
+    assert out["other_ids"] == [[2, 0], [8, 3], [30, 3], [60, 3], [0, 3], [476, 3], [1000, 3]]
+    assert out["no_gpm"] == [NOT_SUPPORTED, NOT_SUPPORTED]
+    errors = out["ctl_errors"]
+    assert all(e is not None and e.startswith("error: ") for e in errors), errors
+    assert "cc before 9.0" in errors[0] and "unsupported=gpm" in errors[1]
+    assert "unknown item 'volts=1'" in errors[2] and "unknown item 'sm'" in errors[6]
+    assert "bad value in 'sm=100.5'" in errors[3] and "bad value in 'pcie_tx=-1'" in errors[4]
+    assert "bad value in 'sm=nan'" in errors[5] and "usage: gpm" in errors[7]
+    assert out["kept"] == pytest.approx([2.0], rel=1e-9)
+    assert out["restore"] == "ok" and out["restored"] == [0.0] * len(GPM_IDS)
+    # 62.5 % until the restore, 0 after it: some mean in between.
+    assert 0 < out["window_across_restore"][0] < 62.5
+    assert out["lost"][:2] == [GPU_IS_LOST, GPU_IS_LOST]
+    assert out["lost"][2] == [0.0]  # samples taken before keep their figures
+
+
+def test_gpm_a_level_changed_mid_window_gives_the_time_weighted_mean(rig: Rig) -> None:
+    """The mean over a window is time-weighted.  The child brackets each sample and the level change with
+    time.monotonic() (CLOCK_MONOTONIC, the clock the fake stamps samples with), so the bounds below hold
+    however slow the machine is; the two metrics that changed in one command must agree exactly."""
+    out = rig.run(
+        gpm_body(
+            """
+            N.nvmlInit()
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            CTL.gpm(0, sm=100, pcie_rx=1000)
+            s1, s2, s3 = N.nvmlGpmSampleAlloc(), N.nvmlGpmSampleAlloc(), N.nvmlGpmSampleAlloc()
+            t = []
+            t.append(time.monotonic()); N.nvmlGpmSampleGet(h, s1); t.append(time.monotonic())
+            time.sleep(0.2)
+            t.append(time.monotonic()); CTL.gpm(0, sm=0, pcie_rx=3000); t.append(time.monotonic())
+            time.sleep(0.1)
+            t.append(time.monotonic()); N.nvmlGpmSampleGet(h, s2); t.append(time.monotonic())
+            time.sleep(0.05)
+            N.nvmlGpmSampleGet(h, s3)
+            out["t"] = t
+            out["mixed"] = values(s1, s2, [2, 21])
+            out["after"] = values(s2, s3, [2, 21])
+            """
+        )
+    )
+    a1, b1, a2, b2, a3, b3 = out["t"]
+    sm, rx = out["mixed"]
+    # x: time at the old levels, y: at the new ones; sm = 100 x / (x + y), rx = 1000 + 2000 y / (x + y).
+    x_min, x_max = a2 - b1, b2 - a1
+    y_min, y_max = a3 - b2, b3 - a2
+    assert 100 * x_min / (x_min + y_max) - 1e-6 <= sm <= 100 * x_max / (x_max + y_min) + 1e-6, (sm, out["t"])
+    assert 1000 + 2000 * y_min / (y_min + x_max) - 1e-6 <= rx <= 1000 + 2000 * y_max / (y_max + x_min) + 1e-6
+    assert 0 < sm < 100 and 1000 < rx < 3000
+    assert sm / 100 + (rx - 1000) / 2000 == pytest.approx(1.0, abs=1e-9)
+    assert out["after"] == pytest.approx([0.0, 3000.0], rel=1e-9)
+
+
+def test_gpm_argument_and_sample_checks(rig: Rig) -> None:
+    """Versions, numMetrics (any header's NVML_GPM_METRIC_MAX up to 477), and samples: allocated ones only,
+    taken, of one GPU, the second later than the first."""
+    out = rig.run(
+        gpm_body(
+            """
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            spare = N.c_nvmlGpmSample_t()
+            out["uninit"] = lib.nvmlGpmSampleAlloc(ctypes.byref(spare))
+            N.nvmlInit()
+            h, h1 = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            sup = N.c_nvmlGpmSupport_t()
+            sup.version = 2
+            out["support_version"] = [lib.nvmlGpmQueryDeviceSupport(h, ctypes.byref(sup)), sup.isSupportedDevice,
+                                      lib.nvmlGpmQueryDeviceSupport(h, None)]
+            CTL.gpm(0, sm=25)
+            s1 = sample(h)
+            s2 = sample(h)
+            other = sample(h1)
+            fresh = N.nvmlGpmSampleAlloc()
+            # A pointer at memory that even holds the magic number is still not a sample.
+            fake = ctypes.cast(ctypes.pointer((ctypes.c_uint * 64)(0x47504D53)), N.c_nvmlGpmSample_t)
+            null = N.c_nvmlGpmSample_t()
+            out["version"] = [metrics(s1, s2, version=0), metrics(s1, s2, version=2)]
+            out["num"] = [metrics(s1, s2, [2], num=478), metrics(s1, s2, [], num=0), len(metrics(s1, s2, [2] * 477))]
+            out["samples"] = [metrics(s2, s1), metrics(s1, s1), metrics(s1, other), metrics(other, s2),
+                              metrics(s1, fresh), metrics(fake, s2), metrics(s1, null)]
+            out["sample_get"] = [code(N.nvmlGpmSampleGet, h, fake), code(N.nvmlGpmSampleGet, h, null),
+                                 lib.nvmlGpmSampleAlloc(None), code(N.nvmlGpmSampleFree, fake)]
+            out["free"] = [code(N.nvmlGpmSampleFree, fresh), code(N.nvmlGpmSampleFree, fresh),
+                           metrics(s1, fresh), code(N.nvmlGpmSampleGet, h, fresh)]
+            # A caller built with an older nvml.h: NVML_GPM_METRIC_MAX 98, entries past numMetrics untouched.
+            class Old(ctypes.Structure):
+                _fields_ = [("version", ctypes.c_uint), ("numMetrics", ctypes.c_uint),
+                            ("sample1", N.c_nvmlGpmSample_t), ("sample2", N.c_nvmlGpmSample_t),
+                            ("metrics", N.c_nvmlGpmMetric_t * 98), ("guard", ctypes.c_ubyte * 256)]
+            old = Old()
+            old.version, old.numMetrics, old.sample1, old.sample2 = 1, 98, s1, s2
+            for k in range(98):
+                old.metrics[k].metricId = 2
+            ctypes.memset(old.guard, 0xAB, 256)
+            out["old"] = [lib.nvmlGpmMetricsGet(ctypes.byref(old)), sorted({round(m.value, 6) for m in old.metrics}),
+                          sorted(set(old.guard))]
+            old.numMetrics = 1
+            old.metrics[1].metricId = 5
+            old.metrics[1].value = -7.0
+            out["old_one"] = [lib.nvmlGpmMetricsGet(ctypes.byref(old)), old.metrics[1].value]
+            N.nvmlShutdown()
+            out["after_shutdown"] = [lib.nvmlGpmMetricsGet(None), lib.nvmlGpmSampleFree(s1)]
+            N.nvmlInit()
+            out["across_init"] = values(s1, s2, [2])
+            """
+        )
+    )
+    assert out["uninit"] == 1  # NVML_ERROR_UNINITIALIZED
+    assert out["support_version"] == [ARGUMENT_VERSION_MISMATCH, 0, INVALID_ARGUMENT]
+    assert out["version"] == [ARGUMENT_VERSION_MISMATCH, ARGUMENT_VERSION_MISMATCH]
+    assert out["num"] == [INVALID_ARGUMENT, [], 477]
+    assert out["samples"] == [INVALID_ARGUMENT] * 7
+    assert out["sample_get"] == [INVALID_ARGUMENT] * 4
+    assert out["free"] == [0, INVALID_ARGUMENT, INVALID_ARGUMENT, INVALID_ARGUMENT]
+    assert out["old"] == [0, [25.0], [0xAB]]
+    assert out["old_one"] == [0, -7.0]
+    assert out["after_shutdown"] == [1, 1]
+    assert out["across_init"] == pytest.approx([25.0], rel=1e-9)
+
+
+def test_gpm_in_mig_mode_samples_gpu_instances(rig: Rig) -> None:
+    """A GPU in MIG mode has no whole-GPU sample: nvmlGpmMigSampleGet takes one GPU instance's (NOT_FOUND
+    for an id no instance has); samples of different instances, or of an instance and the whole GPU, do
+    not make a window."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-m bus=0000:01:00.0 minor=0 mig=1
+        gpu uuid=GPU-p bus=0000:02:00.0 minor=1
+        mig 0 3g.40gb gi=2
+        mig 0 1g.10gb gi=5
+        """
+    )
+    out = rig.run(
+        gpm_body(
+            """
+            N.nvmlInit()
+            m, p = N.nvmlDeviceGetHandleByIndex(0), N.nvmlDeviceGetHandleByIndex(1)
+            mh = N.nvmlDeviceGetMigDeviceHandleByIndex(m, 0)
+            s = N.nvmlGpmSampleAlloc()
+            out["support"] = N.nvmlGpmQueryDeviceSupport(m).isSupportedDevice
+            out["whole"] = code(N.nvmlGpmSampleGet, m, s)
+            CTL.gpm(0, sm=40, dram=12.5)
+            g1 = sample(m, 2)
+            time.sleep(0.02)
+            g2 = sample(m, 2)
+            g5 = sample(m, 5)
+            out["gi2"] = values(g1, g2, [2, 10])
+            out["gi5_after_gi2"] = metrics(g1, g5)
+            out["missing"] = [code(N.nvmlGpmMigSampleGet, m, 3, s), code(N.nvmlGpmMigSampleGet, m, 99, s)]
+            out["not_mig"] = [code(N.nvmlGpmMigSampleGet, p, 0, s), code(N.nvmlGpmSampleGet, p, s)]
+            out["mig_handle"] = [code(N.nvmlGpmSampleGet, mh, s), code(N.nvmlGpmMigSampleGet, mh, 2, s),
+                                 code(N.nvmlGpmQueryDeviceSupport, mh)]
+            CTL.mig_layout(0, ["7g.80gb"])
+            out["relaid"] = [code(N.nvmlGpmMigSampleGet, m, 2, s), code(N.nvmlGpmMigSampleGet, m, 1, s)]
+            CTL.mig_mode(0, False)
+            out["mig_off"] = [code(N.nvmlGpmMigSampleGet, m, 1, s), code(N.nvmlGpmSampleGet, m, s)]
+            out["instance_then_gpu"] = metrics(g2, s)
+            """
+        ),
+        scenario,
+    )
+    assert out["support"] == 1
+    assert out["whole"] == NOT_SUPPORTED
+    assert out["gi2"] == pytest.approx([40.0, 12.5], rel=1e-9)
+    assert out["gi5_after_gi2"] == INVALID_ARGUMENT
+    assert out["missing"] == [NOT_FOUND, NOT_FOUND]
+    assert out["not_mig"] == [NOT_SUPPORTED, 0]
+    assert out["mig_handle"] == [NOT_SUPPORTED] * 3
+    assert out["relaid"] == [NOT_FOUND, 0]
+    assert out["mig_off"] == [NOT_SUPPORTED, 0]
+    assert out["instance_then_gpu"] == INVALID_ARGUMENT
+
+
+def test_control_retire_and_gpm_commands(tmp_path: Path) -> None:
+    ctl = fakenvml_control.Control(tmp_path / "nobody")
+    with pytest.raises(ValueError, match="at least one level"):
+        ctl.gpm(0)
+    with pytest.raises(ValueError, match="single control-command word"):
+        ctl.retire(0, "sbe dbe")  # type: ignore[arg-type]

@@ -58,10 +58,14 @@ def scrape_later(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], fl
 def test_grafana_12239_queries_are_answered_in_dcgm_names(node: SimulatedNode) -> None:
     gpus = serving(node)
     node.control.telemetry(2, util=87, temp=71, power_mw=612500, sm_clock=1755)
+    node.control.gpm(2, tensor=35)
     node.control.procs(2, [GpuProcess(4242, 3000)])
+    scrape_later(node)  # the first read's GPM sample: the tensor activity needs a window of two
     got = scrape_later(node)
     uuid = gpus[2]["uuid"]
-    # The dashboard's panels: temperature, power, SM clock (MHz), utilization (%), framebuffer used (MiB).
+    # The dashboard's panels: temperature, power, SM clock (MHz), utilization (%), framebuffer used (MiB),
+    # and tensor core activity (a ratio, as DCGM's profiling fields are).
+    assert value(got, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", gpu="2", UUID=uuid) == pytest.approx(0.35)
     assert value(got, "DCGM_FI_DEV_GPU_TEMP", gpu="2", UUID=uuid) == 71
     assert value(got, "DCGM_FI_DEV_POWER_USAGE", gpu="2") == 612.5
     assert value(got, "DCGM_FI_DEV_SM_CLOCK", gpu="2") == 1755
@@ -83,6 +87,26 @@ def test_nvplug_naming_in_base_units(node: SimulatedNode) -> None:
     assert value(got, "nvplug_gpu_ecc_errors_total", gpu="1", error="corrected", counter="volatile") == 3
     assert value(got, "nvplug_gpu_energy_joules_total", gpu="1") >= 5.0
     assert not any(name.startswith("DCGM_") for name in got)
+
+
+def test_gpm_activity_is_the_mean_over_the_window_between_two_reads(node: SimulatedNode) -> None:
+    serving(node, "nvplug:\n  telemetry:\n    naming: nvplug\n")
+    node.control.gpm(3, tensor=40, sm=80, fp16=25, pcie_tx=512)
+    first = scrape_later(node)
+    assert "nvplug_gpu_tensor_active_ratio" not in first  # one sample is no window yet
+    # Half-way through the next window the tensor cores go idle: the figure is the window's mean, between.
+    time.sleep(0.6)
+    node.control.gpm(3, tensor=0)
+    got = scrape_later(node)
+    assert 0.0 < value(got, "nvplug_gpu_tensor_active_ratio", gpu="3") < 0.4
+    assert value(got, "nvplug_gpu_sm_active_ratio", gpu="3") == pytest.approx(0.8)
+    assert value(got, "nvplug_gpu_pipe_active_ratio", gpu="3", pipe="fp16") == pytest.approx(0.25)
+    assert value(got, "nvplug_gpu_pcie_throughput_bytes_per_second", gpu="3", direction="tx") == pytest.approx(
+        512 * MIB
+    )
+    assert [v for lab, v in got["nvplug_gpu_sm_active_ratio"] if lab["gpu"] == "2"] == [0.0]  # idle: 0, not none
+    # The next window: idle all through.
+    assert value(scrape_later(node), "nvplug_gpu_tensor_active_ratio", gpu="3") == pytest.approx(0.0)
 
 
 def test_two_pods_sharing_a_gpu_each_have_their_own_figures(node: SimulatedNode, pods: PodCgroups) -> None:
@@ -238,6 +262,7 @@ def test_the_shipped_dashboard_asks_for_series_the_daemon_serves(node: Simulated
     serving(node, f"nvplug:\n  telemetry:\n    naming: {naming}\n")
     node.control.procs(0, [GpuProcess(4242, 100)])
     node.control.samples(0, [(4242, 10, 1)])
+    scrape_later(node)  # GPM's figures need a window of two reads
     served = set(scrape_later(node))
     served |= {name.removesuffix("_total") for name in served}
     dashboard = json.loads(DASHBOARD.read_text())

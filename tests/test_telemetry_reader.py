@@ -17,7 +17,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import HOST, GpuFigures, ProcessContainer, ProcessUse
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlSessions
-from nvplug.sources.nvml_telemetry import GpuRead
+from nvplug.sources.nvml_telemetry import GpuRead, Window
 from nvplug.sources.telemetry_reader import GpuTelemetry
 
 GPUS = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(3))
@@ -42,13 +42,14 @@ class Driver:
         self.fail: set[str] = set()
         self.processes: dict[str, tuple[ProcessUse, ...]] = {}
 
-    def read(self, uuid: str, last_seen: int) -> GpuRead:
+    def read(self, uuid: str, since: Window) -> GpuRead:
         self.reads.append(uuid)
         if uuid in self.hang:
             self.hang[uuid].wait(10)
         if uuid in self.fail:
             raise NvmlUnavailable(f"{uuid} is lost")
-        return GpuRead(GpuFigures(temperature_c=40 + len(self.reads)), (), self.processes.get(uuid, ()), last_seen + 1)
+        figures = GpuFigures(temperature_c=40 + len(self.reads))
+        return GpuRead(figures, (), self.processes.get(uuid, ()), Window(since.last_seen + 1))
 
 
 def reader(driver: Driver, clock: Clock, tmp_path: Path) -> GpuTelemetry:

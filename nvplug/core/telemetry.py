@@ -41,6 +41,18 @@ class GpuFigures:
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     pcie_replays: int | None = None
+    # GPM (Hopper and later), over the window since the last read: the share of time each unit was busy
+    # (0 to 1), and PCIe throughput in bytes/s. None on a first read, in MIG mode, and before Hopper.
+    gr_engine_active: float | None = None
+    sm_active: float | None = None
+    sm_occupancy: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
+    fp64_active: float | None = None
+    fp32_active: float | None = None
+    fp16_active: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
 
 
 @dataclass(frozen=True)

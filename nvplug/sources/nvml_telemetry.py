@@ -2,15 +2,18 @@
 their memory and utilization. Every call blocks: run on the telemetry's own thread (sources/telemetry_reader.py).
 
 A figure the driver lacks (or refuses on this GPU) is None; only a GPU NVML cannot find or reach fails the
-read (NvmlUnavailable). Process utilization comes from the samples newer than the last read's, so each
-read covers exactly the window since the one before.
+read (NvmlUnavailable). Process utilization comes from the samples newer than the last read's, and the
+GPU's activity (GPM, Hopper and later) from its counters between the last read's sample and this one's, so
+each read covers exactly the window since the one before (its `Window`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pynvml  # type: ignore[import-untyped]
 
@@ -29,16 +32,40 @@ TEMPERATURE_GPU = 0
 
 
 @dataclass(frozen=True)
+class Window:
+    """Where a GPU's next read starts: the newest process utilization sample seen (µs), and this read's GPM
+    sample (NVML's memory: the next read frees it, or `release` does when the GPU has gone)."""
+
+    last_seen: int = 0
+    gpm_sample: Any = None
+
+
+@dataclass(frozen=True)
 class GpuRead:
     figures: GpuFigures
     mig: tuple[MigFigures, ...]
     processes: tuple[ProcessUse, ...]
-    # The newest process utilization sample seen: where the next read's window starts.
-    last_seen: int
+    window: Window = Window()
 
 
-def read_gpu(uuid: str, last_seen: int) -> GpuRead:
-    """Raises NvmlUnavailable when the GPU cannot be found or reached."""
+# GPM's figures: the metric, the GpuFigures field, and the scale from NVML's unit (percent, MiB/s) to it.
+GPM_METRICS: tuple[tuple[int, str, float], ...] = (
+    (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy", 0.01),
+    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "fp64_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "fp32_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "fp16_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", MIB),
+    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", MIB),
+)
+
+
+def read_gpu(uuid: str, since: Window) -> GpuRead:
+    """Raises NvmlUnavailable when the GPU cannot be found or reached; then `since` is as it was, for the
+    next read."""
     with session():
         try:
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -51,9 +78,19 @@ def read_gpu(uuid: str, last_seen: int) -> GpuRead:
         figures = _figures(handle, in_mig_mode=bool(mig_handles))
         migs = tuple(_mig_figures(mig, h) for mig, h in mig_handles.items())
         devices = mig_handles or {uuid: handle}
-        samples, newest = _samples(handle, last_seen)
+        samples, newest = _samples(handle, since.last_seen)
         processes = tuple(p for device, h in devices.items() for p in _processes(device, h, samples))
-    return GpuRead(figures, migs, processes, newest)
+        # Last: nothing after it fails the read, so the sample it frees is never used again.
+        activity, sample = _gpm(handle, since.gpm_sample, in_mig_mode=bool(mig_handles))
+    figures = dataclasses.replace(figures, **cast(dict[str, Any], activity))
+    return GpuRead(figures, migs, processes, Window(newest, sample))
+
+
+def release(window: Window) -> None:
+    """Frees a window's GPM sample: its GPU has gone, and no read will start from it."""
+    if window.gpm_sample is not None:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmSampleFree(window.gpm_sample)
 
 
 def _optional(read: Callable[[], T]) -> T | None:
@@ -109,6 +146,37 @@ def _clock_event_reasons(handle: Any) -> int | None:
     if found is None:
         found = _optional(lambda: int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)))
     return found
+
+
+def _gpm(handle: Any, previous: Any, in_mig_mode: bool) -> tuple[dict[str, float], Any]:
+    """The GPU's activity between the previous read's GPM sample and one taken now, and that sample (the
+    previous one is freed). None to give where the GPU has no GPM (before Hopper) or is in MIG mode (whose
+    samples are per GPU instance), or on a first read: a window needs two samples."""
+    sample = None
+    try:
+        if not in_mig_mode and pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+            sample = pynvml.nvmlGpmSampleAlloc()
+            pynvml.nvmlGpmSampleGet(handle, sample)
+    except pynvml.NVMLError:
+        if sample is not None:
+            release(Window(gpm_sample=sample))
+        sample = None
+    activity: dict[str, float] = {}
+    if sample is not None and previous is not None:
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = previous, sample
+        for at, (metric, _, _) in enumerate(GPM_METRICS):
+            request.metrics[at].metricId = metric
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlGpmMetricsGet(request)
+            for at, (_, field, scale) in enumerate(GPM_METRICS):
+                got = request.metrics[at]
+                if got.nvmlReturn == pynvml.NVML_SUCCESS:
+                    activity[field] = float(got.value) * scale
+    release(Window(gpm_sample=previous))
+    return activity, sample
 
 
 def _mig_handles(handle: Any) -> dict[str, Any]:

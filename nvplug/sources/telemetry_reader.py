@@ -32,7 +32,7 @@ from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlBusy, NvmlSessions
 from nvplug.pods.process_pod import container_names, pod_names, pod_of_cgroup
-from nvplug.sources.nvml_telemetry import GpuRead, read_gpu
+from nvplug.sources.nvml_telemetry import GpuRead, Window, read_gpu, release
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,7 +56,7 @@ class GpuTelemetry(Sink):
         sessions: NvmlSessions,
         proc_root: Path = Path("/proc"),
         log_root: Path = Path("/var/log"),
-        read: Callable[[str, int], GpuRead] = read_gpu,
+        read: Callable[[str, Window], GpuRead] = read_gpu,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sessions = sessions
@@ -68,7 +68,7 @@ class GpuTelemetry(Sink):
         self._gpus: tuple[Gpu, ...] = ()
         self._readings: dict[str, GpuReading] = {}
         self._tried: dict[str, float] = {}
-        self._last_seen: dict[str, int] = {}
+        self._windows: dict[str, Window] = {}
         self._pass: asyncio.Task[None] | None = None
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
         self._left_behind: dict[str, asyncio.Future[_Read]] = {}
@@ -91,8 +91,9 @@ class GpuTelemetry(Sink):
         known = {g.uuid for g in self._gpus}
         for uuid in [u for u in self._readings if u not in known]:  # a GPU gone has no series
             del self._readings[uuid]
-            self._last_seen.pop(uuid, None)
             self._where.pop(uuid, None)
+        for uuid in [u for u in self._windows if u not in known]:  # NVML's memory, freed off the loop
+            self._worker.submit(release, self._windows.pop(uuid))
         return ()
 
     def prepare(self, cfg: Config) -> Commit:
@@ -153,7 +154,7 @@ class GpuTelemetry(Sink):
         rest, and that GPU is not read again until its read returns."""
         loop = asyncio.get_running_loop()
         began = self._clock()
-        turns = [_Turn(g.uuid, self._last_seen.get(g.uuid, 0), loop.create_future()) for g in due]
+        turns = [_Turn(g.uuid, self._windows.get(g.uuid, Window()), loop.create_future()) for g in due]
         while turns:
             job = _Job(turns, loop)
             self._job = job
@@ -193,7 +194,7 @@ class GpuTelemetry(Sink):
             self._mark_stale(uuid, f"the read failed: {err!r}")
             return
         self.read_count += 1
-        self._last_seen[uuid] = got.last_seen
+        self._windows[uuid] = got.window
         self._where[uuid] = where
         self._readings[uuid] = GpuReading(uuid, time.time(), got.figures, got.mig, got.processes)
 
@@ -201,9 +202,9 @@ class GpuTelemetry(Sink):
     def _new_worker() -> concurrent.futures.ThreadPoolExecutor:
         return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="telemetry")
 
-    def _read_shared(self, uuid: str, last_seen: int) -> GpuRead:
+    def _read_shared(self, uuid: str, since: Window) -> GpuRead:
         with self._sessions.shared(timeout=SCRAPE_BUDGET):
-            return self._read(uuid, last_seen)
+            return self._read(uuid, since)
 
     async def close(self) -> None:
         if self._job is not None:
@@ -260,7 +261,7 @@ class _Turn:
     """A GPU's read in a pass: where its window starts, and where its result goes (on the loop)."""
 
     uuid: str
-    last_seen: int
+    since: Window
     read: asyncio.Future[_Read]
 
 
@@ -275,12 +276,12 @@ class _Job:
         # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU.
         self.abandoned = False
 
-    def run(self, read: Callable[[str, int], GpuRead], place: _Place) -> None:
+    def run(self, read: Callable[[str, Window], GpuRead], place: _Place) -> None:
         for turn in self._turns:
             if self.abandoned:
                 return
             try:
-                got = read(turn.uuid, turn.last_seen)
+                got = read(turn.uuid, turn.since)
                 self._placed.update(place([p.pid for p in got.processes if p.pid not in self._placed]))
             except Exception as err:
                 self._hand(turn.read, None, err)

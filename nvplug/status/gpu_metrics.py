@@ -146,6 +146,64 @@ GPU_SERIES = (
         "1 once a row remap failed",
     ),
     Series("pcie_replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "nvplug_gpu_pcie_replays", 1, True, "PCIe replays"),
+    # GPM's activity over the window since the last read: ratios in both namings, as DCGM's PROF fields.
+    Series(
+        "gr_engine_active",
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+        "nvplug_gpu_graphics_engine_active_ratio",
+        1,
+        False,
+        "Share of time the graphics or compute engine was busy",
+    ),
+    Series("sm_active", "DCGM_FI_PROF_SM_ACTIVE", "nvplug_gpu_sm_active_ratio", 1, False, "Share of SMs busy"),
+    Series(
+        "sm_occupancy",
+        "DCGM_FI_PROF_SM_OCCUPANCY",
+        "nvplug_gpu_sm_occupancy_ratio",
+        1,
+        False,
+        "Warps resident on the SMs, of the most they hold",
+    ),
+    Series(
+        "tensor_active",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "nvplug_gpu_tensor_active_ratio",
+        1,
+        False,
+        "Share of time the tensor cores were busy",
+    ),
+    Series(
+        "dram_active",
+        "DCGM_FI_PROF_DRAM_ACTIVE",
+        "nvplug_gpu_dram_active_ratio",
+        1,
+        False,
+        "Share of the memory bandwidth used",
+    ),
+    *(
+        Series(
+            f"{pipe}_active",
+            f"DCGM_FI_PROF_PIPE_{pipe.upper()}_ACTIVE",
+            "nvplug_gpu_pipe_active_ratio",
+            1,
+            False,
+            "Share of time a pipe was busy",
+            (("pipe", pipe),),
+        )
+        for pipe in ("fp64", "fp32", "fp16")
+    ),
+    *(
+        Series(
+            f"pcie_{direction}_bytes_per_second",
+            f"DCGM_FI_PROF_PCIE_{direction.upper()}_BYTES",
+            "nvplug_gpu_pcie_throughput_bytes_per_second",
+            1,
+            False,
+            "PCIe throughput",
+            (("direction", direction),),
+        )
+        for direction in ("tx", "rx")
+    ),
 )
 MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
 # The GPU's labels a container's series carry: what the others join on.

@@ -26,7 +26,8 @@
  *   lose <gpu>                          GPU_IS_LOST from now on, event 0x4000 (once)
  *   remove <gpu>                        like lose now; not enumerated from the next 0->1 init
  *   restore <gpu>                       undo lose/remove, clear the probes below and the
- *                                       volatile ECC counts (as a reset does)
+ *                                       volatile ECC counts and set every GPM level to 0 (as a
+ *                                       reset does); retired pages stay retired
  *   pending_pages <gpu> 0|1
  *   remap <gpu> <pending> <failure> [corr unc]
  *   recovery_action <gpu> <n>           field 230 value, event 0x8000 with data n
@@ -61,6 +62,19 @@
  *                                       process utilization samples stamped now (realtime us,
  *                                       rising per GPU; the last SAMPLES_MAX kept), for
  *                                       nvmlDeviceGetProcessUtilization; "-" forgets them
+ *   retire <gpu> sbe|dbe [count]        "ok pages=N": retire count pages (default 1, up to
+ *                                       RETIRED_MAX kept per cause) for multiple single-bit (sbe)
+ *                                       or a double-bit (dbe) ECC error, at new addresses, stamped
+ *                                       now (realtime us), for nvmlDeviceGetRetiredPages(_v2); N
+ *                                       the cause's pages now.  Permanent (restore keeps them); no
+ *                                       event, pending_pages unchanged.  A GPU without page
+ *                                       retirement (cc 8.0 and later, unsupported=retired_pages):
+ *                                       an error
+ *   gpm <gpu> name=value ...            GPM activity levels from now on (below): graphics sm
+ *                                       sm_occupancy integer tensor dfma hmma imma dram fp64 fp32
+ *                                       fp16 in percent, pcie_tx pcie_rx in MiB/s, decimals allowed;
+ *                                       others keep theirs (all 0 at first).  A GPU without GPM
+ *                                       (cc before 9.0, unsupported=gpm): an error
  *   block <gpu>|* <function>            calls of that entry point (exact exported name) on that
  *                                       GPU hang until released, like a GPU wedged in the driver
  *   release <gpu>|* <function>          undo one block (error if not set); they return normally
@@ -91,6 +105,41 @@
  * " waiting=N" (callers asleep on it).  Blocks need no scenario: "*" ones can
  * be set before the first successful nvmlInit.  A forked child keeps the
  * blocks but none of the parent's blocked callers.
+ *
+ * Page retirement (GPUs before Ampere, cc < 8.0; later ones remap rows):
+ * nvmlDeviceGetRetiredPages(_v2) list a cause's pages ("retire"), in
+ * retirement order, with the timestamps for _v2.  *pageCount in is the room
+ * in the buffers, which may be NULL only with *pageCount 0 (the size query);
+ * too little room, INSUFFICIENT_SIZE with the count needed; a cause but 0
+ * and 1, INVALID_ARGUMENT; cc 8.0 and later or unsupported=retired_pages,
+ * NOT_SUPPORTED.  nvmlDeviceGetRetiredPagesPendingStatus is separate: it
+ * answers pending_pages on every GPU but unsupported=retired_pages ones.
+ *
+ * GPM (GPU Performance Monitoring; cc 9.0 and later without unsupported=gpm):
+ * each GPU holds, per metric, an activity level ("gpm") and its integral
+ * over time, brought up to date when a level changes or a sample is taken.
+ * nvmlGpmSampleAlloc makes an opaque sample (a heap struct, checked by lookup
+ * and magic: others are INVALID_ARGUMENT; nvmlGpmSampleFree releases it);
+ * nvmlGpmSampleGet fills it with the GPU's integrals, the time (monotonic ns)
+ * and the GPU, nvmlGpmMigSampleGet(gpu, gpuInstanceId, ...) likewise for one
+ * GPU instance of a GPU in MIG mode (sharing the GPU's levels).
+ * nvmlGpmMetricsGet gives each requested metric's mean level between two
+ * samples, (integral2 - integral1) / (t2 - t1): a level changed within the
+ * window gives the time-weighted mean.  Modelled metric ids: 1 GRAPHICS_UTIL
+ * 2 SM_UTIL 3 SM_OCCUPANCY 4 INTEGER_UTIL 5 ANY_TENSOR_UTIL 6 DFMA_TENSOR_UTIL
+ * 7 HMMA_TENSOR_UTIL 9 IMMA_TENSOR_UTIL 10 DRAM_BW_UTIL 11 FP64_UTIL
+ * 12 FP32_UTIL 13 FP16_UTIL 20 PCIE_TX_PER_SEC 21 PCIE_RX_PER_SEC; any other
+ * id gets NOT_SUPPORTED in its own entry's nvmlReturn.  Return codes:
+ * nvmlGpmQueryDeviceSupport and nvmlGpmMetricsGet check their version (1,
+ * else ARGUMENT_VERSION_MISMATCH); nvmlGpmMetricsGet reads only numMetrics
+ * entries (any NVML_GPM_METRIC_MAX a header has, up to 477; more is
+ * INVALID_ARGUMENT), and wants two taken samples of one GPU (and one GPU
+ * instance), the second taken later (else INVALID_ARGUMENT).  The SampleGets
+ * answer NOT_SUPPORTED on a GPU without GPM, nvmlGpmSampleGet also on a GPU in
+ * MIG mode and nvmlGpmMigSampleGet on one not in MIG mode; the latter answers
+ * NOT_FOUND for an id no GPU instance has.  The three per-device calls take
+ * the GPU's handle (a MIG device's: NOT_SUPPORTED) and answer GPU_IS_LOST,
+ * block etc. as every per-device call.
  *
  * A gpu line (scenario or add) may describe a GPU already broken when first
  * probed: lost=0|1 pending_pages=0|1 remap_pending=0|1 remap_failure=0|1
@@ -259,6 +308,7 @@ enum {
 #define MIG_MAX_CI 7      /* compute instance ids 0..7 */
 #define PROCS_MAX 512     /* running processes per GPU */
 #define SAMPLES_MAX 1024  /* process utilization samples kept per GPU, oldest dropped */
+#define RETIRED_MAX 256   /* retired pages kept per GPU and cause ("retire": more is an error) */
 
 typedef struct fake_dev *nvmlDevice_t;
 typedef struct fake_evset *nvmlEventSet_t;
@@ -346,6 +396,50 @@ typedef struct {
     nvmlValue_t value;
 } nvmlFieldValue_t;
 
+/* nvmlPageRetirementCause_t */
+enum {
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0,
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1,
+    NVML_PAGE_RETIREMENT_CAUSE_COUNT
+};
+
+/*
+ * GPM (GPU Performance Monitoring).  A sample is opaque to the caller
+ * (nvml.h: typedef struct nvmlGpmSample_st *nvmlGpmSample_t); here it is a
+ * struct fake_gpm_sample (below).  NVML_GPM_METRIC_MAX grew between header
+ * versions (98 in the first ones, 477 in later ones), and with it
+ * nvmlGpmMetricsGet_t: only the first numMetrics entries are read or
+ * written, so a caller built with any of them works.
+ */
+#define NVML_GPM_SUPPORT_VERSION 1
+#define NVML_GPM_METRICS_GET_VERSION 1
+#define NVML_GPM_METRIC_MAX 477
+typedef struct fake_gpm_sample *nvmlGpmSample_t;
+
+typedef struct {
+    unsigned int version;               /* NVML_GPM_SUPPORT_VERSION */
+    unsigned int isSupportedDevice;
+} nvmlGpmSupport_t;
+
+typedef struct {
+    unsigned int metricId;              /* nvmlGpmMetricId_t, set by the caller */
+    nvmlReturn_t nvmlReturn;            /* this metric's own result */
+    double value;
+    struct {
+        char *shortName;
+        char *longName;
+        char *unit;
+    } metricInfo;
+} nvmlGpmMetric_t;
+
+typedef struct {
+    unsigned int version;               /* NVML_GPM_METRICS_GET_VERSION */
+    unsigned int numMetrics;            /* entries of metrics[] to compute */
+    nvmlGpmSample_t sample1;            /* the earlier sample */
+    nvmlGpmSample_t sample2;            /* the later one, of the same device (and GPU instance) */
+    nvmlGpmMetric_t metrics[NVML_GPM_METRIC_MAX];
+} nvmlGpmMetricsGet_t;
+
 /* ---- simulated state ------------------------------------------------------ */
 
 /* Bits of the scenario's unsupported= list. */
@@ -354,7 +448,7 @@ enum {
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
     U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14,
-    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16, U_TELEMETRY = 1 << 17
+    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16, U_TELEMETRY = 1 << 17, U_GPM = 1 << 18
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
@@ -362,7 +456,7 @@ static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
     {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE}, {"ecc", U_ECC},
-    {"telemetry", U_TELEMETRY},
+    {"telemetry", U_TELEMETRY}, {"gpm", U_GPM},
 };
 
 /* Which running-process queries list a process (procs= KIND). */
@@ -370,6 +464,36 @@ enum { K_COMPUTE = 1, K_GRAPHICS = 2, K_MPS = 4 };
 static const struct { const char *name; unsigned bit; } proc_kinds[] = {
     {"compute", K_COMPUTE}, {"graphics", K_GRAPHICS}, {"mps", K_MPS},
 };
+
+/*
+ * The GPM metrics this fake models (nvmlGpmMetricId_t), each an activity
+ * level of the GPU: percent for the *_UTIL ones, MiB/s for the *_PER_SEC
+ * ones.  name: in the "gpm" command; max: the highest level it takes;
+ * the last three are the metricInfo strings nvmlGpmMetricsGet gives.
+ */
+#define GPM_PCIE_MAX 1000000.0   /* MiB/s, well over any PCIe link */
+static const struct gpm_metric {
+    unsigned id;
+    const char *name;
+    double max;
+    const char *short_name, *long_name, *unit;
+} gpm_metrics[] = {
+    {1, "graphics", 100, "graphics_util", "Graphics or compute engine activity", "%"},
+    {2, "sm", 100, "sm_util", "SMs busy", "%"},
+    {3, "sm_occupancy", 100, "sm_occupancy", "Warps resident vs the theoretical maximum", "%"},
+    {4, "integer", 100, "integer_util", "SM integer pipe activity", "%"},
+    {5, "tensor", 100, "any_tensor_util", "SM tensor pipe activity, any kind", "%"},
+    {6, "dfma", 100, "dfma_tensor_util", "SM DFMA tensor pipe activity", "%"},
+    {7, "hmma", 100, "hmma_tensor_util", "SM HMMA tensor pipe activity", "%"},
+    {9, "imma", 100, "imma_tensor_util", "SM IMMA tensor pipe activity", "%"},
+    {10, "dram", 100, "dram_bw_util", "DRAM bandwidth used vs the theoretical maximum", "%"},
+    {11, "fp64", 100, "fp64_util", "SM non-tensor FP64 pipe activity", "%"},
+    {12, "fp32", 100, "fp32_util", "SM non-tensor FP32 pipe activity", "%"},
+    {13, "fp16", 100, "fp16_util", "SM non-tensor FP16 pipe activity", "%"},
+    {20, "pcie_tx", GPM_PCIE_MAX, "pcie_tx_per_sec", "PCIe traffic from the GPU", "MiB/s"},
+    {21, "pcie_rx", GPM_PCIE_MAX, "pcie_rx_per_sec", "PCIe traffic to the GPU", "MiB/s"},
+};
+#define GPM_N ((int)(sizeof gpm_metrics / sizeof gpm_metrics[0]))
 
 /* nvmlProcessUtilizationSample_t */
 typedef struct {
@@ -423,6 +547,15 @@ struct fake_dev {
     /* process utilization samples ("samples"), oldest first, a ring */
     int nsamples, sample_head;
     unsigned long long last_sample_us;
+    /* retired pages ("retire"; before Ampere), by nvmlPageRetirementCause_t, in retirement order */
+    unsigned nretired[NVML_PAGE_RETIREMENT_CAUSE_COUNT];
+    unsigned long long retired_addr[NVML_PAGE_RETIREMENT_CAUSE_COUNT][RETIRED_MAX];
+    unsigned long long retired_us[NVML_PAGE_RETIREMENT_CAUSE_COUNT][RETIRED_MAX];   /* realtime */
+    unsigned long long retired_next;    /* pages retired so far, both causes: the next address */
+    /* GPM ("gpm"; Hopper and later): per gpm_metrics entry the level now and its integral
+     * over time (level x seconds) up to gpm_since (CLOCK_MONOTONIC ns) */
+    double gpm_level[GPM_N], gpm_integral[GPM_N];
+    unsigned long long gpm_since;
     /* MIG */
     int mig_mode;
     int nmig;
@@ -490,6 +623,26 @@ static char g_driver[80] = "550.54.15";
 static char g_nvml[80] = "12.550.54.15";
 static int g_cuda = 12040;
 static struct fake_evset *g_sets;
+
+/*
+ * A GPM sample (nvmlGpmSample_t): the time it was taken and the GPU's GPM
+ * integrals then.  Allocated by nvmlGpmSampleAlloc and listed in
+ * g_gpm_samples until nvmlGpmSampleFree, so that a pointer is checked by
+ * looking it up (a foreign one is never read) and then by its magic.  They
+ * belong to the caller: an nvmlShutdown leaves them.
+ */
+#define GPM_MAGIC 0x47504D53u   /* "GPMS" */
+struct fake_gpm_sample {
+    unsigned magic;                     /* GPM_MAGIC while allocated */
+    struct fake_gpm_sample *next;       /* g_gpm_samples */
+    int taken;                          /* filled by nvmlGpm(Mig)SampleGet */
+    int slot;                           /* the GPU it was taken on */
+    char uuid[96];                      /* which GPU that was (add reuses the slots of GPUs gone) */
+    unsigned gi;                        /* the GPU instance of a MIG sample; ID_ANY: the whole GPU */
+    unsigned long long t_ns;            /* CLOCK_MONOTONIC when taken */
+    double integral[GPM_N];             /* the GPU's gpm_integral then */
+};
+static struct fake_gpm_sample *g_gpm_samples;
 static nvmlReturn_t g_wait_error;   /* "wait_error": returned by the next g_wait_left waits */
 static long g_wait_left;            /* -1: every wait until cleared */
 
@@ -536,7 +689,10 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetComputeRunningProcesses_v3, DEV) X(nvmlDeviceGetGraphicsRunningProcesses, DEV)        \
     X(nvmlDeviceGetGraphicsRunningProcesses_v2, DEV) X(nvmlDeviceGetGraphicsRunningProcesses_v3, DEV)    \
     X(nvmlDeviceGetMPSComputeRunningProcesses, DEV) X(nvmlDeviceGetMPSComputeRunningProcesses_v2, DEV)   \
-    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, DEV) X(nvmlDeviceSetComputeMode, DEV)
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, DEV) X(nvmlDeviceSetComputeMode, DEV)                  \
+    X(nvmlDeviceGetRetiredPages, DEV) X(nvmlDeviceGetRetiredPages_v2, DEV)                               \
+    X(nvmlGpmQueryDeviceSupport, DEV) X(nvmlGpmSampleAlloc, SYS) X(nvmlGpmSampleFree, SYS)               \
+    X(nvmlGpmSampleGet, DEV) X(nvmlGpmMigSampleGet, DEV) X(nvmlGpmMetricsGet, SYS)
 
 enum fn_kind { FK_SYS, FK_LOOKUP, FK_DEV };
 #define FN_ENUM(f, k) FN_##f,
@@ -767,6 +923,20 @@ static int tokenize(char *line, char **tok, int max)
     }
 }
 
+static unsigned long long mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+}
+
+static unsigned long long realtime_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+}
+
 static int copy_field(char *dst, size_t cap, const char *src)
 {
     size_t n = strlen(src);
@@ -894,6 +1064,7 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->mem_mhz = 2619;
     d->throttle = 0x1;   /* nvmlClocksEventReasonGpuIdle */
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
+    d->gpm_since = mono_ns();   /* every GPM level 0 so far */
 
     for (i = 0; i < n; i++) {
         char *k = tok[i], *v = strchr(tok[i], '=');
@@ -1853,6 +2024,133 @@ static unsigned long long energy_now(struct fake_dev *d)
     return d->energy_mj + (unsigned long long)(ms > 0 ? ms : 0) * d->power_mw / 1000ULL;
 }
 
+/* Page retirement lists: GPUs before Ampere (cc < 8); later ones remap rows instead. */
+static int retire_supported(const struct fake_dev *d)
+{
+    return d->cc_major < 8 && !(d->unsupported & U_RETIRED_PAGES);
+}
+
+/* GPM: Hopper and later (cc >= 9). */
+static int gpm_supported(const struct fake_dev *d)
+{
+    return d->cc_major >= 9 && !(d->unsupported & U_GPM);
+}
+
+/* Brings the GPU's GPM integrals up to now (each level held since gpm_since); returns now. */
+static unsigned long long gpm_advance(struct fake_dev *d)
+{
+    unsigned long long now = mono_ns();
+    int i;
+    if (now > d->gpm_since) {
+        double secs = (double)(now - d->gpm_since) / 1e9;
+        for (i = 0; i < GPM_N; i++)
+            d->gpm_integral[i] += d->gpm_level[i] * secs;
+        d->gpm_since = now;
+    }
+    return d->gpm_since;
+}
+
+/*
+ * "retire <gpu> sbe|dbe [count]": count pages (default 1) retired now for that cause, each at an
+ * address no other page of the GPU has, stamped now (CLOCK_REALTIME microseconds).  Permanent:
+ * restore keeps them, as a reset keeps the retirement list in the InfoROM.
+ */
+static void ctl_retire(struct fake_dev *d, char **tok, int n, char *out, size_t cap)
+{
+    unsigned long long us;
+    unsigned *have;
+    long count = 1, k;
+    int cause;
+    if (n != 3 && n != 4) {
+        snprintf(out, cap, "error: usage: retire <gpu> sbe|dbe [count]");
+        return;
+    }
+    if (strcmp(tok[2], "sbe") && strcmp(tok[2], "dbe")) {
+        snprintf(out, cap, "error: retire: cause must be sbe or dbe, got '%s'", tok[2]);
+        return;
+    }
+    if (n == 4 && parse_int(tok[3], 1, RETIRED_MAX, &count)) {
+        snprintf(out, cap, "error: retire: count must be 1 to %d", RETIRED_MAX);
+        return;
+    }
+    if (!retire_supported(d)) {
+        snprintf(out, cap, "error: retire: the GPU has no page retirement (%s)",
+                 d->cc_major >= 8 ? "cc 8.0 or later: it remaps rows" : "unsupported=retired_pages");
+        return;
+    }
+    cause = !strcmp(tok[2], "dbe") ? NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+                                   : NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS;
+    have = &d->nretired[cause];
+    if (*have + (unsigned long)count > RETIRED_MAX) {
+        snprintf(out, cap, "error: retire: %u %s pages retired already, at most %d kept", *have, tok[2],
+                 RETIRED_MAX);
+        return;
+    }
+    us = realtime_us();
+    for (k = 0; k < count; k++, (*have)++) {
+        /* Page-aligned (4 KiB) addresses, spread out, never repeated on the GPU. */
+        d->retired_addr[cause][*have] = 0x1a2b000ULL + d->retired_next++ * 0x3f1000ULL;
+        d->retired_us[cause][*have] = us;
+    }
+    snprintf(out, cap, "ok pages=%u", *have);
+}
+
+/* One GPM level, a decimal number 0..max (fractions allowed); returns 0 or -1. */
+static int parse_gpm_level(const char *s, double max, double *out)
+{
+    char *end;
+    double v;
+    if (!*s || !((*s >= '0' && *s <= '9') || *s == '.'))
+        return -1;
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno || *end || !(v >= 0 && v <= max))
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/*
+ * "gpm <gpu> name=value ...": GPM activity levels from now on (names in gpm_metrics; the others
+ * keep theirs).  All or nothing: any bad item is an error and changes no level.
+ */
+static void ctl_gpm(struct fake_dev *d, char **tok, int n, char *out, size_t cap)
+{
+    double v[GPM_N];
+    int set[GPM_N] = {0}, i, k;
+    if (n < 3) {
+        snprintf(out, cap, "error: usage: gpm <gpu> name=value ... (graphics sm sm_occupancy integer tensor "
+                           "dfma hmma imma dram fp64 fp32 fp16: percent; pcie_tx pcie_rx: MiB/s)");
+        return;
+    }
+    for (i = 2; i < n; i++) {
+        char *eq = strchr(tok[i], '=');
+        for (k = 0; eq && k < GPM_N; k++)
+            if ((size_t)(eq - tok[i]) == strlen(gpm_metrics[k].name) &&
+                !strncmp(tok[i], gpm_metrics[k].name, (size_t)(eq - tok[i])))
+                break;
+        if (!eq || k == GPM_N) {
+            snprintf(out, cap, "error: gpm: unknown item '%s'", tok[i]);
+            return;
+        }
+        if (parse_gpm_level(eq + 1, gpm_metrics[k].max, &v[k])) {
+            snprintf(out, cap, "error: gpm: bad value in '%s' (0 to %g)", tok[i], gpm_metrics[k].max);
+            return;
+        }
+        set[k] = 1;
+    }
+    if (!gpm_supported(d)) {
+        snprintf(out, cap, "error: gpm: the GPU has no GPM (%s)",
+                 d->cc_major < 9 ? "cc before 9.0" : "unsupported=gpm");
+        return;
+    }
+    gpm_advance(d);   /* the old levels up to now; the new ones from now */
+    for (k = 0; k < GPM_N; k++)
+        if (set[k])
+            d->gpm_level[k] = v[k];
+    snprintf(out, cap, "ok");
+}
+
 /*
  * "telemetry <gpu> key=value ...": util mem_util (percent), temp (C), power_mw, energy_mj,
  * sm_clock mem_clock (MHz), throttle (a bitmask, 0x... or decimal), pcie_replays, reserved_mib.
@@ -2048,7 +2346,7 @@ static void ctl_command(char *line, char *out, size_t cap)
     /* The remaining commands all take a GPU as the first argument. */
     static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove", "pending_pages",
                                      "remap", "recovery_action", "mig", "procs", "compute_mode", "telemetry",
-                                     "samples"};
+                                     "samples", "retire", "gpm"};
     for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
         ;
     if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
@@ -2145,6 +2443,8 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->pending_pages = d->remap_pending = d->remap_failure = 0;
         d->recovery_action = 0;
         d->ecc[0][0] = d->ecc[1][0] = 0;   /* a reset starts the volatile counts afresh */
+        gpm_advance(d);                    /* and leaves the GPU idle; retired pages stay retired */
+        memset(d->gpm_level, 0, sizeof d->gpm_level);
         snprintf(out, cap, d->visible ? "ok" : "ok pending");
     } else if (!strcmp(cmd, "pending_pages")) {
         if (need_args(n, 3, "pending_pages <gpu> 0|1", out, cap))
@@ -2173,6 +2473,10 @@ static void ctl_command(char *line, char *out, size_t cap)
         snprintf(out, cap, "ok");
     } else if (!strcmp(cmd, "telemetry")) {
         ctl_telemetry(d, tok, n, out, cap);
+    } else if (!strcmp(cmd, "retire")) {
+        ctl_retire(d, tok, n, out, cap);
+    } else if (!strcmp(cmd, "gpm")) {
+        ctl_gpm(d, tok, n, out, cap);
     } else if (!strcmp(cmd, "samples")) {
         if (need_args(n, 3, "samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -", out, cap))
             return;
@@ -3319,6 +3623,52 @@ nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *is
     return done(NVML_SUCCESS);
 }
 
+/*
+ * The pages retired for one cause (nvmlPageRetirementCause_t: 0 multiple single-bit ECC errors,
+ * 1 a double-bit ECC error), in retirement order.  nvml.h: *pageCount in is the room in addresses
+ * (and timestamps), out the pages returned, or on INSUFFICIENT_SIZE the count there is; the buffers
+ * may be NULL only with *pageCount 0, the size query (SUCCESS when none is retired).  Only GPUs
+ * before Ampere retire pages (later ones remap rows, nvmlDeviceGetRemappedRows): NOT_SUPPORTED on
+ * cc 8.0 and later, as with unsupported=retired_pages.  timestamps: the _v2 call's, else NULL.
+ */
+static nvmlReturn_t retired_pages(nvmlDevice_t device, int cause, unsigned int *pageCount,
+                                  unsigned long long *addresses, unsigned long long *timestamps, int v2)
+{
+    unsigned n, k;
+    DEV_BEGIN(device);
+    REQUIRE(pageCount && (cause == NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS ||
+                          cause == NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR));
+    if (!retire_supported(d))
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    n = d->nretired[cause];
+    if (*pageCount < n) {
+        *pageCount = n;
+        return done(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    REQUIRE(*pageCount == 0 || (addresses && (!v2 || timestamps)));
+    for (k = 0; k < n; k++) {
+        addresses[k] = d->retired_addr[cause][k];
+        if (v2)
+            timestamps[k] = d->retired_us[cause][k];
+    }
+    *pageCount = n;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t device, int cause, unsigned int *pageCount,
+                                       unsigned long long *addresses)
+{
+    COUNT(nvmlDeviceGetRetiredPages);
+    return retired_pages(device, cause, pageCount, addresses, NULL, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPages_v2(nvmlDevice_t device, int cause, unsigned int *pageCount,
+                                          unsigned long long *addresses, unsigned long long *timestamps)
+{
+    COUNT(nvmlDeviceGetRetiredPages_v2);
+    return retired_pages(device, cause, pageCount, addresses, timestamps, 1);
+}
+
 nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
                                        unsigned int *isPending, unsigned int *failureOccurred)
 {
@@ -3598,6 +3948,169 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUti
             utilization[k++] = *smp;
     }
     *processSamplesCount = need;
+    return done(NVML_SUCCESS);
+}
+
+/* ---- exported: GPM -------------------------------------------------------------- */
+
+/*
+ * GPU Performance Monitoring (Hopper and later): the caller takes two samples
+ * and nvmlGpmMetricsGet gives each metric's mean over the time between them.
+ * Each GPU holds an activity level per metric ("gpm") and its integral over
+ * time; a sample copies the integrals up to the moment it is taken, so a
+ * metric is (integral2 - integral1) / (t2 - t1): a level changed within the
+ * window gives the time-weighted mean, as the hardware counters do.  See
+ * "GPM" in the header comment for the return codes.
+ */
+
+nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *gpmSupport)
+{
+    COUNT(nvmlGpmQueryDeviceSupport);
+    DEV_BEGIN(device);
+    REQUIRE(gpmSupport);
+    if (gpmSupport->version != NVML_GPM_SUPPORT_VERSION)
+        return done(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    gpmSupport->isSupportedDevice = (unsigned)gpm_supported(d);
+    return done(NVML_SUCCESS);
+}
+
+/* The allocated sample s is, or NULL: looked up first, so a foreign pointer is never read. */
+static struct fake_gpm_sample *gpm_sample(nvmlGpmSample_t s)
+{
+    struct fake_gpm_sample *p;
+    for (p = g_gpm_samples; p; p = p->next)
+        if (p == s)
+            return p->magic == GPM_MAGIC ? p : NULL;
+    return NULL;
+}
+
+nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample)
+{
+    struct fake_gpm_sample *s;
+    COUNT(nvmlGpmSampleAlloc);
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    REQUIRE(gpmSample);
+    s = calloc(1, sizeof *s);
+    if (!s)
+        return done(20);   /* NVML_ERROR_MEMORY */
+    s->magic = GPM_MAGIC;
+    s->slot = -1;
+    s->next = g_gpm_samples;
+    g_gpm_samples = s;
+    *gpmSample = s;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample)
+{
+    struct fake_gpm_sample **pp;
+    COUNT(nvmlGpmSampleFree);
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    for (pp = &g_gpm_samples; *pp && *pp != gpmSample; pp = &(*pp)->next)
+        ;
+    REQUIRE(*pp && gpmSample->magic == GPM_MAGIC);
+    *pp = gpmSample->next;
+    gpmSample->magic = 0;
+    free(gpmSample);
+    return done(NVML_SUCCESS);
+}
+
+/* Fills s from the GPU now: its integrals, the time, and which GPU (and GPU instance) it was. */
+static void gpm_take(struct fake_dev *d, struct fake_gpm_sample *s, unsigned gi)
+{
+    s->t_ns = gpm_advance(d);
+    memcpy(s->integral, d->gpm_integral, sizeof s->integral);
+    s->slot = (int)(d - g_devs);
+    memcpy(s->uuid, d->uuid, sizeof s->uuid);
+    s->gi = gi;
+    s->taken = 1;
+}
+
+/* The whole GPU's sample; a GPU in MIG mode has only its GPU instances' (nvmlGpmMigSampleGet). */
+nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t gpmSample)
+{
+    struct fake_gpm_sample *s;
+    COUNT(nvmlGpmSampleGet);
+    DEV_BEGIN(device);
+    s = gpm_sample(gpmSample);
+    REQUIRE(s);
+    if (!gpm_supported(d) || d->mig_mode)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    gpm_take(d, s, ID_ANY);
+    return done(NVML_SUCCESS);
+}
+
+/*
+ * One GPU instance's sample, on the GPU's handle (not a MIG device's): NOT_SUPPORTED outside MIG
+ * mode, NOT_FOUND for an id no GPU instance has.  Its levels are the GPU's own.
+ */
+nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId, nvmlGpmSample_t gpmSample)
+{
+    struct fake_gpm_sample *s;
+    int k;
+    COUNT(nvmlGpmMigSampleGet);
+    DEV_BEGIN(device);
+    s = gpm_sample(gpmSample);
+    REQUIRE(s);
+    if (!gpm_supported(d) || !d->mig_mode)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    for (k = 0; k < d->nmig && g_migs[d->mig[k]].gi != gpuInstanceId; k++)
+        ;
+    if (k == d->nmig)
+        return done(NVML_ERROR_NOT_FOUND);
+    gpm_take(d, s, gpuInstanceId);
+    return done(NVML_SUCCESS);
+}
+
+/*
+ * Each of the first numMetrics entries gets its metric's mean level between the two samples, or
+ * its own nvmlReturn NOT_SUPPORTED for an id this fake does not model (the call still succeeds).
+ * Only those entries are touched, so any NVML_GPM_METRIC_MAX of a caller's header works.
+ */
+nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet)
+{
+    const struct fake_gpm_sample *s1, *s2;
+    double secs;
+    unsigned i;
+    int k;
+    COUNT(nvmlGpmMetricsGet);
+    nvmlReturn_t rc = sys_begin();
+    if (rc)
+        return rc;
+    REQUIRE(metricsGet);
+    if (metricsGet->version != NVML_GPM_METRICS_GET_VERSION)
+        return done(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    REQUIRE(metricsGet->numMetrics <= NVML_GPM_METRIC_MAX);
+    s1 = gpm_sample(metricsGet->sample1);
+    s2 = gpm_sample(metricsGet->sample2);
+    REQUIRE(s1 && s2 && s1->taken && s2->taken);
+    REQUIRE(s1->slot == s2->slot && !strcmp(s1->uuid, s2->uuid) && s1->gi == s2->gi);
+    REQUIRE(s2->t_ns > s1->t_ns);
+    secs = (double)(s2->t_ns - s1->t_ns) / 1e9;
+    for (i = 0; i < metricsGet->numMetrics; i++) {
+        nvmlGpmMetric_t *m = &metricsGet->metrics[i];
+        const struct gpm_metric *g;
+        double v;
+        for (k = 0; k < GPM_N && gpm_metrics[k].id != m->metricId; k++)
+            ;
+        memset(&m->metricInfo, 0, sizeof m->metricInfo);
+        m->value = 0;
+        if (k == GPM_N) {
+            m->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        g = &gpm_metrics[k];
+        v = (s2->integral[k] - s1->integral[k]) / secs;
+        m->value = v < 0 ? 0 : v > g->max ? g->max : v;   /* rounding must not leave the range */
+        m->nvmlReturn = NVML_SUCCESS;
+        m->metricInfo.shortName = (char *)g->short_name;
+        m->metricInfo.longName = (char *)g->long_name;
+        m->metricInfo.unit = (char *)g->unit;
+    }
     return done(NVML_SUCCESS);
 }
 

@@ -86,6 +86,26 @@ class Control:
         """Count `count` single- or double-bit ECC errors (volatile and aggregate) and queue one event (0x1 / 0x2)."""
         return self.send(f"ecc {gpu} {kind}" + (f" {count}" if count != 1 else ""))
 
+    def retire(self, gpu: GpuRef, cause: Literal["sbe", "dbe"], count: int = 1) -> str:
+        """Retire `count` pages for multiple single-bit (sbe) or a double-bit (dbe) ECC error, stamped now.
+
+        What nvmlDeviceGetRetiredPages(_v2) list for that cause from then on; ``restore`` keeps them.
+        Reply ``ok pages=N``, N the cause's retired pages now. A GPU without page retirement (cc 8.0
+        and later, which remap rows instead, or unsupported=retired_pages) is a :class:`ControlError`.
+        """
+        return self.send(f"retire {_word(gpu)} {_word(cause)}" + (f" {count}" if count != 1 else ""))
+
+    def gpm(self, gpu: GpuRef, **levels: float) -> str:
+        """Set GPM activity levels from now on: graphics, sm, sm_occupancy, integer, tensor, dfma, hmma, imma,
+        dram, fp64, fp32, fp16 (percent) and pcie_tx, pcie_rx (MiB/s); the others keep theirs.
+
+        nvmlGpmMetricsGet gives each metric's time-weighted mean level between two samples. ``restore``
+        sets every level to 0. A GPU without GPM (cc before 9.0, or unsupported=gpm) is a :class:`ControlError`.
+        """
+        if not levels:
+            raise ValueError("gpm needs at least one level")
+        return self.send(f"gpm {_word(gpu)} " + " ".join(f"{_word(k)}={float(v)!r}" for k, v in levels.items()))
+
     def event(self, gpu: GpuRef, event_type: int, data: int = 0) -> str:
         return self.send(f"event {gpu} {event_type:#x} {data}")
 

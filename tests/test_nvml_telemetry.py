@@ -1,0 +1,103 @@
+"""One GPU's read (sources/nvml_telemetry.py) against the fake NVML through the real pynvml, in a child
+process: hundreds of processes from the arrays unpacked out of pynvml's structures, page retirement before
+Ampere, and GPM's activity over the window between two reads, with its samples handed on."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_fakenvml import Rig
+
+
+@pytest.fixture
+def rig(nvml_lib_dir: Path) -> Iterator[Rig]:
+    root = Path(tempfile.mkdtemp(prefix="fnt-", dir="/tmp"))  # short: the control socket's path
+    yield Rig(nvml_lib_dir, root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+SCENARIO = """
+    gpu uuid=GPU-volta bus=0000:01:00.0 minor=0 cc=7.0 name="Tesla V100-SXM2-32GB"
+    gpu uuid=GPU-hopper bus=0000:02:00.0 minor=1
+"""
+
+
+def test_hundreds_of_processes_with_their_memory_and_window(rig: Rig) -> None:
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu, release
+        from nvplug.testing.fakenvml_devices import GpuProcess
+        N.nvmlInit()
+        # 300 processes, every third of unknown memory (an MPS client without the privilege to see it).
+        CTL.procs(1, [GpuProcess(1000 + i, None if i % 3 == 0 else i + 1) for i in range(300)])
+        CTL.samples(1, [(1000 + i, i % 100, 5) for i in range(300)] + [(1001, 3, 1)])
+        got = read_gpu("GPU-hopper", Window())
+        by_pid = {p.pid: p for p in got.processes}
+        out["count"] = len(got.processes)
+        out["unknown"] = sorted(p.pid for p in got.processes if p.used_mib is None)[:3]
+        out["p1001"] = [by_pid[1001].used_mib, by_pid[1001].sm_util, by_pid[1001].memory_util]
+        out["p1299"] = [by_pid[1299].used_mib, by_pid[1299].sm_util]
+        # The next read's window starts after the newest sample: no sample since, so every share is 0.
+        again = read_gpu("GPU-hopper", got.window)
+        out["window"] = [again.window.last_seen == got.window.last_seen > 0,
+                         sorted({p.sm_util for p in again.processes})]
+        release(again.window)
+        """,
+        rig.scenario(SCENARIO),
+    )
+    assert out["count"] == 300
+    assert out["unknown"] == [1000, 1003, 1006]
+    assert out["p1001"] == [2.0, 2.0, 3.0]  # two samples of 1001: their mean (1 and 3 SM, 5 and 1 memory)
+    assert out["p1299"] == [300.0, 99.0]
+    assert out["window"] == [True, [0.0]]
+
+
+def test_page_retirement_before_ampere_and_none_after(rig: Rig) -> None:
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu
+        N.nvmlInit()
+        CTL.retire(0, "sbe", 2)
+        CTL.retire(0, "dbe")
+        volta, hopper = read_gpu("GPU-volta", Window()).figures, read_gpu("GPU-hopper", Window()).figures
+        out["volta"] = [volta.retired_pages_sbe, volta.retired_pages_dbe]
+        out["hopper"] = [hopper.retired_pages_sbe, hopper.retired_pages_dbe, hopper.remapped_rows_correctable]
+        """,
+        rig.scenario(SCENARIO),
+    )
+    assert out["volta"] == [2, 1]
+    # Ampere and later remap rows instead: no retired pages to show, rather than a false 0.
+    assert out["hopper"] == [None, None, 0]
+
+
+def test_gpm_activity_over_the_window_between_two_reads(rig: Rig) -> None:
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu, release
+        N.nvmlInit()
+        CTL.gpm(1, tensor=60, sm=90, pcie_rx=100)
+        first = read_gpu("GPU-hopper", Window())
+        out["first"] = [first.figures.tensor_active, first.window.gpm_sample is not None]
+        time.sleep(0.2)
+        second = read_gpu("GPU-hopper", first.window)
+        f = second.figures
+        out["second"] = [f.tensor_active, f.sm_active, f.pcie_rx_bytes_per_second, f.fp64_active]
+        # Before Hopper: no GPM, and no sample kept.
+        volta = read_gpu("GPU-volta", Window())
+        out["volta"] = [volta.figures.tensor_active, volta.window.gpm_sample]
+        # The window hands on this read's sample (the one it used is freed).
+        out["handed_on"] = addr(second.window.gpm_sample) not in (None, addr(first.window.gpm_sample))
+        release(second.window)
+        """,
+        rig.scenario(SCENARIO),
+    )
+    assert out["first"] == [None, True]  # one sample is no window
+    tensor, sm, rx, fp64 = out["second"]
+    assert tensor == pytest.approx(0.6) and sm == pytest.approx(0.9) and fp64 == 0.0
+    assert rx == pytest.approx(100 * (1 << 20))
+    assert out["volta"] == [None, None]
+    assert out["handed_on"]
