@@ -7,7 +7,8 @@ its status socket, each scrape a second apart so that each reads every GPU afres
   with the kubelet's log records where this machine lets us make cgroups, each with a utilization sample
   per scrape), the two kinds taken in turn: p50 and p99 of each, and their ratio (targets: p99 <= 20 ms,
   <= 2x the first);
-- the daemon's CPU over `--idle-seconds` with a scrape every 15 s (target: <= 0.1 % of one core);
+- the daemon's CPU over `--idle-seconds` with no scrape, then with a scrape every 15 s (target: <= 0.1 % of
+  one core), and the difference: the scrapes' own share;
 - the XID to kubelet list latency (bench/latency.py's) over `--xids` XIDs, with no scrape and then with a
   scrape every second, in one run: no NVML call runs on the loop, so the two should not differ.
 
@@ -101,11 +102,6 @@ def timed(node: SimulatedNode, scrapes: int, pids: list[int]) -> Timed:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def report(what: str, times: list[float], lines: int) -> float:
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -150,21 +146,27 @@ def main() -> int:
         for gpu in range(8):
             node.control.procs(gpu, [])
         assert node.daemon is not None
-        before, began = cpu_seconds(node.daemon.pid), time.monotonic()
-        while time.monotonic() - began < args.idle_seconds:
-            scrape(node)
-            time.sleep(min(15.0, max(0.0, args.idle_seconds - (time.monotonic() - began))))
-        used = cpu_seconds(node.daemon.pid) - before
-        share = used / (time.monotonic() - began) * 100
+        idle = {scraped: idle_share(node, node.daemon.pid, args.idle_seconds, scraped) for scraped in (False, True)}
         print(
-            f"idle CPU with a scrape every 15 s: {share:.3f} % of one core over {args.idle_seconds:.0f} s, "
-            f"target <= 0.1 %: ratio {share / 0.1:.2f}"
+            f"idle CPU over {args.idle_seconds:.0f} s: {idle[False]:.3f} % of one core with no scrape, "
+            f"{idle[True]:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {idle[True] / 0.1:.2f}); "
+            f"the scrapes' own share: {idle[True] - idle[False]:.3f} %"
         )
         if args.xids:
             quiet = xid_latency(node, args.xids, scraping=False)
             busy = xid_latency(node, args.xids, scraping=True)
             print(f"XID to the kubelet's list, scraped every second / not: p50 {busy / quiet:.2f}x (target: 1.00x)")
     return 0
+
+
+def idle_share(node: SimulatedNode, pid: int, seconds: float, scraped: bool) -> float:
+    """The daemon's CPU over `seconds`, in % of one core, with a scrape every 15 s from the start or none."""
+    before, began = cpu_ns(pid), time.monotonic()
+    while (left := seconds - (time.monotonic() - began)) > 0:
+        if scraped:
+            scrape(node)
+        time.sleep(min(15.0, max(0.0, left)))
+    return (cpu_ns(pid) - before) / 1e9 / (time.monotonic() - began) * 100
 
 
 def xid_latency(node: SimulatedNode, samples: int, scraping: bool) -> float:

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from nvplug.cli.mps_command import _clients_text
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import HOST, GpuFigures, ProcessContainer, ProcessUse
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlSessions
+from nvplug.pods.process_places import ProcessPlaces, unattributed
 from nvplug.sources.nvml_telemetry import GpuRead, Window
 from nvplug.sources.telemetry_reader import GpuTelemetry
 
@@ -134,11 +136,12 @@ def test_processes_are_placed_from_their_cgroup_and_the_kubelet_s_records(tmp_pa
     (tmp_path / "log/pods" / f"ml_ts-a_{UID}").mkdir(parents=True)
     (tmp_path / "log/containers").mkdir(parents=True)
     (tmp_path / "log/containers" / f"ts-a_ml_main-{CID}.log").symlink_to(tmp_path / "nowhere")
-    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log")
     # 104 has gone: no /proc entry.
-    placed = telemetry._place([101, 102, 103, 104])
-    # 102 is a host process; 103's pod has no record and 104 has gone: both unattributed.
-    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID), 102: HOST, 103: None, 104: None}
+    placed = ProcessPlaces(tmp_path / "proc", tmp_path / "log").place([101, 102, 103, 104])
+    # 102 is a host process; 103's pod has no record (its UID alone) and 104 has gone: both unattributed.
+    nameless = ProcessContainer(pod_uid=f"{'0' * 8}-0000-0000-0000-{'0' * 12}")
+    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID), 102: HOST, 103: nameless, 104: None}
+    assert [unattributed(placed[pid]) for pid in (101, 102, 103, 104)] == [False, False, True, True]
 
 
 def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(tmp_path: Path) -> None:
@@ -151,13 +154,13 @@ def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(t
         driver.processes[gpu] = (ProcessUse(101, gpu, "compute", 100.0), ProcessUse(105, gpu, "compute", 1.0))
     telemetry = reader(driver, clock, tmp_path)
     placed: list[list[int]] = []
-    place = telemetry._place
+    place = telemetry._places.place
 
     def counted(pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
         placed.append(list(pids))
         return place(placed[-1])
 
-    telemetry._place = counted  # type: ignore[method-assign]
+    telemetry._places.place = counted  # type: ignore[method-assign]
 
     async def scrapes() -> None:
         got = await telemetry.refresh()
@@ -172,3 +175,15 @@ def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(t
         await telemetry.close()
 
     asyncio.run(scrapes())
+
+
+def test_nvplug_mps_stop_names_each_client_s_pod_through_the_same_placement(tmp_path: Path) -> None:
+    nameless = f"{'1' * 8}-0000-0000-0000-{'0' * 12}"
+    for pid, text in ((101, f"0::/kubepods/pod{UID}/{CID}\n"), (102, f"0::/kubepods/pod{nameless}/x\n")):
+        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "cgroup").write_text(text)
+    (tmp_path / "log/pods" / f"ml_ts-a_{UID}").mkdir(parents=True)
+    (tmp_path / "log/containers").mkdir(parents=True)
+    (tmp_path / "log/containers" / f"ts-a_ml_main-{CID}.log").symlink_to(tmp_path / "nowhere")
+    said = _clients_text((101, 102, 103), tmp_path / "proc", tmp_path / "log/pods")
+    assert said == f"pid 101: pod ml/ts-a, container main; pid 102: pod UID {nameless}; pid 103"

@@ -27,7 +27,7 @@ from nvplug.mps.daemon_records import DaemonRecords
 from nvplug.mps.leftover_daemon import LeftoverDaemon
 from nvplug.mps.mps_dirs import MpsDirError, RootLayout
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.pods.process_pod import pod_names, pod_of_cgroup
+from nvplug.pods.process_places import ProcessPlaces
 from nvplug.shaping.mps_groups import LOG
 from nvplug.sinks.health_state_file import FILE_NAME, StateFile, decode_all, state_dir
 from nvplug.sources.nvml_discovery import Nvml
@@ -117,23 +117,17 @@ def run_stop(args: argparse.Namespace) -> int:
 
 
 def _clients_text(pids: tuple[int, ...], proc_root: Path, pod_logs: Path) -> str:
-    """Each client's pid, and the pod it runs in (namespace/name where its log directory tells)."""
-    try:
-        names = pod_names(entry.name for entry in pod_logs.iterdir())
-    except OSError:
-        names = {}
+    """Each client's pid, and the pod it runs in (namespace/name where the kubelet's records tell)."""
+    places = ProcessPlaces(proc_root, pod_logs.parent).place(pids)
     said = []
     for pid in pids:
-        try:
-            pod = pod_of_cgroup((proc_root / str(pid) / "cgroup").read_text())
-        except OSError:
-            pod = None  # gone since, or not ours to read
-        if pod is None:
-            said.append(f"pid {pid}")
+        where = places.get(pid)
+        if where is None or not where.pod_uid:
+            said.append(f"pid {pid}")  # gone since, not ours to read, or in no pod
             continue
-        name = names.get(pod.uid)
-        container = f", container {pod.container_id[:13]}" if pod.container_id else ""
-        said.append(f"pid {pid}: pod {name if name is not None else 'UID ' + pod.uid}{container}")
+        pod = f"{where.namespace}/{where.pod}" if where.pod else f"UID {where.pod_uid}"
+        container = f", container {where.container}" if where.container else ""
+        said.append(f"pid {pid}: pod {pod}{container}")
     return "; ".join(said)
 
 

@@ -10,6 +10,7 @@ each read covers exactly the window since the one before (its `Window`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,19 @@ GPM_METRICS: tuple[tuple[int, str, float], ...] = (
     (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", MIB),
     (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", MIB),
 )
+
+
+class _MetricsRequest(ctypes.Structure):
+    """nvmlGpmMetricsGet_t with room for GPM_METRICS only: NVML reads `numMetrics` entries, and pynvml's
+    has room for every metric there is (23 KB to clear on every read)."""
+
+    _fields_ = (
+        ("version", ctypes.c_uint),
+        ("numMetrics", ctypes.c_uint),
+        ("sample1", pynvml.c_nvmlGpmSample_t),
+        ("sample2", pynvml.c_nvmlGpmSample_t),
+        ("metrics", pynvml.c_nvmlGpmMetric_t * len(GPM_METRICS)),
+    )
 
 
 def read_gpu(uuid: str, since: Window) -> GpuRead:
@@ -154,7 +168,8 @@ def _gpm(handle: Any, previous: Any, in_mig_mode: bool) -> tuple[dict[str, float
     samples are per GPU instance), or on a first read: a window needs two samples."""
     sample = None
     try:
-        if not in_mig_mode and pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+        # A GPU that gave a sample last time has GPM: it is asked only on a first read.
+        if not in_mig_mode and (previous is not None or pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice):
             sample = pynvml.nvmlGpmSampleAlloc()
             pynvml.nvmlGpmSampleGet(handle, sample)
     except pynvml.NVMLError:
@@ -163,7 +178,7 @@ def _gpm(handle: Any, previous: Any, in_mig_mode: bool) -> tuple[dict[str, float
         sample = None
     activity: dict[str, float] = {}
     if sample is not None and previous is not None:
-        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request = _MetricsRequest()
         request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(GPM_METRICS)
         request.sample1, request.sample2 = previous, sample

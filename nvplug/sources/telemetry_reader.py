@@ -16,26 +16,23 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from nvplug.config import Config
 from nvplug.core.events import Event
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import HOST, GpuFigures, GpuReading, ProcessContainer, Telemetry
+from nvplug.core.telemetry import GpuFigures, GpuReading, ProcessContainer, Telemetry
 from nvplug.edges.edge_protocols import Commit, Sink, StateUpdate
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlBusy, NvmlSessions
-from nvplug.pods.process_pod import container_names, pod_names, pod_of_cgroup
+from nvplug.pods.process_places import ProcessPlaces, unattributed
 from nvplug.sources.nvml_telemetry import GpuRead, Window, read_gpu, release
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # However often it is scraped, a GPU is read at most this often.
 READ_EVERY = 1.0
@@ -61,8 +58,7 @@ class GpuTelemetry(Sink):
     ) -> None:
         self._sessions = sessions
         self._worker = self._new_worker()
-        self._proc_root = proc_root
-        self._log_root = log_root
+        self._places = ProcessPlaces(proc_root, log_root)
         self._read = read
         self._clock = clock
         self._gpus: tuple[Gpu, ...] = ()
@@ -75,11 +71,6 @@ class GpuTelemetry(Sink):
         self._job: _Job | None = None
         # Each reading's processes, placed as they were read: a container, or None where unattributed.
         self._where: dict[str, dict[int, ProcessContainer | None]] = {}
-        # The same cgroup texts come back scrape after scrape: each is parsed once (a PID's text is read
-        # afresh every time; only the parse of a text is kept).
-        self._pod_of_cgroup = functools.lru_cache(maxsize=4096)(pod_of_cgroup)
-        self._pod_names = _Listing(pod_names)
-        self._container_names = _Listing(container_names)
         self.read_count = 0  # reads that worked
         self.pass_seconds = 0.0
 
@@ -98,7 +89,7 @@ class GpuTelemetry(Sink):
 
     def prepare(self, cfg: Config) -> Commit:
         async def commit(snapshot: Snapshot) -> None:
-            self._log_root = Path(cfg.telemetry.log_root)
+            self._places = ProcessPlaces(self._places.proc_root, Path(cfg.telemetry.log_root))
 
         return commit
 
@@ -109,14 +100,14 @@ class GpuTelemetry(Sink):
             pid: where
             for r in readings
             for pid, where in self._where.get(r.uuid, {}).items()
-            if where is not None and where != HOST
+            if where is not None and where.pod  # in a pod the records name
         }
         return Telemetry(readings, containers)
 
     @property
     def unattributed(self) -> int:
         """Processes of the readings placed in no pod the kubelet's records name, or whose cgroup is gone."""
-        return len({pid for placed in self._where.values() for pid, where in placed.items() if where is None})
+        return len({pid for placed in self._where.values() for pid, where in placed.items() if unattributed(where)})
 
     async def refresh(self, budget: float = SCRAPE_BUDGET) -> Telemetry:
         """Read what is due (each GPU at most once per READ_EVERY) and wait up to `budget` for it."""
@@ -158,7 +149,7 @@ class GpuTelemetry(Sink):
         while turns:
             job = _Job(turns, loop)
             self._job = job
-            self._worker.submit(job.run, self._read_shared, self._place)
+            self._worker.submit(job.run, self._read_shared, self._places.place)
             for at, turn in enumerate(turns):
                 done, _ = await asyncio.wait({turn.read}, timeout=SLOW_READ)
                 self._pending.discard(turn.uuid)
@@ -222,34 +213,6 @@ class GpuTelemetry(Sink):
             log.warning("the figures of %s are stale: %s", uuid, why)
             self._readings[uuid] = GpuReading(uuid, old.read_at, old.figures, old.mig, old.processes, why)
 
-    def _place(self, pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
-        """Each PID's container: its cgroup names the pod's UID and the container's ID, the kubelet's log
-        records name them. HOST for a process in no pod; None for one whose cgroup cannot be read (it ended)
-        or that names a pod the records do not: unattributed. File reads: on the telemetry's thread."""
-        pids = list(pids)
-        if not pids:
-            return {}
-        pods = self._pod_names.read(self._log_root / "pods")
-        names = self._container_names.read(self._log_root / "containers")
-        out: dict[int, ProcessContainer | None] = {}
-        proc = str(self._proc_root)
-        for pid in pids:
-            try:
-                text = _read_small(f"{proc}/{pid}/cgroup")
-            except OSError:
-                out[pid] = None
-                continue
-            found = self._pod_of_cgroup(text)
-            if found is None:
-                out[pid] = HOST
-                continue
-            pod = pods.get(found.uid)
-            if pod is None:
-                out[pid] = None
-                continue
-            out[pid] = ProcessContainer(pod.namespace, pod.name, names.get(found.container_id or "", ""), found.uid)
-        return out
-
 
 # A GPU's read, and where each of its processes runs (placed right after the read: the same moment).
 _Read = tuple[GpuRead, dict[int, ProcessContainer | None]]
@@ -299,39 +262,3 @@ class _Job:
 
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
             self._loop.call_soon_threadsafe(settle)
-
-
-class _Listing(Generic[T]):
-    """A directory's entries, parsed, read again only when the directory changed (its mtime): the kubelet's
-    log records change when pods come and go, not on every scrape."""
-
-    def __init__(self, parse: Callable[[list[str]], T]) -> None:
-        self._parse = parse
-        self._kept: tuple[Path, int, T] | None = None
-
-    def read(self, directory: Path) -> T:
-        try:
-            stamp = directory.stat().st_mtime_ns
-        except OSError:
-            return self._parse([])
-        if self._kept is not None and self._kept[:2] == (directory, stamp):
-            return self._kept[2]
-        parsed = self._parse(_listing(directory))
-        self._kept = (directory, stamp, parsed)
-        return parsed
-
-
-def _read_small(path: str) -> str:
-    """A procfs file in one read: hundreds of them a scrape, where Path.read_text's layers cost 5x more."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 65536).decode(errors="replace")
-    finally:
-        os.close(fd)
-
-
-def _listing(directory: Path) -> list[str]:
-    try:
-        return [entry.name for entry in directory.iterdir()]
-    except OSError:
-        return []
