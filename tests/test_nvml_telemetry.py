@@ -101,3 +101,32 @@ def test_gpm_activity_over_the_window_between_two_reads(rig: Rig) -> None:
     assert rx == pytest.approx(100 * (1 << 20))
     assert out["volta"] == [None, None]
     assert out["handed_on"]
+
+
+def test_gpm_per_gpu_instance_in_mig_mode(rig: Rig) -> None:
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu, release
+        N.nvmlInit()
+        CTL.gpm(0, tensor=30)
+        first = read_gpu("GPU-mig", Window())
+        out["first"] = [first.window.gpm_sample, sorted(gi for gi, _ in first.window.gpm_instances),
+                        [m.tensor_active for m in first.mig]]
+        time.sleep(0.2)
+        second = read_gpu("GPU-mig", first.window)
+        out["second"] = sorted((m.uuid, m.tensor_active) for m in second.mig)
+        out["gpu"] = second.figures.tensor_active  # a GPU in MIG mode has its instances' figures only
+        release(second.window)
+        """,
+        rig.scenario(
+            """
+            gpu uuid=GPU-mig bus=0000:01:00.0 minor=0 mig=1
+            mig 0 3g.40gb gi=2 uuid=MIG-two
+            mig 0 2g.20gb gi=5 uuid=MIG-five
+            """
+        ),
+    )
+    assert out["first"] == [None, [2, 5], [None, None]]
+    assert [uuid for uuid, _ in out["second"]] == ["MIG-five", "MIG-two"]
+    assert [tensor for _, tensor in out["second"]] == [pytest.approx(0.3)] * 2
+    assert out["gpu"] is None

@@ -134,7 +134,9 @@ def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods
     node.control.mig_mode(4, True)
     node.control.mig_layout(4, ["3g.40gb"])
     node.control.procs(4, [GpuProcess(mig_user.pid, 2048, mig=(1, 0))])
+    node.control.gpm(4, tensor=20)
     node.wait_log("scan 2:")  # the MIG layout's rescan names the MIG device
+    scrape_later(node)  # the GPU instance's first GPM sample
     got = scrape_later(node)
     assert value(got, "nvplug_container_gpu_memory_used_bytes", pod="mps-client", device_uuid=gpus[1]["uuid"]) == (
         512 * MIB
@@ -144,6 +146,8 @@ def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods
     # NVML gives no per-process utilization on MIG: no series, rather than a false 0.
     assert not [s for s in got.get("nvplug_container_gpu_utilization_ratio", []) if s[0]["pod"] == "mig-user"]
     assert value(got, "DCGM_FI_DEV_FB_USED", gpu="4", GPU_I_PROFILE="3g.40gb", GPU_I_ID="1") == 2048
+    # The GPU instance's tensor activity, from its own GPM samples.
+    assert value(got, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", gpu="4", GPU_I_ID="1") == pytest.approx(0.2)
 
 
 def test_a_pid_that_went_or_moved_is_never_the_old_pod_s(node: SimulatedNode, pods: PodCgroups) -> None:

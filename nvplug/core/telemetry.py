@@ -13,8 +13,26 @@ from typing import Literal, NamedTuple
 ProcessKind = Literal["compute", "graphics", "mps"]
 
 
+@dataclass(frozen=True, kw_only=True)
+class GpmActivity:
+    """GPM (Hopper and later) over the window since the last read, of a GPU or of a MIG device's GPU
+    instance: the share of time each unit was busy (0 to 1), and PCIe throughput in bytes/s. None on a
+    first read (a window takes two) and before Hopper."""
+
+    gr_engine_active: float | None = None
+    sm_active: float | None = None
+    sm_occupancy: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
+    fp64_active: float | None = None
+    fp32_active: float | None = None
+    fp16_active: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+
+
 @dataclass(frozen=True)
-class GpuFigures:
+class GpuFigures(GpmActivity):
     """One read of one GPU. Memory in MiB, utilization in percent, power in W, energy in mJ, clocks in MHz."""
 
     util_gpu: int | None = None
@@ -41,23 +59,11 @@ class GpuFigures:
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     pcie_replays: int | None = None
-    # GPM (Hopper and later), over the window since the last read: the share of time each unit was busy
-    # (0 to 1), and PCIe throughput in bytes/s. None on a first read, in MIG mode, and before Hopper.
-    gr_engine_active: float | None = None
-    sm_active: float | None = None
-    sm_occupancy: float | None = None
-    tensor_active: float | None = None
-    dram_active: float | None = None
-    fp64_active: float | None = None
-    fp32_active: float | None = None
-    fp16_active: float | None = None
-    pcie_tx_bytes_per_second: float | None = None
-    pcie_rx_bytes_per_second: float | None = None
 
 
 @dataclass(frozen=True)
-class MigFigures:
-    """A MIG device's framebuffer: NVML gives a MIG device no other figure."""
+class MigFigures(GpmActivity):
+    """A MIG device's framebuffer, and its GPU instance's activity: NVML gives a MIG device no other figure."""
 
     uuid: str
     fb_used_mib: int | None = None

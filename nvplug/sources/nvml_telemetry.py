@@ -35,10 +35,12 @@ TEMPERATURE_GPU = 0
 @dataclass(frozen=True)
 class Window:
     """Where a GPU's next read starts: the newest process utilization sample seen (µs), and this read's GPM
-    sample (NVML's memory: the next read frees it, or `release` does when the GPU has gone)."""
+    samples, the GPU's or in MIG mode each GPU instance's (NVML's memory: the next read frees them, or
+    `release` does when the GPU has gone)."""
 
     last_seen: int = 0
     gpm_sample: Any = None
+    gpm_instances: tuple[tuple[int, Any], ...] = ()  # (GPU instance ID, sample)
 
 
 @dataclass(frozen=True)
@@ -94,17 +96,40 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         devices = mig_handles or {uuid: handle}
         samples, newest = _samples(handle, since.last_seen)
         processes = tuple(p for device, h in devices.items() for p in _processes(device, h, samples))
-        # Last: nothing after it fails the read, so the sample it frees is never used again.
-        activity, sample = _gpm(handle, since.gpm_sample, in_mig_mode=bool(mig_handles))
-    figures = dataclasses.replace(figures, **cast(dict[str, Any], activity))
-    return GpuRead(figures, migs, processes, Window(newest, sample))
+        # Last: nothing after it fails the read, so the samples it frees are never used again.
+        if not mig_handles:
+            activity, sample = _gpm(handle, since.gpm_sample, lambda s: pynvml.nvmlGpmSampleGet(handle, s))
+            release(Window(gpm_instances=since.gpm_instances))
+            return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample))
+        instances = {
+            mig: gi
+            for mig, h in mig_handles.items()
+            if (gi := _optional(lambda: int(pynvml.nvmlDeviceGetGpuInstanceId(h)))) is not None  # noqa: B023
+        }
+        previous = dict(since.gpm_instances)
+        taken: dict[int, tuple[dict[str, float], Any]] = {
+            gi: _gpm(handle, previous.pop(gi, None), lambda s: pynvml.nvmlGpmMigSampleGet(handle, gi, s))  # noqa: B023
+            for gi in sorted(set(instances.values()))
+        }
+        release(Window(gpm_sample=since.gpm_sample, gpm_instances=tuple(previous.items())))  # gone from the layout
+        migs = tuple(_with(m, taken[instances[m.uuid]][0]) if m.uuid in instances else m for m in migs)
+        kept = tuple((gi, sample) for gi, (_, sample) in taken.items() if sample is not None)
+    return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept))
 
 
 def release(window: Window) -> None:
-    """Frees a window's GPM sample: its GPU has gone, and no read will start from it."""
-    if window.gpm_sample is not None:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlGpmSampleFree(window.gpm_sample)
+    """Frees a window's GPM samples: its GPU has gone (or its layout), and no read will start from them."""
+    for sample in (window.gpm_sample, *(s for _, s in window.gpm_instances)):
+        if sample is not None:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlGpmSampleFree(sample)
+
+
+F = TypeVar("F", GpuFigures, MigFigures)
+
+
+def _with(figures: F, activity: dict[str, float]) -> F:
+    return dataclasses.replace(figures, **cast(dict[str, Any], activity))
 
 
 def _optional(read: Callable[[], T]) -> T | None:
@@ -162,16 +187,16 @@ def _clock_event_reasons(handle: Any) -> int | None:
     return found
 
 
-def _gpm(handle: Any, previous: Any, in_mig_mode: bool) -> tuple[dict[str, float], Any]:
-    """The GPU's activity between the previous read's GPM sample and one taken now, and that sample (the
-    previous one is freed). None to give where the GPU has no GPM (before Hopper) or is in MIG mode (whose
-    samples are per GPU instance), or on a first read: a window needs two samples."""
+def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dict[str, float], Any]:
+    """The activity between the previous read's GPM sample and one taken now (`take` fills it: the GPU's,
+    or a GPU instance's), and that sample; the previous one is freed. None to give where the GPU has no GPM
+    (before Hopper), or on a first read: a window needs two samples."""
     sample = None
     try:
         # A GPU that gave a sample last time has GPM: it is asked only on a first read.
-        if not in_mig_mode and (previous is not None or pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice):
+        if previous is not None or pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
             sample = pynvml.nvmlGpmSampleAlloc()
-            pynvml.nvmlGpmSampleGet(handle, sample)
+            take(sample)
     except pynvml.NVMLError:
         if sample is not None:
             release(Window(gpm_sample=sample))

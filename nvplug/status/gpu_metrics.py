@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from nvplug.config.model import MetricNaming
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import GpuReading, ProcessContainer, ProcessUse, Telemetry
+from nvplug.core.telemetry import GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
 from nvplug.pods.pod_holders import Holder
 
 MIB = 1 << 20
@@ -205,7 +205,10 @@ GPU_SERIES = (
         for direction in ("tx", "rx")
     ),
 )
-MIG_SERIES = tuple(s for s in GPU_SERIES if s.figure.startswith("fb_"))
+# A MIG device's: its framebuffer, and its GPU instance's GPM activity.
+MIG_SERIES = tuple(
+    s for s in GPU_SERIES if s.figure.startswith("fb_") or s.figure in {f.name for f in dataclasses.fields(GpmActivity)}
+)
 # The GPU's labels a container's series carry: what the others join on.
 JOIN_LABELS = frozenset({"gpu", "UUID", "uuid", "Hostname", "hostname"})
 # The families per container and device: name, help, type.
