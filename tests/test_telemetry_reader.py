@@ -16,9 +16,11 @@ from nvplug.cli.mps_command import _clients_text
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import HOST, GpuFigures, ProcessContainer, ProcessUse
+from nvplug.edges.edge_protocols import StateUpdate
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.pods.process_places import ProcessPlaces, unattributed
+from nvplug.sources import telemetry_reader
 from nvplug.sources.nvml_telemetry import GpuRead, Window
 from nvplug.sources.telemetry_reader import GpuTelemetry
 
@@ -46,12 +48,14 @@ class Driver:
 
     def read(self, uuid: str, since: Window) -> GpuRead:
         self.reads.append(uuid)
+        taken = len(self.reads)
         if uuid in self.hang:
             self.hang[uuid].wait(10)
         if uuid in self.fail:
             raise NvmlUnavailable(f"{uuid} is lost")
         figures = GpuFigures(temperature_c=40 + len(self.reads))
-        return GpuRead(figures, (), self.processes.get(uuid, ()), Window(since.last_seen + 1))
+        # A GPM sample of its own each read, as NVML's would be: (GPU, read).
+        return GpuRead(figures, (), self.processes.get(uuid, ()), Window(since.last_seen + 1, (uuid, taken)))
 
 
 def reader(driver: Driver, clock: Clock, tmp_path: Path) -> GpuTelemetry:
@@ -187,3 +191,36 @@ def test_nvplug_mps_stop_names_each_client_s_pod_through_the_same_placement(tmp_
     (tmp_path / "log/containers" / f"ts-a_ml_main-{CID}.log").symlink_to(tmp_path / "nowhere")
     said = _clients_text((101, 102, 103), tmp_path / "proc", tmp_path / "log/pods")
     assert said == f"pid 101: pod ml/ts-a, container main; pid 102: pod UID {nameless}; pid 103"
+
+
+def test_a_gone_gpu_s_gpm_samples_are_freed_once_and_never_while_a_read_uses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver, clock = Driver(), Clock()
+    freed: list[object] = []
+    monkeypatch.setattr(telemetry_reader, "release", lambda window: freed.append(window.gpm_sample))
+    telemetry = reader(driver, clock, tmp_path)
+
+    async def scrapes() -> None:
+        await telemetry.refresh()  # each GPU's first sample: reads 1 to 3
+        released = driver.hang["GPU-1"] = threading.Event()
+        clock.now += 1.0
+        await telemetry.refresh(budget=0.5)  # GPU 1's read hangs, holding its first sample
+        # GPU 2 goes, then GPU 1 while its read hangs.
+        telemetry.update(StateUpdate(Snapshot(revision=2, gpus=GPUS[:2]), (), True, frozenset({"gpus"})))
+        telemetry.update(StateUpdate(Snapshot(revision=3, gpus=GPUS[:1]), (), True, frozenset({"gpus"})))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if freed:
+                break
+        assert freed == [("GPU-2", 6)]  # GPU 2's newest; GPU 1's is still being read
+        released.set()
+        for _ in range(100):  # GPU 1's read returns: the sample it took is freed, the one it used is its own
+            await asyncio.sleep(0.01)
+            if len(freed) == 2:
+                break
+        assert freed == [("GPU-2", 6), ("GPU-1", 5)]
+        assert [r.uuid for r in telemetry.latest().readings] == ["GPU-0"]
+        await telemetry.close()
+
+    asyncio.run(scrapes())

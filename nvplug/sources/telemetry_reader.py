@@ -83,9 +83,15 @@ class GpuTelemetry(Sink):
         for uuid in [u for u in self._readings if u not in known]:  # a GPU gone has no series
             del self._readings[uuid]
             self._where.pop(uuid, None)
-        for uuid in [u for u in self._windows if u not in known]:  # NVML's memory, freed off the loop
-            self._worker.submit(release, self._windows.pop(uuid))
+        for uuid in [u for u in self._windows if u not in known]:
+            self._forget_window(uuid)
         return ()
+
+    def _forget_window(self, uuid: str) -> None:
+        """A gone GPU's window: its GPM samples are NVML's memory, freed off the loop, unless a read still
+        uses them (that read frees them, and its own window is forgotten when it returns)."""
+        if uuid not in self._pending and uuid not in self._left_behind:
+            self._worker.submit(release, self._windows.pop(uuid))
 
     def prepare(self, cfg: Config) -> Commit:
         async def commit(snapshot: Snapshot) -> None:
@@ -186,6 +192,9 @@ class GpuTelemetry(Sink):
             return
         self.read_count += 1
         self._windows[uuid] = got.window
+        if all(g.uuid != uuid for g in self._gpus):  # it went while being read
+            self._forget_window(uuid)
+            return
         self._where[uuid] = where
         self._readings[uuid] = GpuReading(uuid, time.time(), got.figures, got.mig, got.processes)
 
