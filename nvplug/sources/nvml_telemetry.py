@@ -99,21 +99,9 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         # Last: nothing after it fails the read, so the samples it frees are never used again.
         if not mig_handles:
             activity, sample = _gpm(handle, since.gpm_sample, lambda s: pynvml.nvmlGpmSampleGet(handle, s))
-            release(Window(gpm_instances=since.gpm_instances))
+            release(Window(gpm_instances=since.gpm_instances))  # from when MIG mode was on
             return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample))
-        instances = {
-            mig: gi
-            for mig, h in mig_handles.items()
-            if (gi := _optional(lambda: int(pynvml.nvmlDeviceGetGpuInstanceId(h)))) is not None  # noqa: B023
-        }
-        previous = dict(since.gpm_instances)
-        taken: dict[int, tuple[dict[str, float], Any]] = {
-            gi: _gpm(handle, previous.pop(gi, None), lambda s: pynvml.nvmlGpmMigSampleGet(handle, gi, s))  # noqa: B023
-            for gi in sorted(set(instances.values()))
-        }
-        release(Window(gpm_sample=since.gpm_sample, gpm_instances=tuple(previous.items())))  # gone from the layout
-        migs = tuple(_with(m, taken[instances[m.uuid]][0]) if m.uuid in instances else m for m in migs)
-        kept = tuple((gi, sample) for gi, (_, sample) in taken.items() if sample is not None)
+        migs, kept = _instances_activity(handle, mig_handles, migs, since)
     return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept))
 
 
@@ -217,6 +205,26 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
                     activity[field] = float(got.value) * scale
     release(Window(gpm_sample=previous))
     return activity, sample
+
+
+def _instances_activity(
+    handle: Any, mig_handles: dict[str, Any], migs: tuple[MigFigures, ...], since: Window
+) -> tuple[tuple[MigFigures, ...], tuple[tuple[int, Any], ...]]:
+    """In MIG mode: each MIG device's figures with its GPU instance's activity, and each instance's sample.
+    The samples of instances the layout no longer has, and the whole GPU's from before, are freed."""
+    instances = {
+        mig: gi
+        for mig, h in mig_handles.items()
+        if (gi := _optional(lambda: int(pynvml.nvmlDeviceGetGpuInstanceId(h)))) is not None  # noqa: B023
+    }
+    previous = dict(since.gpm_instances)
+    taken = {
+        gi: _gpm(handle, previous.pop(gi, None), lambda s: pynvml.nvmlGpmMigSampleGet(handle, gi, s))  # noqa: B023
+        for gi in sorted(set(instances.values()))
+    }
+    release(Window(gpm_sample=since.gpm_sample, gpm_instances=tuple(previous.items())))
+    with_activity = tuple(_with(m, taken[instances[m.uuid]][0]) if m.uuid in instances else m for m in migs)
+    return with_activity, tuple((gi, sample) for gi, (_, sample) in taken.items() if sample is not None)
 
 
 def _mig_handles(handle: Any) -> dict[str, Any]:
