@@ -51,18 +51,19 @@ class GpuRead:
     window: Window = Window()
 
 
-# GPM's figures: the metric, the GpuFigures field, and the scale from NVML's unit (percent, MiB/s) to it.
+# GPM's figures: the metric, the GpmActivity field, and NVML's unit in it (a percent is 1/100 of a ratio,
+# a MiB/s 2^20 bytes/s): divided, so that 35 % is 0.35 exactly as the text shows it.
 GPM_METRICS: tuple[tuple[int, str, float], ...] = (
-    (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy", 0.01),
-    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "fp64_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "fp32_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "fp16_active", 0.01),
-    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", MIB),
-    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", MIB),
+    (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy", 100.0),
+    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "fp64_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "fp32_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "fp16_active", 100.0),
+    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", 1 / MIB),
+    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", 1 / MIB),
 )
 
 
@@ -199,10 +200,10 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
             request.metrics[at].metricId = metric
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlGpmMetricsGet(request)
-            for at, (_, field, scale) in enumerate(GPM_METRICS):
+            for at, (_, field, unit) in enumerate(GPM_METRICS):
                 got = request.metrics[at]
                 if got.nvmlReturn == pynvml.NVML_SUCCESS:
-                    activity[field] = float(got.value) * scale
+                    activity[field] = float(got.value) / unit
     release(Window(gpm_sample=previous))
     return activity, sample
 

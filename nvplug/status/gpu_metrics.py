@@ -375,7 +375,7 @@ class GpuMetrics:
             sample = f"{s.nvplug}_total" if s.counter else s.nvplug
             extra = "".join(f',{k}="{v}"' for k, v in s.labels)
             kind = "counter" if s.counter else "gauge"
-            out.add(s.nvplug, s.help, kind, sample, labels + extra, float(value) * s.scale)
+            out.add(s.nvplug, s.help, kind, sample, labels + extra, _scaled(float(value), s.scale))
 
     def _containers(
         self,
@@ -408,6 +408,12 @@ class GpuMetrics:
             if sums.sm_util is not None:  # none on MIG: NVML gives no per-process utilization there
                 sm_util[1].append(f"{sm_util[0]}{labels}{sums.sm_util / 100.0!r}\n")
                 memory_util[1].append(f"{memory_util[0]}{labels}{sums.memory_util / 100.0!r}\n")
+
+
+def _scaled(value: float, scale: float) -> float:
+    """A figure in nvplug's unit: a fraction divides by its inverse, so that 35 % is 0.35 exactly as the text
+    shows it (35 * 0.01 is 0.35000000000000003)."""
+    return value * scale if scale >= 1 else value / round(1 / scale)
 
 
 def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, object]:
