@@ -225,16 +225,19 @@ def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroup
     a = pods.start("ml", "ts-a")
     node.control.telemetry(0, util=70, temp=61, power_mw=410000)
     node.control.procs(0, [GpuProcess(a.pid, 20480), GpuProcess(777, 512)])
-    node.control.samples(0, [(a.pid, 50, 20)])
     node.control.xid(3, 79)
     node.kubelet.wait_for(device_health(node.scenario_gpus()[3]["uuid"], False), TIMEOUT)
+    node.control.gpm(0, tensor=40)
+    assert get(node, "/telemetry")[0] == 200  # the first GPM sample: top's read, a second on, has a window
+    node.control.samples(0, [(a.pid, 50, 20)])  # in that window
+    time.sleep(1.1)
     argv = [sys.executable, "-m", "nvplug", "top", "--status-listen", f"unix:{node.status_socket}"]
     plain = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     print(plain.stdout)
     assert plain.returncode == 0, plain.stderr
     assert "\x1b[" not in plain.stdout and plain.stdout.count("nvplug top") == 1
     rows = plain.stdout.splitlines()
-    assert re.match(r"\s+0\s+70%\s+20\.5/79\.6 GiB\s+61C\s+410W\s+Healthy$", rows[2]), rows[2]
+    assert re.match(r"\s+0\s+70%\s+40%\s+20\.5/79\.6 GiB\s+61C\s+410W\s+Healthy$", rows[2]), rows[2]
     assert re.search(r"ml/ts-a \(main\)\s+pid \d+\s+compute\s+20\.0 GiB\s+25% of memory\s+50% SM", rows[3]), rows
     assert "(no pod)" in rows[4] and "pid 777" in rows[4]
     assert any(r.lstrip().startswith("3 ") and "Unhealthy: XID 79" in r for r in rows), rows

@@ -46,7 +46,7 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
     """One screen: a line per GPU, and under it a line per process, its pod's first."""
     lines = [
         f"nvplug top  {time.strftime('%H:%M:%S', time.localtime(now))}  {len(gpus)} GPUs",
-        f"{'GPU':>3}  {'UTIL':>4}  {'MEMORY':>15}  {'TEMP':>4}  {'POWER':>6}  HEALTH",
+        f"{'GPU':>3}  {'UTIL':>4}  {'TENSOR':>6}  {'MEMORY':>15}  {'TEMP':>4}  {'POWER':>6}  HEALTH",
     ]
     for gpu in gpus:
         f = gpu.get("figures") or {}
@@ -54,7 +54,7 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
         health = "Healthy" if gpu.get("healthy") else f"Unhealthy: {gpu.get('reason') or '?'}"
         stale = f"  (stale: {gpu['stale']})" if gpu.get("stale") else ""
         lines.append(
-            f"{gpu.get('index', '?'):>3}  {_value(f.get('util_gpu'), '%'):>4}  "
+            f"{gpu.get('index', '?'):>3}  {_value(f.get('util_gpu'), '%'):>4}  {_percent(f.get('tensor_active')):>6}  "
             f"{_memory(f.get('fb_used_mib'), total):>15}  {_value(f.get('temperature_c'), 'C'):>4}  "
             f"{_value(f.get('power_w'), 'W'):>6}  {health}{stale}"
         )
@@ -71,6 +71,11 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
                 f"{_memory(used, None):>9}  {share:<16} {busy}{device}"
             )
     return lines
+
+
+def _percent(ratio: float | None) -> str:
+    """GPM's ratios (Hopper and later; none before a second read)."""
+    return _value(None if ratio is None else ratio * 100, "%")
 
 
 def _value(value: float | None, unit: str) -> str:
