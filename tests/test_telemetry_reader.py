@@ -144,7 +144,7 @@ def test_processes_are_placed_from_their_cgroup_and_the_kubelet_s_records(tmp_pa
     placed = ProcessPlaces(tmp_path / "proc", tmp_path / "log").place([101, 102, 103, 104])
     # 102 is a host process; 103's pod has no record (its UID alone) and 104 has gone: both unattributed.
     nameless = ProcessContainer(pod_uid=f"{'0' * 8}-0000-0000-0000-{'0' * 12}")
-    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID), 102: HOST, 103: nameless, 104: None}
+    assert placed == {101: ProcessContainer("ml", "ts-a", "main", UID, CID), 102: HOST, 103: nameless, 104: None}
     assert [unattributed(placed[pid]) for pid in (101, 102, 103, 104)] == [False, False, True, True]
 
 
@@ -168,7 +168,7 @@ def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(t
 
     async def scrapes() -> None:
         got = await telemetry.refresh()
-        assert got.container_of(101) == ProcessContainer("ml", "ts-a", "", UID)
+        assert got.container_of(101) == ProcessContainer("ml", "ts-a", "", UID, CID)
         assert got.container_of(105) == HOST and telemetry.unattributed == 1
         assert sorted(p for pids in placed for p in pids) == [101, 105]  # once each, though on two GPUs
         # The next pass places them afresh: 101 has gone too.

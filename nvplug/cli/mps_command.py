@@ -126,7 +126,9 @@ def _clients_text(pids: tuple[int, ...], proc_root: Path, pod_logs: Path) -> str
             said.append(f"pid {pid}")  # gone since, not ours to read, or in no pod
             continue
         pod = f"{where.namespace}/{where.pod}" if where.pod else f"UID {where.pod_uid}"
-        container = f", container {where.container}" if where.container else ""
+        # Its name where the kubelet's records have it, else the runtime's ID, as `crictl ps` shortens it.
+        named = where.container or where.container_id[:13]
+        container = f", container {named}" if named else ""
         said.append(f"pid {pid}: pod {pod}{container}")
     return "; ".join(said)
 

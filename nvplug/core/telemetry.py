@@ -107,6 +107,7 @@ class ProcessContainer(NamedTuple):
     pod: str = ""
     container: str = ""
     pod_uid: str = ""
+    container_id: str = ""  # the runtime's, where the cgroup path has it
 
 
 HOST = ProcessContainer()

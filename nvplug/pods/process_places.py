@@ -58,11 +58,11 @@ class ProcessPlaces:
                 out[pid] = HOST
                 continue
             pod = pods.get(found.uid)
-            container = names.get(found.container_id or "", "")
+            cid = found.container_id or ""
             if pod is None:
-                out[pid] = ProcessContainer(container=container, pod_uid=found.uid)
+                out[pid] = ProcessContainer(container=names.get(cid, ""), pod_uid=found.uid, container_id=cid)
                 continue
-            out[pid] = ProcessContainer(pod.namespace, pod.name, container, found.uid)
+            out[pid] = ProcessContainer(pod.namespace, pod.name, names.get(cid, ""), found.uid, cid)
         return out
 
 
