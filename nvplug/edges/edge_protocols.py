@@ -56,11 +56,9 @@ class Source(Protocol):
 
 class TelemetryReader(Protocol):
     """GPU figures read when asked (a scrape): `refresh` reads what is due and answers within its budget,
-    with stale figures marked; `latest` is what the last refresh left."""
+    with stale figures marked."""
 
     async def refresh(self) -> Telemetry: ...
-
-    def latest(self) -> Telemetry: ...
 
 
 @runtime_checkable

@@ -100,15 +100,20 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         # Last: nothing after it fails the read, so the samples it frees are never used again.
         if not mig_handles:
             activity, sample = _gpm(handle, since.gpm_sample, lambda s: pynvml.nvmlGpmSampleGet(handle, s))
-            release(Window(gpm_instances=since.gpm_instances))  # from when MIG mode was on
+            _free(*(s for _, s in since.gpm_instances))  # from when MIG mode was on
             return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample))
         migs, kept = _instances_activity(handle, mig_handles, migs, since)
     return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept))
 
 
 def release(window: Window) -> None:
-    """Frees a window's GPM samples: its GPU has gone (or its layout), and no read will start from them."""
-    for sample in (window.gpm_sample, *(s for _, s in window.gpm_instances)):
+    """Frees a window's GPM samples: its GPU has gone, and no read will start from them."""
+    _free(window.gpm_sample, *(s for _, s in window.gpm_instances))
+
+
+def _free(*samples: Any) -> None:
+    """GPM samples no read will use again (None: there was none)."""
+    for sample in samples:
         if sample is not None:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlGpmSampleFree(sample)
@@ -187,8 +192,7 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
             sample = pynvml.nvmlGpmSampleAlloc()
             take(sample)
     except pynvml.NVMLError:
-        if sample is not None:
-            release(Window(gpm_sample=sample))
+        _free(sample)
         sample = None
     activity: dict[str, float] = {}
     if sample is not None and previous is not None:
@@ -204,7 +208,7 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
                 got = request.metrics[at]
                 if got.nvmlReturn == pynvml.NVML_SUCCESS:
                     activity[field] = float(got.value) / unit
-    release(Window(gpm_sample=previous))
+    _free(previous)
     return activity, sample
 
 
@@ -223,7 +227,7 @@ def _instances_activity(
         gi: _gpm(handle, previous.pop(gi, None), lambda s: pynvml.nvmlGpmMigSampleGet(handle, gi, s))  # noqa: B023
         for gi in sorted(set(instances.values()))
     }
-    release(Window(gpm_sample=since.gpm_sample, gpm_instances=tuple(previous.items())))
+    _free(since.gpm_sample, *previous.values())
     with_activity = tuple(_with(m, taken[instances[m.uuid]][0]) if m.uuid in instances else m for m in migs)
     return with_activity, tuple((gi, sample) for gi, (_, sample) in taken.items() if sample is not None)
 

@@ -264,25 +264,24 @@ def _escape(value: str) -> str:
 
 
 class GpuMetrics:
-    """Read at scrape time from the telemetry's last refresh, the snapshot and who holds each device."""
+    """A scrape's series: what its refresh of the telemetry returned, with the snapshot and who holds each
+    device, read at scrape time."""
 
     def __init__(
         self,
-        telemetry: Callable[[], Telemetry],
         snapshot: Callable[[], Snapshot],
         holders: Callable[[], Mapping[str, list[Holder]]],
         naming: Callable[[], MetricNaming],
         hostname: str,
     ) -> None:
-        self._telemetry = telemetry
         self._snapshot = snapshot
         self._holders = holders
         self._naming = naming
         self._hostname = hostname
         self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None], str] = {}
 
-    def render(self) -> bytes:
-        telemetry = self._telemetry()
+    def render(self, telemetry: Telemetry) -> bytes:
+        """The series of what the scrape's refresh returned."""
         snap = self._snapshot()
         gpus = {g.uuid: g for g in snap.gpus}
         naming = self._naming()

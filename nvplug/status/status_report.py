@@ -72,7 +72,6 @@ class StatusReport(Sink):
             lambda: self._state.current,
         )
         self._gpu_metrics = GpuMetrics(
-            telemetry.latest,
             lambda: self._state.current,
             lambda: self.holders() or {},
             lambda: self._cfg.telemetry.naming,
@@ -168,8 +167,8 @@ class StatusReport(Sink):
 
     async def metrics_page(self) -> Answer:
         """Within a second: the kubelet's answer and the GPUs' reads each wait a bounded time, at once."""
-        await asyncio.gather(self._pods.fresh(wait=PODS_READER_WAIT), self._telemetry.refresh())
-        return 200, PROMETHEUS_TEXT, self.metrics.render() + self._gpu_metrics.render()
+        _, telemetry = await asyncio.gather(self._pods.fresh(wait=PODS_READER_WAIT), self._telemetry.refresh())
+        return 200, PROMETHEUS_TEXT, self.metrics.render() + self._gpu_metrics.render(telemetry)
 
 
 def refuse_held(moving: frozenset[str], holders: Mapping[str, Sequence[Holder]], snapshot: Snapshot) -> None:
