@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -94,10 +95,8 @@ def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path
         await telemetry.refresh(budget=2.0)
         assert driver.reads.count("GPU-1") == 1 and driver.reads.count("GPU-0") == 2
         released.set()
-        for _ in range(100):  # its read returns: its figures are the newest
-            await asyncio.sleep(0.01)
-            if "GPU-1" not in telemetry.status()["left_behind"]:  # type: ignore[index]
-                break
+        # Its read returns: its figures are the newest.
+        await until(lambda: "GPU-1" not in telemetry.status()["left_behind"])  # type: ignore[index]
         assert [r.stale for r in telemetry.latest().readings] == [None] * 3
         await telemetry.close()
 
@@ -193,6 +192,14 @@ def test_nvplug_mps_stop_names_each_client_s_pod_through_the_same_placement(tmp_
     assert said == f"pid 101: pod ml/ts-a, container main; pid 102: pod UID {nameless}; pid 103"
 
 
+async def until(done: Callable[[], bool], deadline: float = 30.0) -> None:
+    """Waits for what another thread does, however slow the machine; fails past a generous deadline."""
+    give_up = time.monotonic() + deadline
+    while not done():
+        assert time.monotonic() < give_up, "not done in time"
+        await asyncio.sleep(0.01)
+
+
 def test_a_gone_gpu_s_gpm_samples_are_freed_once_and_never_while_a_read_uses_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -209,16 +216,10 @@ def test_a_gone_gpu_s_gpm_samples_are_freed_once_and_never_while_a_read_uses_the
         # GPU 2 goes, then GPU 1 while its read hangs.
         telemetry.update(StateUpdate(Snapshot(revision=2, gpus=GPUS[:2]), (), True, frozenset({"gpus"})))
         telemetry.update(StateUpdate(Snapshot(revision=3, gpus=GPUS[:1]), (), True, frozenset({"gpus"})))
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if freed:
-                break
+        await until(lambda: len(freed) >= 1)  # on the telemetry's thread
         assert freed == [("GPU-2", 6)]  # GPU 2's newest; GPU 1's is still being read
         released.set()
-        for _ in range(100):  # GPU 1's read returns: the sample it took is freed, the one it used is its own
-            await asyncio.sleep(0.01)
-            if len(freed) == 2:
-                break
+        await until(lambda: len(freed) >= 2)  # GPU 1's read returns: the sample it took is freed, not the one it used
         assert freed == [("GPU-2", 6), ("GPU-1", 5)]
         assert [r.uuid for r in telemetry.latest().readings] == ["GPU-0"]
         await telemetry.close()
