@@ -103,6 +103,30 @@ def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path
     asyncio.run(scrapes())
 
 
+def test_reads_done_when_the_budget_runs_out_are_shown_and_the_one_in_progress_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reads of a pass reach the loop together when it ends; a scrape whose budget runs out first takes
+    those done so far all the same."""
+    monkeypatch.setattr(telemetry_reader, "SLOW_READ", 60.0)  # the budget runs out, not the hang limit
+    driver, clock = Driver(), Clock()
+    released = driver.hang["GPU-2"] = threading.Event()
+    telemetry = reader(driver, clock, tmp_path)
+
+    async def scrapes() -> None:
+        await telemetry.refresh(budget=0.0)  # the pass starts; nothing read yet
+        await until(lambda: driver.reads == ["GPU-0", "GPU-1", "GPU-2"])  # GPU 2's read has begun
+        got = await telemetry.refresh(budget=0.0)
+        assert [(r.uuid, r.stale) for r in got.readings][:2] == [("GPU-0", None), ("GPU-1", None)]
+        assert "no answer from NVML in 0.0 s" in (got.readings[2].stale or "")
+        released.set()
+        await until(lambda: telemetry.latest().readings[2].stale is None)
+        assert driver.reads == ["GPU-0", "GPU-1", "GPU-2"]  # each read once
+        await telemetry.close()
+
+    asyncio.run(scrapes())
+
+
 def test_a_failing_read_keeps_the_last_figures_marked(tmp_path: Path) -> None:
     driver, clock = Driver(), Clock()
     telemetry = reader(driver, clock, tmp_path)

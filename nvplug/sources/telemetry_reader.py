@@ -16,9 +16,9 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from nvplug.config import Config
@@ -67,7 +67,7 @@ class GpuTelemetry(Sink):
         self._windows: dict[str, Window] = {}
         self._pass: asyncio.Task[None] | None = None
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
-        self._left_behind: dict[str, asyncio.Future[_Read]] = {}
+        self._left_behind: dict[str, _Job] = {}  # by the GPU whose read it waits on
         self._job: _Job | None = None
         # Each reading's processes, placed as they were read: a container, or None where unattributed.
         self._where: dict[str, dict[int, ProcessContainer | None]] = {}
@@ -124,6 +124,8 @@ class GpuTelemetry(Sink):
                 self._pass = asyncio.create_task(self._read_pass(due), name="telemetry")
         if self._pass is not None and not self._pass.done():
             await asyncio.wait({self._pass}, timeout=budget)
+            if self._job is not None:
+                self._collect(self._job)  # the reads done so far
         for uuid in self._pending:
             self._mark_stale(uuid, f"no answer from NVML in {budget:.1f} s")
         return self.latest()
@@ -145,58 +147,75 @@ class GpuTelemetry(Sink):
         return True
 
     async def _read_pass(self, due: Sequence[Gpu]) -> None:
-        """One GPU after the other, in one job on one thread: eight reads in a row cost less than eight
-        threads contending for the interpreter, or eight hand-offs from the loop. A read slower than
-        SLOW_READ is left behind on its thread (it hangs): that job ends with it, a fresh thread takes the
-        rest, and that GPU is not read again until its read returns."""
+        """One GPU after the other, in one job on one thread, handed to the loop once at its end: eight reads
+        in a row cost less than eight threads contending for the interpreter, or eight hand-offs to the loop
+        and back. A read slower than SLOW_READ is left behind on its thread (it hangs): that job ends with
+        it, a fresh thread takes the rest, and that GPU is not read again until its read returns."""
         loop = asyncio.get_running_loop()
         began = self._clock()
-        turns = [_Turn(g.uuid, self._windows.get(g.uuid, Window()), loop.create_future()) for g in due]
-        while turns:
-            job = _Job(turns, loop)
+        uuids = [g.uuid for g in due]
+        while uuids:
+            job = _Job([(u, self._windows.get(u, Window())) for u in uuids], loop)
             self._job = job
             self._worker.submit(job.run, self._read_shared, self._places.place)
-            for at, turn in enumerate(turns):
-                done, _ = await asyncio.wait({turn.read}, timeout=SLOW_READ)
-                self._pending.discard(turn.uuid)
-                if done:
-                    self._take(turn.uuid, turn.read)
-                    continue
-                job.abandoned = True  # its thread reads no GPU after this one
-                self._mark_stale(turn.uuid, f"no answer from NVML in {SLOW_READ:.2f} s")
-                self._left_behind[turn.uuid] = turn.read
-                turn.read.add_done_callback(functools.partial(self._returned, turn.uuid))
+            hung = await self._watch(job)
+            self._collect(job)
+            if hung is None:
+                break
+            uuid = uuids[hung]
+            if job.taken <= hung:  # still being read: left behind on its thread
+                self._pending.discard(uuid)
+                self._mark_stale(uuid, f"no answer from NVML in {SLOW_READ:.2f} s")
+                self._left_behind[uuid] = job
+                job.finished.add_done_callback(functools.partial(self._returned, uuid))
                 stuck, self._worker = self._worker, self._new_worker()
                 stuck.shutdown(wait=False)  # its thread ends once the read returns
-                turns = turns[at + 1 :]
-                break
-            else:
-                turns = []
+            uuids = uuids[hung + 1 :]
         self.pass_seconds = self._clock() - began
 
-    def _returned(self, uuid: str, read: asyncio.Future[_Read]) -> None:
-        """A read left behind came back: its figures are the newest there are."""
-        self._left_behind.pop(uuid, None)
-        if not read.cancelled():
-            self._take(uuid, read)
+    @staticmethod
+    async def _watch(job: _Job) -> int | None:
+        """Waits for the job to finish: None once it has; else, once a turn has been read for SLOW_READ, stops
+        the job after that turn and says which it is."""
+        while not job.finished.done():
+            at, since = job.current
+            late = since + SLOW_READ - time.monotonic()
+            if at == len(job.results) and late <= 0:
+                return job.stop()
+            await asyncio.wait({job.finished}, timeout=late if late > 0 else SLOW_READ)
+        return None
 
-    def _take(self, uuid: str, read: asyncio.Future[_Read]) -> None:
-        try:
-            got, where = read.result()
-        except (NvmlUnavailable, NvmlBusy) as err:
-            self._mark_stale(uuid, str(err))
+    def _collect(self, job: _Job) -> None:
+        """Takes the job's reads that have returned and are not taken yet."""
+        results = job.results
+        for at in range(job.taken, len(results)):
+            uuid = job.turns[at][0]
+            self._pending.discard(uuid)
+            self._take(uuid, results[at])
+        job.taken = len(results)
+
+    def _returned(self, uuid: str, finished: asyncio.Future[None]) -> None:
+        """A read left behind came back: its figures are the newest there are."""
+        job = self._left_behind.pop(uuid, None)
+        if job is not None and not finished.cancelled():
+            self._collect(job)
+
+    def _take(self, uuid: str, got: _Read | Exception) -> None:
+        if isinstance(got, (NvmlUnavailable, NvmlBusy)):
+            self._mark_stale(uuid, str(got))
             return
-        except Exception as err:  # a bug must cost this GPU's figures, never the scrape or the next read
-            log.exception("reading the figures of %s failed", uuid)
-            self._mark_stale(uuid, f"the read failed: {err!r}")
+        if isinstance(got, Exception):  # a bug must cost this GPU's figures, never the scrape or the next read
+            log.error("reading the figures of %s failed", uuid, exc_info=got)
+            self._mark_stale(uuid, f"the read failed: {got!r}")
             return
+        read, where = got
         self.read_count += 1
-        self._windows[uuid] = got.window
+        self._windows[uuid] = read.window
         if all(g.uuid != uuid for g in self._gpus):  # it went while being read
             self._forget_window(uuid)
             return
         self._where[uuid] = where
-        self._readings[uuid] = GpuReading(uuid, time.time(), got.figures, got.mig, got.processes)
+        self._readings[uuid] = GpuReading(uuid, time.time(), read.figures, read.mig, read.processes)
 
     @staticmethod
     def _new_worker() -> concurrent.futures.ThreadPoolExecutor:
@@ -208,7 +227,7 @@ class GpuTelemetry(Sink):
 
     async def close(self) -> None:
         if self._job is not None:
-            self._job.abandoned = True
+            self._job.stop()
         if self._pass is not None:
             self._pass.cancel()
             await asyncio.gather(self._pass, return_exceptions=True)
@@ -228,46 +247,50 @@ _Read = tuple[GpuRead, dict[int, ProcessContainer | None]]
 _Place = Callable[[Iterable[int]], dict[int, ProcessContainer | None]]
 
 
-@dataclass(frozen=True)
-class _Turn:
-    """A GPU's read in a pass: where its window starts, and where its result goes (on the loop)."""
-
-    uuid: str
-    since: Window
-    read: asyncio.Future[_Read]
-
-
 class _Job:
-    """A pass's reads on the telemetry's thread, each handed to the loop as it returns, with its processes
-    placed: a PID on several GPUs is placed once a pass."""
+    """A pass's reads on the telemetry's thread, each GPU's processes placed right after its read (a PID on
+    several GPUs once a pass). The loop is woken once, when the job finishes; until then it watches the
+    turn in progress (`current`) for a hang, and may take the reads done so far (`results`)."""
 
-    def __init__(self, turns: Sequence[_Turn], loop: asyncio.AbstractEventLoop) -> None:
-        self._turns = turns
+    def __init__(self, turns: Sequence[tuple[str, Window]], loop: asyncio.AbstractEventLoop) -> None:
+        self.turns = turns
         self._loop = loop
         self._placed: dict[int, ProcessContainer | None] = {}
-        # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU.
-        self.abandoned = False
+        # Appended on the thread in turn order: a read with its placements, or what it raised.
+        self.results: list[_Read | Exception] = []
+        # The turn being read and since when, as one value: the loop reads both at once.
+        self.current = (0, time.monotonic())
+        self.taken = 0  # results the loop has taken
+        self.finished: asyncio.Future[None] = loop.create_future()
+        # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU. Setting it
+        # and starting a turn are one step each, so a turn the loop gave up on is never read twice.
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def stop(self) -> int:
+        """No turn starts after this: the turn in progress, or the last one that ran."""
+        with self._lock:
+            self._stopped = True
+            return self.current[0]
 
     def run(self, read: Callable[[str, Window], GpuRead], place: _Place) -> None:
-        for turn in self._turns:
-            if self.abandoned:
-                return
-            try:
-                got = read(turn.uuid, turn.since)
-                self._placed.update(place([p.pid for p in got.processes if p.pid not in self._placed]))
-            except Exception as err:
-                self._hand(turn.read, None, err)
-            else:
-                self._hand(turn.read, (got, {p.pid: self._placed[p.pid] for p in got.processes}), None)
+        try:
+            for at, (uuid, since) in enumerate(self.turns):
+                with self._lock:
+                    if self._stopped:
+                        return
+                    self.current = (at, time.monotonic())
+                try:
+                    got = read(uuid, since)
+                    self._placed.update(place([p.pid for p in got.processes if p.pid not in self._placed]))
+                except Exception as err:
+                    self.results.append(err)
+                else:
+                    self.results.append((got, {p.pid: self._placed[p.pid] for p in got.processes}))
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
+                self._loop.call_soon_threadsafe(self._finish)
 
-    def _hand(self, future: asyncio.Future[_Read], got: _Read | None, err: Exception | None) -> None:
-        def settle() -> None:
-            if future.done():
-                return  # the pass was cancelled: the reader closed
-            if err is not None:
-                future.set_exception(err)
-            else:
-                future.set_result(got)  # type: ignore[arg-type]
-
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
-            self._loop.call_soon_threadsafe(settle)
+    def _finish(self) -> None:
+        if not self.finished.done():  # else the pass was cancelled: the reader closed
+            self.finished.set_result(None)
