@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from nvplug import config
+from nvplug.base.malloc_tuning import keep_freed_memory
 from nvplug.cli import journal_logging as logs
 from nvplug.cli.config_command import load_checked
 from nvplug.daemon.lifecycle import serve
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         kernel_log=args.kernel_log,
         overrides=overrides,
     )
+    if not keep_freed_memory():
+        log.debug("not glibc: malloc gives freed memory back as it likes")
     try:
         asyncio.run(serve(options))
     except Exception:
