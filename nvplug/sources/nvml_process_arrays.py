@@ -41,7 +41,7 @@ _SAMPLE_FIELDS = _unpacker(_SAMPLE, ("pid", "timeStamp", "smUtil", "memUtil"))
 NOT_AVAILABLE = ctypes.c_ulonglong(-1).value  # usedGpuMemory NVML does not know
 
 
-def running_processes(function: str, handle: Any) -> Iterator[tuple[int, int | None]]:
+def running_processes(function: str, handle: Any) -> list[tuple[int, int | None]]:
     """Each process of a list (`nvmlDeviceGet{Compute,Graphics,MPSCompute}RunningProcesses_v3`), with the
     memory it uses in bytes (None: NVML does not know). Raises pynvml.NVMLError as pynvml would."""
     call = pynvml._nvmlGetFunctionPointer(function)
@@ -50,8 +50,10 @@ def running_processes(function: str, handle: Any) -> Iterator[tuple[int, int | N
     def fill(array: Any) -> int:
         return int(call(handle, ctypes.byref(count), array))
 
-    for pid, used in _PROCESS_FIELDS.iter_unpack(_filled(_PROCESS, count, fill)):
-        yield pid, None if used == NOT_AVAILABLE else used
+    return [
+        (pid, None if used == NOT_AVAILABLE else used)
+        for pid, used in _PROCESS_FIELDS.iter_unpack(_filled(_PROCESS, count, fill))
+    ]
 
 
 def utilization_samples(handle: Any, last_seen: int) -> Iterator[tuple[int, int, int, int]]:

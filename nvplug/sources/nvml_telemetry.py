@@ -265,7 +265,7 @@ def _processes(device: str, handle: Any, samples: dict[int, tuple[float, float]]
     MPS ones), with its share over the window: 0 where it left no sample (NVML samples only the busy)."""
     seen: dict[int, ProcessUse] = {}
     for kind, function in _LISTS:
-        for pid, used in _optional(lambda: list(running_processes(function, handle))) or ():  # noqa: B023
+        for pid, used in _optional(lambda: running_processes(function, handle)) or ():  # noqa: B023
             if pid in seen:
                 continue
             sm, mem = (None, None) if samples is None else samples.get(pid, (0.0, 0.0))

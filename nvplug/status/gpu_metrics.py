@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from nvplug.config.model import MetricNaming
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
+from nvplug.core.telemetry import HOST, GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
 from nvplug.pods.pod_holders import Holder
 
 MIB = 1 << 20
@@ -388,11 +388,11 @@ class GpuMetrics:
         the kubelet names are counted under pod=""."""
         joins = label_text(gpu_labels)
         texts = self._container_texts
-        processes, memory, sm_util, memory_util = (
+        (p_name, p_lines), (m_name, m_lines), (s_name, s_lines), (u_name, u_lines) = (
             (name, out.family(name, help_text, kind))
             for name, help_text, kind in (CONTAINER_PROCESSES, CONTAINER_MEMORY, CONTAINER_SM, CONTAINER_MEMORY_UTIL)
         )
-        for (device, container), sums in _by_container(reading, telemetry).items():
+        for (device, container), uses in _by_container(reading, telemetry).items():
             held = holders.get(device)
             claim = _claim_of(container, held) if held else None
             key = (joins, device, container, claim)
@@ -401,12 +401,13 @@ class GpuMetrics:
                 if len(texts) >= CONTAINER_TEXTS:  # pods come and go: forget the old
                     texts.clear()
                 labels = texts[key] = "{" + joins + "," + label_text(_container_labels(device, container, claim)) + "} "
-            processes[1].append(f"{processes[0]}{labels}{float(sums.processes)!r}\n")
-            if sums.used_mib is not None:
-                memory[1].append(f"{memory[0]}{labels}{sums.used_mib * MIB!r}\n")
-            if sums.sm_util is not None:  # none on MIG: NVML gives no per-process utilization there
-                sm_util[1].append(f"{sm_util[0]}{labels}{sums.sm_util / 100.0!r}\n")
-                memory_util[1].append(f"{memory_util[0]}{labels}{sums.memory_util / 100.0!r}\n")
+            count, used_mib, sm, memory = _summed(uses)
+            p_lines.append(f"{p_name}{labels}{float(count)!r}\n")
+            if used_mib is not None:
+                m_lines.append(f"{m_name}{labels}{used_mib * MIB!r}\n")
+            if sm is not None:  # none on MIG: NVML gives no per-process utilization there
+                s_lines.append(f"{s_name}{labels}{sm / 100.0!r}\n")
+                u_lines.append(f"{u_name}{labels}{memory / 100.0!r}\n")
 
 
 def _scaled(value: float, scale: float) -> float:
@@ -447,35 +448,33 @@ def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, ob
     return {"gpus": out}
 
 
-class _Sums:
-    """A container's processes on one device, summed: None where no process has the figure."""
-
-    __slots__ = ("memory_util", "processes", "sm_util", "used_mib")
-
-    def __init__(self) -> None:
-        self.processes = 0
-        self.used_mib: float | None = None
-        self.sm_util: float | None = None
-        self.memory_util = 0.0
-
-    def add(self, use: ProcessUse) -> None:
-        self.processes += 1
-        if use.used_mib is not None:
-            self.used_mib = (self.used_mib or 0.0) + use.used_mib
-        if use.sm_util is not None:
-            self.sm_util = (self.sm_util or 0.0) + use.sm_util
-            self.memory_util += use.memory_util or 0.0
-
-
-def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], _Sums]:
-    out: dict[tuple[str, ProcessContainer], _Sums] = {}
+def _by_container(reading: GpuReading, telemetry: Telemetry) -> dict[tuple[str, ProcessContainer], list[ProcessUse]]:
+    out: dict[tuple[str, ProcessContainer], list[ProcessUse]] = {}
+    where = telemetry.containers  # not container_of: a call per process, hundreds a scrape
     for use in reading.processes:
-        key = (use.device, telemetry.container_of(use.pid))
-        sums = out.get(key)
-        if sums is None:
-            sums = out[key] = _Sums()
-        sums.add(use)
+        key = (use.device, where.get(use.pid, HOST))
+        group = out.get(key)
+        if group is None:
+            out[key] = [use]
+        else:
+            group.append(use)
     return out
+
+
+def _summed(uses: list[ProcessUse]) -> tuple[int, float | None, float | None, float]:
+    """A container's processes on a device: how many, and their memory, SM and memory utilization summed;
+    None where no process has the figure."""
+    if len(uses) == 1:  # the usual case, so the cheap one
+        use = uses[0]
+        return 1, use.used_mib, use.sm_util, use.memory_util or 0.0
+    used = [u.used_mib for u in uses if u.used_mib is not None]
+    sampled = [(u.sm_util, u.memory_util or 0.0) for u in uses if u.sm_util is not None]
+    return (
+        len(uses),
+        sum(used) if used else None,
+        sum(sm for sm, _ in sampled) if sampled else None,
+        sum(memory for _, memory in sampled),
+    )
 
 
 def _claim_of(container: ProcessContainer, holders: Sequence[Holder]) -> Holder | None:
