@@ -3,9 +3,9 @@
 
 Runs `nvplug run` on the simulated 8-GPU node (fake NVML through the real pynvml) and scrapes /metrics on
 its status socket, each scrape a second apart so that each reads every GPU afresh:
-- with no process on any GPU, and with `--processes` on each (real `sleep`s, in kubelet-shaped cgroups
-  with the kubelet's log records where this machine lets us make cgroups, each with a utilization sample
-  per scrape), the two kinds taken in turn: p50 and p99 of each, and their ratio (targets: p99 <= 20 ms,
+- with no process on any GPU, and with `--processes` on each, each GPU its own (real `sleep`s, each in a
+  kubelet-shaped pod cgroup with the kubelet's log records where this machine lets us make cgroups, each
+  with a utilization sample per scrape), the two kinds taken in turn: p50 and p99 of each, and their ratio (targets: p99 <= 20 ms,
   <= 2x the first);
 - the daemon's CPU over `--idle-seconds` with no scrape, then with a scrape every 15 s (target: <= 0.1 % of
   one core), and the difference: the scrapes' own share;
@@ -83,17 +83,17 @@ class Timed(NamedTuple):
     lines: dict[bool, int]
 
 
-def timed(node: SimulatedNode, scrapes: int, pids: list[int]) -> Timed:
-    """Scrapes with no process on any GPU and with `pids` on each, taken in turn: a busy spell of the
+def timed(node: SimulatedNode, scrapes: int, pids: list[list[int]]) -> Timed:
+    """Scrapes with no process on any GPU and with `pids[gpu]` on each, taken in turn: a busy spell of the
     machine slows both alike, so their ratio is the scrape's own."""
     assert node.daemon is not None
     out = Timed({False: [], True: []}, {False: [], True: []}, {})
     for _ in range(scrapes):
         for busy in (False, True):
             for gpu in range(8):
-                node.control.procs(gpu, [GpuProcess(pid, 512) for pid in pids] if busy else [])
+                node.control.procs(gpu, [GpuProcess(pid, 512) for pid in pids[gpu]] if busy else [])
                 if busy:  # a busy window since the last read, for each process
-                    node.control.samples(gpu, [(pid, 30, 10) for pid in pids])
+                    node.control.samples(gpu, [(pid, 30, 10) for pid in pids[gpu]])
             time.sleep(1.05)  # past the once-a-second bound: the scrape reads every GPU
             before = cpu_ns(node.daemon.pid)
             took, out.lines[busy] = scrape(node)
@@ -121,11 +121,11 @@ def main() -> int:
         cgroups = None
         try:
             cgroups = PodCgroups(node.pod_log_root)
-            pids = [cgroups.start("bench", f"pod-{i}").pid for i in range(args.processes)]
+            pids = [[cgroups.start("bench", f"pod-{g}-{i}").pid for i in range(args.processes)] for g in range(8)]
             placed = "in pod cgroups"
         except CgroupsUnavailable as err:
             print(f"(no pod cgroups here: {err}; host PIDs instead)", file=sys.stderr)
-            pids = list(range(100000, 100000 + args.processes))
+            pids = [list(range(100000 + g * args.processes, 100000 + (g + 1) * args.processes)) for g in range(8)]
             placed = "not in pods"
         try:
             got = timed(node, args.scrapes, pids)
@@ -133,7 +133,7 @@ def main() -> int:
             if cgroups is not None:
                 cgroups.close()
         p99_bare = report("8 GPUs, no processes", got.wall_ms[False], got.lines[False])
-        p99_busy = report(f"8 GPUs, {len(pids)} processes each ({placed})", got.wall_ms[True], got.lines[True])
+        p99_busy = report(f"8 GPUs, {args.processes} processes each ({placed})", got.wall_ms[True], got.lines[True])
         p50_ratio = statistics.median(got.wall_ms[True]) / statistics.median(got.wall_ms[False])
         print(f"p99 with processes: {p99_busy:.1f} ms, target <= 20 ms: ratio {p99_busy / 20:.2f}")
         print(f"p99 with / without: {p99_busy / p99_bare:.2f}x, target <= 2x: ratio {p99_busy / p99_bare / 2:.2f}")

@@ -536,8 +536,8 @@ def test_the_hardened_unit_reads_the_kernel_log(node: Node) -> None:
 def test_the_hardened_unit_places_a_pod_s_gpu_process_in_its_pod(node: Node) -> None:
     """A process of another UID in a cgroup the kubelet's systemd driver would make (a scope of containerd's
     under its pod's slice), named by the kubelet's log records: the unit's /metrics and `nvplug top` put
-    its memory and utilization under its pod. The unit's ProtectProc=invisible hides other users' processes
-    from any process outside group 0: nvplug, root:root, reads them."""
+    its memory and utilization under its pod, and holds it by a pidfd. The unit's ProtectProc=invisible hides
+    other users' processes from any process outside group 0: nvplug, root:root, reads them."""
     started = time.monotonic()
     uid, cid = "6f1b2c3d-0a0b-4c0d-8e0f-00000000abcd", "ab" * 32
     logs = f"/var/log/pods/ml_ts-a_{uid}/main"
@@ -582,6 +582,12 @@ def test_the_hardened_unit_places_a_pod_s_gpu_process_in_its_pod(node: Node) -> 
         top = node.ctr.run("nvplug", "top", timeout=60).stdout
         print(top)
         assert re.search(rf"ml/ts-a \(main\)\s+pid {pid}\s+compute\s+2\.0 GiB", top), top
+        # Held by a pidfd under the unit's syscall filter, so the next scrapes do not read its cgroup again.
+        held = (
+            "from nvplug.status import status_client as s; "
+            "print(s.status('unix:/run/nvplug/status.sock', timeout=5)['GPU telemetry']['processes_held'])"
+        )
+        assert node.ctr.run("/opt/nvplug/venv/bin/python", "-c", held, timeout=60).stdout.strip() == "1"
     finally:
         node.control.procs(1, [])
         node.ctr.sh(f"kill {pid}", check=False)

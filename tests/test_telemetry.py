@@ -150,22 +150,28 @@ def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods
     assert value(got, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", gpu="4", GPU_I_ID="1") == pytest.approx(0.2)
 
 
-def test_a_pid_that_went_or_moved_is_never_the_old_pod_s(node: SimulatedNode, pods: PodCgroups) -> None:
+def test_a_pid_that_went_or_was_reused_is_never_the_old_pod_s(node: SimulatedNode, pods: PodCgroups) -> None:
     serving(node)
     a = pods.start("ml", "first")
-    b = pods.start("ml", "second")
     node.control.procs(0, [GpuProcess(a.pid, 100)])
     assert value(scrape_later(node), "nvplug_container_gpu_processes", pod="first") == 1
-    # The same PID, now in another pod's cgroup (as a reused PID would be): the new pod's at once.
-    pods.move(a.pid, pods.cgroup_of(b))
+    # Its process ends and another pod's takes its PID, between two scrapes: the new pod's at once.
+    pods.stop(a)
+    b = pods.start("ml", "second", pid=a.pid)
     got = scrape_later(node)
     assert value(got, "nvplug_container_gpu_processes", pod="second") == 1
     assert value(got, "nvplug_container_gpu_processes", pod="first") == 0
     # Gone from /proc while NVML still lists it: counted, under no pod.
-    pods.stop(a)
+    pods.stop(b)
     got = scrape_later(node)
     assert value(got, "nvplug_container_gpu_processes", pod="") == 1
     assert value(got, "nvplug_container_gpu_processes", pod="second") == 0
+    # A live process is held, and its cgroup not read again while it lives.
+    c = pods.start("ml", "third")
+    node.control.procs(0, [GpuProcess(c.pid, 100)])
+    assert value(scrape_later(node), "nvplug_container_gpu_processes", pod="third") == 1
+    status = status_client.status(f"unix:{node.status_socket}")
+    assert status["GPU telemetry"]["processes_held"] == 1
 
 
 def test_a_gpu_whose_read_hangs_is_stale_and_the_scrape_answers(node: SimulatedNode) -> None:

@@ -58,7 +58,7 @@ class GpuTelemetry(Sink):
     ) -> None:
         self._sessions = sessions
         self._worker = self._new_worker()
-        self._places = ProcessPlaces(proc_root, log_root)
+        self._places = ProcessPlaces(proc_root, log_root, hold=True)
         self._read = read
         self._clock = clock
         self._gpus: tuple[Gpu, ...] = ()
@@ -95,7 +95,7 @@ class GpuTelemetry(Sink):
 
     def prepare(self, cfg: Config) -> Commit:
         async def commit(snapshot: Snapshot) -> None:
-            self._places = ProcessPlaces(self._places.proc_root, Path(cfg.telemetry.log_root))
+            self._places.log_root = Path(cfg.telemetry.log_root)  # the processes held stay held
 
         return commit
 
@@ -135,6 +135,7 @@ class GpuTelemetry(Sink):
             "reads": self.read_count,
             "last_pass_ms": round(self.pass_seconds * 1000, 2),
             "processes_unattributed": self.unattributed,
+            "processes_held": self._places.held,
             "left_behind": sorted(self._left_behind),
             "stale": {r.uuid: r.stale for r in self._readings.values() if r.stale},
         }
@@ -232,6 +233,7 @@ class GpuTelemetry(Sink):
             self._pass.cancel()
             await asyncio.gather(self._pass, return_exceptions=True)
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._places.close()
 
     def _mark_stale(self, uuid: str, why: str) -> None:
         old = self._readings.get(uuid)

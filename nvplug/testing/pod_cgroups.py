@@ -65,14 +65,21 @@ class PodCgroups:
         self.root.mkdir()
 
     def start(
-        self, namespace: str, pod: str, container: str = "main", qos: Qos = "besteffort", pod_uid: str | None = None
+        self,
+        namespace: str,
+        pod: str,
+        container: str = "main",
+        qos: Qos = "besteffort",
+        pod_uid: str | None = None,
+        pid: int | None = None,
     ) -> PodProcess:
-        """A `sleep` in the container's cgroup, and the records naming it; `pod_uid` joins a pod already made."""
+        """A `sleep` in the container's cgroup, and the records naming it; `pod_uid` joins a pod already made,
+        and `pid` is the PID it takes (one that has gone: a reused PID)."""
         uid = pod_uid or str(uuidlib.uuid4())
         cid = secrets.token_hex(32)
         directory = self.root / self._path(uid, cid, qos)
         directory.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        proc = _sleep(pid)
         self._procs.append(proc)
         self.move(proc.pid, directory)
         pods = self.log_root / "pods" / f"{namespace}_{pod}_{uid}" / container
@@ -120,3 +127,17 @@ class PodCgroups:
                 directory.rmdir()
         with contextlib.suppress(OSError):
             self.root.rmdir()
+
+
+def _sleep(pid: int | None) -> subprocess.Popen[bytes]:
+    """A `sleep`, with the PID asked for: the kernel gives the one after ns_last_pid, unless another process
+    of the machine took it first (then again)."""
+    for _ in range(50):
+        if pid is not None:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(f"{pid - 1}\n")
+        proc = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        if pid is None or proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"PID {pid} was taken by others 50 times over")
