@@ -4,9 +4,10 @@ placed in its container from the host's /proc and the kubelet's records.
 The reads run on a thread of the telemetry's own, beside NVML's worker (sharing NVML with it,
 nvml_sessions.py), so that no probe waits for them; a GPU whose read hangs is left behind on its thread and
 holds up no other GPU's figures. A scrape waits at most `budget` for the reads; a GPU whose read fails,
-or has not answered by then, keeps its last reading, marked stale with why, and its read goes on. A
-process's container is looked up afresh on every read, right after its GPU's process list, so a PID that
-has gone, or been reused, is never attributed to the pod it once was in.
+or has not answered by then, keeps its last reading, marked stale with why, and its read goes on. Each
+GPU's processes are placed right after its process list (process_places.py: a live process is held by a
+pidfd and placed once; one that ends is let go first), so a PID that has gone, or been reused, is never
+attributed to the pod it once was in.
 """
 
 from __future__ import annotations
