@@ -123,10 +123,8 @@ class _Held:
             return None  # ESRCH: it has gone, and its read fails too; EMFILE: read it, hold it later
 
     def keep(self, pid: int, pidfd: int | None, found: ProcessPod | None) -> None:
-        if pidfd is None:
-            return
-        if self._ended is None:  # let go meanwhile
-            os.close(pidfd)
+        if pidfd is None or self._ended is None:  # none opened, or let go since (then it is closed here)
+            self.close_fd(pidfd)
             return
         self._ended.register(pidfd, select.EPOLLIN)
         self._pids[pidfd] = pid

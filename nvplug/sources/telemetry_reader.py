@@ -196,10 +196,10 @@ class GpuTelemetry(Sink):
             self._take(uuid, results[at])
         job.taken = len(results)
 
-    def _returned(self, uuid: str, finished: asyncio.Future[None]) -> None:
+    def _returned(self, uuid: str, _finished: asyncio.Future[None]) -> None:
         """A read left behind came back: its figures are the newest there are."""
         job = self._left_behind.pop(uuid, None)
-        if job is not None and not finished.cancelled():
+        if job is not None:
             self._collect(job)
 
     def _take(self, uuid: str, got: _Read | Exception) -> None:
@@ -292,8 +292,4 @@ class _Job:
                     self.results.append((got, {p.pid: self._placed[p.pid] for p in got.processes}))
         finally:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
-                self._loop.call_soon_threadsafe(self._finish)
-
-    def _finish(self) -> None:
-        if not self.finished.done():  # else the pass was cancelled: the reader closed
-            self.finished.set_result(None)
+                self._loop.call_soon_threadsafe(self.finished.set_result, None)
