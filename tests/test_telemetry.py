@@ -21,19 +21,19 @@ from test_status import get, metrics, value
 from nvplug.status import status_client
 from nvplug.testing.fakenvml_devices import GpuProcess
 from nvplug.testing.pod_cgroups import CgroupsUnavailable, PodCgroups
-from nvplug.testing.simulated_node import SimulatedNode, device_health, registered_with
+from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, device_health, registered_with
 
 TIMEOUT = 15.0
 MIB = 1 << 20
 
 
-def serving(node: SimulatedNode, config: str = "") -> list[dict[str, str]]:
-    """The daemon serving the node's GPUs, with `config` under `version: v1`."""
+def serving(node: SimulatedNode, config: str = "", replicas: int = 1) -> list[dict[str, str]]:
+    """The daemon serving the node's GPUs, `replicas` devices each, with `config` under `version: v1`."""
     node.config.write_text(f"version: v1\n{config}")
     gpus = node.scenario_gpus()
     node.kubelet.start()
     node.start_daemon()
-    node.kubelet.wait_for(registered_with(len(gpus)), TIMEOUT)
+    node.kubelet.wait_for(registered_with(len(gpus) * replicas), TIMEOUT)
     return gpus
 
 
@@ -124,6 +124,37 @@ def test_two_pods_sharing_a_gpu_each_have_their_own_figures(node: SimulatedNode,
     # The next window has no samples: nobody was busy, and each says so.
     got = scrape_later(node)
     assert value(got, "nvplug_container_gpu_utilization_ratio", pod="ts-a") == 0.0
+
+
+def test_pod_labels_on_a_time_sliced_gpu_give_each_pod_its_own_dcgm_figures(
+    node: SimulatedNode, pods: PodCgroups
+) -> None:
+    """dcgm-exporter's --kubernetes series, from PodResources: the pods that hold each device; on a shared GPU
+    each pod's own utilization and memory, where dcgm-exporter before 4.5.3 copied the device's to each."""
+    sliced = "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+    gpus = serving(node, sliced + "nvplug:\n  telemetry:\n    podLabels: true\n", replicas=4)
+    shared, whole = gpus[0]["uuid"], gpus[1]["uuid"]
+    a, b, c = pods.start("ml", "ts-a"), pods.start("ml", "ts-b"), pods.start("ml", "trainer")
+    node.kubelet.admit("ml", "ts-a", "main", GPU_RESOURCE, [f"{shared}::0"])
+    node.kubelet.admit("ml", "ts-b", "main", GPU_RESOURCE, [f"{shared}::1"])
+    node.kubelet.admit("ml", "trainer", "main", GPU_RESOURCE, [f"{whole}::0", f"{whole}::1"])
+    node.control.telemetry(0, util=70, temp=64)
+    node.control.telemetry(1, util=55)
+    node.control.procs(0, [GpuProcess(a.pid, 1024), GpuProcess(b.pid, 4096)])
+    node.control.samples(0, [(a.pid, 60, 20), (b.pid, 10, 4)])
+    node.control.procs(1, [GpuProcess(c.pid, 2000)])
+    got = scrape_later(node)
+    for pod, util, mib in (("ts-a", 60, 1024), ("ts-b", 10, 4096)):
+        at = {"UUID": shared, "namespace": "ml", "pod": pod, "container": "main"}
+        assert value(got, "DCGM_FI_DEV_GPU_UTIL", **at) == util, (pod, got["DCGM_FI_DEV_GPU_UTIL"])
+        assert value(got, "DCGM_FI_DEV_FB_USED", **at) == mib, pod
+        assert value(got, "DCGM_FI_DEV_GPU_TEMP", **at) == 64, pod  # the device's own, copied
+    # One pod on two replicas of a GPU: one series, the device's figures.
+    assert [v for lab, v in got["DCGM_FI_DEV_GPU_UTIL"] if lab["UUID"] == whole] == [55]
+    assert value(got, "DCGM_FI_DEV_GPU_UTIL", UUID=whole, pod="trainer") == 55
+    # A GPU nobody holds: one series, no pod.
+    ((free, _),) = [s for s in got["DCGM_FI_DEV_GPU_TEMP"] if s[0]["UUID"] == gpus[2]["uuid"]]
+    assert "pod" not in free, free
 
 
 def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods: PodCgroups) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from nvplug.config.model import DEFAULT_PATH, SECTIONS, Config, HealthConfig, MpsLimits
+from nvplug.config.model import DEFAULT_PATH, SECTIONS, Config, HealthConfig, MpsLimits, TelemetryConfig
 from nvplug.config.nvidia_sections import (
     GPU_RESOURCE,
     SHARED_SUFFIX,
@@ -155,6 +155,18 @@ def _health(found: Found, values: dict[str, Any]) -> HealthConfig:
     return cfg
 
 
+def _telemetry(found: Found, values: dict[str, Any]) -> TelemetryConfig:
+    cfg = TelemetryConfig(**values)
+    if cfg.pod_labels and cfg.naming != "dcgm":
+        raise found.ctx.error(
+            found.nodes["podLabels"],
+            f"{found.path}.podLabels",
+            "puts pod labels on the dcgm naming's series, as dcgm-exporter's --kubernetes does; nvplug's naming "
+            "has nvplug_container_gpu_* per container instead",
+        )
+    return cfg
+
+
 def _flags(found: Found, values: dict[str, Any]) -> Flags:
     # nvidiaDevRoot, when the file leaves it out: the driver root, as NVIDIA does.
     values.setdefault("nvidia_dev_root", values.get("nvidia_driver_root", Flags.nvidia_driver_root))
@@ -258,6 +270,7 @@ def _overlap(first: Devices, second: Devices) -> str | None:
 
 _FINISH: Mapping[type, Finish] = {
     HealthConfig: _health,
+    TelemetryConfig: _telemetry,
     Flags: _flags,
     Resources: _resources,
     ResourcePattern: _resource_pattern,

@@ -169,6 +169,12 @@ class TelemetryConfig:
         default=DEFAULT_POD_LOG_ROOT,
         metadata=key("podLogRoot", "where the kubelet's pods/ and containers/ log records are", absolute_path),
     )
+    # dcgm-exporter's --kubernetes: each device's series once per container that holds it, with its pod's
+    # labels. Off by default: a GPU shared by two pods then has two of each, and a sum over them counts it twice.
+    pod_labels: bool = field(
+        default=False,
+        metadata=key("podLabels", "the dcgm naming's device series carry the pods that hold the device", boolean),
+    )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@
 - `nvplug`: nvplug's own, in base units (ratios, bytes, hertz, joules), documented in docs/telemetry.md.
 
 The per-container series are nvplug's in both (`nvplug_container_gpu_*`): dcgm-exporter has no names of
-its own for them. So are `nvplug_gpu_metrics_stale` and the read's time.
+its own for them. So are `nvplug_gpu_metrics_stale` and the read's time. With `nvplug.telemetry.podLabels`,
+the dcgm naming's device series carry the pods that hold the device, as dcgm-exporter's `--kubernetes` does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nvplug.config.model import MetricNaming
+from nvplug.config.model import MetricNaming, TelemetryConfig
 from nvplug.core.gpu import Gpu
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import HOST, GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
@@ -271,12 +272,12 @@ class GpuMetrics:
         self,
         snapshot: Callable[[], Snapshot],
         holders: Callable[[], Mapping[str, list[Holder]]],
-        naming: Callable[[], MetricNaming],
+        settings: Callable[[], TelemetryConfig],
         hostname: str,
     ) -> None:
         self._snapshot = snapshot
         self._holders = holders
-        self._naming = naming
+        self._settings = settings
         self._hostname = hostname
         self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None], str] = {}
 
@@ -284,16 +285,24 @@ class GpuMetrics:
         """The series of what the scrape's refresh returned."""
         snap = self._snapshot()
         gpus = {g.uuid: g for g in snap.gpus}
-        naming = self._naming()
+        settings = self._settings()
+        naming = settings.naming
         out = Families()
         holders = self._holders()
+        # Who holds each device, for the device series' pod labels; none unless asked.
+        labelled: Mapping[str, list[Holder]] = holders if settings.pod_labels else {}
         for reading in telemetry.readings:
             gpu = gpus.get(reading.uuid)
             if gpu is None:
                 continue
             labels = self._gpu_labels(gpu, snap, naming)
             text = label_text(labels)
-            self._figures(out, GPU_SERIES, reading.figures, text, naming)
+            codes = snap.xid_codes.get(gpu.uuid, ())
+            for copy, own in _held_copies(reading.uuid, text, reading.processes, telemetry, labelled):
+                self._figures(out, GPU_SERIES, reading.figures, copy, naming, own)
+                if naming == "dcgm" and codes:
+                    last = "DCGM_FI_DEV_XID_ERRORS"
+                    out.add(last, "The last Xid's code", "gauge", last, copy, codes[-1][0])
             profiles = {m.uuid: m for m in gpu.mig}
             for mig in reading.mig:
                 known = profiles.get(mig.uuid)
@@ -308,8 +317,10 @@ class GpuMetrics:
                         "mig_uuid": mig.uuid,
                     }
                 )
-                self._figures(out, MIG_SERIES, mig, label_text(labels | extra), naming)
-            self._xids(out, snap.xid_codes.get(gpu.uuid, ()), text, naming)
+                mig_text = label_text(labels | extra)
+                for copy, own in _held_copies(mig.uuid, mig_text, reading.processes, telemetry, labelled):
+                    self._figures(out, MIG_SERIES, mig, copy, naming, own)
+            self._xids(out, codes, text)
             stale = "nvplug_gpu_metrics_stale"
             out.add(
                 stale,
@@ -348,23 +359,25 @@ class GpuMetrics:
         }
 
     @staticmethod
-    def _xids(out: Families, codes: tuple[tuple[int, int], ...], labels: str, naming: MetricNaming) -> None:
-        """nvplug's own count of each Xid it took in (NVML's and the kernel log's once each); in dcgm's naming
-        the last one's code too, as DCGM_FI_DEV_XID_ERRORS has it."""
-        if not codes:
-            return
-        if naming == "dcgm":
-            out.add(
-                "DCGM_FI_DEV_XID_ERRORS", "The last Xid's code", "gauge", "DCGM_FI_DEV_XID_ERRORS", labels, codes[-1][0]
-            )
+    def _xids(out: Families, codes: tuple[tuple[int, int], ...], labels: str) -> None:
+        """nvplug's own count of each Xid it took in (NVML's and the kernel log's once each), in both namings
+        (dcgm's DCGM_FI_DEV_XID_ERRORS has only the last one's code)."""
         name = "nvplug_gpu_xid_errors"
         for code, count in sorted(codes):
             out.add(name, "Xids taken in, by code", "counter", f"{name}_total", f'{labels},code="{code}"', count)
 
     @staticmethod
-    def _figures(out: Families, series: tuple[Series, ...], figures: object, labels: str, naming: MetricNaming) -> None:
+    def _figures(
+        out: Families,
+        series: tuple[Series, ...],
+        figures: object,
+        labels: str,
+        naming: MetricNaming,
+        own: Mapping[str, float | None],
+    ) -> None:
+        """The figures' series; a figure in `own` (a holder's own share of the device) in place of the device's."""
         for s in series:
-            value = getattr(figures, s.figure, None)
+            value = own[s.figure] if s.figure in own else getattr(figures, s.figure, None)
             if value is None:
                 continue  # the driver does not give it: no series, rather than a false 0
             if naming == "dcgm":
@@ -479,16 +492,7 @@ def _summed(uses: list[ProcessUse]) -> tuple[int, float | None, float | None, fl
 
 def _claim_of(container: ProcessContainer, holders: Sequence[Holder]) -> Holder | None:
     """The DRA claim through which the container holds the device, if it holds it through one."""
-    return next(
-        (
-            h
-            for h in holders
-            if h.claim is not None
-            and (h.namespace, h.pod) == (container.namespace, container.pod)
-            and h.container in ("", container.container)
-        ),
-        None,
-    )
+    return next((h for h in holders if h.claim is not None and _holds(h, container)), None)
 
 
 def _container_labels(device: str, container: ProcessContainer, claim: Holder | None) -> dict[str, str]:
@@ -499,12 +503,46 @@ def _container_labels(device: str, container: ProcessContainer, claim: Holder | 
         "pod": container.pod,
         "container": container.container,
     }
-    if claim is not None:
-        labels |= {
-            "dra_claim_name": claim.claim or "",
-            "dra_claim_namespace": claim.namespace,
-            "dra_driver_name": claim.resource,
-            "dra_pool_name": claim.pool or "",
-            "dra_device_name": claim.device_id,
-        }
-    return labels
+    return labels | (_claim_labels(claim) if claim is not None else {})
+
+
+def _claim_labels(claim: Holder) -> dict[str, str]:
+    return {
+        "dra_claim_name": claim.claim or "",
+        "dra_claim_namespace": claim.namespace,
+        "dra_driver_name": claim.resource,
+        "dra_pool_name": claim.pool or "",
+        "dra_device_name": claim.device_id,
+    }
+
+
+def _held_copies(
+    device: str, text: str, uses: Sequence[ProcessUse], telemetry: Telemetry, holders: Mapping[str, list[Holder]]
+) -> list[tuple[str, dict[str, float | None]]]:
+    """A device's label text, once per container that holds it with that pod's labels (dcgm-exporter's
+    --kubernetes), or once as is where none does; with the figures each copy shows as its own. Where several
+    containers share the device, a copy's utilization and framebuffer used are its own processes', summed (0
+    with none): the device's, copied to each, would count it once per pod in a sum."""
+    holding = {(h.namespace, h.pod, h.container, h.claim): h for h in holders.get(device, ())}
+    if len(holding) < 2:
+        return [(f"{text},{label_text(_holder_labels(h))}", {}) for h in holding.values()] or [(text, {})]
+    mine = [u for u in uses if u.device == device]
+    out = []
+    for h in holding.values():
+        held = [u for u in mine if _holds(h, telemetry.containers.get(u.pid, HOST))]
+        _, used, sm, memory = _summed(held) if held else (0, 0.0, 0.0, 0.0)
+        own = {"fb_used_mib": used, "util_gpu": sm, "util_memory": memory if sm is not None else None}
+        out.append((f"{text},{label_text(_holder_labels(h))}", own))
+    return out
+
+
+def _holds(holder: Holder, container: ProcessContainer) -> bool:
+    """The container is the holder's (a DRA claim's holder may name no container: then any of its pod's)."""
+    same_pod = (container.namespace, container.pod) == (holder.namespace, holder.pod)
+    return same_pod and holder.container in ("", container.container)
+
+
+def _holder_labels(holder: Holder) -> dict[str, str]:
+    """dcgm-exporter's pod labels, and DRA's where the pod holds the device through a claim."""
+    labels = {"pod": holder.pod, "namespace": holder.namespace, "container": holder.container}
+    return labels | (_claim_labels(holder) if holder.claim is not None else {})

@@ -74,7 +74,7 @@ class StatusReport(Sink):
         self._gpu_metrics = GpuMetrics(
             lambda: self._state.current,
             lambda: self.holders() or {},
-            lambda: self._cfg.telemetry.naming,
+            lambda: self._cfg.telemetry,
             node_name(cfg),
         )
 
