@@ -30,10 +30,13 @@ from test_cdi_podman import (
 from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
+from test_status import metrics, value
 
 from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
 from nvplug.testing import fake_driver_root as driverroot
+from nvplug.testing.fakenvml_devices import GpuProcess
+from nvplug.testing.pod_cgroups import CgroupsUnavailable, PodCgroups
 from nvplug.testing.podresources_standin import ClaimDevice, Container, Pod
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event
@@ -397,7 +400,7 @@ def test_a_kubelet_1_32_and_a_v1beta1_api_server(dra: Dra) -> None:
 
 def test_a_mig_device_claim(dra: Dra) -> None:
     gpus = mig_node(dra.node, "mixed", {4: ["3g.40gb", "3g.40gb"]}, start=False)
-    dra.start(dra.config(extra="  migStrategy: mixed\n"))
+    dra.start(dra.config(extra="  migStrategy: mixed\n") + "  telemetry:\n    podLabels: true\n")
     dra.wait(lambda: len(dra.pool()) == 5, "3 GPUs and 2 MIG devices")
     names = sorted(dra.pool())
     assert names == ["gpu-4-mig-3g40gb-1-0", "gpu-4-mig-3g40gb-2-0", "gpu-5", "gpu-6", "gpu-7"]
@@ -410,6 +413,24 @@ def test_a_mig_device_claim(dra: Dra) -> None:
     uuid = mig["attributes"]["uuid"]["string"]
     assert answer.error == "" and answer.devices == ((NODE, "gpu-4-mig-3g40gb-2-0", ("mig",), (f"{GPU_KIND}={uuid}",)),)
     print(f"prepare of a MIG device: {answer}")
+    # Its pod's process on the MIG device: the container's series and the device's name the claim.
+    try:
+        cgroups = PodCgroups(dra.node.pod_log_root)
+    except CgroupsUnavailable as err:
+        pytest.skip(f"the MIG claim's telemetry: {err}")
+    try:
+        process = cgroups.start("ml", "small-0")
+        device = ClaimDevice("ml", "small", DRIVER, NODE, "gpu-4-mig-3g40gb-2-0")
+        dra.node.kubelet.pod_resources.admit(Pod("ml", "small-0", (Container("main", {}, (device,)),)))
+        dra.node.control.procs(4, [GpuProcess(process.pid, 3000, mig=(2, 0))])
+        time.sleep(1.1)  # past the once-a-second bound of the first scrape
+        got = metrics(dra.node)
+    finally:
+        cgroups.close()
+    claimed = {"pod": "small-0", "container": "main", "dra_claim_name": "small", "dra_driver_name": DRIVER}
+    claimed |= {"dra_pool_name": NODE, "dra_device_name": "gpu-4-mig-3g40gb-2-0", "dra_mig_device_uuid": uuid}
+    assert value(got, "nvplug_container_gpu_memory_used_bytes", dra_mig_profile="3g.40gb", **claimed) == 3000 << 20
+    assert value(got, "DCGM_FI_DEV_FB_USED", GPU_I_ID="2", **claimed) == 3000, got["DCGM_FI_DEV_FB_USED"]
 
 
 def test_doctor_checks_registration_credentials_and_slices(dra: Dra) -> None:

@@ -118,6 +118,10 @@ def test_a_mig_device_s_series_carry_its_claim() -> None:
     assert used == 2048
     assert labels["pod"] == "mig-user" and labels["dra_claim_name"] == "gpu-claim"
     assert labels["dra_driver_name"] == "gpu.nvidia.com" and labels["dra_pool_name"] == "node-a"
+    assert (labels["dra_mig_profile"], labels["dra_mig_device_uuid"]) == ("3g.40gb", MIG)
+    # The container's own series name the MIG device the claim got, too.
+    ((own, _),) = [s for s in got["nvplug_container_gpu_memory_used_bytes"] if s[0]["pod"] == "mig-user"]
+    assert (own["pod"], own["dra_claim_name"], own["dra_mig_device_uuid"]) == ("mig-user", "gpu-claim", MIG)
     # The whole GPU's own series: nobody holds the GPU itself.
     ((whole, _),) = [s for s in got["DCGM_FI_DEV_FB_TOTAL"] if s[0]["UUID"] == MIG_GPU and "GPU_I_ID" not in s[0]]
     assert "pod" not in whole

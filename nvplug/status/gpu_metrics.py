@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nvplug.config.model import MetricNaming, TelemetryConfig
-from nvplug.core.gpu import Gpu
+from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import HOST, GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
 from nvplug.pods.pod_holders import Holder
@@ -298,7 +298,7 @@ class GpuMetrics:
             labels = self._gpu_labels(gpu, snap, naming)
             text = label_text(labels)
             codes = snap.xid_codes.get(gpu.uuid, ())
-            for copy, own in _held_copies(reading.uuid, text, reading.processes, telemetry, labelled):
+            for copy, own in _held_copies(reading.uuid, None, text, reading.processes, telemetry, labelled):
                 self._figures(out, GPU_SERIES, reading.figures, copy, naming, own)
                 if naming == "dcgm" and codes:
                     last = "DCGM_FI_DEV_XID_ERRORS"
@@ -318,7 +318,7 @@ class GpuMetrics:
                     }
                 )
                 mig_text = label_text(labels | extra)
-                for copy, own in _held_copies(mig.uuid, mig_text, reading.processes, telemetry, labelled):
+                for copy, own in _held_copies(mig.uuid, known, mig_text, reading.processes, telemetry, labelled):
                     self._figures(out, MIG_SERIES, mig, copy, naming, own)
             self._xids(out, codes, text)
             stale = "nvplug_gpu_metrics_stale"
@@ -334,7 +334,7 @@ class GpuMetrics:
             out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
             # Of the GPU's labels only those the others join on: 2,000 series of a busy node stay small.
             joins: dict[str, str] = {k: v for k, v in labels.items() if k in JOIN_LABELS}
-            self._containers(out, reading, telemetry, joins, holders)
+            self._containers(out, reading, telemetry, joins, holders, profiles)
         return out.text().encode()
 
     def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
@@ -396,6 +396,7 @@ class GpuMetrics:
         telemetry: Telemetry,
         gpu_labels: dict[str, str],
         holders: Mapping[str, list[Holder]],
+        migs: Mapping[str, MigDevice],
     ) -> None:
         """Per container and device: its processes' memory and utilization, summed. Processes in no pod
         the kubelet names are counted under pod=""."""
@@ -413,7 +414,8 @@ class GpuMetrics:
             if labels is None:
                 if len(texts) >= CONTAINER_TEXTS:  # pods come and go: forget the old
                     texts.clear()
-                labels = texts[key] = "{" + joins + "," + label_text(_container_labels(device, container, claim)) + "} "
+                named = _container_labels(device, container, claim, migs.get(device))
+                labels = texts[key] = "{" + joins + "," + label_text(named) + "} "
             count, used_mib, sm, memory = _summed(uses)
             p_lines.append(f"{p_name}{labels}{float(count)!r}\n")
             if used_mib is not None:
@@ -495,7 +497,9 @@ def _claim_of(container: ProcessContainer, holders: Sequence[Holder]) -> Holder 
     return next((h for h in holders if h.claim is not None and _holds(h, container)), None)
 
 
-def _container_labels(device: str, container: ProcessContainer, claim: Holder | None) -> dict[str, str]:
+def _container_labels(
+    device: str, container: ProcessContainer, claim: Holder | None, mig: MigDevice | None
+) -> dict[str, str]:
     """The container's names, the device it uses, and the DRA claim through which it holds it, if any."""
     labels = {
         "device_uuid": device,
@@ -503,21 +507,30 @@ def _container_labels(device: str, container: ProcessContainer, claim: Holder | 
         "pod": container.pod,
         "container": container.container,
     }
-    return labels | (_claim_labels(claim) if claim is not None else {})
+    return labels | (_claim_labels(claim, mig) if claim is not None else {})
 
 
-def _claim_labels(claim: Holder) -> dict[str, str]:
-    return {
+def _claim_labels(claim: Holder, mig: MigDevice | None) -> dict[str, str]:
+    """dcgm-exporter's DRA labels: the claim, and the MIG device it got, if a MIG device."""
+    labels = {
         "dra_claim_name": claim.claim or "",
         "dra_claim_namespace": claim.namespace,
         "dra_driver_name": claim.resource,
         "dra_pool_name": claim.pool or "",
         "dra_device_name": claim.device_id,
     }
+    if mig is not None:
+        labels |= {"dra_mig_profile": mig.profile, "dra_mig_device_uuid": mig.uuid}
+    return labels
 
 
 def _held_copies(
-    device: str, text: str, uses: Sequence[ProcessUse], telemetry: Telemetry, holders: Mapping[str, list[Holder]]
+    device: str,
+    mig: MigDevice | None,
+    text: str,
+    uses: Sequence[ProcessUse],
+    telemetry: Telemetry,
+    holders: Mapping[str, list[Holder]],
 ) -> list[tuple[str, dict[str, float | None]]]:
     """A device's label text, once per container that holds it with that pod's labels (dcgm-exporter's
     --kubernetes), or once as is where none does; with the figures each copy shows as its own. Where several
@@ -525,14 +538,14 @@ def _held_copies(
     with none): the device's, copied to each, would count it once per pod in a sum."""
     holding = {(h.namespace, h.pod, h.container, h.claim): h for h in holders.get(device, ())}
     if len(holding) < 2:
-        return [(f"{text},{label_text(_holder_labels(h))}", {}) for h in holding.values()] or [(text, {})]
+        return [(f"{text},{label_text(_holder_labels(h, mig))}", {}) for h in holding.values()] or [(text, {})]
     mine = [u for u in uses if u.device == device]
     out = []
     for h in holding.values():
         held = [u for u in mine if _holds(h, telemetry.containers.get(u.pid, HOST))]
         _, used, sm, memory = _summed(held) if held else (0, 0.0, 0.0, 0.0)
         own = {"fb_used_mib": used, "util_gpu": sm, "util_memory": memory if sm is not None else None}
-        out.append((f"{text},{label_text(_holder_labels(h))}", own))
+        out.append((f"{text},{label_text(_holder_labels(h, mig))}", own))
     return out
 
 
@@ -542,7 +555,7 @@ def _holds(holder: Holder, container: ProcessContainer) -> bool:
     return same_pod and holder.container in ("", container.container)
 
 
-def _holder_labels(holder: Holder) -> dict[str, str]:
+def _holder_labels(holder: Holder, mig: MigDevice | None) -> dict[str, str]:
     """dcgm-exporter's pod labels, and DRA's where the pod holds the device through a claim."""
     labels = {"pod": holder.pod, "namespace": holder.namespace, "container": holder.container}
-    return labels | (_claim_labels(holder) if holder.claim is not None else {})
+    return labels | (_claim_labels(holder, mig) if holder.claim is not None else {})
