@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 ProcessKind = Literal["compute", "graphics", "mps"]
+MIB = 1 << 20
+
+
+def in_unit(value: float, scale: float) -> float:
+    """`value` times `scale`, as exact as the text shows it: a fraction divides by its inverse, so that 35 %
+    is 0.35 (35 * 0.01 is 0.35000000000000003)."""
+    return value * scale if scale >= 1 else value / round(1 / scale)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,14 +18,13 @@ from typing import Any, TypeVar, cast
 
 import pynvml  # type: ignore[import-untyped]
 
-from nvplug.core.telemetry import GpuFigures, MigFigures, ProcessKind, ProcessUse
+from nvplug.core.telemetry import MIB, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import as_text, session
 from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
 
 T = TypeVar("T")
 
-MIB = 1 << 20
 CORRECTED, UNCORRECTED = 0, 1  # nvmlMemoryErrorType_t
 VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
@@ -52,18 +51,18 @@ class GpuRead:
 
 
 # GPM's figures: the metric, the GpmActivity field, and NVML's unit in it (a percent is 1/100 of a ratio,
-# a MiB/s 2^20 bytes/s): divided, so that 35 % is 0.35 exactly as the text shows it.
+# a MiB/s 2^20 bytes/s).
 GPM_METRICS: tuple[tuple[int, str, float], ...] = (
-    (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy", 100.0),
-    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "fp64_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "fp32_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "fp16_active", 100.0),
-    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", 1 / MIB),
-    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", 1 / MIB),
+    (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy", 0.01),
+    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP64_UTIL, "fp64_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP32_UTIL, "fp32_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_FP16_UTIL, "fp16_active", 0.01),
+    (pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", MIB),
+    (pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", MIB),
 )
 
 
@@ -207,7 +206,7 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
             for at, (_, field, unit) in enumerate(GPM_METRICS):
                 got = request.metrics[at]
                 if got.nvmlReturn == pynvml.NVML_SUCCESS:
-                    activity[field] = float(got.value) / unit
+                    activity[field] = in_unit(float(got.value), unit)
     _free(previous)
     return activity, sample
 

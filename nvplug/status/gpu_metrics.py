@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from nvplug.config.model import MetricNaming, TelemetryConfig
 from nvplug.core.gpu import Gpu, MigDevice
 from nvplug.core.snapshot import Snapshot
-from nvplug.core.telemetry import HOST, GpmActivity, GpuReading, ProcessContainer, ProcessUse, Telemetry
+from nvplug.core.telemetry import (
+    HOST,
+    MIB,
+    GpmActivity,
+    GpuReading,
+    ProcessContainer,
+    ProcessUse,
+    Telemetry,
+    in_unit,
+)
 from nvplug.pods.pod_holders import Holder
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -387,7 +394,7 @@ class GpuMetrics:
             sample = f"{s.nvplug}_total" if s.counter else s.nvplug
             extra = "".join(f',{k}="{v}"' for k, v in s.labels)
             kind = "counter" if s.counter else "gauge"
-            out.add(s.nvplug, s.help, kind, sample, labels + extra, _scaled(float(value), s.scale))
+            out.add(s.nvplug, s.help, kind, sample, labels + extra, in_unit(float(value), s.scale))
 
     def _containers(
         self,
@@ -423,12 +430,6 @@ class GpuMetrics:
             if sm is not None:  # none on MIG: NVML gives no per-process utilization there
                 s_lines.append(f"{s_name}{labels}{sm / 100.0!r}\n")
                 u_lines.append(f"{u_name}{labels}{memory / 100.0!r}\n")
-
-
-def _scaled(value: float, scale: float) -> float:
-    """A figure in nvplug's unit: a fraction divides by its inverse, so that 35 % is 0.35 exactly as the text
-    shows it (35 * 0.01 is 0.35000000000000003)."""
-    return value * scale if scale >= 1 else value / round(1 / scale)
 
 
 def telemetry_document(telemetry: Telemetry, snapshot: Snapshot) -> dict[str, object]:
