@@ -84,7 +84,7 @@ class BareSide(Side):
     def start(self) -> None:
         self.node.kubelet.start()
         argv = [sys.executable, str(HERE / "bench" / "bare_plugin.py"), str(self.node.plugin_dir)]
-        plugin = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        plugin = subprocess.Popen(self.node.isolated(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self._stack.callback(plugin.wait)
         self._stack.callback(plugin.kill)
         self.node.kubelet.wait_for(registered_with(8), TIMEOUT)

@@ -9,7 +9,9 @@ its status socket, each scrape a second apart so that each reads every GPU afres
   ratio (targets: p99 <= 20 ms, <= 2x the first), after a first scrape with the processes, timed on its
   own (each process is new to the daemon then);
 - the daemon's CPU over `--idle-seconds` with no scrape, then with a scrape every 15 s (target: <= 0.1 % of
-  one core), and the difference: the scrapes' own share;
+  one core), and the difference: the scrapes' own share; over the same windows, the CPU of
+  bench/bare_plugin.py (a plugin on grpc.aio that does nothing) on a stand-in of its own: gRPC core's idle
+  floor on this machine at that time;
 - the XID to kubelet list latency (bench/latency.py's) over `--xids` XIDs, with no scrape and then with a
   scrape every second, in one run: no NVML call runs on the loop, so the two should not differ.
 
@@ -25,6 +27,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,6 +58,25 @@ def serving() -> Iterator[SimulatedNode]:
             node.start_daemon(log_level="info")
             node.kubelet.wait_for(registered_with(8), TIMEOUT)
             yield node
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bare_plugin() -> Iterator[int]:
+    """bench/bare_plugin.py registered with a stand-in of its own, in a network namespace of its own: its PID."""
+    root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))
+    try:
+        with SimulatedNode(root) as node:
+            node.kubelet.start()
+            argv = [sys.executable, str(Path(__file__).with_name("bare_plugin.py")), str(node.plugin_dir)]
+            plugin = subprocess.Popen(node.isolated(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            try:
+                node.kubelet.wait_for(registered_with(8), TIMEOUT)
+                yield plugin.pid
+            finally:
+                plugin.kill()
+                plugin.wait()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -156,11 +178,17 @@ def main() -> int:
         for gpu in range(8):
             node.control.procs(gpu, [])
         assert node.daemon is not None
-        idle = {scraped: idle_share(node, node.daemon.pid, args.idle_seconds, scraped) for scraped in (False, True)}
+        with bare_plugin() as bare:
+            idle = {each: idle_share(node, node.daemon.pid, bare, args.idle_seconds, each) for each in (False, True)}
+        (quiet, floor), (scraped, floor_scraped) = idle[False], idle[True]
         print(
-            f"idle CPU over {args.idle_seconds:.0f} s: {idle[False]:.3f} % of one core with no scrape, "
-            f"{idle[True]:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {idle[True] / 0.1:.2f}); "
-            f"the scrapes' own share: {idle[True] - idle[False]:.3f} %"
+            f"idle CPU over {args.idle_seconds:.0f} s: {quiet:.3f} % of one core with no scrape, "
+            f"{scraped:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {scraped / 0.1:.2f}); "
+            f"the scrapes' own share: {scraped - quiet:.3f} %"
+        )
+        print(
+            f"a bare grpc.aio plugin over the same windows: {floor:.3f} % and {floor_scraped:.3f} %; "
+            f"nvplug with a scrape every 15 s / the bare plugin: {scraped / floor_scraped:.2f}x"
         )
         if args.xids:
             quiet = xid_latency(node, args.xids, scraping=False)
@@ -169,14 +197,16 @@ def main() -> int:
     return 0
 
 
-def idle_share(node: SimulatedNode, pid: int, seconds: float, scraped: bool) -> float:
-    """The daemon's CPU over `seconds`, in % of one core, with a scrape every 15 s from the start or none."""
-    before, began = cpu_ns(pid), time.monotonic()
+def idle_share(node: SimulatedNode, pid: int, bare: int, seconds: float, scraped: bool) -> tuple[float, float]:
+    """The daemon's CPU and the bare plugin's over the same `seconds`, in % of one core, with a scrape of the
+    daemon every 15 s from the start or none."""
+    before, before_bare, began = cpu_ns(pid), cpu_ns(bare), time.monotonic()
     while (left := seconds - (time.monotonic() - began)) > 0:
         if scraped:
             scrape(node)
         time.sleep(min(15.0, max(0.0, left)))
-    return (cpu_ns(pid) - before) / 1e9 / (time.monotonic() - began) * 100
+    took = time.monotonic() - began
+    return (cpu_ns(pid) - before) / 1e9 / took * 100, (cpu_ns(bare) - before_bare) / 1e9 / took * 100
 
 
 def xid_latency(node: SimulatedNode, samples: int, scraping: bool) -> float:
