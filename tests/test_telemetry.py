@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -155,6 +156,13 @@ def test_pod_labels_on_a_time_sliced_gpu_give_each_pod_its_own_dcgm_figures(
     # A GPU nobody holds: one series, no pod.
     ((free, _),) = [s for s in got["DCGM_FI_DEV_GPU_TEMP"] if s[0]["UUID"] == gpus[2]["uuid"]]
     assert "pod" not in free, free
+    # Turned off by a reload: the shared GPU's one series, the device's own.
+    node.config.write_text(f"version: v1\n{sliced}")
+    assert node.daemon is not None
+    node.daemon.send_signal(signal.SIGHUP)
+    node.wait_log("reloaded the config")
+    got = scrape_later(node)
+    assert [(lab.get("pod"), v) for lab, v in got["DCGM_FI_DEV_GPU_UTIL"] if lab["UUID"] == shared] == [(None, 70)]
 
 
 def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods: PodCgroups) -> None:
