@@ -50,8 +50,8 @@ class GpuRead:
     window: Window = Window()
 
 
-# GPM's figures: the metric, the GpmActivity field, and NVML's unit in it (a percent is 1/100 of a ratio,
-# a MiB/s 2^20 bytes/s).
+# GPM's figures: the metric, the GpmActivity field, and the scale from NVML's unit to the field's (a percent
+# is 1/100 of a ratio, a MiB/s 2^20 bytes/s).
 GPM_METRICS: tuple[tuple[int, str, float], ...] = (
     (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active", 0.01),
     (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active", 0.01),
@@ -203,10 +203,10 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
             request.metrics[at].metricId = metric
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlGpmMetricsGet(request)
-            for at, (_, field, unit) in enumerate(GPM_METRICS):
+            for at, (_, field, scale) in enumerate(GPM_METRICS):
                 got = request.metrics[at]
                 if got.nvmlReturn == pynvml.NVML_SUCCESS:
-                    activity[field] = in_unit(float(got.value), unit)
+                    activity[field] = in_unit(float(got.value), scale)
     _free(previous)
     return activity, sample
 
