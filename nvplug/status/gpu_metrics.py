@@ -305,7 +305,8 @@ class GpuMetrics:
             labels = self._gpu_labels(gpu, snap, naming)
             text = label_text(labels)
             codes = snap.xid_codes.get(gpu.uuid, ())
-            for copy, own in _held_copies(reading.uuid, None, text, reading.processes, telemetry, labelled):
+            groups = _by_container(reading, telemetry)
+            for copy, own in _held_copies(reading.uuid, None, text, groups, labelled):
                 self._figures(out, GPU_SERIES, reading.figures, copy, naming, own)
                 if naming == "dcgm" and codes:
                     last = "DCGM_FI_DEV_XID_ERRORS"
@@ -325,7 +326,7 @@ class GpuMetrics:
                     }
                 )
                 mig_text = label_text(labels | extra)
-                for copy, own in _held_copies(mig.uuid, known, mig_text, reading.processes, telemetry, labelled):
+                for copy, own in _held_copies(mig.uuid, known, mig_text, groups, labelled):
                     self._figures(out, MIG_SERIES, mig, copy, naming, own)
             self._xids(out, codes, text)
             stale = "nvplug_gpu_metrics_stale"
@@ -341,7 +342,7 @@ class GpuMetrics:
             out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
             # Of the GPU's labels only those the others join on: 2,000 series of a busy node stay small.
             joins: dict[str, str] = {k: v for k, v in labels.items() if k in JOIN_LABELS}
-            self._containers(out, reading, telemetry, joins, holders, profiles)
+            self._containers(out, groups, joins, holders, profiles)
         return out.text().encode()
 
     def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
@@ -399,8 +400,7 @@ class GpuMetrics:
     def _containers(
         self,
         out: Families,
-        reading: GpuReading,
-        telemetry: Telemetry,
+        groups: Mapping[tuple[str, ProcessContainer], list[ProcessUse]],
         gpu_labels: dict[str, str],
         holders: Mapping[str, list[Holder]],
         migs: Mapping[str, MigDevice],
@@ -413,7 +413,7 @@ class GpuMetrics:
             (name, out.family(name, help_text, kind))
             for name, help_text, kind in (CONTAINER_PROCESSES, CONTAINER_MEMORY, CONTAINER_SM, CONTAINER_MEMORY_UTIL)
         )
-        for (device, container), uses in _by_container(reading, telemetry).items():
+        for (device, container), uses in groups.items():
             held = holders.get(device)
             claim = _claim_of(container, held) if held else None
             key = (joins, device, container, claim)
@@ -529,8 +529,7 @@ def _held_copies(
     device: str,
     mig: MigDevice | None,
     text: str,
-    uses: Sequence[ProcessUse],
-    telemetry: Telemetry,
+    groups: Mapping[tuple[str, ProcessContainer], list[ProcessUse]],
     holders: Mapping[str, list[Holder]],
 ) -> list[tuple[str, dict[str, float | None]]]:
     """A device's label text, once per container that holds it with that pod's labels (dcgm-exporter's
@@ -540,10 +539,14 @@ def _held_copies(
     holding = {(h.namespace, h.pod, h.container, h.claim): h for h in holders.get(device, ())}
     if len(holding) < 2:
         return [(f"{text},{label_text(_holder_labels(h, mig))}", {}) for h in holding.values()] or [(text, {})]
-    mine = [u for u in uses if u.device == device]
+    # The device's containers by pod: each holder looks up its own pod's, not every process.
+    pods: dict[tuple[str, str], list[tuple[ProcessContainer, list[ProcessUse]]]] = {}
+    for (on, container), uses in groups.items():
+        if on == device:
+            pods.setdefault((container.namespace, container.pod), []).append((container, uses))
     out = []
     for h in holding.values():
-        held = [u for u in mine if _holds(h, telemetry.containers.get(u.pid, HOST))]
+        held = [u for c, uses in pods.get((h.namespace, h.pod), ()) if _holds(h, c) for u in uses]
         _, used, sm, memory = _summed(held) if held else (0, 0.0, 0.0, 0.0)
         own = {"fb_used_mib": used, "util_gpu": sm, "util_memory": memory if sm is not None else None}
         out.append((f"{text},{label_text(_holder_labels(h, mig))}", own))
