@@ -3,14 +3,17 @@
 
 A rescan that counts the GPUs again (a udev add, bind or remove) must drop every reference on NVML's init
 count (only a count of zero enumerates GPUs again), so the old watch is handed over first and the new
-one subscribes during the scan. Between the two no event is waited for. This measures that gap: from
-the old watch's hand-over to the new watch subscribed to every GPU, over `--rescans` such rescans of the
-simulated 8-GPU node, with nvplug's own Scanner on the fake NVML library loaded through the real pynvml.
+one subscribes during the scan. The hand-over returns once the count is down, which (as with the
+driver) waits for the old watch's wait in progress to return: an event ends it, or its timeout. Between
+the hand-over's return and the new watch no event is waited for. This measures that gap: from the
+hand-over done to the new watch subscribed to every GPU, and the hand-over's own wait, over `--rescans`
+such rescans of the simulated 8-GPU node, with nvplug's own Scanner on the fake NVML library loaded
+through the real pynvml.
 Then as many rescans that need not count the GPUs (a MIG layout change, a resubscription): they keep the
 watch, and the hand-overs they make are counted (0 expected). To compare two trees, run it with each on
 PYTHONPATH (a tree without in-session rescans hands over on every one).
 
-    python bench/watch_gap.py [--rescans 200]
+    python bench/watch_gap.py [--rescans 50]
 """
 
 from __future__ import annotations
@@ -30,18 +33,21 @@ from typing import Any
 CHILD = "NVPLUG_WATCH_GAP_CHILD"
 
 
-def child(rescans: int, sysfs_root: Path, proc_root: Path) -> tuple[list[float], int]:
+def child(rescans: int, sysfs_root: Path, proc_root: Path) -> tuple[list[float], list[float], int]:
     from nvplug.sources import nvml_events
     from nvplug.sources.nvml_discovery import Nvml
     from nvplug.sources.nvml_scanner import Scanner
 
     handed: list[float] = []
+    waited: list[float] = []
     subscribed: list[float] = []
     hand_over, start = nvml_events.NvmlEventWatch.hand_over, nvml_events.NvmlEventWatch.start
 
     def timed_hand_over(self: Any) -> None:
-        handed.append(time.perf_counter())
+        asked = time.perf_counter()
         hand_over(self)
+        handed.append(time.perf_counter())
+        waited.append((handed[-1] - asked) * 1000)
 
     def timed_start(self: Any) -> None:
         start(self)  # returns once every GPU is subscribed
@@ -69,17 +75,18 @@ def child(rescans: int, sysfs_root: Path, proc_root: Path) -> tuple[list[float],
     asyncio.run(main())
     # Each hand-over is followed by the next scan's subscription.
     counted = handed[:rescans]
-    return [(s - h) * 1000 for h, s in zip(counted, subscribed[1:], strict=False)], kept_handovers
+    gaps = [(s - h) * 1000 for h, s in zip(counted, subscribed[1:], strict=False)]
+    return gaps, waited[:rescans], kept_handovers
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rescans", type=int, default=200)
+    parser.add_argument("--rescans", type=int, default=50)
     parser.add_argument("--child", nargs=2, metavar=("SYSFS", "PROC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        gaps, kept_handovers = child(args.rescans, Path(args.child[0]), Path(args.child[1]))
-        print(kept_handovers, " ".join(f"{g:.4f}" for g in gaps))
+        gaps, waits, kept_handovers = child(args.rescans, Path(args.child[0]), Path(args.child[1]))
+        print(kept_handovers, " ".join(f"{g:.4f}" for g in gaps), "|", " ".join(f"{w:.2f}" for w in waits))
         return 0
     from nvplug.testing.simulated_node import SimulatedNode
 
@@ -99,11 +106,16 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     kept, *rest = out.stdout.split()
-    gaps = sorted(float(g) for g in rest)
+    bar = rest.index("|")
+    gaps, waits = sorted(float(g) for g in rest[:bar]), sorted(float(w) for w in rest[bar + 1 :])
     p95 = gaps[int(0.95 * (len(gaps) - 1))]
     print(
         f"rescans that count the GPUs again: hand-over gap over {len(gaps)} (8 GPUs): median "
         f"{statistics.median(gaps):.2f} ms, p95 {p95:.2f} ms, max {gaps[-1]:.2f} ms"
+    )
+    print(
+        f"the hand-over's wait for the old watch's wait to return: median {statistics.median(waits):.0f} ms, "
+        f"max {waits[-1]:.0f} ms"
     )
     print(f"rescans that need not: {kept} hand-overs in {args.rescans} (no gap where 0)")
     return 0

@@ -750,6 +750,94 @@ def test_full_shutdown_releases_event_sets(rig: Rig) -> None:
     assert out["sets"] == "sets=0"
 
 
+def test_the_last_shutdown_and_a_free_wait_out_an_event_wait_as_the_driver_does(rig: Rig) -> None:
+    # On the real driver the last nvmlShutdown, and nvmlEventSetFree, return only when another thread's
+    # nvmlEventSetWait has: the shutdown does not cut the wait short. Here an event ends each wait.
+    out = rig.run(
+        """
+        N.nvmlInit()
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
+        def state(key):
+            return next(w for w in CTL.state().split() if w.startswith(key + "=")).split("=")[1]
+        def waiting(n):
+            deadline = time.monotonic() + 30
+            while state("event_waits") != str(n) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        def in_thread(fn, *args):
+            got = {}
+            th = threading.Thread(target=lambda: got.setdefault("r", code(fn, *args)))
+            th.start()
+            return th, got
+
+        waiter, waited = in_thread(N.nvmlEventSetWait_v2, s, 60000)
+        waiting(1)
+        N.nvmlInit(); N.nvmlShutdown()  # not the last reference: at once
+        freer, freed = in_thread(N.nvmlEventSetFree, s)
+        time.sleep(0.3)
+        out["free_waits"] = [freer.is_alive(), state("sets")]
+        CTL.xid(0, 79)
+        freer.join(30); waiter.join(30)
+        out["free"] = [waited.get("r"), freed.get("r"), state("sets"), state("shutdown_waits")]
+
+        s = N.nvmlEventSetCreate()
+        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
+        waiter, waited = in_thread(N.nvmlEventSetWait_v2, s, 60000)
+        waiting(1)
+        closer, closed = in_thread(N.nvmlShutdown)
+        time.sleep(0.3)
+        late, late_got = in_thread(N.nvmlEventSetWait_v2, s, 60000)  # waits behind the shutdown
+        time.sleep(0.3)
+        out["shutdown_waits"] = [closer.is_alive(), late.is_alive(), state("refcount")]
+        CTL.xid(0, 43)
+        for th in (closer, waiter, late):
+            th.join(30)
+        out["shutdown"] = [waited.get("r"), closed.get("r"), late_got.get("r"), state("refcount"), state("sets"),
+                           state("event_waits"), state("shutdown_waits")]
+        """
+    )
+    assert out["free_waits"] == [True, "1"]
+    assert out["free"] == [0, 0, "0", "1"]  # the wait got its event; then the set went
+    assert out["shutdown_waits"] == [True, True, "1"]
+    # The wait got its event, the shutdown then released every set, and the wait behind it found none.
+    assert out["shutdown"] == [0, 0, 1, "0", "0", "0", "2"]
+
+
+def test_latency_is_spent_beside_other_calls_as_a_driver_s_is(rig: Rig) -> None:
+    out = rig.run(
+        """
+        N.nvmlInit()
+        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+        def timed(fn, *args):
+            t = time.monotonic()
+            fn(*args)
+            return time.monotonic() - t
+        out["set"] = [CTL.latency("*", 2000000), CTL.latency(3, 1)]
+        def read(i, got):
+            got[i] = timed(N.nvmlDeviceGetTemperature, h[i], 0)
+        got = {}
+        threads = [threading.Thread(target=read, args=(i, got)) for i in range(3)]
+        t = time.monotonic()
+        for th in threads:
+            th.start()
+        out["own_zero"] = timed(N.nvmlDeviceGetTemperature, h[3], 0)  # while the three sleep
+        for th in threads:
+            th.join()
+        out["three"] = [time.monotonic() - t, sorted(got.values())]
+        CTL.latency("*", 0)
+        out["off"] = timed(N.nvmlDeviceGetTemperature, h[0], 0)
+        out["bad"] = [ctl_error(CTL.latency, 9, 5), ctl_error(CTL.send, "latency * -1")]
+        """
+    )
+    assert out["set"] == ["ok", "ok"]
+    assert out["own_zero"] < 1.0  # GPU 3's own figure over "*"; and no lock held by the sleepers
+    total, each = out["three"]
+    assert all(t >= 2.0 for t in each), each
+    assert total < 5.0, total  # side by side: 2 s, where one after the other would take 6
+    assert out["off"] < 1.0
+    assert out["bad"] == ["error: latency: unknown gpu '9'", "error: latency: want microseconds, 0-10000000"]
+
+
 def test_unsupported_queries(rig: Rig) -> None:
     scenario = rig.scenario(
         """

@@ -3,8 +3,11 @@
 The watcher holds one reference on NVML's init count for as long as it runs.
 A rescan that must enumerate GPUs again needs that count at zero, so the
 watcher does not release its reference itself: `hand_over()`, called on the
-thread that will rescan, drops it. That also wakes the blocked wait. A rescan
-that need not enumerate keeps the watch, and `add()`s the GPUs it lacks.
+thread that will rescan, drops it. The driver's last nvmlShutdown waits for
+the wait in progress to return (an event or its timeout), so a hand-over takes
+up to the wait's length. A stop need not wait: `stop()` leaves the reference
+to the watch's own thread, dropped when its wait returns. A rescan that need
+not enumerate keeps the watch, and `add()`s the GPUs it lacks.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ MIG_CONFIG_CHANGE = 0x100
 # What makes a GPU unusable, and MIG layout changes; registered wherever the driver supports it.
 WANTED = XID | DOUBLE_BIT_ECC | FATAL_POISON | GPU_UNAVAILABLE | RECOVERY_ACTION | MIG_CONFIG_CHANGE
 NO_INSTANCE = 0xFFFFFFFF
-# The wait wakes this often with nothing to do; hand_over() ends it sooner.
-DEFAULT_WAIT_MS = 5000
+# The longest a hand-over (a rescan that counts GPUs again, a reset) waits for the wait in progress, and
+# how often the wait wakes with nothing to do: about 50 µs of CPU each.
+DEFAULT_WAIT_MS = 1000
 
 
 def _address(handle: Any) -> int:
@@ -86,6 +90,7 @@ class NvmlEventWatch:
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._holds_ref = False
+        self._exited = False
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
         self.subscriptions: dict[str, int] = {}
 
@@ -124,9 +129,22 @@ class NvmlEventWatch:
             self._emit(HealthReported(gpu.uuid, f"double-bit ECC error ({missed} counted while no event watch ran)"))
 
     def hand_over(self) -> None:
-        """Stop watching and drop our NVML reference; call on the thread that uses NVML next."""
-        self._stopping.set()
+        """Stop watching and drop our NVML reference; call on the thread that uses NVML next. Returns once
+        the reference is dropped: up to the wait's length, for the wait in progress to return."""
+        self._drop_reference()
+
+    def stop(self) -> None:
+        """Stop watching without waiting: the watch's thread drops its reference when its wait returns
+        (at once, if the thread has ended). For a stop, where nothing uses NVML next."""
         with self._lock:
+            self._stopping.set()
+            exited = self._exited
+        if exited:
+            self._drop_reference()
+
+    def _drop_reference(self) -> None:
+        with self._lock:
+            self._stopping.set()  # with the swap: the watch's thread never drops a reference taken here
             holds, self._holds_ref = self._holds_ref, False
         if holds:
             try:
@@ -146,6 +164,11 @@ class NvmlEventWatch:
             self._emit(HealthWatchChanged(f"the NVML event watch failed: {err!r}"))
         finally:
             self._subscribed.set()
+            with self._lock:
+                self._exited = True
+                stopped = self._stopping.is_set()
+            if stopped:
+                self._drop_reference()
 
     def _run_watch(self) -> None:
         retrying = Retrying(
@@ -156,9 +179,10 @@ class NvmlEventWatch:
         )
         for attempt in retrying:
             with attempt:
-                if self._stopping.is_set():
+                opened = self._open()
+                if opened is None:
                     return
-                event_set, handles = self._open()
+                event_set, handles = opened
         self._handles = handles
         self._event_set = event_set
         self._subscribed.set()
@@ -167,8 +191,11 @@ class NvmlEventWatch:
         self._emit(HealthWatchChanged(None))
         self._watch(event_set)
 
-    def _open(self) -> tuple[Any, dict[int, str]]:
+    def _open(self) -> tuple[Any, dict[int, str]] | None:
+        """None: stopped. Checked with the init, so a hand-over never returns before a reference taken here."""
         with self._lock:
+            if self._stopping.is_set():
+                return None
             if not self._holds_ref:
                 pynvml.nvmlInit()
                 self._holds_ref = True

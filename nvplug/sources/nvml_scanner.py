@@ -110,8 +110,11 @@ class Scanner:
         scan beside the running watch, which takes only the GPUs it lacks.
 
         None: the scan hung, or waits for a hung call (published as NvmlCallHung); scan again once clear."""
+        # One that counts the GPUs again first hands the watch over, which waits out the watch's wait in
+        # progress (up to wait_ms): not a hang, so not on the call's deadline.
+        deadline = self.calls.deadline + self._wait_ms / 1000 if recount else 0.0
         try:
-            result = await self.calls.run("scan", None, self._scan_blocking, recount)
+            result = await self.calls.run("scan", None, self._scan_blocking, recount, deadline=deadline)
         except NvmlHung as err:
             log.warning("no scan now: %s", err)
             return None
@@ -221,10 +224,17 @@ class Scanner:
         if self._resubscribe is not None:
             self._resubscribe.cancel()
         try:
-            await self.calls.run("release of the event watch", None, self._release_watch)
+            await self.calls.run("stop of the event watch", None, self._stop_watch)
         except NvmlHung as err:
             log.warning("stopping with the NVML event watch held: %s", err)
         self.calls.shutdown()
+
+    def _stop_watch(self) -> None:
+        """Without waiting for the watch's NVML reference (the driver's last nvmlShutdown waits out the wait
+        in progress): nothing uses NVML after a stop."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def _release_watch(self) -> None:
         """On the worker, like every other use of the watch."""

@@ -79,6 +79,10 @@
  *                                       GPU hang until released, like a GPU wedged in the driver
  *   release <gpu>|* <function>          undo one block (error if not set); they return normally
  *   release all                         "ok released=N": clear every block
+ *   latency <gpu>|* <us>                each call about the GPU ("*": every GPU without its own
+ *                                       figure) takes <us> longer, without the global lock, as a
+ *                                       driver's call spends time in the kernel; 0 takes it off
+ *                                       (a GPU's own: back to the "*" figure)
  *
  * Blocks.  <function> is any entry point this fake exports but nvmlErrorString
  * (NVML_FUNCS below), e.g. nvmlDeviceGetUUID, nvmlDeviceGetPciInfo_v3; others
@@ -595,8 +599,7 @@ struct ev {
 
 struct fake_evset {
     struct fake_evset *next;
-    int dead;           /* freed while a waiter was blocked; last waiter releases it */
-    int waiters;
+    int waiters;        /* nvmlEventSetWait calls in progress on it */
     pthread_cond_t cond;
     unsigned long long reg[MAX_GPUS];   /* registered event mask per slot */
     unsigned head, count;
@@ -617,7 +620,17 @@ static struct fake_mig g_migs[MIG_SLOTS];
 static int g_mig_next;   /* round-robin allocation cursor: stale handles stay stale for long */
 static int g_loaded;
 static int g_refcount;
-static unsigned long g_cycle;   /* bumped at each full shutdown; wakes event waiters */
+/*
+ * As the real driver does (seen on 580.159): the last nvmlShutdown, and the
+ * nvmlEventSetFree of a set being waited on, wait until every
+ * nvmlEventSetWait in progress has returned (an event or its timeout); the
+ * shutdown does not cut a wait short.  A wait that starts while such a
+ * shutdown waits waits for it too, then fails UNINITIALIZED.
+ */
+static int g_waiting;                 /* nvmlEventSetWait calls in progress, all sets */
+static int g_shutting_down;           /* a last nvmlShutdown waits for them */
+static unsigned long long g_shutdown_waits;   /* shutdowns and frees that had to wait, ever */
+static pthread_cond_t g_waits_done = PTHREAD_COND_INITIALIZER;
 static nvmlReturn_t g_init_error;
 static char g_driver[80] = "550.54.15";
 static char g_nvml[80] = "12.550.54.15";
@@ -710,8 +723,9 @@ static atomic_ullong g_calls[N_FUNCS];
  * than every helper taking one more argument.  -1: not in an entry point.
  */
 static _Thread_local int t_fn = -1;
+static _Thread_local int t_slept;   /* this call has taken its latency (below) */
 
-#define COUNT(f) (t_fn = FN_##f, atomic_fetch_add_explicit(&g_calls[FN_##f], 1, memory_order_relaxed))
+#define COUNT(f) (t_fn = FN_##f, t_slept = 0, atomic_fetch_add_explicit(&g_calls[FN_##f], 1, memory_order_relaxed))
 
 static nvmlReturn_t done(nvmlReturn_t rc)
 {
@@ -733,6 +747,29 @@ static pthread_cond_t g_block_cond = PTHREAD_COND_INITIALIZER;
 static int g_block_waiters[MAX_GPUS + 1];   /* callers asleep now, per GPU slot (ANY_GPU: no GPU) */
 static unsigned long long g_block_calls;    /* calls that have blocked, since the library loaded */
 
+/*
+ * Latency ("latency <gpu>|* <us>"): the time a driver's call spends in the
+ * kernel, which a fake answering from memory does not.  Each call about the
+ * GPU takes it once, at its hang point, without g_lock: other GPUs' calls,
+ * and other threads' calls on this GPU, run meanwhile.  Row ANY_GPU: every GPU
+ * without a figure of its own.
+ */
+static unsigned g_latency_us[MAX_GPUS + 1];
+
+static int latency_point(int slot)
+{
+    unsigned us = g_latency_us[slot] ? g_latency_us[slot] : g_latency_us[ANY_GPU];
+    struct timespec ts = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000L};
+    if (!us || t_slept)
+        return 0;
+    t_slept = 1;
+    pthread_mutex_unlock(&g_lock);
+    while (nanosleep(&ts, &ts) && errno == EINTR)
+        ;
+    pthread_mutex_lock(&g_lock);
+    return 1;
+}
+
 static int block_matches(int slot)
 {
     return t_fn >= 0 && (g_blocks[ANY_GPU][t_fn] || (slot >= 0 && g_blocks[slot][t_fn]));
@@ -752,6 +789,8 @@ static int block_matches(int slot)
 static int block_point(int slot)
 {
     int row = slot >= 0 ? slot : ANY_GPU;
+    if (slot >= 0 && latency_point(slot))
+        return 1;
     if (!block_matches(slot))
         return 0;
     g_block_calls++;
@@ -1879,9 +1918,10 @@ static void ctl_state(char *out, size_t cap)
     cm_sync();
     used = (size_t)snprintf(out, cap,
                             "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu wait_error=%d"
-                            " wait_left=%ld blocked_waiting=%d blocked_calls=%llu any_blocks=",
+                            " wait_left=%ld event_waits=%d shutdown_waits=%llu blocked_waiting=%d blocked_calls=%llu"
+                            " any_blocks=",
                             g_loaded, g_refcount, g_count, g_init_error, nsets, dropped, g_wait_error, g_wait_left,
-                            waiting, g_block_calls);
+                            g_waiting, g_shutdown_waits, waiting, g_block_calls);
     if (used < cap)
         used += block_list(ANY_GPU, out + used, cap - used);
     for (s = 0; s < g_nslots && used < cap; s++) {
@@ -2318,6 +2358,22 @@ static void ctl_command(char *line, char *out, size_t cap)
         ctl_block(!strcmp(cmd, "block"), tok, n, out, cap);
         return;
     }
+    if (!strcmp(cmd, "latency")) {
+        int row = ANY_GPU;
+        if (need_args(n, 3, "latency <gpu>|* <microseconds>", out, cap))
+            return;
+        if (strcmp(tok[1], "*") && (row = resolve_gpu(tok[1])) < 0) {
+            snprintf(out, cap, "error: latency: unknown gpu '%s'", tok[1]);
+            return;
+        }
+        if (parse_int(tok[2], 0, 10000000, &l)) {
+            snprintf(out, cap, "error: latency: want microseconds, 0-10000000");
+            return;
+        }
+        g_latency_us[row] = (unsigned)l;
+        snprintf(out, cap, "ok");
+        return;
+    }
     if (!g_loaded) {
         snprintf(out, cap, "error: no scenario loaded yet (nvmlInit has not succeeded)");
         return;
@@ -2667,6 +2723,16 @@ static void ctl_start(void)
 static void fork_prepare(void) { pthread_mutex_lock(&g_lock); }
 static void fork_release(void) { pthread_mutex_unlock(&g_lock); }
 
+/* Monotonic waits: a wall-clock jump must not stretch or cut a timeout. */
+static void set_cond_init(struct fake_evset *s)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cond, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 /*
  * The child has only the forking thread: callers blocked in the parent are
  * not there, and a condition variable that still counts them could stall a
@@ -2674,8 +2740,16 @@ static void fork_release(void) { pthread_mutex_unlock(&g_lock); }
  */
 static void fork_child(void)
 {
+    struct fake_evset *s;
     pthread_cond_init(&g_block_cond, NULL);
     memset(g_block_waiters, 0, sizeof g_block_waiters);
+    /* Nor are the parent's event waiters, which a shutdown here would wait for forever. */
+    pthread_cond_init(&g_waits_done, NULL);
+    g_waiting = g_shutting_down = 0;
+    for (s = g_sets; s; s = s->next) {
+        s->waiters = 0;
+        set_cond_init(s);   /* destroying one that counts absent waiters would wait for them */
+    }
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -2729,25 +2803,29 @@ static void set_release(struct fake_evset *s);
 nvmlReturn_t nvmlShutdown(void)
 {
     struct fake_evset *s;
+    int waited = 0;
     COUNT(nvmlShutdown);
     pthread_mutex_lock(&g_lock);
     block_point(-1);
     if (g_refcount == 0)
         return done(NVML_ERROR_UNINITIALIZED);
+    /* The last reference waits out the event waits in progress (g_waiting, above); an nvmlInit
+     * meanwhile makes it not the last. */
+    while (g_refcount == 1 && g_waiting) {
+        waited = 1;
+        g_shutting_down = 1;
+        pthread_cond_wait(&g_waits_done, &g_lock);
+    }
+    g_shutdown_waits += (unsigned long long)waited;
+    g_shutting_down = 0;
     if (--g_refcount == 0) {
-        /* A full shutdown releases every event set, as NVML does; a blocked
-         * waiter sees the new cycle and frees its set on the way out. */
-        g_cycle++;
+        /* A full shutdown releases every event set, as NVML does; nothing waits on one now. */
         while ((s = g_sets) != NULL) {
             g_sets = s->next;
-            if (s->waiters) {
-                s->dead = 1;
-                pthread_cond_broadcast(&s->cond);
-            } else {
-                set_release(s);
-            }
+            set_release(s);
         }
     }
+    pthread_cond_broadcast(&g_waits_done);   /* waits that started meanwhile fail now */
     return done(NVML_SUCCESS);
 }
 
@@ -4128,7 +4206,6 @@ nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long
 
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
 {
-    pthread_condattr_t ca;
     struct fake_evset *s;
     COUNT(nvmlEventSetCreate);
     nvmlReturn_t rc = sys_begin();
@@ -4138,11 +4215,7 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
     s = calloc(1, sizeof *s);
     if (!s)
         return done(20);   /* NVML_ERROR_MEMORY */
-    /* Monotonic waits: a wall-clock jump must not stretch or cut a timeout. */
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    set_cond_init(s);
     s->next = g_sets;
     g_sets = s;
     *set = s;
@@ -4174,28 +4247,34 @@ nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
     nvmlReturn_t rc = sys_begin();
     if (rc)
         return rc;
-    for (pp = &g_sets; *pp && *pp != set; pp = &(*pp)->next)
-        ;
-    REQUIRE(*pp);
-    *pp = set->next;
-    if (set->waiters) {   /* a blocked waiter still uses it: it frees it on the way out */
-        set->dead = 1;
-        pthread_cond_broadcast(&set->cond);
-    } else {
-        set_release(set);
+    REQUIRE(set_valid(set));
+    if (set->waiters) {   /* as the driver does, wait for the waits in progress to return */
+        g_shutdown_waits++;
+        while (set_valid(set) && set->waiters)
+            pthread_cond_wait(&g_waits_done, &g_lock);
+        if (!g_refcount)
+            return done(NVML_ERROR_UNINITIALIZED);
+        REQUIRE(set_valid(set));   /* a full shutdown released it meanwhile */
     }
+    for (pp = &g_sets; *pp != set; pp = &(*pp)->next)
+        ;
+    *pp = set->next;
+    set_release(set);
     return done(NVML_SUCCESS);
 }
 
 static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms, int v2)
 {
     struct timespec deadline;
-    unsigned long cycle;
     nvmlReturn_t rc, injected = NVML_SUCCESS;
     int timed_out = 0;
     rc = sys_begin();
     if (rc)
         return rc;
+    while (g_shutting_down)
+        pthread_cond_wait(&g_waits_done, &g_lock);
+    if (!g_refcount)
+        return done(NVML_ERROR_UNINITIALIZED);
     REQUIRE(data && set_valid(set));
     clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += timeoutms / 1000;
@@ -4204,11 +4283,9 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
         deadline.tv_sec++;
         deadline.tv_nsec -= 1000000000L;
     }
-    cycle = g_cycle;
     set->waiters++;
+    g_waiting++;
     for (;;) {
-        if (set->dead || cycle != g_cycle)
-            break;
         if (g_wait_left) {   /* "wait_error": fails even with events queued, leaving them there */
             injected = g_wait_error;
             if (g_wait_left > 0)
@@ -4220,14 +4297,10 @@ static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsign
         timed_out = pthread_cond_timedwait(&set->cond, &g_lock, &deadline) == ETIMEDOUT;
     }
     set->waiters--;
-    if (injected)   /* taken under the lock with the set alive, so nothing to release */
+    g_waiting--;
+    pthread_cond_broadcast(&g_waits_done);
+    if (injected)
         return done(injected);
-    if (set->dead) {
-        if (!set->waiters)
-            set_release(set);
-        /* NVML was shut down underneath the waiter, or the set was freed. */
-        return done(cycle != g_cycle ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT);
-    }
     if (set->count == 0)
         return done(NVML_ERROR_TIMEOUT);
     {
