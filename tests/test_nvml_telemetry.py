@@ -45,10 +45,20 @@ def test_hundreds_of_processes_with_their_memory_and_window(rig: Rig) -> None:
         again = read_gpu("GPU-hopper", got.window)
         out["window"] = [again.window.last_seen == got.window.last_seen > 0,
                          sorted({p.sm_util for p in again.processes})]
-        release(again.window)
+        # A few processes, and samples since, take one call a list: no call first to ask how many (1.3 ms
+        # on a real H200).
+        CTL.procs(1, [GpuProcess(2000 + i, 10) for i in range(5)])
+        CTL.samples(1, [(2000 + i, 50, 5) for i in range(5)])
+        CTL.reset_calls()
+        few = read_gpu("GPU-hopper", again.window)
+        release(few.window)
+        calls = CTL.calls()
+        out["few"] = [len(few.processes), sorted({p.sm_util for p in few.processes}),
+                      calls["nvmlDeviceGetProcessUtilization"], calls["nvmlDeviceGetComputeRunningProcesses_v3"]]
         """,
         rig.scenario(SCENARIO),
     )
+    assert out["few"] == [5, [50.0], 1, 1]
     assert out["count"] == 300
     assert out["unknown"] == [1000, 1003, 1006]
     assert out["p1001"] == [2.0, 2.0, 3.0]  # two samples of 1001: their mean (1 and 3 SM, 5 and 1 memory)

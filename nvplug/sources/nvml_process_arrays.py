@@ -16,8 +16,10 @@ from typing import Any
 
 import pynvml  # type: ignore[import-untyped]
 
-# Either array is asked for its size first; processes (or samples) that start between that and the read
-# make it short: it is grown and asked again, this many times in all.
+# Either array is read into room for FIRST_ROOM elements, with no call first to ask how many there are (on
+# a real H200 one nvmlDeviceGetProcessUtilization takes 1.3 ms). Where that is short, or processes start
+# between the answer and the read, it is grown and asked again, this many times more.
+FIRST_ROOM = 128
 TRIES = 3
 
 
@@ -70,16 +72,14 @@ def utilization_samples(handle: Any, last_seen: int) -> Iterator[tuple[int, int,
 
 
 def _filled(structure: Any, count: ctypes.c_uint, fill: Callable[[Any], int]) -> bytes:
-    """The bytes of the elements NVML wrote: asked for the count with no array, then into one with room."""
-    ret = fill(None)
-    if ret == pynvml.NVML_SUCCESS:
-        return b""  # none to give
-    for _ in range(TRIES):
-        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-            break
-        count.value = count.value * 2 + 5  # room for those that start meanwhile, as pynvml leaves
+    """The bytes of the elements NVML wrote into an array with room (`count`: the room in, the elements out)."""
+    count.value = FIRST_ROOM
+    for _ in range(1 + TRIES):
         array = (structure * count.value)()
         ret = fill(array)
         if ret == pynvml.NVML_SUCCESS:
             return ctypes.string_at(array, count.value * ctypes.sizeof(structure))
+        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            break
+        count.value = count.value * 2 + 5  # room for those that start meanwhile, as pynvml leaves
     raise pynvml.NVMLError(ret)
