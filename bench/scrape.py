@@ -13,9 +13,12 @@ its status socket, each scrape a second apart so that each reads every GPU afres
   bench/bare_plugin.py (a plugin on grpc.aio that does nothing) on a stand-in of its own: gRPC core's idle
   floor on this machine at that time;
 - the XID to kubelet list latency (bench/latency.py's) over `--xids` XIDs, with no scrape and then with a
-  scrape every second, in one run: no NVML call runs on the loop, so the two should not differ.
+  scrape every second, in one run: no NVML call runs on the loop, so the two should not differ;
+- scrapes with a driver that takes `--driver-ms` a GPU's read, as a real GPU's does (the fake's latency,
+  spread over a read's calls): the scrape, the pass, how many threads shared it, and what the reads would
+  take one after the other.
 
-    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60] [--xids 100]
+    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60] [--xids 100] [--driver-ms 10]
 
 It prints figures and ratios; it asserts nothing.
 """
@@ -144,6 +147,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=64)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--xids", type=int, default=100)
+    parser.add_argument("--driver-ms", type=float, default=10.0, help="a GPU's read on a slow driver; 0: skip")
     args = parser.parse_args()
     with serving() as node:
         scrape(node)  # the first read of each GPU, and the reader's threads
@@ -166,6 +170,8 @@ def main() -> int:
         p99_bare = report("8 GPUs, no processes", got.wall_ms[False], got.lines[False])
         p99_busy = report(f"8 GPUs, {args.processes} processes each ({placed})", got.wall_ms[True], got.lines[True])
         print(f"the first scrape with them (each process new to the daemon): {first:.1f} ms")
+        part = telemetry_status(node)
+        print(f"the last pass: a GPU's read {part['read_ms']:.2f} ms, {part['lanes']} thread(s)")
         p50_ratio = statistics.median(got.wall_ms[True]) / statistics.median(got.wall_ms[False])
         print(f"p99 with processes: {p99_busy:.1f} ms, target <= 20 ms: ratio {p99_busy / 20:.2f}")
         print(f"p99 with / without: {p99_busy / p99_bare:.2f}x, target <= 2x: ratio {p99_busy / p99_bare / 2:.2f}")
@@ -194,7 +200,44 @@ def main() -> int:
             quiet = xid_latency(node, args.xids, scraping=False)
             busy = xid_latency(node, args.xids, scraping=True)
             print(f"XID to the kubelet's list, scraped every second / not: p50 {busy / quiet:.2f}x (target: 1.00x)")
+        if args.driver_ms:
+            slow_driver(node, args.driver_ms, args.scrapes)
     return 0
+
+
+def telemetry_status(node: SimulatedNode) -> dict[str, float]:
+    doc = status_client.status(f"unix:{node.status_socket}", timeout=5)
+    part: dict[str, float] = doc["GPU telemetry"]
+    return part
+
+
+def slow_driver(node: SimulatedNode, driver_ms: float, scrapes: int) -> None:
+    """Scrapes of 8 GPUs whose reads take `driver_ms` each in the driver (a real GPU's: about 10 ms)."""
+    node.control.reset_calls()
+    time.sleep(1.05)
+    scrape(node)
+    per_gpu = sum(node.control.calls().values()) / 8
+    node.control.latency("*", round(driver_ms * 1000 / per_gpu))
+    try:
+        walls, passes, lanes, reads = [], [], [], []
+        for n in range(scrapes + 2):
+            time.sleep(1.05)
+            took, _ = scrape(node)
+            part = telemetry_status(node)
+            if n >= 2:  # past the pass that measured the slow reads, and the one that shared them out
+                walls.append(took)
+                passes.append(part["last_pass_ms"])
+                lanes.append(part["lanes"])
+                reads.append(part["read_ms"])
+    finally:
+        node.control.latency("*", 0)
+    read_ms = statistics.median(reads)
+    print(
+        f"a driver of {driver_ms:.0f} ms a GPU's read ({per_gpu:.0f} calls, measured {read_ms:.1f} ms): scrape "
+        f"p50 {statistics.median(walls):.1f} ms; the pass p50 {statistics.median(passes):.1f} ms on "
+        f"{statistics.median(lanes):.0f} threads, where one after the other would take {8 * read_ms:.1f} ms: "
+        f"{statistics.median(passes) / (8 * read_ms):.2f}x"
+    )
 
 
 def idle_share(node: SimulatedNode, pid: int, bare: int, seconds: float, scraped: bool) -> tuple[float, float]:

@@ -78,6 +78,39 @@ def test_each_gpu_is_read_once_a_second_however_often_asked(tmp_path: Path) -> N
     asyncio.run(scrapes())
     assert driver.reads == ["GPU-0", "GPU-1", "GPU-2"] * 2
     assert [r.stale for r in telemetry.latest().readings] == [None] * 3
+    assert telemetry.lanes == 1  # quick reads: one thread, one GPU after the other
+
+
+def test_a_slow_driver_s_reads_are_shared_by_threads_and_a_quick_one_s_are_not(tmp_path: Path) -> None:
+    gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(8))
+    driver, clock = Driver(), Clock()
+    threads: list[set[int]] = []
+    slow = {"seconds": 0.02}  # a real GPU's read is about 10 ms, nearly all of it in the driver
+
+    def read(uuid: str, since: Window) -> GpuRead:
+        threads[-1].add(threading.get_ident())
+        time.sleep(slow["seconds"])
+        return driver.read(uuid, since)
+
+    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", read, clock)
+    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=gpus)))
+
+    async def passes() -> list[int]:
+        lanes = []
+        for seconds in (0.02, 0.02, 0.0, 0.0):
+            slow["seconds"] = seconds
+            threads.append(set())
+            clock.now += 1.0
+            got = await telemetry.refresh(budget=5.0)
+            assert [r.stale for r in got.readings] == [None] * 8
+            lanes.append(telemetry.lanes)
+        await telemetry.close()
+        return lanes
+
+    # The first pass has no measure yet; eight reads of 20 ms want eight lanes; quick reads, one again.
+    assert asyncio.run(passes()) == [1, 8, 8, 1]
+    assert [len(t) for t in threads] == [1, 8, 8, 1]
+    assert sorted(driver.reads) == sorted([g.uuid for g in gpus] * 4)  # every GPU once a pass
 
 
 def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path) -> None:

@@ -1,13 +1,15 @@
 """GPU telemetry on demand: a scrape asks, each GPU is read at most once a second, and each process is
 placed in its container from the host's /proc and the kubelet's records.
 
-The reads run on a thread of the telemetry's own, beside NVML's worker (sharing NVML with it,
+The reads run on threads of the telemetry's own, beside NVML's worker (sharing NVML with it,
 nvml_sessions.py), so that no probe waits for them; a GPU whose read hangs is left behind on its thread and
-holds up no other GPU's figures. A scrape waits at most `budget` for the reads; a GPU whose read fails,
-or has not answered by then, keeps its last reading, marked stale with why, and its read goes on. Each
-GPU's processes are placed right after its process list (process_places.py: a live process is held by a
-pidfd and placed once; one that ends is let go first), so a PID that has gone, or been reused, is never
-attributed to the pod it once was in.
+holds up no other GPU's figures. One thread reads the GPUs one after the other while that is quick; where
+the driver is slow (a real GPU's read takes about 10 ms, nearly all of it in the driver), a pass is shared
+by as many threads as keep it near PASS_TARGET. A scrape waits at most `budget` for the reads; a GPU whose
+read fails, or has not answered by then, keeps its last reading, marked stale with why, and its read goes
+on. Each GPU's processes are placed right after its process list (process_places.py: a live process is
+held by a pidfd and placed once; one that ends is let go first), so a PID that has gone, or been reused,
+is never attributed to the pod it once was in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +44,10 @@ READ_EVERY = 1.0
 SCRAPE_BUDGET = 0.7
 # A GPU's read that takes longer hangs: the others are read on a fresh thread meanwhile.
 SLOW_READ = 0.25
+# What a pass should take: a pass whose reads would take longer, one after the other, is shared by more
+# threads (lanes), at most MAX_LANES. The reads' time is measured, so a quick driver keeps one thread.
+PASS_TARGET = 0.01
+MAX_LANES = 8
 
 
 class GpuTelemetry(Sink):
@@ -58,8 +65,9 @@ class GpuTelemetry(Sink):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sessions = sessions
-        self._worker = self._new_worker()
+        self._workers = [self._new_worker()]  # a lane's thread, by lane
         self._places = ProcessPlaces(proc_root, log_root, hold=True)
+        self._placing = threading.Lock()  # the lanes place processes one at a time
         self._read = read
         self._clock = clock
         self._gpus: tuple[Gpu, ...] = ()
@@ -69,7 +77,9 @@ class GpuTelemetry(Sink):
         self._pass: asyncio.Task[None] | None = None
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
         self._left_behind: dict[str, _Job] = {}  # by the GPU whose read it waits on
-        self._job: _Job | None = None
+        self._jobs: dict[int, _Job] = {}  # the pass's job in progress, by lane
+        self._read_seconds = 0.0  # a GPU's read, on average over the last pass
+        self.lanes = 1  # the last pass's
         # Each reading's processes, placed as they were read: a container, or None where unattributed.
         self._where: dict[str, dict[int, ProcessContainer | None]] = {}
         self.read_count = 0  # reads that worked
@@ -92,7 +102,7 @@ class GpuTelemetry(Sink):
         """A gone GPU's window: its GPM samples are NVML's memory, freed off the loop, unless a read still
         uses them (that read frees them, and its own window is forgotten when it returns)."""
         if uuid not in self._pending and uuid not in self._left_behind:
-            self._worker.submit(release, self._windows.pop(uuid))
+            self._workers[0].submit(release, self._windows.pop(uuid))
 
     def prepare(self, cfg: Config) -> Commit:
         async def commit(snapshot: Snapshot) -> None:
@@ -125,8 +135,8 @@ class GpuTelemetry(Sink):
                 self._pass = asyncio.create_task(self._read_pass(due), name="telemetry")
         if self._pass is not None and not self._pass.done():
             await asyncio.wait({self._pass}, timeout=budget)
-            if self._job is not None:
-                self._collect(self._job)  # the reads done so far
+            for job in self._jobs.values():
+                self._collect(job)  # the reads done so far
         for uuid in self._pending:
             self._mark_stale(uuid, f"no answer from NVML in {budget:.1f} s")
         return self.latest()
@@ -135,6 +145,8 @@ class GpuTelemetry(Sink):
         return {
             "reads": self.read_count,
             "last_pass_ms": round(self.pass_seconds * 1000, 2),
+            "read_ms": round(self._read_seconds * 1000, 2),
+            "lanes": self.lanes,
             "processes_unattributed": self.unattributed,
             "processes_held": self._places.held,
             "left_behind": sorted(self._left_behind),
@@ -149,17 +161,37 @@ class GpuTelemetry(Sink):
         return True
 
     async def _read_pass(self, due: Sequence[Gpu]) -> None:
-        """One GPU after the other, in one job on one thread, handed to the loop once at its end: eight reads
-        in a row cost less than eight threads contending for the interpreter, or eight hand-offs to the loop
-        and back. A read slower than SLOW_READ is left behind on its thread (it hangs): that job ends with
+        """The GPUs dealt to lanes, each lane one job on its own thread (see _read_lane)."""
+        began = self._clock()
+        lanes = self._lanes_for(len(due))
+        uuids = [g.uuid for g in due]
+        jobs = await asyncio.gather(*(self._read_lane(lane, uuids[lane::lanes]) for lane in range(lanes)))
+        reads = sum(job.reads for lane in jobs for job in lane)
+        if reads:
+            self._read_seconds = sum(job.read_seconds for lane in jobs for job in lane) / reads
+        self.lanes = lanes
+        self.pass_seconds = self._clock() - began
+
+    def _lanes_for(self, gpus: int) -> int:
+        """One lane while the reads, one after the other, fit PASS_TARGET; else enough lanes that they would."""
+        wanted = math.ceil(gpus * self._read_seconds / PASS_TARGET)
+        lanes = max(1, min(wanted, gpus, MAX_LANES))
+        while len(self._workers) < lanes:
+            self._workers.append(self._new_worker())
+        return lanes
+
+    async def _read_lane(self, lane: int, uuids: list[str]) -> list[_Job]:
+        """One GPU after the other, in one job on the lane's thread, handed to the loop once at its end: reads
+        in a row cost less than threads contending for the interpreter, or a hand-off to the loop and back
+        for each. A read slower than SLOW_READ is left behind on its thread (it hangs): that job ends with
         it, a fresh thread takes the rest, and that GPU is not read again until its read returns."""
         loop = asyncio.get_running_loop()
-        began = self._clock()
-        uuids = [g.uuid for g in due]
+        jobs: list[_Job] = []
         while uuids:
             job = _Job([(u, self._windows.get(u, Window())) for u in uuids], loop)
-            self._job = job
-            self._worker.submit(job.run, self._read_shared, self._places.place)
+            jobs.append(job)
+            self._jobs[lane] = job
+            self._workers[lane].submit(job.run, self._read_shared, self._place)
             hung = await self._watch(job)
             self._collect(job)
             if hung is None:
@@ -170,10 +202,15 @@ class GpuTelemetry(Sink):
                 self._mark_stale(uuid, f"no answer from NVML in {SLOW_READ:.2f} s")
                 self._left_behind[uuid] = job
                 job.finished.add_done_callback(functools.partial(self._returned, uuid))
-                stuck, self._worker = self._worker, self._new_worker()
+                stuck, self._workers[lane] = self._workers[lane], self._new_worker()
                 stuck.shutdown(wait=False)  # its thread ends once the read returns
             uuids = uuids[hung + 1 :]
-        self.pass_seconds = self._clock() - began
+        self._jobs.pop(lane, None)
+        return jobs
+
+    def _place(self, pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
+        with self._placing:
+            return self._places.place(pids)
 
     @staticmethod
     async def _watch(job: _Job) -> int | None:
@@ -228,12 +265,13 @@ class GpuTelemetry(Sink):
             return self._read(uuid, since)
 
     async def close(self) -> None:
-        if self._job is not None:
-            self._job.stop()
+        for job in self._jobs.values():
+            job.stop()
         if self._pass is not None:
             self._pass.cancel()
             await asyncio.gather(self._pass, return_exceptions=True)
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        for worker in self._workers:
+            worker.shutdown(wait=False, cancel_futures=True)
         self._places.close()
 
     def _mark_stale(self, uuid: str, why: str) -> None:
@@ -264,6 +302,8 @@ class _Job:
         # The turn being read and since when, as one value: the loop reads both at once.
         self.current = (0, time.monotonic())
         self.taken = 0  # results the loop has taken
+        self.read_seconds = 0.0  # in the reads that returned, placing aside
+        self.reads = 0
         self.finished: asyncio.Future[None] = loop.create_future()
         # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU. Setting it
         # and starting a turn are one step each, so a turn the loop gave up on is never read twice.
@@ -285,6 +325,8 @@ class _Job:
                     self.current = (at, time.monotonic())
                 try:
                     got = read(uuid, since)
+                    self.read_seconds += time.monotonic() - self.current[1]
+                    self.reads += 1
                     self._placed.update(place([p.pid for p in got.processes if p.pid not in self._placed]))
                 except Exception as err:
                     self.results.append(err)

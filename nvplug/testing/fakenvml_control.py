@@ -253,6 +253,12 @@ class Control:
         """
         return self.send(f"release {_word(gpu)} {_word(function)}")
 
+    def latency(self, gpu: GpuRef, microseconds: int) -> str:
+        """Make each call about ``gpu`` (or every GPU without its own, :data:`ANY_GPU`) take ``microseconds``
+        longer, spent holding none of the fake's locks, as a real driver's call spends time in the kernel
+        while other GPUs answer. 0 takes it off (a GPU's own: back to the :data:`ANY_GPU` figure)."""
+        return self.send(f"latency {_word(gpu)} {int(microseconds)}")
+
     def release_all(self) -> str:
         """Clear every block (reply ``ok released=N``, N the blocks cleared); all blocked callers go on."""
         return self.send("release all")
