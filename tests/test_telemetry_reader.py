@@ -136,6 +136,37 @@ def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path
     asyncio.run(scrapes())
 
 
+def test_a_read_that_hangs_in_one_lane_holds_up_no_other_lane(tmp_path: Path) -> None:
+    gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(8))
+    driver, clock = Driver(), Clock()
+
+    def read(uuid: str, since: Window) -> GpuRead:
+        time.sleep(0.02)  # a slow driver: the passes after the first are shared by 8 threads
+        return driver.read(uuid, since)
+
+    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", read, clock)
+    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=gpus)))
+
+    async def scrapes() -> None:
+        await telemetry.refresh(budget=5.0)
+        released = driver.hang["GPU-5"] = threading.Event()
+        clock.now += 1.0
+        got = await telemetry.refresh(budget=5.0)
+        assert telemetry.lanes == 8
+        assert [r.uuid for r in got.readings if r.stale] == ["GPU-5"]
+        # The next second: the other seven are read again on their lanes, GPU 5's read still hangs.
+        clock.now += 1.0
+        got = await telemetry.refresh(budget=5.0)
+        assert [r.uuid for r in got.readings if r.stale] == ["GPU-5"]
+        assert driver.reads.count("GPU-5") == 2 and driver.reads.count("GPU-4") == 3
+        released.set()
+        await until(lambda: not telemetry.status()["left_behind"])  # type: ignore[index]
+        assert [r.stale for r in telemetry.latest().readings] == [None] * 8
+        await telemetry.close()
+
+    asyncio.run(scrapes())
+
+
 def test_reads_done_when_the_budget_runs_out_are_shown_and_the_one_in_progress_is_marked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
