@@ -182,6 +182,22 @@ def deb() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def rpm() -> Path:
+    """The package from packaging/build-rpm.sh (its last line of output is the path)."""
+    if os.environ.get("NVPLUG_TEST_RPM"):
+        return Path(os.environ["NVPLUG_TEST_RPM"]).resolve()
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "packaging/build-rpm.sh"], cwd=REPO, capture_output=True, text=True, check=False, timeout=600
+    )
+    _timed("build the rpm (build-rpm.sh)", started)
+    assert proc.returncode == 0, f"packaging/build-rpm.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    path = Path(proc.stdout.strip().splitlines()[-1].strip())
+    assert path.is_file() and path.suffix == ".rpm", f"build-rpm.sh's last line is not an rpm: {proc.stdout!r}"
+    return path
+
+
 @pytest.fixture(scope="module")
 def node(deb: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -1015,3 +1031,49 @@ def test_remove_and_purge(node: Node) -> None:
     ).stdout.split()
     assert not left, f"left behind after purge: {shlex.join(left)}"
     _timed("check 8: remove and purge", started)
+
+
+def test_the_rpm_s_scriptlets_install_restart_on_upgrade_and_erase(node: Node, rpm: Path) -> None:
+    """The RPM, with the deb purged: its scriptlets on the same systemd (Debian's rpm, whose database holds
+    none of the dependencies: --nodeps)."""
+    started = time.monotonic()
+    fake = [f"{k}={v}" for k, v in NVML_ENV.items()]
+    command = ("env", *fake, "rpm", "--force-debian", "--nodeps")
+    node.ctr.copy_in(rpm, f"/var/tmp/{rpm.name}")
+
+    def rpm_run(*args: str) -> str:
+        proc = node.ctr.run(*command, *args, check=False, timeout=300)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"rpm {shlex.join(args)} failed ({proc.returncode}):\n{said}\n{node.diagnose()}"
+        return said
+
+    # %posttrans: the venv built, the unit enabled and started.
+    registrations = node.registrations()
+    print(f"rpm -i said: {rpm_run('-i', f'/var/tmp/{rpm.name}').strip()!r}")
+    node.wait_registered_again(registrations)
+    props = node.show("ActiveState", "UnitFileState", "MainPID")
+    assert (props["ActiveState"], props["UnitFileState"]) == ("active", "enabled"), f"{props}\n{node.diagnose()}"
+
+    # An upgrade (the same package again): restarted, still enabled; nothing of an erase runs.
+    registrations = node.registrations()
+    rpm_run("-U", "--replacepkgs", f"/var/tmp/{rpm.name}")
+    node.wait_registered_again(registrations)
+    after = node.show("ActiveState", "UnitFileState", "MainPID")
+    assert (after["ActiveState"], after["UnitFileState"]) == ("active", "enabled"), f"{after}\n{node.diagnose()}"
+    assert after["MainPID"] != props["MainPID"], "the upgrade did not restart the daemon"
+    assert node.ctr.exists("/opt/nvplug/venv/bin/nvplug")
+
+    # %preun of an erase: stopped and disabled, the venv and what it wrote for others removed.
+    rpm_run("-e", "nvplug")
+    assert node.show("LoadState")["LoadState"] == "not-found", node.diagnose()
+    for path in (
+        "/opt/nvplug/venv",
+        "/usr/bin/nvplug",
+        f"/run/cdi/{CDI_SPEC}",
+        "/usr/lib/systemd/system/nvplug.service",
+    ):
+        assert not node.ctr.exists(path), f"{path} is still there after rpm -e"
+    assert not (node.plugin_dir / PLUGIN_SOCKET).exists(), "the plugin's socket was left behind"
+    listed = node.ctr.run("rpm", "-q", "nvplug", check=False)
+    assert listed.returncode != 0, f"rpm still lists nvplug after an erase: {listed.stdout}"
+    _timed("check 9: the rpm's scriptlets", started)

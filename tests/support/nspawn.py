@@ -64,9 +64,13 @@ MIRROR_ENV = "NVPLUG_DEBIAN_MIRROR"
 APT_ROOT = Path("/etc/apt")
 # What the image holds besides minbase: an init, a bus, and what the deb depends on,
 # so that installing it needs no download.
-IMAGE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3.11-venv", "libudev1")
-# Files a finished image has; debootstrap leaves its own directory behind when it fails.
-_IMAGE_MARKERS = ("usr/lib/systemd/systemd", "usr/bin/python3")
+# rpm: the RPM's scriptlets run there too (Debian's rpm, with its own empty database).
+IMAGE_PACKAGES = (
+    "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3.11-venv", "libudev1", "rpm",
+)  # fmt: skip
+# Files a finished image has; debootstrap leaves its own directory behind when it fails. An image cached
+# before a package was added lacks its marker, and is built again.
+_IMAGE_MARKERS = ("usr/lib/systemd/systemd", "usr/bin/python3", "usr/bin/rpm")
 # Host tools: what each one comes from on Debian.
 HOST_TOOLS = {
     "systemd-nspawn": "systemd-container",
