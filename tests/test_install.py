@@ -1,5 +1,6 @@
-"""The deb on a real systemd: boot Debian bookworm in systemd-nspawn, install the
-package built by packaging/build-deb.sh and run the unit for real.
+"""The deb, then the rpm, on a real systemd: boot Debian bookworm in systemd-nspawn, install the
+package built by packaging/build-deb.sh and run the unit for real; last, with the deb purged, the one
+built by packaging/build-rpm.sh, through Debian's rpm.
 
 The daemon inside loads the fake NVML (built here, bound in read-only) and
 registers with the kubelet stand-in, which serves a host directory bound at
@@ -8,7 +9,8 @@ order: each step starts from the state the previous one left.
 
 Needs root, systemd-nspawn (systemd-container), nsenter/unshare (util-linux)
 and, until the image is cached, debootstrap with network to a Debian mirror.
-Set NVPLUG_TEST_DEB to test a deb built elsewhere instead of running the script.
+Set NVPLUG_TEST_DEB (NVPLUG_TEST_RPM) to test a deb (an rpm) built elsewhere
+instead of running the script.
 """
 
 from __future__ import annotations
@@ -164,37 +166,29 @@ def _timed(phase: str, started: float) -> None:
 
 @pytest.fixture(scope="session")
 def deb() -> Path:
-    """The package from packaging/build-deb.sh (its last line of output is the path)."""
     TIMINGS.started = time.monotonic()
-    if os.environ.get("NVPLUG_TEST_DEB"):
-        return Path(os.environ["NVPLUG_TEST_DEB"]).resolve()
-    started = time.monotonic()
-    proc = subprocess.run(
-        ["bash", "packaging/build-deb.sh"], cwd=REPO, capture_output=True, text=True, check=False, timeout=600
-    )
-    _timed("build the deb (build-deb.sh)", started)
-    assert proc.returncode == 0, f"packaging/build-deb.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"packaging/build-deb.sh printed nothing:\n{proc.stderr}"
-    path = Path(lines[-1].strip())
-    path = path if path.is_absolute() else REPO / path
-    assert path.is_file() and path.suffix == ".deb", f"build-deb.sh's last line is not a deb: {lines[-1]!r}"
-    return path
+    return _package("deb", "NVPLUG_TEST_DEB")
 
 
 @pytest.fixture(scope="session")
 def rpm() -> Path:
-    """The package from packaging/build-rpm.sh (its last line of output is the path)."""
-    if os.environ.get("NVPLUG_TEST_RPM"):
-        return Path(os.environ["NVPLUG_TEST_RPM"]).resolve()
-    started = time.monotonic()
-    proc = subprocess.run(
-        ["bash", "packaging/build-rpm.sh"], cwd=REPO, capture_output=True, text=True, check=False, timeout=600
-    )
-    _timed("build the rpm (build-rpm.sh)", started)
-    assert proc.returncode == 0, f"packaging/build-rpm.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    path = Path(proc.stdout.strip().splitlines()[-1].strip())
-    assert path.is_file() and path.suffix == ".rpm", f"build-rpm.sh's last line is not an rpm: {proc.stdout!r}"
+    return _package("rpm", "NVPLUG_TEST_RPM")
+
+
+def _package(kind: str, given: str) -> Path:
+    """The package from packaging/build-<kind>.sh (its last line of output is the path), or `given`'s
+    (one built elsewhere)."""
+    if os.environ.get(given):
+        return Path(os.environ[given]).resolve()
+    started, script = time.monotonic(), f"packaging/build-{kind}.sh"
+    proc = subprocess.run(["bash", script], cwd=REPO, capture_output=True, text=True, check=False, timeout=600)
+    _timed(f"build the {kind} (build-{kind}.sh)", started)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"{script} printed nothing:\n{proc.stderr}"
+    path = Path(lines[-1].strip())
+    path = path if path.is_absolute() else REPO / path
+    assert path.is_file() and path.suffix == f".{kind}", f"{script}'s last line is not a {kind}: {lines[-1]!r}"
     return path
 
 
