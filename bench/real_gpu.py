@@ -2,7 +2,9 @@
 """The real-GPU check: discovery, event types and the daemon against the real driver.
 
 Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
-it found; it changes nothing on the GPUs.
+it found, what a scrape of the GPUs' telemetry takes, and how long a stop
+takes (the driver's last nvmlShutdown waits for the event wait in progress);
+it changes nothing on the GPUs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pynvml  # type: ignore[import-untyped]
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
 from nvplug.sources.nvml_events import WANTED
+from nvplug.status import status_client
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
 EVENT_NAMES = {
@@ -94,11 +97,30 @@ def daemon(uuids: list[str]) -> None:
                 print(f"   env    {key}={value}")
             for spec in response.devices:
                 print(f"   device {spec.container_path} <- {spec.host_path} ({spec.permissions})")
+            scrapes(node)
+            started = time.monotonic()
             code = node.stop_daemon(signal.SIGTERM)
-            print(f"== daemon stopped with status {code}; its log:")
+            print(f"== daemon stopped with status {code} in {time.monotonic() - started:.2f} s; its log:")
             print(node.log_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def scrapes(node: SimulatedNode, count: int = 5) -> None:
+    """/metrics a second apart, so that each reads every GPU afresh, and what the reads took."""
+    took, lines = [], 0
+    for _ in range(count):
+        time.sleep(1.05)
+        began = time.perf_counter()
+        code, body = status_client.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
+        took.append((time.perf_counter() - began) * 1000)
+        lines = body.count("\n") if code == 200 else -code
+    part = status_client.status(f"unix:{node.status_socket}", timeout=5)["GPU telemetry"]
+    print(
+        f"== /metrics: {lines} lines; scrapes {', '.join(f'{t:.1f}' for t in took)} ms; a GPU's read "
+        f"{part['read_ms']} ms, the pass {part['last_pass_ms']} ms on {part['lanes']} thread(s); "
+        f"stale: {part['stale'] or 'none'}"
+    )
 
 
 def main() -> int:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The real-GPU check, for a machine with an NVIDIA GPU and no network access.
 # It prints the GPUs that NVML reports with all their fields, the NVML event
-# types each supports, the daemon's start-up time against the kubelet stand-in
-# and an Allocate response. It finishes well within 4 minutes.
+# types each supports, the daemon's start-up time against the kubelet stand-in,
+# an Allocate response, scrapes of /metrics and the stop's time. It finishes
+# well within 4 minutes.
 #
 # Python packages: if .whl/ holds wheels, they are installed from there (no
 # network needed). Fill it on a machine with network access, for the target's
@@ -10,7 +11,7 @@
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux_2_28_x86_64 -d .whl \
-#       grpcio protobuf nvidia-ml-py pyudev watchdog tenacity pyyaml
+#       grpcio protobuf nvidia-ml-py pyudev tenacity pyyaml prometheus-client
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
