@@ -2,9 +2,10 @@
 """The real-GPU check: discovery, event types and the daemon against the real driver.
 
 Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
-it found, what a scrape of the GPUs' telemetry takes, and how long a stop
-takes (the driver's last nvmlShutdown waits for the event wait in progress);
-it changes nothing on the GPUs.
+it found, how a GPU's telemetry reads go alone and side by side, what a scrape
+of the GPUs' telemetry takes, and how long a stop takes (the driver's last
+nvmlShutdown waits for the event wait in progress); it changes nothing on the
+GPUs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import pynvml  # type: ignore[import-untyped]
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
 from nvplug.sources.nvml_events import WANTED
+from nvplug.sources.nvml_telemetry import Window, read_gpu, release
 from nvplug.status import status_client
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 
@@ -75,6 +79,41 @@ def discovery() -> list[str]:
             except pynvml.NVMLError as err:
                 print(f"   gpu {gpu.index}: recovery action (field 230): {err}")
     return [g.uuid for g in found.gpus]
+
+
+def side_by_side(uuid: str, reads: int = 20) -> None:
+    """A GPU's reads one after the other, then from 2 and 4 threads at once, NVML held open throughout:
+    whether the driver lets reads run side by side (the telemetry shares a slow pass among threads)."""
+
+    def chain(took: list[float]) -> None:
+        window = Window()
+        for _ in range(reads):
+            began = time.perf_counter()
+            got = read_gpu(uuid, window)
+            took.append(time.perf_counter() - began)
+            window = got.window
+        release(window)
+
+    with session():
+        chain([])  # the first reads: handles, GPM support
+        alone: list[float] = []
+        chain(alone)
+        each = statistics.median(alone) * 1000
+        print(f"== telemetry reads of {uuid}: {each:.2f} ms each, one after the other")
+        for threads in (2, 4):
+            took: list[float] = []
+            workers = [threading.Thread(target=chain, args=(took,)) for _ in range(threads)]
+            began = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            wall = (time.perf_counter() - began) * 1000
+            print(
+                f"   {threads} threads at once: {threads * reads} reads in {wall:.0f} ms, each "
+                f"{statistics.median(took) * 1000:.2f} ms; {threads * reads * each / wall:.2f}x the reads "
+                f"one thread does in that time (side by side: {threads}x, one at a time: 1x)"
+            )
 
 
 def daemon(uuids: list[str]) -> None:
@@ -133,6 +172,7 @@ def main() -> int:
     if not uuids:
         print("== no GPUs: nothing more to check")
         return 1
+    side_by_side(uuids[0])
     daemon(uuids)
     return 0
 
