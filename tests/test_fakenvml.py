@@ -28,7 +28,8 @@ from nvplug.testing import fakenvml_control, fakenvml_devices, fakenvml_library
 REPO = Path(__file__).resolve().parents[1]
 
 # Shared by every child: `code(fn, ...)` turns a pynvml call into its nvmlReturn_t,
-# `ctl_error(fn, ...)` returns a ControlError's text, CTL controls this very process.
+# `ctl_error(fn, ...)` returns a ControlError's text, `header(key)` reads one key=value of the state
+# reply's library-wide part, CTL controls this very process.
 PRELUDE = """
 import ctypes, json, sys, threading, time
 from pathlib import Path
@@ -51,6 +52,8 @@ def txt(v):
     return v.decode() if isinstance(v, bytes) else v
 def addr(p):
     return ctypes.cast(p, ctypes.c_void_p).value
+def header(key):
+    return next(w.partition("=")[2] for w in CTL.state().split(" | ")[0].split() if w.startswith(key + "="))
 out = {}
 """
 EPILOGUE = "\nprint(json.dumps(out))\n"
@@ -754,47 +757,42 @@ def test_the_last_shutdown_and_a_free_wait_out_an_event_wait_as_the_driver_does(
     # On the real driver the last nvmlShutdown, and nvmlEventSetFree, return only when another thread's
     # nvmlEventSetWait has: the shutdown does not cut the wait short. Here an event ends each wait.
     out = rig.run(
-        """
-        N.nvmlInit()
-        s = N.nvmlEventSetCreate()
-        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
-        def state(key):
-            return next(w for w in CTL.state().split() if w.startswith(key + "=")).split("=")[1]
-        def waiting(n):
-            deadline = time.monotonic() + 30
-            while state("event_waits") != str(n) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        def in_thread(fn, *args):
-            got = {}
-            th = threading.Thread(target=lambda: got.setdefault("r", code(fn, *args)))
-            th.start()
-            return th, got
+        with_hang(
+            """
+            N.nvmlInit()
+            s = N.nvmlEventSetCreate()
+            N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
+            def waiting(n):
+                deadline = time.monotonic() + 30
+                while header("event_waits") != str(n):
+                    assert time.monotonic() < deadline, f"{n} event waits"
+                    time.sleep(0.01)
 
-        waiter, waited = in_thread(N.nvmlEventSetWait_v2, s, 60000)
-        waiting(1)
-        N.nvmlInit(); N.nvmlShutdown()  # not the last reference: at once
-        freer, freed = in_thread(N.nvmlEventSetFree, s)
-        time.sleep(0.3)
-        out["free_waits"] = [freer.is_alive(), state("sets")]
-        CTL.xid(0, 79)
-        freer.join(30); waiter.join(30)
-        out["free"] = [waited.get("r"), freed.get("r"), state("sets"), state("shutdown_waits")]
+            waited = hang(N.nvmlEventSetWait_v2, s, 60000)
+            waiting(1)
+            N.nvmlInit(); N.nvmlShutdown()  # not the last reference: at once
+            freed = hang(N.nvmlEventSetFree, s)
+            time.sleep(0.3)
+            out["free_waits"] = [freed["thread"].is_alive(), header("sets")]
+            CTL.xid(0, 79)
+            out["free"] = [finish(waited, 30).get("rc"), finish(freed, 30).get("rc"), header("sets"),
+                           header("shutdown_waits")]
 
-        s = N.nvmlEventSetCreate()
-        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
-        waiter, waited = in_thread(N.nvmlEventSetWait_v2, s, 60000)
-        waiting(1)
-        closer, closed = in_thread(N.nvmlShutdown)
-        time.sleep(0.3)
-        late, late_got = in_thread(N.nvmlEventSetWait_v2, s, 60000)  # waits behind the shutdown
-        time.sleep(0.3)
-        out["shutdown_waits"] = [closer.is_alive(), late.is_alive(), state("refcount")]
-        CTL.xid(0, 43)
-        for th in (closer, waiter, late):
-            th.join(30)
-        out["shutdown"] = [waited.get("r"), closed.get("r"), late_got.get("r"), state("refcount"), state("sets"),
-                           state("event_waits"), state("shutdown_waits")]
-        """
+            s = N.nvmlEventSetCreate()
+            N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(0), N.nvmlEventTypeXidCriticalError, s)
+            waited = hang(N.nvmlEventSetWait_v2, s, 60000)
+            waiting(1)
+            closed = hang(N.nvmlShutdown)
+            time.sleep(0.3)
+            late = hang(N.nvmlEventSetWait_v2, s, 60000)  # waits behind the shutdown
+            time.sleep(0.3)
+            out["shutdown_waits"] = [closed["thread"].is_alive(), late["thread"].is_alive(), header("refcount")]
+            CTL.xid(0, 43)
+            out["shutdown"] = [finish(waited, 30).get("rc"), finish(closed, 30).get("rc"),
+                               finish(late, 30).get("rc"), header("refcount"), header("sets"),
+                               header("event_waits"), header("shutdown_waits")]
+            """
+        )
     )
     assert out["free_waits"] == [True, "1"]
     assert out["free"] == [0, 0, "0", "1"]  # the wait got its event; then the set went
@@ -1986,8 +1984,6 @@ def finish(res, timeout=5):
 def gpu_field(key, i):
     part = CTL.state().split(" | ")[1 + i].split()
     return next((w.partition("=")[2] for w in part if w.startswith(key + "=")), None)
-def header(key):
-    return next(w.partition("=")[2] for w in CTL.state().split(" | ")[0].split() if w.startswith(key + "="))
 """
 
 

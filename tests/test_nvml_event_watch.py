@@ -15,8 +15,6 @@ from nvplug.sources.nvml_events import NvmlEventWatch
 class Gpu:
     uuid: str
     label: str
-def state(key):
-    return next(w for w in CTL.state().split() if w.startswith(key + "=")).split("=")[1]
 def until(what, check):
     deadline = time.monotonic() + 30
     while not check():
@@ -25,7 +23,7 @@ def until(what, check):
 events = []
 watch = NvmlEventWatch([Gpu(UUID, "gpu 0")], events.append, wait_ms=60000)
 watch.start()
-until("the watch waiting", lambda: state("event_waits") == "1")
+until("the watch waiting", lambda: header("event_waits") == "1")
 """
 
 
@@ -41,10 +39,10 @@ def test_a_stop_returns_at_once_and_the_watch_lets_nvml_go_when_its_wait_returns
             t = time.monotonic()
             watch.stop()
             out["stop_s"] = time.monotonic() - t
-            out["stopped"] = [state("refcount"), state("event_waits")]  # the wait goes on, 60 s long
+            out["stopped"] = [header("refcount"), header("event_waits")]  # the wait goes on, 60 s long
             CTL.xid(0, 79)
             watch.join(30)
-            out["after"] = [state("refcount"), state("event_waits"), state("shutdown_waits"),
+            out["after"] = [header("refcount"), header("event_waits"), header("shutdown_waits"),
                             [type(e).__name__ for e in events]]
             """
         )
@@ -62,11 +60,11 @@ def test_a_hand_over_returns_once_nvml_s_count_is_down(rig: Rig) -> None:  # noq
             handing = threading.Thread(target=watch.hand_over)
             handing.start()
             time.sleep(0.3)
-            out["handing"] = [handing.is_alive(), state("refcount")]
+            out["handing"] = [handing.is_alive(), header("refcount")]
             CTL.xid(0, 48)
             handing.join(30)
             watch.join(30)
-            out["after"] = [handing.is_alive(), state("refcount"), state("shutdown_waits"), state("sets")]
+            out["after"] = [handing.is_alive(), header("refcount"), header("shutdown_waits"), header("sets")]
             """
         )
     )
