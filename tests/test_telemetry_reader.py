@@ -25,7 +25,12 @@ from nvplug.sources import telemetry_reader
 from nvplug.sources.nvml_telemetry import GpuRead, Window
 from nvplug.sources.telemetry_reader import GpuTelemetry
 
-GPUS = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(3))
+
+def gpus(count: int) -> tuple[Gpu, ...]:
+    return tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(count))
+
+
+GPUS = gpus(3)
 UID = "6f1b2c3d-0a0b-4c0d-8e0f-00000000abcd"
 CID = "ab" * 32
 
@@ -59,9 +64,16 @@ class Driver:
         return GpuRead(figures, (), self.processes.get(uuid, ()), Window(since.last_seen + 1, (uuid, taken)))
 
 
-def reader(driver: Driver, clock: Clock, tmp_path: Path) -> GpuTelemetry:
-    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", driver.read, clock)
-    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=GPUS)))
+def reader(
+    driver: Driver,
+    clock: Clock,
+    tmp_path: Path,
+    read: Callable[[str, Window], GpuRead] | None = None,
+    of: tuple[Gpu, ...] = GPUS,
+) -> GpuTelemetry:
+    """`read`: in place of the driver's own (which it may call)."""
+    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", read or driver.read, clock)
+    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=of)))
     return telemetry
 
 
@@ -82,7 +94,7 @@ def test_each_gpu_is_read_once_a_second_however_often_asked(tmp_path: Path) -> N
 
 
 def test_a_slow_driver_s_reads_are_shared_by_threads_and_a_quick_one_s_are_not(tmp_path: Path) -> None:
-    gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(8))
+    eight = gpus(8)
     driver, clock = Driver(), Clock()
     threads: list[set[int]] = []
     slow = {"seconds": 0.02}  # a real GPU's read is about 10 ms, nearly all of it in the driver
@@ -92,8 +104,7 @@ def test_a_slow_driver_s_reads_are_shared_by_threads_and_a_quick_one_s_are_not(t
         time.sleep(slow["seconds"])
         return driver.read(uuid, since)
 
-    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", read, clock)
-    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=gpus)))
+    telemetry = reader(driver, clock, tmp_path, read, eight)
 
     async def passes() -> list[int]:
         lanes = []
@@ -110,7 +121,7 @@ def test_a_slow_driver_s_reads_are_shared_by_threads_and_a_quick_one_s_are_not(t
     # The first pass has no measure yet; eight reads of 20 ms want eight lanes; quick reads, one again.
     assert asyncio.run(passes()) == [1, 8, 8, 1]
     assert [len(t) for t in threads] == [1, 8, 8, 1]
-    assert sorted(driver.reads) == sorted([g.uuid for g in gpus] * 4)  # every GPU once a pass
+    assert sorted(driver.reads) == sorted([g.uuid for g in eight] * 4)  # every GPU once a pass
 
 
 def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path) -> None:
@@ -137,15 +148,14 @@ def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path
 
 
 def test_a_read_that_hangs_in_one_lane_holds_up_no_other_lane(tmp_path: Path) -> None:
-    gpus = tuple(Gpu(uuid=f"GPU-{i}", index=i, bus_id=f"0000:{i:02x}:00.0") for i in range(8))
+    eight = gpus(8)
     driver, clock = Driver(), Clock()
 
     def read(uuid: str, since: Window) -> GpuRead:
         time.sleep(0.02)  # a slow driver: the passes after the first are shared by 8 threads
         return driver.read(uuid, since)
 
-    telemetry = GpuTelemetry(NvmlSessions(), tmp_path / "proc", tmp_path / "log", read, clock)
-    asyncio.run(telemetry.open(Snapshot(revision=1, gpus=gpus)))
+    telemetry = reader(driver, clock, tmp_path, read, eight)
 
     async def scrapes() -> None:
         await telemetry.refresh(budget=5.0)
