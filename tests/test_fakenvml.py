@@ -803,36 +803,34 @@ def test_the_last_shutdown_and_a_free_wait_out_an_event_wait_as_the_driver_does(
 
 def test_latency_is_spent_beside_other_calls_as_a_driver_s_is(rig: Rig) -> None:
     out = rig.run(
-        """
-        N.nvmlInit()
-        h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
-        def timed(fn, *args):
+        with_hang(
+            """
+            N.nvmlInit()
+            h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+            out["set"] = [CTL.latency("*", 3000000), CTL.latency(3, 1), header("any_latency"),
+                          gpu_field("latency", 3), gpu_field("latency", 0)]
             t = time.monotonic()
-            fn(*args)
-            return time.monotonic() - t
-        out["set"] = [CTL.latency("*", 2000000), CTL.latency(3, 1)]
-        def read(i, got):
-            got[i] = timed(N.nvmlDeviceGetTemperature, h[i], 0)
-        got = {}
-        threads = [threading.Thread(target=read, args=(i, got)) for i in range(3)]
-        t = time.monotonic()
-        for th in threads:
-            th.start()
-        out["own_zero"] = timed(N.nvmlDeviceGetTemperature, h[3], 0)  # while the three sleep
-        for th in threads:
-            th.join()
-        out["three"] = [time.monotonic() - t, sorted(got.values())]
-        CTL.latency("*", 0)
-        out["off"] = timed(N.nvmlDeviceGetTemperature, h[0], 0)
-        out["bad"] = [ctl_error(CTL.latency, 9, 5), ctl_error(CTL.send, "latency * -1")]
-        """
+            three = [hang(N.nvmlDeviceGetTemperature, h[i], 0) for i in range(3)]
+            deadline = time.monotonic() + 30
+            while header("latency_waiting") != "3":  # all three in their latency at once: side by side
+                assert time.monotonic() < deadline, header("latency_waiting")
+                time.sleep(0.01)
+            # GPU 3's own figure over "*", and no lock held by the three: it answers while they sleep.
+            out["own"] = [N.nvmlDeviceGetTemperature(h[3], 0) > 0, header("latency_waiting")]
+            out["three"] = [finish(r, 30).get("rc") for r in three]
+            out["slept"] = time.monotonic() - t
+            CTL.latency("*", 0)
+            CTL.latency(3, 0)
+            out["off"] = [header("any_latency"), gpu_field("latency", 3)]
+            out["bad"] = [ctl_error(CTL.latency, 9, 5), ctl_error(CTL.send, "latency * -1")]
+            """
+        )
     )
-    assert out["set"] == ["ok", "ok"]
-    assert out["own_zero"] < 1.0  # GPU 3's own figure over "*"; and no lock held by the sleepers
-    total, each = out["three"]
-    assert all(t >= 2.0 for t in each), each
-    assert total < 5.0, total  # side by side: 2 s, where one after the other would take 6
-    assert out["off"] < 1.0
+    assert out["set"] == ["ok", "ok", "3000000", "1", None]  # GPU 0 has the "*" figure, none of its own
+    assert out["own"] == [True, "3"]
+    assert out["three"] == [0, 0, 0]
+    assert out["slept"] >= 3.0  # each call took its latency
+    assert out["off"] == ["0", None]
     assert out["bad"] == ["error: latency: unknown gpu '9'", "error: latency: want microseconds, 0-10000000"]
 
 

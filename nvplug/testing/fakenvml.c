@@ -82,7 +82,9 @@
  *   latency <gpu>|* <us>                each call about the GPU ("*": every GPU without its own
  *                                       figure) takes <us> longer, without the global lock, as a
  *                                       driver's call spends time in the kernel; 0 takes it off
- *                                       (a GPU's own: back to the "*" figure)
+ *                                       (a GPU's own: back to the "*" figure); state gives
+ *                                       "any_latency=us", per GPU " latency=us" (its own) and
+ *                                       "latency_waiting=N": callers in theirs now
  *
  * Blocks.  <function> is any entry point this fake exports but nvmlErrorString
  * (NVML_FUNCS below), e.g. nvmlDeviceGetUUID, nvmlDeviceGetPciInfo_v3; others
@@ -755,6 +757,7 @@ static unsigned long long g_block_calls;    /* calls that have blocked, since th
  * without a figure of its own.
  */
 static unsigned g_latency_us[MAX_GPUS + 1];
+static int g_latency_waiting;   /* callers in their latency now */
 
 static int latency_point(int slot)
 {
@@ -763,10 +766,12 @@ static int latency_point(int slot)
     if (!us || t_slept)
         return 0;
     t_slept = 1;
+    g_latency_waiting++;
     pthread_mutex_unlock(&g_lock);
     while (nanosleep(&ts, &ts) && errno == EINTR)
         ;
     pthread_mutex_lock(&g_lock);
+    g_latency_waiting--;
     return 1;
 }
 
@@ -1918,10 +1923,11 @@ static void ctl_state(char *out, size_t cap)
     cm_sync();
     used = (size_t)snprintf(out, cap,
                             "ok loaded=%d refcount=%d count=%d init_error=%d sets=%d dropped=%llu wait_error=%d"
-                            " wait_left=%ld event_waits=%d shutdown_waits=%llu blocked_waiting=%d blocked_calls=%llu"
-                            " any_blocks=",
+                            " wait_left=%ld event_waits=%d shutdown_waits=%llu any_latency=%u latency_waiting=%d"
+                            " blocked_waiting=%d blocked_calls=%llu any_blocks=",
                             g_loaded, g_refcount, g_count, g_init_error, nsets, dropped, g_wait_error, g_wait_left,
-                            g_waiting, g_shutdown_waits, waiting, g_block_calls);
+                            g_waiting, g_shutdown_waits, g_latency_us[ANY_GPU], g_latency_waiting, waiting,
+                            g_block_calls);
     if (used < cap)
         used += block_list(ANY_GPU, out + used, cap - used);
     for (s = 0; s < g_nslots && used < cap; s++) {
@@ -1965,6 +1971,8 @@ static void ctl_state(char *out, size_t cap)
         }
         if (g_block_waiters[s] && used < cap)
             used += (size_t)snprintf(out + used, cap - used, " waiting=%d", g_block_waiters[s]);
+        if (g_latency_us[s] && used < cap)
+            used += (size_t)snprintf(out + used, cap - used, " latency=%u", g_latency_us[s]);
     }
 }
 
@@ -2745,7 +2753,7 @@ static void fork_child(void)
     memset(g_block_waiters, 0, sizeof g_block_waiters);
     /* Nor are the parent's event waiters, which a shutdown here would wait for forever. */
     pthread_cond_init(&g_waits_done, NULL);
-    g_waiting = g_shutting_down = 0;
+    g_waiting = g_shutting_down = g_latency_waiting = 0;
     for (s = g_sets; s; s = s->next) {
         s->waiters = 0;
         set_cond_init(s);   /* destroying one that counts absent waiters would wait for them */
