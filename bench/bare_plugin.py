@@ -10,17 +10,22 @@ two Python processes and the stand-in.
 
     python bench/bare_plugin.py PLUGIN_DIR [--devices 8]
 
-It prints `ready` once served and registered, and runs until it is killed.
+It prints `ready` once served and registered, and runs until it is killed. `serving()` runs it so for
+another bench, on a simulated node's stand-in.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -29,6 +34,9 @@ from nvplug.inotify.inotify_reader import CallbackId, InotifyReader
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from nvplug.testing.simulated_node import SimulatedNode
 
 RESOURCE = "nvidia.com/gpu"
 ENDPOINT = "bare.sock"
@@ -120,6 +128,23 @@ async def run(plugin_dir: Path, devices: int) -> None:
     await plugin.registered.wait()
     print("ready", flush=True)
     await server.wait_for_termination()
+
+
+@contextlib.contextmanager
+def serving(node: SimulatedNode, timeout: float = 20.0) -> Iterator[int]:
+    """This plugin registered with `node`'s kubelet stand-in (started here), in the node's network namespace:
+    its PID."""
+    from nvplug.testing.simulated_node import registered_with
+
+    node.kubelet.start()
+    argv = [sys.executable, __file__, str(node.plugin_dir)]
+    plugin = subprocess.Popen(node.isolated(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        node.kubelet.wait_for(registered_with(8), timeout)
+        yield plugin.pid
+    finally:
+        plugin.kill()
+        plugin.wait()
 
 
 def main() -> int:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+import bare_plugin
 from latency import TIMEOUT, RestartFigures, percentile, scratch, xid_and_heal
 
 from nvplug.testing.simulated_node import SimulatedNode, registered_with
@@ -82,12 +82,7 @@ class BareSide(Side):
         self._stack = stack
 
     def start(self) -> None:
-        self.node.kubelet.start()
-        argv = [sys.executable, str(HERE / "bench" / "bare_plugin.py"), str(self.node.plugin_dir)]
-        plugin = subprocess.Popen(self.node.isolated(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        self._stack.callback(plugin.wait)
-        self._stack.callback(plugin.kill)
-        self.node.kubelet.wait_for(registered_with(8), TIMEOUT)
+        self._stack.enter_context(bare_plugin.serving(self.node, TIMEOUT))
 
     def restart_sample(self, i: int) -> None:
         self.restart.sample(self.node, own=False)

@@ -30,7 +30,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +40,7 @@ from typing import NamedTuple
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+import bare_plugin as bare
 import latency
 
 from nvplug.status import status_client
@@ -70,16 +70,8 @@ def bare_plugin() -> Iterator[int]:
     """bench/bare_plugin.py registered with a stand-in of its own, in a network namespace of its own: its PID."""
     root = Path(tempfile.mkdtemp(prefix="nvb-", dir="/tmp"))
     try:
-        with SimulatedNode(root) as node:
-            node.kubelet.start()
-            argv = [sys.executable, str(Path(__file__).with_name("bare_plugin.py")), str(node.plugin_dir)]
-            plugin = subprocess.Popen(node.isolated(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-            try:
-                node.kubelet.wait_for(registered_with(8), TIMEOUT)
-                yield plugin.pid
-            finally:
-                plugin.kill()
-                plugin.wait()
+        with SimulatedNode(root) as node, bare.serving(node, TIMEOUT) as pid:
+            yield pid
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
