@@ -30,7 +30,8 @@ from test_cdi_podman import (
 from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
-from test_status import metrics, value
+from test_status import value
+from test_telemetry import scrape_later
 
 from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
@@ -423,8 +424,7 @@ def test_a_mig_device_claim(dra: Dra) -> None:
         device = ClaimDevice("ml", "small", DRIVER, NODE, "gpu-4-mig-3g40gb-2-0")
         dra.node.kubelet.pod_resources.admit(Pod("ml", "small-0", (Container("main", {}, (device,)),)))
         dra.node.control.procs(4, [GpuProcess(process.pid, 3000, mig=(2, 0))])
-        time.sleep(1.1)  # past the once-a-second bound of the first scrape
-        got = metrics(dra.node)
+        got = scrape_later(dra.node)
     finally:
         cgroups.close()
     claimed = {"pod": "small-0", "container": "main", "dra_claim_name": "small", "dra_driver_name": DRIVER}
