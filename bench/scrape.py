@@ -176,8 +176,10 @@ def main() -> int:
         for gpu in range(8):
             node.control.procs(gpu, [])
         assert node.daemon is not None
-        with bare_plugin() as bare:
-            idle = {each: idle_share(node, node.daemon.pid, bare, args.idle_seconds, each) for each in (False, True)}
+        with bare_plugin() as floor_pid:
+            idle = {
+                each: idle_share(node, node.daemon.pid, floor_pid, args.idle_seconds, each) for each in (False, True)
+            }
         (quiet, floor), (scraped, floor_scraped) = idle[False], idle[True]
         print(
             f"idle CPU over {args.idle_seconds:.0f} s: {quiet:.3f} % of one core with no scrape, "
