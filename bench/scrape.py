@@ -88,11 +88,7 @@ def scrape(node: SimulatedNode) -> tuple[float, int]:
 def cpu_ns(pid: int) -> int:
     """The CPU time all of a process's threads have run, in ns (schedstat): time stolen from this machine's
     CPUs by others is not in it, where it is in a scrape's wall time."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
+    return round(latency.proc_times(pid)[0] * 1e9)
 
 
 class Timed(NamedTuple):
@@ -177,18 +173,19 @@ def main() -> int:
             node.control.procs(gpu, [])
         assert node.daemon is not None
         with bare_plugin() as floor_pid:
-            idle = {
-                each: idle_share(node, node.daemon.pid, floor_pid, args.idle_seconds, each) for each in (False, True)
-            }
+            watched = (node.daemon.pid, floor_pid)
+            idle = {each: idle_share(node, watched, args.idle_seconds, each) for each in (False, True)}
         (quiet, floor), (scraped, floor_scraped) = idle[False], idle[True]
         print(
-            f"idle CPU over {args.idle_seconds:.0f} s: {quiet:.3f} % of one core with no scrape, "
-            f"{scraped:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {scraped / 0.1:.2f}); "
-            f"the scrapes' own share: {scraped - quiet:.3f} %"
+            f"idle CPU over {args.idle_seconds:.0f} s: {quiet.cpu:.3f} % of one core with no scrape, "
+            f"{scraped.cpu:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {scraped.cpu / 0.1:.2f}); "
+            f"the scrapes' own share: {scraped.cpu - quiet.cpu:.3f} %; wake-ups {quiet.wakeups:.1f} and "
+            f"{scraped.wakeups:.1f} a second"
         )
         print(
-            f"a bare grpc.aio plugin over the same windows: {floor:.3f} % and {floor_scraped:.3f} %; "
-            f"nvplug with a scrape every 15 s / the bare plugin: {scraped / floor_scraped:.2f}x"
+            f"a bare grpc.aio plugin over the same windows: {floor.cpu:.3f} % and {floor_scraped.cpu:.3f} %, "
+            f"wake-ups {floor.wakeups:.1f} and {floor_scraped.wakeups:.1f} a second; nvplug with a scrape every "
+            f"15 s / the bare plugin: {scraped.cpu / floor_scraped.cpu:.2f}x"
         )
         if args.xids:
             quiet = xid_latency(node, args.xids, scraping=False)
@@ -234,16 +231,23 @@ def slow_driver(node: SimulatedNode, driver_ms: float, scrapes: int) -> None:
     )
 
 
-def idle_share(node: SimulatedNode, pid: int, bare: int, seconds: float, scraped: bool) -> tuple[float, float]:
-    """The daemon's CPU and the bare plugin's over the same `seconds`, in % of one core, with a scrape of the
+class Idle(NamedTuple):
+    cpu: float  # % of one core
+    wakeups: float  # context switches a second, all threads
+
+
+def idle_share(node: SimulatedNode, pids: tuple[int, int], seconds: float, scraped: bool) -> tuple[Idle, Idle]:
+    """The daemon's idle and the bare plugin's (`pids`) over the same `seconds`, with a scrape of the
     daemon every 15 s from the start or none."""
-    before, before_bare, began = cpu_ns(pid), cpu_ns(bare), time.monotonic()
+    before, began = [latency.proc_times(pid) for pid in pids], time.monotonic()
     while (left := seconds - (time.monotonic() - began)) > 0:
         if scraped:
             scrape(node)
         time.sleep(min(15.0, max(0.0, left)))
     took = time.monotonic() - began
-    return (cpu_ns(pid) - before) / 1e9 / took * 100, (cpu_ns(bare) - before_bare) / 1e9 / took * 100
+    after = [latency.proc_times(pid) for pid in pids]
+    daemon, bare = (Idle((a[0] - b[0]) / took * 100, (a[2] - b[2]) / took) for a, b in zip(after, before, strict=True))
+    return daemon, bare
 
 
 def xid_latency(node: SimulatedNode, samples: int, scraping: bool) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from nvplug.base.grpc_target import grpc_target
+from nvplug.base.grpc_target import UNIX_SOCKET_OPTIONS, grpc_target
 
 
 class SocketBindFailed(RuntimeError):
@@ -22,7 +22,7 @@ async def serve_unix(path: Path, handlers: list[grpc.GenericRpcHandler]) -> grpc
         # Said here, in words: gRPC would log its own bind error at ERROR on every retry.
         raise SocketBindFailed(f"cannot serve on {path}: the directory {path.parent} does not exist")
     remove_stale_socket(path)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=UNIX_SOCKET_OPTIONS)
     server.add_generic_rpc_handlers(handlers)
     # Nobody but root may talk to the plugin.
     old_umask = os.umask(0o077)

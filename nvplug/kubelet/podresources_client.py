@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from nvplug.base.grpc_target import grpc_target
+from nvplug.base.grpc_target import UNIX_SOCKET_OPTIONS, grpc_target
 from nvplug.pods.pod_holders import ContainerDevices
 from nvplug.protos import podresources_pb2 as pb
 
@@ -33,6 +33,8 @@ TTL = 2.0
 REFUSED_FOR = 5.0
 # How long after an Allocate to ask: the kubelet records the pod just after it answered.
 AFTER_ALLOCATE = 1.0
+# Bounded by the loop's own timer, not a gRPC deadline: gRPC core's timer list spreads its idle
+# ticks apart for good after deadlines shorter than about 3 s (base/grpc_target.py says more).
 TIMEOUT = 2.0
 
 
@@ -153,7 +155,7 @@ class PodResourcesClient:
         if wait:
             await asyncio.sleep(wait)
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(grpc_target(self.socket))
+            self._channel = grpc.aio.insecure_channel(grpc_target(self.socket), options=UNIX_SOCKET_OPTIONS)
         call = self._channel.unary_unary(
             f"/v1.PodResourcesLister/{method}",
             request_serializer=_serialize,
@@ -161,13 +163,17 @@ class PodResourcesClient:
         )
         self.calls += 1
         try:
-            answer: R = await call(request, timeout=self._timeout)
+            answer: R = await asyncio.wait_for(call(request), self._timeout)
+        except TimeoutError as err:
+            # Maybe a restarted kubelet's new socket, while the old one hangs: dial again next time.
+            await self.close()
+            raise PodResourcesUnavailable(f"{method} on {self.socket}: no answer within {self._timeout:g} s") from err
         except grpc.aio.AioRpcError as err:
             reason = f"{method} on {self.socket}: {err.code().name}: {err.details()}"
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._refused_until = time.monotonic() + REFUSED_FOR
                 self._refusal = reason
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
                 # A restarted kubelet made a new socket: dial again next time.
                 await self.close()
             raise PodResourcesUnavailable(reason) from err

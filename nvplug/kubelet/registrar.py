@@ -12,7 +12,7 @@ from typing import Protocol
 import grpc
 
 from nvplug.base.backoff import Backoff, sleep_unless
-from nvplug.base.grpc_target import grpc_target
+from nvplug.base.grpc_target import UNIX_SOCKET_OPTIONS, grpc_target
 from nvplug.protos import API_VERSION, KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
 from nvplug.protos import deviceplugin_pb2_grpc as pb_grpc
@@ -169,7 +169,7 @@ class Registrar:
             # A connection of our own each time: one from gRPC's shared pool may still
             # lead to the old kubelet, which holds on to it while its socket file is gone.
             async with grpc.aio.insecure_channel(
-                grpc_target(self.kubelet_socket), options=[("grpc.use_local_subchannel_pool", 1)]
+                grpc_target(self.kubelet_socket), options=[*UNIX_SOCKET_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
             ) as channel:
                 listed = self._listing.streams_listed if self._listing is not None else 0
                 await pb_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
