@@ -48,7 +48,7 @@ MIG_CONFIG_CHANGE = 0x100
 WANTED = XID | DOUBLE_BIT_ECC | FATAL_POISON | GPU_UNAVAILABLE | RECOVERY_ACTION | MIG_CONFIG_CHANGE
 NO_INSTANCE = 0xFFFFFFFF
 # The longest a hand-over (a rescan that counts GPUs again, a reset) waits for the wait in progress, and
-# how often the wait wakes with nothing to do: about 50 µs of CPU each.
+# how often the wait wakes with nothing to do: 40-220 µs of CPU each, by machine (bench/README.md).
 DEFAULT_WAIT_MS = 1000
 
 
