@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,40 @@ def test_recovery_action_back_to_none_counts_only_after_it_asked_for_something()
     state.apply(RecoveryActionChanged(UUID, 0))
     state.apply(PASS)
     assert health(state).reason == "recovered: NVML recovery action back to none, probe passed"
+
+
+def test_a_probe_that_began_before_newer_word_on_the_gpu_is_not_counted() -> None:
+    """A scan's probe read the recovery action just before the driver put it back to none, and
+    came in after that event: it must neither undo the evidence nor stop the re-probes."""
+    state = node()
+    state.apply(XidOccurred(UUID, 79), arrived=1.0)
+    state.apply(RecoveryActionChanged(UUID, 1), arrived=2.0)
+    state.apply(RecoveryActionChanged(UUID, 0), arrived=4.0)
+    stale = ProbeResult(UUID, "NVML recovery action pending (1)", "scan", Clears.RESET, 1, started=3.0)
+    state.apply(InventoryFound(state.current.gpus, (stale,), driver_instance="7"), arrived=5.0)
+    assert health(state).evidence == "NVML recovery action back to none"
+    assert state.current.reprobe_due() == (gpu(0),)
+    # A probe that read after that word counts, failing or passing.
+    state.apply(replace(stale, started=4.5), arrived=5.5)
+    assert health(state).evidence is None and health(state).reason == "probe failed: NVML recovery action pending (1)"
+    state.apply(RecoveryActionChanged(UUID, 0), arrived=6.0)
+    state.apply(replace(PASS, started=6.5), arrived=7.0)
+    assert health(state).reason == "recovered: NVML recovery action back to none, probe passed"
+
+
+def test_a_pass_that_began_before_a_fault_came_in_does_not_heal_it() -> None:
+    state = node()
+    state.apply(HealthReported(UUID, "GPU is lost", Clears.PROBE, Fault.LOST), arrived=1.0)
+    # A re-probe begins at 2.0; the GPU is reported lost again at 2.5 while it reads.
+    state.apply(HealthReported(UUID, "GPU is lost", Clears.PROBE, Fault.LOST), arrived=2.5)
+    state.apply(replace(PASS, started=2.0), arrived=3.0)
+    assert not health(state).healthy and state.current.reprobe_due() == (gpu(0),)
+    state.apply(replace(PASS, started=3.5), arrived=4.0)
+    assert health(state).healthy
+    # Without times (a test's events, a hung call's result) a probe counts as it always did.
+    state.apply(HealthReported(UUID, "GPU is lost", Clears.PROBE, Fault.LOST), arrived=5.0)
+    state.apply(PASS)
+    assert health(state).healthy
 
 
 def test_remove_and_add_bring_the_gpu_back_as_new() -> None:

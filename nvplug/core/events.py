@@ -28,6 +28,9 @@ class ProbeResult:
     recovery_action: int = 0
     # What kind of failure: a GPU NVML cannot read is lost; a call that does not return, unmonitored.
     fault: Fault = Fault.OTHER
+    # When its reads began (time.monotonic()): word on the GPU that arrived later may be newer than
+    # what it read. None: no older than its own arrival.
+    started: float | None = None
 
     @property
     def passed(self) -> bool:

@@ -98,6 +98,9 @@ class NodeState:
         # oldest first: a flood of one code costs O(1) per report, not a scan of every report. By
         # UUID, not bus id: a GPU hot-added where another was must not match that one's reports.
         self._reports: dict[tuple[str, int, str], deque[float]] = {}
+        # When the latest word on each device's health arrived (the `arrived` of apply): a probe
+        # that began before it may have read what that word replaced, and is not counted.
+        self._news: dict[str, float] = {}
 
     @property
     def current(self) -> Snapshot:
@@ -111,8 +114,9 @@ class NodeState:
         """A new config; it applies to XIDs from now on."""
         self._xid = policy
 
-    def apply(self, event: Event) -> list[Change]:
-        """Fold one event into the state; bump the revision only if the picture changed."""
+    def apply(self, event: Event, arrived: float | None = None) -> list[Change]:
+        """Fold one event into the state; bump the revision only if the picture changed.
+        `arrived`: when its source published it (time.monotonic()), which orders it against probes."""
         draft = SnapshotDraft(self._current, self._clock())
         match event:
             case InventoryFound():
@@ -184,6 +188,10 @@ class NodeState:
         built = draft.build()
         if built is not None:
             self._current = built
+        if arrived is not None:
+            self._news.update(dict.fromkeys(draft.touched, arrived))
+            if len(self._news) > len(self._current.health):
+                self._news = {u: t for u, t in self._news.items() if u in self._current.health}
         return draft.changes
 
     def _mps(self, draft: SnapshotDraft, event: MpsGroupChanged | MpsGroupRemoved) -> None:
@@ -269,15 +277,20 @@ class NodeState:
             draft.fault(gpu.uuid, f"NVML unavailable: {event.reason}", Clears.PROBE, kind=Fault.UNMONITORED)
 
     def _probe(self, draft: SnapshotDraft, probe: ProbeResult) -> None:
+        """A probe's word on each device counts unless newer word on that device came in while it read:
+        a recovery action back to none, say, that its read of the field came just before. The GPU stays
+        as that word left it, and the re-probes it is due go on."""
         gpu = draft.gpu(probe.uuid)
         if gpu is None:
             return
         if probe.failure is not None:
+            if self._older_than_news(probe, gpu.uuid):
+                return
             failure = f"probe failed: {probe.failure}"
             draft.fault(probe.uuid, failure, probe.clears, probe.recovery_action, kind=probe.fault)
             return
         for uuid, state in list(draft.devices_of(gpu)):
-            if state.healthy or not state.probe_clears:
+            if state.healthy or not state.probe_clears or self._older_than_news(probe, uuid):
                 continue
             evidence = state.evidence or probe.evidence
             # The GPU's recovery covers faults of its MIG devices whose evidence is in.
@@ -285,6 +298,10 @@ class NodeState:
                 f"recovered: {evidence}, probe passed" if uuid == gpu.uuid else f"recovered with its GPU: {evidence}"
             )
             draft.heal(uuid, reason)
+
+    def _older_than_news(self, probe: ProbeResult, uuid: str) -> bool:
+        news = self._news.get(uuid)
+        return probe.started is not None and news is not None and probe.started < news
 
     def _xid_event(self, draft: SnapshotDraft, event: XidOccurred) -> None:
         gpu = draft.gpu(event.uuid)

@@ -70,6 +70,8 @@ class SnapshotDraft(GpuLookups):
         self.health = dict(base.health)
         self.restored = dict(base.restored)
         self.changes: list[Change] = []
+        # Devices whose health this event spoke of (a fault, evidence, a heal), changed or not.
+        self.touched: set[str] = set()
 
     def note(self, change: Change) -> None:
         self.changes.append(change)
@@ -103,6 +105,7 @@ class SnapshotDraft(GpuLookups):
         if found is None or current is None:
             return
         gpu, subject = found
+        self.touched.add(uuid)
         replaces = (
             current.healthy
             or current.clears is None
@@ -162,6 +165,7 @@ class SnapshotDraft(GpuLookups):
         current = self.health.get(uuid)
         if found is None or current is None or current.healthy:
             return
+        self.touched.add(uuid)
         problem = self.unallocatable(uuid)
         if problem is not None:
             # Never Healthy while Allocate would refuse it.
@@ -186,6 +190,7 @@ class SnapshotDraft(GpuLookups):
             if reloaded_from is not None and state.driver_instance in (None, reloaded_from):
                 continue  # the fault happened under this driver instance, or we cannot tell
             self.health[uuid] = replace(state, evidence=text)
+            self.touched.add(uuid)
             noted = True
         if noted:
             self.note(Change("recovery evidence", gpu, text))

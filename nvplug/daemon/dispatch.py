@@ -179,7 +179,7 @@ class Dispatcher:
         arrived = time.monotonic() if arrived is None else arrived
         before = self.state.current
         self._count(event)
-        changes = tuple(self.state.apply(event))
+        changes = tuple(self.state.apply(event, arrived))
         snap = self.state.current
         self.made.show(snap)
         revised = snap.revision != before.revision

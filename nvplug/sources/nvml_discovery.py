@@ -10,8 +10,9 @@ import contextlib
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -86,6 +87,11 @@ def session() -> Iterator[None]:
 
 def probe_gpu(uuid: str, evidence: str) -> ProbeResult:
     """Handle valid, UUID and PCI info readable, nothing pending that needs a reset."""
+    started = time.monotonic()
+    return replace(_probe_gpu(uuid, evidence), started=started)
+
+
+def _probe_gpu(uuid: str, evidence: str) -> ProbeResult:
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         read_back = as_text(pynvml.nvmlDeviceGetUUID(handle))

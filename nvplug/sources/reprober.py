@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 Probe = Callable[[str, str], Awaitable[ProbeResult]]
 
 
-class _StillUnhealthy(Exception):
-    pass
+class _StillDue(Exception):
+    """Probe again after the backoff, unless a snapshot shows the GPU no longer due (`follow`)."""
 
 
 class Reprober(Sink):
@@ -100,7 +100,7 @@ class Reprober(Sink):
         wake = self._wake[uuid]
         retrying = AsyncRetrying(
             wait=Backoff(self._initial, self._maximum).wait(),
-            retry=retry_if_exception_type(_StillUnhealthy),
+            retry=retry_if_exception_type(_StillDue),
             sleep=functools.partial(sleep_unless, wake),
         )
         # The first probe waits too: whatever made the GPU Unhealthy has only just happened.
@@ -113,4 +113,6 @@ class Reprober(Sink):
                 self._publish(result)
                 if not result.passed:
                     log.info("%s: re-probe %d failed: %s", uuid, number, result.failure)
-                    raise _StillUnhealthy(result.failure)
+                # Even a pass: the state may not count it (newer word on the GPU came in while it
+                # read). A pass it counts heals the GPU, and `follow` then ends this task.
+                raise _StillDue(result.failure)
