@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,9 +94,11 @@ def test_a_new_kubelet_sock_cancels_a_register_stuck_on_a_hung_kubelet(node: Sim
     # then its inotify event) cancels and repeats a Register too.
     assert cancelled >= hung_kubelets
     assert "DEADLINE_EXCEEDED" not in log
-    # A cancelled Register is no failure.
+    # A cancelled Register is no failure. A refused one is, and is retried: a busy machine can dial the
+    # new kubelet.sock between its bind and its listen, as it could a real kubelet's.
     registrations, failures = registration_counters(node)
-    assert registrations >= 2 and failures == 0
+    failed = re.findall(r"Register on \S+ failed: (\w+):", node.log_text())
+    assert registrations >= 2 and failures == len(failed) and set(failed) <= {"UNAVAILABLE"}, failed
 
 
 # ---------------------------------------------------------------------------
