@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.scraped_metrics import scrape, value
 
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS
 from nvplug.status import status_client as statusclient
@@ -263,6 +265,57 @@ def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evi
     node.send_uevent(pci_event("bind", gpus[2]["bus"].lower(), driver="nvidia"))
     only({0, 1, 2, 3})
     node.wait_log("healthy: recovered: the NVIDIA driver was reloaded, probe passed")
+
+
+def test_a_scan_s_read_from_before_the_recovery_action_went_back_to_none_does_not_undo_it(node: SimulatedNode) -> None:
+    """A scan read GPU 1's recovery action, the driver then set it back to none and its event came in,
+    and only then the scan's result: that older read must not take the evidence away and leave the
+    GPU withheld. (A clean-clone run once hit this by chance; here the fake holds the scan there.)"""
+    uuids = start(node, "    reprobeInitialSeconds: 0.2\n    reprobeMaxSeconds: 0.4\n")
+    gpus = node.scenario_gpus()
+    node.control.xid(1, 79)
+    node.kubelet.wait_for(device_health(uuids[1], healthy=False), TIMEOUT)
+    node.control.recovery_action(1, 1)
+    node.kubelet.wait_for(lambda _: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT)
+    mark = len(node.log_text())
+    # A rescan (GPU 0 re-bound) probes GPU 1: it reads the action, then waits in its next call.
+    with node.control.blocked(1, "nvmlDeviceGetRetiredPagesPendingStatus"):
+        node.send_uevent(pci_event("bind", gpus[0]["bus"].lower(), driver="nvidia"))
+        node.control.wait_blocked(1, TIMEOUT)
+        node.control.recovery_action(1, 0)
+        node.wait_log("recovery evidence: NVML recovery action back to none", after=mark)
+    node.wait_log("scan 2: 8 GPUs", after=mark)
+    node.kubelet.wait_for(device_health(uuids[1], healthy=True), TIMEOUT)
+    log = node.wait_log("healthy: recovered: NVML recovery action back to none, probe passed", after=mark)
+    assert "probe failed" not in log[mark:], log[mark:]
+    assert status_of(node, uuids[1])["health"] == "Healthy"
+
+
+def test_a_re_probe_that_passed_on_reads_older_than_a_fault_is_not_counted_and_the_re_probes_go_on(
+    node: SimulatedNode,
+) -> None:
+    uuids = start(node, "    reprobeInitialSeconds: 0.2\n    reprobeMaxSeconds: 0.4\n")
+    node.control.lose(5)
+    node.kubelet.wait_for(device_health(uuids[5], healthy=False), TIMEOUT)
+    node.wait_log("re-probe 1 failed")
+    mark = len(node.log_text())
+    with node.control.blocked(5, "nvmlDeviceGetRetiredPagesPendingStatus"):
+        node.control.restore(5)
+        # A re-probe has read the GPU back, and waits in its last calls: the GPU is reported lost again.
+        node.control.wait_blocked(1, TIMEOUT)
+        blocked = 1 + max(int(n) for n in re.findall(r"re-probe (\d+) failed", node.log_text()))
+
+        def reports() -> float:
+            return value(scrape(node), "nvplug_events_total", kind="HealthReported")
+
+        before = reports()
+        node.control.event(5, 0x4000)  # GPU unavailable
+        node.kubelet.wait_for(lambda _: reports() > before, TIMEOUT)
+    # That pass is older than the report: not counted. A later re-probe's is, and heals the GPU.
+    log = node.wait_log("healthy: recovered: re-probe", after=mark)
+    healed_by = re.findall(r"healthy: recovered: re-probe (\d+) of", log[mark:])
+    assert healed_by and int(healed_by[0]) > blocked, (blocked, log[mark:])
+    node.kubelet.wait_for(device_health(uuids[5], healthy=True), TIMEOUT)
 
 
 def test_a_restart_keeps_an_unhealthy_gpu_and_a_new_boot_clears_it(node: SimulatedNode) -> None:

@@ -13,12 +13,11 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.scraped_metrics import scrape, value
 
 from nvplug.kubelet.registrar import LIST_WAIT, REGISTER_TIMEOUT, Registrar
 from nvplug.protos import KUBELET_SOCKET
 from nvplug.protos import deviceplugin_pb2 as pb
-from nvplug.status import status_client as statusclient
 from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.kubelet_views import HUNG
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
@@ -42,15 +41,9 @@ def hung_registers(count: int) -> Callable[[FakeKubelet], bool]:
 
 def registration_counters(node: SimulatedNode) -> tuple[float, float]:
     """(registrations, failures) as the daemon counts them, from /metrics."""
-    status, text = statusclient.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
-    assert status == 200, text
-    found = {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.labels.get("resource") == GPU_RESOURCE
-    }
-    return found["nvplug_registrations_total"], found["nvplug_registration_failures_total"]
+    found = scrape(node)
+    registrations = value(found, "nvplug_registrations_total", resource=GPU_RESOURCE)
+    return registrations, value(found, "nvplug_registration_failures_total", resource=GPU_RESOURCE)
 
 
 @pytest.mark.parametrize("hung_kubelets", [1, 3])

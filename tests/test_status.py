@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.scraped_metrics import Samples, scrape, value
 
 from nvplug.core.snapshot import Snapshot
 from nvplug.status import status_client as statusclient
@@ -31,18 +31,9 @@ def get(node: SimulatedNode, path: str) -> tuple[int, str]:
     return statusclient.fetch(f"unix:{node.status_socket}", path, timeout=5)
 
 
-def metrics(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], float]]]:
-    status, text = get(node, "/metrics")
-    assert status == 200
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
-
-
-def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
-    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+def metrics(node: SimulatedNode) -> Samples:
+    get(node, "/healthz")  # once the socket is there
+    return scrape(node)
 
 
 def test_healthz_waits_for_registration(node: SimulatedNode) -> None:
