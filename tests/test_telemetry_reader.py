@@ -23,7 +23,7 @@ from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.pods.process_places import ProcessPlaces, unattributed
 from nvplug.sources import telemetry_reader
 from nvplug.sources.nvml_telemetry import GpuRead, Window
-from nvplug.sources.telemetry_reader import GpuTelemetry
+from nvplug.sources.telemetry_reader import GpuTelemetry, lanes_for
 
 
 def gpus(count: int) -> tuple[Gpu, ...]:
@@ -106,22 +106,32 @@ def test_a_slow_driver_s_reads_are_shared_by_threads_and_a_quick_one_s_are_not(t
 
     telemetry = reader(driver, clock, tmp_path, read, eight)
 
-    async def passes() -> list[int]:
+    async def passes() -> list[tuple[int, float]]:
         lanes = []
         for seconds in (0.02, 0.02, 0.0, 0.0):
             slow["seconds"] = seconds
             threads.append(set())
             clock.now += 1.0
+            measured = telemetry.read_seconds  # the last pass's reads, which this pass goes by
             got = await telemetry.refresh(budget=5.0)
             assert [r.stale for r in got.readings] == [None] * 8
-            lanes.append(telemetry.lanes)
+            lanes.append((telemetry.lanes, measured))
         await telemetry.close()
         return lanes
 
-    # The first pass has no measure yet; eight reads of 20 ms want eight lanes; quick reads, one again.
-    assert asyncio.run(passes()) == [1, 8, 8, 1]
-    assert [len(t) for t in threads] == [1, 8, 8, 1]
+    # The first pass has no measure yet; eight reads of 20 ms want eight lanes. Quick reads want one, as
+    # their measure says: on a busy machine a quick read's measure takes in its waits for a CPU.
+    got = asyncio.run(passes())
+    assert [lanes for lanes, _ in got[:3]] == [1, 8, 8] and got[1][1] >= 0.02
+    assert got[3][0] == lanes_for(8, got[3][1])
+    assert [len(t) for t in threads] == [lanes for lanes, _ in got]
     assert sorted(driver.reads) == sorted([g.uuid for g in eight] * 4)  # every GPU once a pass
+
+
+def test_lanes_follow_the_reads_measure() -> None:
+    # The simulated node's read (0.2 ms) keeps one lane; a real GPU's (10 ms) wants one a GPU.
+    assert [lanes_for(8, s) for s in (0.0, 0.0002, 0.001, 0.002, 0.01, 0.02)] == [1, 1, 1, 2, 8, 8]
+    assert lanes_for(3, 0.02) == 3 and lanes_for(16, 0.1) == 8 and lanes_for(0, 0.02) == 1
 
 
 def test_a_read_that_hangs_is_left_behind_and_the_others_are_read(tmp_path: Path) -> None:

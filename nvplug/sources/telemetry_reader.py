@@ -50,6 +50,11 @@ PASS_TARGET = 0.01
 MAX_LANES = 8
 
 
+def lanes_for(gpus: int, read_seconds: float) -> int:
+    """One lane while the reads, one after the other, fit PASS_TARGET; else enough lanes that they would."""
+    return max(1, min(math.ceil(gpus * read_seconds / PASS_TARGET), gpus, MAX_LANES))
+
+
 class GpuTelemetry(Sink):
     """The GPUs it reads are those of the snapshots it is handed."""
 
@@ -78,7 +83,7 @@ class GpuTelemetry(Sink):
         self._pending: set[str] = set()  # the GPUs of the pass in progress not read yet
         self._left_behind: dict[str, _Job] = {}  # by the GPU whose read it waits on
         self._jobs: dict[int, _Job] = {}  # the pass's job in progress, by lane
-        self._read_seconds = 0.0  # a GPU's read, on average over the last pass
+        self.read_seconds = 0.0  # a GPU's read, on average over the last pass: the next pass's lanes go by it
         self.lanes = 1  # the last pass's
         # Each reading's processes, placed as they were read: a container, or None where unattributed.
         self._where: dict[str, dict[int, ProcessContainer | None]] = {}
@@ -145,7 +150,7 @@ class GpuTelemetry(Sink):
         return {
             "reads": self.read_count,
             "last_pass_ms": round(self.pass_seconds * 1000, 2),
-            "read_ms": round(self._read_seconds * 1000, 2),
+            "read_ms": round(self.read_seconds * 1000, 2),
             "lanes": self.lanes,
             "processes_unattributed": self.unattributed,
             "processes_held": self._places.held,
@@ -168,14 +173,12 @@ class GpuTelemetry(Sink):
         jobs = await asyncio.gather(*(self._read_lane(lane, uuids[lane::lanes]) for lane in range(lanes)))
         reads = sum(job.reads for lane in jobs for job in lane)
         if reads:
-            self._read_seconds = sum(job.read_seconds for lane in jobs for job in lane) / reads
+            self.read_seconds = sum(job.read_seconds for lane in jobs for job in lane) / reads
         self.lanes = lanes
         self.pass_seconds = self._clock() - began
 
     def _lanes_for(self, gpus: int) -> int:
-        """One lane while the reads, one after the other, fit PASS_TARGET; else enough lanes that they would."""
-        wanted = math.ceil(gpus * self._read_seconds / PASS_TARGET)
-        lanes = max(1, min(wanted, gpus, MAX_LANES))
+        lanes = lanes_for(gpus, self.read_seconds)
         while len(self._workers) < lanes:
             self._workers.append(self._new_worker())
         return lanes
