@@ -284,7 +284,7 @@ def test_a_scan_s_read_from_before_the_recovery_action_went_back_to_none_does_no
         node.control.wait_blocked(1, TIMEOUT)
         node.control.recovery_action(1, 0)
         node.wait_log("recovery evidence: NVML recovery action back to none", after=mark)
-    node.wait_log("scan 2: 8 GPUs", after=mark)
+    node.wait_log(": 8 GPUs (driver", after=mark)  # the rescan done
     node.kubelet.wait_for(device_health(uuids[1], healthy=True), TIMEOUT)
     log = node.wait_log("healthy: recovered: NVML recovery action back to none, probe passed", after=mark)
     assert "probe failed" not in log[mark:], log[mark:]
