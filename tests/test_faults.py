@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.waiting import wait_until
 
 from nvplug.status import status_client as statusclient
 from nvplug.testing.fake_kubelet import FakeKubelet
@@ -128,13 +129,6 @@ def stream_balance(node: SimulatedNode) -> int:
     """ListAndWatch streams the daemon opened minus those it closed, from its own log."""
     log = node.log_text()
     return log.count("kubelet opened ListAndWatch") - log.count("ListAndWatch stream closed")
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        time.sleep(0.05)
 
 
 def http_get(node: SimulatedNode, path: str) -> tuple[int, str]:

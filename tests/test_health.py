@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.scraped_metrics import scrape, value
+from support.waiting import wait_until
 
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS
 from nvplug.status import status_client as statusclient
@@ -252,7 +253,7 @@ def test_reset_class_xids_stay_unhealthy_while_probes_pass_and_heal_on_their_evi
     # GPU 1: NVML's recovery action asks for a reset, then reads NONE.
     node.control.recovery_action(1, 1)
     # Read once the event comes; only then may it go back to none (each event has the field read).
-    node.kubelet.wait_for(lambda _: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT)
+    wait_until(lambda: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT, "recovery action 1 read")
     node.control.recovery_action(1, 0)
     only({0, 1})
     node.wait_log("healthy: recovered: NVML recovery action back to none, probe passed")
@@ -276,7 +277,7 @@ def test_a_scan_s_read_from_before_the_recovery_action_went_back_to_none_does_no
     node.control.xid(1, 79)
     node.kubelet.wait_for(device_health(uuids[1], healthy=False), TIMEOUT)
     node.control.recovery_action(1, 1)
-    node.kubelet.wait_for(lambda _: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT)
+    wait_until(lambda: status_of(node, uuids[1])["recovery_action"] == 1, TIMEOUT, "recovery action 1 read")
     mark = len(node.log_text())
     # A rescan (GPU 0 re-bound) probes GPU 1: it reads the action, then waits in its next call.
     with node.control.blocked(1, "nvmlDeviceGetRetiredPagesPendingStatus"):
@@ -310,7 +311,7 @@ def test_a_re_probe_that_passed_on_reads_older_than_a_fault_is_not_counted_and_t
 
         before = reports()
         node.control.event(5, 0x4000)  # GPU unavailable
-        node.kubelet.wait_for(lambda _: reports() > before, TIMEOUT)
+        wait_until(lambda: reports() > before, TIMEOUT, "the GPU unavailable event taken in")
     # That pass is older than the report: not counted. A later re-probe's is, and heals the GPU.
     log = node.wait_log("healthy: recovered: re-probe", after=mark)
     healed_by = re.findall(r"healthy: recovered: re-probe (\d+) of", log[mark:])
@@ -328,7 +329,7 @@ def test_a_restart_keeps_an_unhealthy_gpu_and_a_new_boot_clears_it(node: Simulat
         return devices
 
     # Written by the saver thread just after the kubelet has the news (its fsync must not delay it).
-    node.kubelet.wait_for(lambda k: bool(saved()), TIMEOUT)
+    wait_until(lambda: bool(saved()), TIMEOUT, "the fault in the state file")
     assert [d["uuid"] for d in saved()] == [uuids[0]] and saved()[0]["clears"] == "reset"
     for sig in (signal.SIGTERM, signal.SIGKILL):
         assert node.stop_daemon(sig) in (0, -signal.SIGKILL)
@@ -349,7 +350,11 @@ def test_a_restart_keeps_an_unhealthy_gpu_and_a_new_boot_clears_it(node: Simulat
     plugin = node.kubelet.plugin(GPU_RESOURCE)
     assert plugin is not None and plugin.allocatable == 8
     node.wait_log("is from another boot: ignored (a reboot resets every GPU)", after=mark)
-    node.kubelet.wait_for(lambda k: not json.loads((node.state_dir / "health.json").read_text())["devices"], TIMEOUT)
+    wait_until(
+        lambda: not json.loads((node.state_dir / "health.json").read_text())["devices"],
+        TIMEOUT,
+        "the state file emptied",
+    )
 
 
 def test_a_corrupt_state_file_is_logged_and_ignored(node: SimulatedNode) -> None:

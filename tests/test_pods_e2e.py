@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+
+from support.waiting import wait_until
 
 from nvplug.kubelet.podresources_client import TIMEOUT as PODS_TIMEOUT
 from nvplug.status import status_client as statusclient
@@ -162,18 +163,10 @@ def test_a_slow_kubelet_does_not_stall_status(node: SimulatedNode) -> None:
     # The last answer serves while the kubelet is slow.
     assert [p["pod"] for p in doc["gpus"][1]["pods"]] == ["trainer-0"]  # type: ignore[index]
     # The question itself ends at the client's own bound (no gRPC deadline), and says so.
-    said = pods_error_when(node, lambda error: error is not None)
+    wait_until(lambda: status(node)["pods_error"] is not None, 60, "/status to say the List got no answer")
+    said = status(node)["pods_error"]
     assert said == f"List on {node.kubelet.pod_resources.socket_path}: no answer within {PODS_TIMEOUT:g} s"
     # The client dials again after it, and the next prompt answer is used.
     node.kubelet.pod_resources.delay = 0.0
-    assert pods_error_when(node, lambda error: error is None) is None
+    wait_until(lambda: status(node)["pods_error"] is None, 60, "/status's pods_error cleared")
     assert [p["pod"] for p in status(node)["gpus"][1]["pods"]] == ["trainer-0"]  # type: ignore[index]
-
-
-def pods_error_when(node: SimulatedNode, wanted: Callable[[object], bool]) -> object:
-    """/status's pods_error once `wanted` holds of it."""
-    deadline = time.monotonic() + 60
-    while not wanted(error := status(node)["pods_error"]):
-        assert time.monotonic() < deadline, f"pods_error stayed {error!r}"
-        time.sleep(0.2)
-    return error

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.scraped_metrics import Samples, scrape, value
+from support.scraped_metrics import Samples, parse, value
 
 from nvplug.core.snapshot import Snapshot
 from nvplug.status import status_client as statusclient
@@ -32,8 +32,9 @@ def get(node: SimulatedNode, path: str) -> tuple[int, str]:
 
 
 def metrics(node: SimulatedNode) -> Samples:
-    get(node, "/healthz")  # once the socket is there
-    return scrape(node)
+    status, text = get(node, "/metrics")
+    assert status == 200, text
+    return parse(text)
 
 
 def test_healthz_waits_for_registration(node: SimulatedNode) -> None:

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
+from support.waiting import wait_until
+
 __all__ = [
     "APT_ROOT",
     "DEFAULT_CACHE",
@@ -463,22 +465,6 @@ class Bind:
 
 
 Snapshot = Literal["overlay", "copy"]
-
-
-def wait_until(
-    predicate: Callable[[], bool], timeout: float, what: str, explain: Callable[[], str] | None = None
-) -> float:
-    """Poll `predicate` until it holds; return the seconds it took. On timeout, AssertionError
-    saying `what` was awaited and, if given, what `explain()` says about the state."""
-    started = time.monotonic()
-    deadline = started + timeout
-    while True:
-        if predicate():
-            return time.monotonic() - started
-        if time.monotonic() >= deadline:
-            detail = f"\n{explain()}" if explain is not None else ""
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-        time.sleep(0.05)
 
 
 class Container:

@@ -13,6 +13,10 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 def scrape(node: SimulatedNode) -> Samples:
     status, text = status_client.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
     assert status == 200, text
+    return parse(text)
+
+
+def parse(text: str) -> Samples:
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
