@@ -484,6 +484,64 @@ def test_events_injected_from_another_process(rig: Rig) -> None:
     assert json.loads(stdout.splitlines()[-1])["event"] == [GPUS[5]["uuid"], 8, 79]
 
 
+CHILD = """
+import json, sys
+import pynvml as N
+N.nvmlInit()
+found = []
+for i in range(N.nvmlDeviceGetCount()):
+    try:
+        found.append(N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(i)))
+    except N.NVMLError as e:
+        found.append(e.value)
+s = N.nvmlEventSetCreate()
+for u in found:
+    if isinstance(u, str):
+        N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByUUID(u), N.nvmlEventTypeXidCriticalError, s)
+print(json.dumps(found), flush=True)
+e = N.nvmlEventSetWait_v2(s, 20000)
+print(json.dumps([N.nvmlDeviceGetUUID(e.device), e.eventData]), flush=True)
+"""
+
+
+def test_a_child_of_the_owner_shares_its_driver_state_and_hears_the_events_sent_to_it(rig: Rig) -> None:
+    """As every process on a node shares the driver: what the owner's control socket changed, by index or
+    by UUID, before the child started or after, is the child's too; its queries are not written."""
+    body = f"""
+        import subprocess
+        N.nvmlInit()
+        CTL.lose(2)
+        CTL.remove(3)
+        out["add"] = CTL.add("bus=0000:99:00.0 minor=42").split()[-1]
+        CTL.state()
+        N.nvmlShutdown()
+        N.nvmlInit()   # the owner's own count: the removed GPU gone, the added one in, so index 1 is still GPU 1
+        child = subprocess.Popen([sys.executable, "-c", {CHILD!r}],
+                                 stdout=subprocess.PIPE, text=True)
+        out["child"] = json.loads(child.stdout.readline())
+        out["xid"] = CTL.xid(1, 79)
+        out["event"] = json.loads(child.stdout.readline())
+        out["rc"] = child.wait(20)
+        out["journal"] = Path(str(CTL.path) + ".journal").read_text().splitlines()
+        out["owner"] = __import__("os").getpid()
+        """
+    out = rig.run(body)
+    named = [u for u in out["child"] if isinstance(u, str)]
+    assert sorted(named) == sorted([g["uuid"] for g in GPUS if g not in (GPUS[2], GPUS[3])] + [out["add"]])
+    assert [u for u in out["child"] if not isinstance(u, str)] == [15]  # GPU 2: GPU_IS_LOST
+    assert out["event"] == [GPUS[1]["uuid"], 79]
+    assert out["rc"] == 0
+    # The owner's replies: the XID reached no set of its own, only the child's.
+    assert out["xid"] == "ok queued=0"
+    assert out["journal"] == [
+        f"owner {out['owner']}",
+        f"lose {GPUS[2]['uuid']}",
+        f"remove {GPUS[3]['uuid']}",
+        f"add bus=0000:99:00.0 minor=42 uuid={out['add']}",
+        f"xid {GPUS[1]['uuid']} 79",
+    ]
+
+
 def test_wait_error_wakes_a_blocked_waiter_then_counts_down(rig: Rig) -> None:
     out = rig.run(
         """
@@ -2414,6 +2472,7 @@ def test_compute_mode_get_set_and_return_codes(rig: Rig) -> None:
     )
     assert sorted(p.name for p in rig.root.iterdir()) == [
         "ctl",
+        "ctl.journal",
         "fakenvml.state",
         "fakenvml.state.lock",
         "test.scenario",

@@ -11,6 +11,19 @@
  *
  * Build: cc -shared -fPIC -O2 -Wall -Wextra -pthread -o libnvidia-ml.so.1 fakenvml.c
  *
+ * Children share their parent's driver state, as every process on a real node
+ * shares the driver's.  The process that binds the control socket (its owner)
+ * writes each command that changed state and answered "ok" to the journal
+ * FAKE_NVML_CONTROL.journal, after a first line "owner <pid>": a GPU given by
+ * index is written by UUID, and an add without uuid= gets the one it made.  A
+ * process whose parent is the journal's owner binds no socket: its first
+ * nvmlInit loads the scenario and applies the whole journal, and from then on
+ * it applies each line as it is written (inotify), so that an XID sent to the
+ * owner reaches the child's event sets as well.  Queries (ping, state, calls)
+ * are not written; a child's counters and waits are its own, and the owner's
+ * state does not show them.  Any other process binds the socket as before and
+ * starts a journal of its own.
+ *
  * Control socket: a unix datagram socket served by a thread started at the
  * first nvmlInit call (successful or not).  One command per datagram; a bound
  * sender gets "ok[ details]" or "error: <reason>".  <gpu> is an index in the
@@ -240,6 +253,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/inotify.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -1862,6 +1876,20 @@ static int resolve_gpu(const char *arg)
     return -1;
 }
 
+/* The commands whose first argument is a GPU. */
+static const char *const gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove", "pending_pages",
+                                       "remap", "recovery_action", "mig", "procs", "compute_mode", "telemetry",
+                                       "samples", "retire", "gpm"};
+
+static int takes_gpu(const char *cmd)
+{
+    size_t i;
+    for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0]; i++)
+        if (!strcmp(cmd, gpu_cmds[i]))
+            return 1;
+    return 0;
+}
+
 static int index_of(int slot)
 {
     int i;
@@ -2408,12 +2436,7 @@ static void ctl_command(char *line, char *out, size_t cap)
     }
 
     /* The remaining commands all take a GPU as the first argument. */
-    static const char *gpu_cmds[] = {"xid", "ecc", "event", "lose", "restore", "remove", "pending_pages",
-                                     "remap", "recovery_action", "mig", "procs", "compute_mode", "telemetry",
-                                     "samples", "retire", "gpm"};
-    for (i = 0; i < sizeof gpu_cmds / sizeof gpu_cmds[0] && strcmp(cmd, gpu_cmds[i]); i++)
-        ;
-    if (i == sizeof gpu_cmds / sizeof gpu_cmds[0]) {
+    if (!takes_gpu(cmd)) {
         snprintf(out, cap, "error: unknown command '%s'", cmd);
         return;
     }
@@ -2655,11 +2678,180 @@ static void ctl_command(char *line, char *out, size_t cap)
     }
 }
 
+/* ---- the journal: what the owner changed, for its children ----------------------- */
+
+static int g_journal_fd = -1;   /* the owner's, append only */
+static int g_follow_fd = -1;    /* a child's: the journal it follows */
+static off_t g_follow_off;      /* how much of it the child has applied */
+
+static int journal_path(char *out, size_t cap)
+{
+    const char *ctl = getenv("FAKE_NVML_CONTROL");
+    if (!ctl || !*ctl || (size_t)snprintf(out, cap, "%s.journal", ctl) >= cap)
+        return -1;
+    return 0;
+}
+
+/*
+ * The command as a child must run it (caller holds g_lock): a GPU given by
+ * index in the owner's enumeration, which a child's need not match, by UUID.
+ * Writes line to out unchanged where there is nothing to resolve.
+ */
+static void canonical_command(const char *line, char *out, size_t cap)
+{
+    char copy[65536], *tok[64];
+    const char *uuid[3] = {NULL, NULL, NULL};
+    size_t off[3] = {0, 0, 0}, len[3] = {0, 0, 0}, at = 0;
+    int n, i, last = 1;
+    long idx;
+    snprintf(out, cap, "%s", line);
+    if (strlen(line) >= sizeof copy || strchr(line, '"'))
+        return;   /* quotes move the tokens: only add lines have them, and they name no GPU */
+    memcpy(copy, line, strlen(line) + 1);
+    n = tokenize(copy, tok, 64);
+    if (n < 2)
+        return;
+    if (!strcmp(tok[0], "link"))
+        last = 2;
+    else if (!takes_gpu(tok[0]) && strcmp(tok[0], "latency") && strcmp(tok[0], "block") && strcmp(tok[0], "release"))
+        return;
+    for (i = 1; i <= last && i < n; i++)
+        if (parse_int(tok[i], 0, MAX_GPUS - 1, &idx) == 0 && idx < g_count) {
+            uuid[i] = g_devs[g_order[idx]].uuid;
+            off[i] = (size_t)(tok[i] - copy);
+            len[i] = strlen(tok[i]);
+        }
+    if (!uuid[1] && !uuid[2])
+        return;
+    out[0] = 0;
+    for (i = 1; i <= 2; i++)
+        if (uuid[i]) {
+            snprintf(out + strlen(out), cap - strlen(out), "%.*s%s", (int)(off[i] - at), line + at, uuid[i]);
+            at = off[i] + len[i];
+        }
+    snprintf(out + strlen(out), cap - strlen(out), "%s", line + at);
+}
+
+/* The owner: a command that changed state, for its children (caller holds g_lock). */
+static void journal_write(const char *command, const char *reply)
+{
+    char cmd[32] = "", entry[65600];
+    int k;
+    if (g_journal_fd < 0 || strncmp(reply, "ok", 2))
+        return;
+    sscanf(command, "%31s", cmd);
+    if (!strcmp(cmd, "ping") || !strcmp(cmd, "state") || !strcmp(cmd, "calls"))
+        return;
+    /* An add names its GPU as the owner made it: a child's free slots, and so its default UUID, differ. */
+    if (!strcmp(cmd, "add") && !strstr(command, " uuid=") && !strncmp(reply, "ok pending ", 11))
+        k = snprintf(entry, sizeof entry, "%s uuid=%s\n", command, reply + 11);
+    else
+        k = snprintf(entry, sizeof entry, "%s\n", command);
+    if (k > 0 && (size_t)k < sizeof entry && write(g_journal_fd, entry, (size_t)k) != k)
+        fprintf(stderr, "fakenvml: journal: %s\n", strerror(errno));
+}
+
+/* The owner, once its socket is bound: a journal of its own from now. */
+static void journal_start(void)
+{
+    char path[PATH_MAX], head[40];
+    int k;
+    if (journal_path(path, sizeof path))
+        return;
+    g_journal_fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+    if (g_journal_fd < 0) {
+        fprintf(stderr, "fakenvml: journal %s: %s\n", path, strerror(errno));
+        return;
+    }
+    k = snprintf(head, sizeof head, "owner %d\n", (int)getpid());
+    if (write(g_journal_fd, head, (size_t)k) != k)
+        fprintf(stderr, "fakenvml: journal %s: %s\n", path, strerror(errno));
+}
+
+/* A child: the journal's lines it has not applied yet, whole lines only (caller holds g_lock, g_loaded). */
+static void follow_apply(void)
+{
+    static char buf[1 << 17], reply[65536];
+    for (;;) {
+        ssize_t n = pread(g_follow_fd, buf, sizeof buf - 1, g_follow_off);
+        char *line = buf, *nl;
+        if (n <= 0)
+            return;
+        buf[n] = 0;
+        while ((nl = strchr(line, '\n'))) {
+            size_t used = (size_t)(nl - line) + 1;
+            *nl = 0;
+            ctl_command(line, reply, sizeof reply);
+            if (strncmp(reply, "ok", 2))
+                fprintf(stderr, "fakenvml: following the journal: %s\n", reply);
+            g_follow_off += (off_t)used;
+            line = nl + 1;
+        }
+        if (line == buf)
+            return;   /* a line still being written */
+    }
+}
+
+static void *follow_main(void *arg)
+{
+    int ifd = (int)(intptr_t)arg;
+    char events[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    for (;;) {
+        if (read(ifd, events, sizeof events) < 0 && errno != EINTR)
+            return NULL;
+        pthread_mutex_lock(&g_lock);
+        if (g_loaded)   /* else the first nvmlInit applies it all */
+            follow_apply();
+        pthread_mutex_unlock(&g_lock);
+    }
+}
+
+/* Follow the journal if our parent owns it; 0: following (no control socket for us). */
+static int follow_start(void)
+{
+    char path[PATH_MAX], head[40] = "";
+    ssize_t n;
+    long owner;
+    int fd, ifd;
+    pthread_attr_t attr;
+    pthread_t th;
+    sigset_t all, old;
+    if (journal_path(path, sizeof path) || (fd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+        return -1;
+    n = read(fd, head, sizeof head - 1);
+    head[n > 0 ? n : 0] = 0;
+    if (sscanf(head, "owner %ld", &owner) != 1 || owner != (long)getppid() || !strchr(head, '\n')) {
+        close(fd);
+        return -1;
+    }
+    /* Watched before the first read, so that no line written in between goes unseen. */
+    ifd = inotify_init1(IN_CLOEXEC);
+    if (ifd < 0 || inotify_add_watch(ifd, path, IN_MODIFY) < 0) {
+        fprintf(stderr, "fakenvml: cannot follow %s: %s\n", path, strerror(errno));
+        if (ifd >= 0)
+            close(ifd);
+        close(fd);
+        return -1;
+    }
+    g_follow_fd = fd;
+    g_follow_off = (off_t)(strchr(head, '\n') - head) + 1;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &attr, follow_main, (void *)(intptr_t)ifd) != 0)
+        fprintf(stderr, "fakenvml: cannot start the journal's thread\n");
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return 0;
+}
+
 static void *ctl_main(void *arg)
 {
     int fd = (int)(intptr_t)arg;
     for (;;) {
-        static char buf[65536], reply[65536];   /* one control thread: a procs line of hundreds */
+        /* One control thread: a procs line of hundreds; a GPU index made a UUID takes room. */
+        static char buf[65536], command[65536 + 128], reply[65536];
         struct sockaddr_un from;
         socklen_t fl = sizeof from;
         struct pollfd p = {fd, POLLIN, 0};
@@ -2674,7 +2866,9 @@ static void *ctl_main(void *arg)
         while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
             buf[--n] = 0;
         pthread_mutex_lock(&g_lock);
+        canonical_command(buf, command, sizeof command);   /* before tokenizing mangles buf */
         ctl_command(buf, reply, sizeof reply);
+        journal_write(command, reply);
         pthread_mutex_unlock(&g_lock);
         /* Unbound senders cannot receive; the fd is non-blocking so a slow client never stalls us. */
         if (fl > (socklen_t)sizeof(sa_family_t))
@@ -2714,6 +2908,7 @@ static void ctl_start(void)
         close(fd);
         return;
     }
+    journal_start();
     /* The host's signals (Python's SIGINT etc.) must land on its own threads. */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -2765,7 +2960,8 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static void once_init(void)
 {
     pthread_atfork(fork_prepare, fork_release, fork_child);
-    ctl_start();
+    if (follow_start())
+        ctl_start();
 }
 
 /* ---- exported: init and system ------------------------------------------------ */
@@ -2779,6 +2975,8 @@ static nvmlReturn_t init_common(void)
         if (load_scenario())
             return done(NVML_ERROR_UNKNOWN);
         g_loaded = 1;
+        if (g_follow_fd >= 0)
+            follow_apply();
     }
     if (g_init_error)
         return done(g_init_error);
