@@ -1,23 +1,29 @@
-"""NVML health events: one thread blocks in nvmlEventSetWait_v2 and hands events to the loop.
+"""NVML health events: a child process waits in nvmlEventSetWait_v2 (`nvml_event_pump`), and a thread
+of ours reads what it tells, makes events of it and hands them to the loop.
 
-The watcher holds one reference on NVML's init count for as long as it runs.
-A rescan that must enumerate GPUs again needs that count at zero, so the
-watcher does not release its reference itself: `hand_over()`, called on the
-thread that will rescan, drops it. The driver's last nvmlShutdown waits for
-the wait in progress to return (an event or its timeout), so a hand-over takes
-up to the wait's length. A stop need not wait: `stop()` leaves the reference
-to the watch's own thread, dropped when its wait returns. A rescan that need
-not enumerate keeps the watch, and `add()`s the GPUs it lacks.
+Why a child: the driver's last nvmlShutdown waits for a wait in progress, and a rescan that must count
+GPUs again (a hot-add, a reset) needs NVML's init count at zero. A wait in the daemon would hold that up
+for the wait's length, and a short wait wakes the daemon all day. The child is killed at once, its NVML
+with it, so a hand-over is immediate and the wait long. What an event means, and the reads it calls for
+(the recovery action, the ECC count), stay here, on the daemon's NVML.
+
+The watch holds one reference on the daemon's init count for those reads, from its start to
+`hand_over()`, called on the thread that uses NVML next: it kills the child and drops the reference. A
+rescan that need not count GPUs again keeps the watch, and `add()`s the GPUs it lacks. A child that ends
+unasked is reported and started again, with backoff, so the daemon never stops watching quietly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
+import queue
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from pathlib import Path
+from typing import IO, Any, Protocol
 
 import pynvml  # type: ignore[import-untyped]
 from tenacity import RetryCallState, Retrying, retry_if_exception_type
@@ -47,14 +53,9 @@ MIG_CONFIG_CHANGE = 0x100
 # What makes a GPU unusable, and MIG layout changes; registered wherever the driver supports it.
 WANTED = XID | DOUBLE_BIT_ECC | FATAL_POISON | GPU_UNAVAILABLE | RECOVERY_ACTION | MIG_CONFIG_CHANGE
 NO_INSTANCE = 0xFFFFFFFF
-# The longest a hand-over (a rescan that counts GPUs again, a reset) waits for the wait in progress, and
-# how often the wait wakes with nothing to do: 40-220 µs of CPU each, by machine (bench/README.md).
-DEFAULT_WAIT_MS = 1000
-
-
-def _address(handle: Any) -> int:
-    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0)
-
+# How often the child's wait wakes with nothing to do. Nothing waits for it: the child is killed.
+DEFAULT_WAIT_MS = 60_000
+PUMP_PROGRAM = Path(__file__).with_name("nvml_event_pump.py")
 
 # Subscribing, and a failing nvmlEventSetWait: jittered, capped at 30 s.
 SUBSCRIBE_BACKOFF = Backoff(first=0.5, maximum=30.0, jitter=True)
@@ -71,6 +72,68 @@ class Watched(Protocol):
     def label(self) -> str: ...
 
 
+class PumpEnded(Exception):
+    """The child process did not start, or ended (or was ended) before it answered."""
+
+
+class EventPump:
+    """The child process that waits on NVML events, and its pipes; spawned at once, so that it starts up
+    while the scan that will need it runs."""
+
+    def __init__(self) -> None:
+        """Raises PumpEnded where it cannot start."""
+        try:
+            # -P: the program's own directory is not put on its path, where a module could shadow the stdlib's.
+            self._process = subprocess.Popen(
+                [sys.executable, "-P", str(PUMP_PROGRAM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+        except OSError as err:
+            raise PumpEnded(f"cannot start the NVML event process: {err}") from err
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._stdin: IO[bytes] = self._process.stdin
+        self._stdout: IO[bytes] = self._process.stdout
+        self._write_lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def send(self, line: str) -> None:
+        """Raises PumpEnded."""
+        try:
+            with self._write_lock:
+                self._stdin.write(line.encode() + b"\n")
+                self._stdin.flush()
+        except (BrokenPipeError, ValueError) as err:
+            raise PumpEnded(f"the NVML event process ({self.pid}) is gone") from err
+
+    def read(self) -> list[str]:
+        """Its next line, split; raises PumpEnded at its end."""
+        line = self._stdout.readline()
+        if not line:
+            raise PumpEnded(f"the NVML event process ({self.pid}) ended: {self._ended()}")
+        return line.decode().split()
+
+    def _ended(self) -> str:
+        try:
+            code = self._process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return "closed its output"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+    def kill(self) -> None:
+        """At once: its NVML, and its wait in progress, end with it."""
+        self._process.kill()
+        self._process.wait()
+        for pipe in (self._stdin, self._stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+# The lines of the child's answer to a subscribe.
+_ANSWERS = frozenset({"subscribed", "lost", "failed", "done", "error"})
+
+
 class NvmlEventWatch:
     def __init__(
         self,
@@ -78,19 +141,20 @@ class NvmlEventWatch:
         emit: Callable[[Event], None],
         wait_ms: int = DEFAULT_WAIT_MS,
         double_bit: DoubleBitCounts | None = None,
+        pump: EventPump | None = None,
     ) -> None:
         self._gpus = tuple(gpus)
         self._emit = emit
         self._wait_ms = wait_ms
         self._double_bit = double_bit or DoubleBitCounts()
-        # Set once subscribed; add() replaces the map whole, so the waiting thread reads one or the other.
-        self._event_set: Any = None
-        self._handles: dict[int, str] = {}
+        self._pump = pump
+        # The answers to add()'s subscribes, handed over by the thread that reads the child; None: it ended.
+        self._answers: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._reading = False
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._holds_ref = False
-        self._exited = False
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
         self.subscriptions: dict[str, int] = {}
 
@@ -101,18 +165,28 @@ class NvmlEventWatch:
 
     @property
     def subscribed(self) -> bool:
-        """It has its event set and waits on it: add() can take more GPUs. (A watch that subscribed no GPU
-        has ended: nothing waits on its set.)"""
-        return self._event_set is not None and not self._stopping.is_set() and self._thread.is_alive()
+        """Its child waits on its events: add() can take more GPUs. (A watch that subscribed no GPU has
+        ended.)"""
+        return self._reading and not self._stopping.is_set() and self._thread.is_alive()
 
     def add(self, gpus: Sequence[Watched]) -> bool:
         """Subscribe more GPUs to the running watch; on the thread that uses NVML. False: it is not subscribed
         (it failed, or was handed over), so only a new watch can take them."""
-        if not self.subscribed:
+        pump = self._pump
+        if not self.subscribed or pump is None:
             return False
-        added = self._subscribe(self._event_set, gpus)
+        try:
+            pump.send(self._subscribe_line(gpus))
+        except PumpEnded:
+            return False
+        answers: list[list[str]] = []
+        while not answers or answers[-1][0] not in ("done", "error"):
+            answer = self._answers.get()
+            if answer is None:
+                return False
+            answers.append(answer)
         self._gpus += tuple(gpus)
-        self._handles = {**self._handles, **added}
+        self._take(answers, gpus)
         return True
 
     def catch_up(self, gpu: Watched) -> None:
@@ -129,23 +203,14 @@ class NvmlEventWatch:
             self._emit(HealthReported(gpu.uuid, f"double-bit ECC error ({missed} counted while no event watch ran)"))
 
     def hand_over(self) -> None:
-        """Stop watching and drop our NVML reference; call on the thread that uses NVML next. Returns once
-        the reference is dropped: up to the wait's length, for the wait in progress to return."""
-        self._drop_reference()
-
-    def stop(self) -> None:
-        """Stop watching without waiting: the watch's thread drops its reference when its wait returns
-        (at once, if the thread has ended). For a stop, where nothing uses NVML next."""
+        """Stop watching: kill the child and drop our NVML reference, at once. Call on the thread that uses
+        NVML next (a stop too: the reads of an event in progress are the only other use)."""
         with self._lock:
-            self._stopping.set()
-            exited = self._exited
-        if exited:
-            self._drop_reference()
-
-    def _drop_reference(self) -> None:
-        with self._lock:
-            self._stopping.set()  # with the swap: the watch's thread never drops a reference taken here
+            self._stopping.set()  # with the swap: the watch's thread never takes a reference after this
             holds, self._holds_ref = self._holds_ref, False
+            pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.kill()
         if holds:
             try:
                 pynvml.nvmlShutdown()
@@ -163,49 +228,100 @@ class NvmlEventWatch:
             log.exception("the NVML event watch failed")
             self._emit(HealthWatchChanged(f"the NVML event watch failed: {err!r}"))
         finally:
+            self._reading = False
+            self._answers.put(None)
             self._subscribed.set()
-            with self._lock:
-                self._exited = True
-                stopped = self._stopping.is_set()
-            if stopped:
-                self._drop_reference()
 
     def _run_watch(self) -> None:
-        retrying = Retrying(
-            wait=SUBSCRIBE_BACKOFF.wait(),
-            retry=retry_if_exception_type(pynvml.NVMLError),
-            sleep=self._sleep,
-            before_sleep=self._subscribe_failed,
-        )
-        for attempt in retrying:
-            with attempt:
-                opened = self._open()
-                if opened is None:
+        """Subscribe, then read the child; a child that ends unasked is reported, and another subscribed."""
+        again = False
+        while True:
+            retrying = Retrying(
+                wait=SUBSCRIBE_BACKOFF.wait(),
+                retry=retry_if_exception_type((pynvml.NVMLError, PumpEnded)),
+                sleep=self._sleep,
+                before_sleep=self._subscribe_failed,
+            )
+            for attempt in retrying:
+                with attempt:
+                    pump = self._open()
+            if pump is None:
+                return
+            self._subscribed.set()
+            if not self.subscriptions:
+                return
+            self._emit(HealthWatchChanged(None))
+            if again:
+                for gpu in self._gpus:  # what the ended child missed
+                    self.catch_up(gpu)
+            self._reading = True
+            try:
+                self._read(pump)
+            except PumpEnded as err:
+                if self._stopping.is_set():
                     return
-                event_set, handles = opened
-        self._handles = handles
-        self._event_set = event_set
-        self._subscribed.set()
-        if not handles:
-            return
-        self._emit(HealthWatchChanged(None))
-        self._watch(event_set)
+                log.error("%s", err)
+                self._emit(HealthWatchChanged(f"{err}; starting another"))
+            finally:
+                self._reading = False
+                self._answers.put(None)
+            with self._lock:
+                if self._pump is pump:
+                    self._pump = None
+            pump.kill()
+            again = True
 
-    def _open(self) -> tuple[Any, dict[int, str]] | None:
-        """None: stopped. Checked with the init, so a hand-over never returns before a reference taken here."""
+    def _open(self) -> EventPump | None:
+        """The child, subscribed to our GPUs. None: stopped. The reference, and the child, are taken under
+        the lock with the check, so a hand-over never returns before what was taken here."""
         with self._lock:
             if self._stopping.is_set():
                 return None
             if not self._holds_ref:
                 pynvml.nvmlInit()
                 self._holds_ref = True
-        event_set = pynvml.nvmlEventSetCreate()
+            if self._pump is None:
+                self._pump = EventPump()
+            pump = self._pump
+        self.subscriptions.clear()
         try:
-            return event_set, self._subscribe(event_set, self._gpus)
-        except pynvml.NVMLError:
-            with contextlib.suppress(pynvml.NVMLError):
-                pynvml.nvmlEventSetFree(event_set)
+            pump.send(self._subscribe_line(self._gpus))
+            answers = [pump.read()]
+            while answers[-1][0] not in ("done", "error"):
+                answers.append(pump.read())
+        except PumpEnded:
+            if self._stopping.is_set():
+                return None
+            with self._lock:
+                if self._pump is pump:
+                    self._pump = None
+            pump.kill()
             raise
+        self._take(answers, self._gpus)
+        return pump
+
+    def _subscribe_line(self, gpus: Sequence[Watched]) -> str:
+        return f"subscribe {WANTED:x} {self._wait_ms} " + " ".join(gpu.uuid for gpu in gpus)
+
+    def _take(self, answers: list[list[str]], gpus: Sequence[Watched]) -> None:
+        """The child's answer to a subscribe of `gpus`; raises NVMLError where NVML did not come up there."""
+        labels = {gpu.uuid: gpu.label for gpu in gpus}
+        for answer in answers:
+            match answer:
+                case ["error", code]:
+                    raise pynvml.NVMLError(int(code))
+                case ["subscribed", uuid, mask]:
+                    self.subscriptions[uuid] = int(mask, 16)
+                    if not int(mask, 16) & XID:
+                        log.warning("%s: the driver reports no XID events for it; its faults go unseen", labels[uuid])
+                    log.debug("%s: subscribed to NVML events 0x%s", labels[uuid], mask)
+                case ["lost", uuid, code]:
+                    err = pynvml.NVMLError(int(code))
+                    self._emit(HealthReported(uuid, f"GPU is lost: {err}", Clears.PROBE, Fault.LOST))
+                case ["failed", uuid, code]:
+                    log.error("%s: cannot subscribe to health events: %s", labels[uuid], pynvml.NVMLError(int(code)))
+                case _:
+                    pass
 
     def _subscribe_failed(self, state: RetryCallState) -> None:
         """Say so, and let start() return: the retries go on in the background."""
@@ -215,52 +331,30 @@ class NvmlEventWatch:
         self._emit(HealthWatchChanged(f"cannot subscribe to NVML events: {err}; retry in {delay:.1f}s"))
         self._subscribed.set()
 
-    def _subscribe(self, event_set: Any, gpus: Sequence[Watched]) -> dict[int, str]:
-        handles: dict[int, str] = {}
-        for gpu in gpus:
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
-                supported = self._supported(handle)
-                mask = supported & WANTED
-                if mask:
-                    pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
-            except pynvml.NVMLError as err:
-                if err.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                    self._emit(HealthReported(gpu.uuid, f"GPU is lost: {err}", Clears.PROBE, Fault.LOST))
-                else:
-                    log.error("%s: cannot subscribe to health events: %s", gpu.label, err)
-                continue
-            self.subscriptions[gpu.uuid] = mask
-            handles[_address(handle)] = gpu.uuid
-            if not mask & XID:
-                log.warning("%s: the driver reports no XID events for it; its faults go unseen", gpu.label)
-            log.debug("%s: subscribed to NVML events 0x%x", gpu.label, mask)
-        return handles
-
-    @staticmethod
-    def _supported(handle: Any) -> int:
-        try:
-            return int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
-        except pynvml.NVMLError as err:
-            if err.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-                return 0
-            raise
-
-    def _watch(self, event_set: Any) -> None:
+    def _read(self, pump: EventPump) -> None:
+        """What the child tells, until it ends; raises PumpEnded."""
         while not self._stopping.is_set():
-            try:
-                data = pynvml.nvmlEventSetWait_v2(event_set, self._wait_ms)
-            except pynvml.NVMLError as err:
-                if self._stopping.is_set():
-                    return  # hand_over() shut NVML down under us, as intended
-                if err.value != pynvml.NVML_ERROR_TIMEOUT:
-                    self._recover(event_set, err)
-                continue
-            self._dispatch(data)
+            line = self._next(pump)
+            match line:
+                case ["event", uuid, kind, data, gi, ci]:
+                    self._dispatch(uuid, int(kind, 16), int(data), int(gi), int(ci))
+                case ["wait_error", code]:
+                    self._recover(pump, int(code))
+                case _:
+                    log.warning("the NVML event process said %r", " ".join(line))
 
-    def _recover(self, event_set: Any, first: Exception) -> None:
-        """The wait itself fails: report it, and retry with backoff until it works again."""
-        self._emit(HealthWatchChanged(f"nvmlEventSetWait failed: {first}; retrying with backoff"))
+    def _next(self, pump: EventPump) -> list[str]:
+        """The child's next line but the answers to add(), which go to add()."""
+        while True:
+            line = pump.read()
+            if line and line[0] in _ANSWERS:
+                self._answers.put(line)
+            elif line:
+                return line
+
+    def _recover(self, pump: EventPump, first: int) -> None:
+        """The wait itself fails: report it, and have the child retry with backoff until it works again."""
+        self._emit(HealthWatchChanged(f"nvmlEventSetWait failed: {pynvml.NVMLError(first)}; retrying with backoff"))
         retrying = Retrying(
             wait=WAIT_BACKOFF.wait(),
             retry=retry_if_exception_type(pynvml.NVMLError),
@@ -268,45 +362,35 @@ class NvmlEventWatch:
             before_sleep=_log_retry,
             reraise=True,
         )
-        data = None
         try:
             for attempt in retrying:
                 with attempt:
                     if self._stopping.is_set():
                         return
-                    data = self._wait_once(event_set)
+                    pump.send("resume")
+                    match self._next(pump):
+                        case ["wait_error", code]:
+                            raise pynvml.NVMLError(int(code))
+                        case _:
+                            pass
         except pynvml.NVMLError:
             return
         self._emit(HealthWatchChanged(None))
-        if data is not None:
-            self._dispatch(data)
 
     def _sleep(self, seconds: float) -> None:
         self._stopping.wait(seconds)
 
-    @staticmethod
-    def _wait_once(event_set: Any) -> Any:
-        """A zero-timeout wait: an event, or None when the wait works but nothing came."""
-        try:
-            return pynvml.nvmlEventSetWait_v2(event_set, 0)
-        except pynvml.NVMLError as err:
-            if err.value == pynvml.NVML_ERROR_TIMEOUT:
-                return None
-            raise
-
-    def _dispatch(self, data: Any) -> None:
-        uuid = self._handles.get(_address(data.device))
-        if uuid is None:
-            log.warning("NVML event 0x%x for a device we did not subscribe", data.eventType)
+    def _dispatch(self, uuid: str, kind: int, payload: int, gi: int, ci: int) -> None:
+        if uuid not in self.subscriptions:
+            log.warning("NVML event 0x%x for a device we did not subscribe", kind)
             return
-        kind, payload = int(data.eventType), int(data.eventData)
         if kind & XID:
-            gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
             self._emit(XidOccurred(uuid, payload, None if gi == NO_INSTANCE else gi, None if ci == NO_INSTANCE else ci))
             if payload in READS_RECOVERY_ACTION:
-                self._emit_recovery_action(data.device, uuid, None)
+                self._emit_recovery_action(uuid, None)
         elif kind & DOUBLE_BIT_ECC:
-            if self._double_bit.confirm(data.device, uuid):
+            handle = _handle(uuid)
+            if handle is None or self._double_bit.confirm(handle, uuid):
                 self._emit(HealthReported(uuid, "double-bit ECC error"))
             else:
                 log.info("%s: double-bit ECC event already reported from its count", uuid)
@@ -315,18 +399,27 @@ class NvmlEventWatch:
         elif kind & GPU_UNAVAILABLE:
             self._emit(HealthReported(uuid, "GPU unavailable (NVML event)", Clears.PROBE, Fault.LOST))
         elif kind & RECOVERY_ACTION:
-            self._emit_recovery_action(data.device, uuid, payload)
+            self._emit_recovery_action(uuid, payload)
         elif kind & MIG_CONFIG_CHANGE:
             self._emit(MigConfigChanged(uuid))
 
-    def _emit_recovery_action(self, handle: Any, uuid: str, fallback: int | None) -> None:
+    def _emit_recovery_action(self, uuid: str, fallback: int | None) -> None:
         try:
-            action = recovery_action(handle)
+            action = recovery_action(pynvml.nvmlDeviceGetHandleByUUID(uuid))
         except pynvml.NVMLError as err:
             log.warning("%s: recovery action unreadable: %s", uuid, err)
             action = fallback
         if action is not None:
             self._emit(RecoveryActionChanged(uuid, action))
+
+
+def _handle(uuid: str) -> Any:
+    """Our own handle of the GPU an event named; None where NVML cannot give it (a lost GPU)."""
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except pynvml.NVMLError as err:
+        log.warning("%s: no handle for its event's reads: %s", uuid, err)
+        return None
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -8,6 +8,7 @@ a hung driver is reported and never waited on (see nvplug/nvml/nvml_calls.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import subprocess
@@ -28,7 +29,7 @@ from nvplug.nvml.nvml_errors import NvmlHung, NvmlUnavailable
 from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import Enumerated, Nvml
-from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, NvmlEventWatch
+from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, EventPump, NvmlEventWatch, PumpEnded
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,8 @@ class Scanner:
         scan beside the running watch, which takes only the GPUs it lacks.
 
         None: the scan hung, or waits for a hung call (published as NvmlCallHung); scan again once clear."""
-        # One that counts the GPUs again first hands the watch over, which waits out the watch's wait in
-        # progress (up to wait_ms): not a hang, so not on the call's deadline.
-        deadline = self.calls.deadline + self._wait_ms / 1000 if recount else 0.0
         try:
-            result = await self.calls.run("scan", None, self._scan_blocking, recount, deadline=deadline)
+            result = await self.calls.run("scan", None, self._scan_blocking, recount)
         except NvmlHung as err:
             log.warning("no scan now: %s", err)
             return None
@@ -224,17 +222,10 @@ class Scanner:
         if self._resubscribe is not None:
             self._resubscribe.cancel()
         try:
-            await self.calls.run("stop of the event watch", None, self._stop_watch)
+            await self.calls.run("stop of the event watch", None, self._release_watch)
         except NvmlHung as err:
             log.warning("stopping with the NVML event watch held: %s", err)
         self.calls.shutdown()
-
-    def _stop_watch(self) -> None:
-        """Without waiting for the watch's NVML reference (the driver's last nvmlShutdown waits out the wait
-        in progress): nothing uses NVML after a stop."""
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
 
     def _release_watch(self) -> None:
         """On the worker, like every other use of the watch."""
@@ -245,17 +236,25 @@ class Scanner:
     def _scan_blocking(self, recount: bool) -> InventoryFound | NvmlFailed:
         recount = recount or self._watch is None or not self._watch.subscribed
         held = None
+        pump: list[EventPump] = []
         if recount:
             # Until the GPUs are counted: _watch_from_here lets the reads go on.
             held = self.sessions.take_alone()
             self._release_watch()
+            # The new watch's child starts up while the scan counts the GPUs (else the watch starts one).
+            with contextlib.suppress(PumpEnded):
+                pump.append(EventPump())
         self.scans += 1
         try:
-            scan = self._nvml.scan(functools.partial(self._watch_from_here, held) if recount else self._watch_more)
+            scan = self._nvml.scan(
+                functools.partial(self._watch_from_here, held, pump) if recount else self._watch_more
+            )
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
         finally:
             self.sessions.release_alone(held)
+            for unused in pump:
+                unused.kill()
         found = scan.discovery
         for note in found.absent:
             log.info("%s", note)
@@ -275,14 +274,15 @@ class Scanner:
             found.cuda_version,
         )
 
-    def _watch_from_here(self, held: object, gpus: Sequence[Enumerated]) -> None:
+    def _watch_from_here(self, held: object, pump: list[EventPump], gpus: Sequence[Enumerated]) -> None:
         """The new watch, subscribed as soon as the scan has named the GPUs (it re-enumerated at init count
         zero): before the result is published, so no XID slips past an advertised GPU, and before any call
         that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits.
-        `held`: the scan's hold on NVML alone, let go here, now that the GPUs are counted."""
+        `held`: the scan's hold on NVML alone, let go here, now that the GPUs are counted; `pump`: the
+        child started for the watch, taken from the list by it."""
         self.sessions.release_alone(held)
         if gpus:
-            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit)
+            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit, pump.pop() if pump else None)
             watch.start()
             self._watch = watch
             self._catch_up(gpus)
