@@ -110,13 +110,11 @@ def main() -> int:
     gaps, waits = sorted(float(g) for g in rest[:bar]), sorted(float(w) for w in rest[bar + 1 :])
     p95 = gaps[int(0.95 * (len(gaps) - 1))]
     print(
-        f"rescans that count the GPUs again: hand-over gap over {len(gaps)} (8 GPUs): median "
-        f"{statistics.median(gaps):.2f} ms, p95 {p95:.2f} ms, max {gaps[-1]:.2f} ms"
+        f"rescans that count the GPUs again: hand-over gap over {len(gaps)} (8 GPUs; below 0: the old watch "
+        f"was handed over after the new one subscribed, no gap): median {statistics.median(gaps):.2f} ms, "
+        f"p95 {p95:.2f} ms, max {gaps[-1]:.2f} ms"
     )
-    print(
-        f"the hand-over's wait for the old watch's wait to return: median {statistics.median(waits):.0f} ms, "
-        f"max {waits[-1]:.0f} ms"
-    )
+    print(f"the hand-over itself: median {statistics.median(waits):.1f} ms, max {waits[-1]:.1f} ms")
     print(f"rescans that need not: {kept} hand-overs in {args.rescans} (no gap where 0)")
     return 0
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 
 import pytest
+from support.waiting import wait_until
 from test_faults import NEW_GPU, NEW_UUID
 from test_telemetry import serving as serving_with
 
@@ -117,14 +120,15 @@ def test_a_rescan_that_need_not_count_the_gpus_keeps_the_watch(node: SimulatedNo
 
 @contextlib.contextmanager
 def no_watch(node: SimulatedNode, gpus: list[dict[str, str]]) -> Iterator[None]:
-    """A rescan that counts the GPUs again (a udev bind), held after the old watch is handed over and
-    before the new one subscribes: no process has an event set then (the old watch's has been killed, the
-    new one's is asked to subscribe once the GPUs are counted)."""
+    """A rescan that counts the GPUs again (a udev bind), held before the new watch subscribes, while the
+    old watch's child, which listens until then, has died: no process has an event set."""
+    assert node.daemon is not None
     watching = event_process(node)
     with node.control.blocked("*", COUNT_CALL):
         node.send_uevent(pci_event("bind", str(gpus[0]["bus"]).lower()))
         node.control.wait_blocked(1)
-        assert watching not in child_pids(node.daemon.pid if node.daemon else 0), "the old watch still runs"
+        os.kill(watching, signal.SIGKILL)
+        wait_until(lambda: watching not in child_pids(node.daemon.pid), TIMEOUT, "the old watch's child gone")
         yield
 
 

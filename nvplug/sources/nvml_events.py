@@ -104,13 +104,17 @@ class EventPump:
             with self._write_lock:
                 self._stdin.write(line.encode() + b"\n")
                 self._stdin.flush()
-        except (BrokenPipeError, ValueError) as err:
+        except (OSError, ValueError) as err:  # ValueError: killed, its pipes closed
             raise PumpEnded(f"the NVML event process ({self.pid}) is gone") from err
 
     def read(self) -> list[str]:
         """Its next line, split; raises PumpEnded at its end."""
-        line = self._stdout.readline()
+        try:
+            line = self._stdout.readline()
+        except (OSError, ValueError) as err:
+            raise PumpEnded(f"the NVML event process ({self.pid}) is gone") from err
         if not line:
+            self._stdout.close()
             raise PumpEnded(f"the NVML event process ({self.pid}) ended: {self._ended()}")
         return line.decode().split()
 
@@ -122,12 +126,12 @@ class EventPump:
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
     def kill(self) -> None:
-        """At once: its NVML, and its wait in progress, end with it."""
+        """At once: its NVML, and its wait in progress, end with it. What it wrote before stays to be
+        read, to the end of its output."""
         self._process.kill()
         self._process.wait()
-        for pipe in (self._stdin, self._stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
+        with contextlib.suppress(OSError):
+            self._stdin.close()
 
 
 # The lines of the child's answer to a subscribe.
@@ -152,6 +156,8 @@ class NvmlEventWatch:
         self._answers: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         self._reading = False
         self._stopping = threading.Event()
+        # let_go(): our reference is dropped, the child listens on until hand_over(), none replaces it.
+        self._retiring = threading.Event()
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._holds_ref = False
@@ -167,7 +173,7 @@ class NvmlEventWatch:
     def subscribed(self) -> bool:
         """Its child waits on its events: add() can take more GPUs. (A watch that subscribed no GPU has
         ended.)"""
-        return self._reading and not self._stopping.is_set() and self._thread.is_alive()
+        return self._reading and not self._retiring.is_set() and not self._stopping.is_set() and self._thread.is_alive()
 
     def add(self, gpus: Sequence[Watched]) -> bool:
         """Subscribe more GPUs to the running watch; on the thread that uses NVML. False: it is not subscribed
@@ -202,15 +208,30 @@ class NvmlEventWatch:
             log.warning("%s: %d double-bit ECC errors counted while no event watch ran", gpu.label, missed)
             self._emit(HealthReported(gpu.uuid, f"double-bit ECC error ({missed} counted while no event watch ran)"))
 
-    def hand_over(self) -> None:
-        """Stop watching: kill the child and drop our NVML reference, at once. Call on the thread that uses
-        NVML next (a stop too: the reads of an event in progress are the only other use)."""
+    def let_go(self) -> None:
+        """Drop our NVML reference, so that NVML can count the GPUs again, and keep the child listening
+        until hand_over(), once the next watch has subscribed: no event falls between the two (one may be
+        told by both). Our reads for an event meanwhile may find NVML's count at zero; the event is
+        reported without them. Call on the thread that uses NVML next."""
         with self._lock:
-            self._stopping.set()  # with the swap: the watch's thread never takes a reference after this
+            self._retiring.set()  # with the swap: no child, and no reference, is taken after this
+            holds, self._holds_ref = self._holds_ref, False
+        self._shutdown(holds)
+
+    def hand_over(self) -> None:
+        """Stop watching: kill the child and drop our NVML reference, at once; what the child told before
+        its end is still reported. Call on the thread that uses NVML next (a stop too: the reads of an
+        event in progress are the only other use)."""
+        with self._lock:
+            self._stopping.set()
             holds, self._holds_ref = self._holds_ref, False
             pump, self._pump = self._pump, None
         if pump is not None:
             pump.kill()
+        self._shutdown(holds)
+
+    @staticmethod
+    def _shutdown(holds: bool) -> None:
         if holds:
             try:
                 pynvml.nvmlShutdown()
@@ -258,7 +279,7 @@ class NvmlEventWatch:
             try:
                 self._read(pump)
             except PumpEnded as err:
-                if self._stopping.is_set():
+                if self._stopping.is_set() or self._retiring.is_set():
                     return
                 log.error("%s", err)
                 self._emit(HealthWatchChanged(f"{err}; starting another"))
@@ -275,7 +296,7 @@ class NvmlEventWatch:
         """The child, subscribed to our GPUs. None: stopped. The reference, and the child, are taken under
         the lock with the check, so a hand-over never returns before what was taken here."""
         with self._lock:
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._retiring.is_set():
                 return None
             if not self._holds_ref:
                 pynvml.nvmlInit()
@@ -332,8 +353,9 @@ class NvmlEventWatch:
         self._subscribed.set()
 
     def _read(self, pump: EventPump) -> None:
-        """What the child tells, until it ends; raises PumpEnded."""
-        while not self._stopping.is_set():
+        """What the child tells, until it ends (killed too: what it told before is told on); raises
+        PumpEnded."""
+        while True:
             line = self._next(pump)
             match line:
                 case ["event", uuid, kind, data, gi, ci]:

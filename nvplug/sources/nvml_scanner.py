@@ -237,17 +237,22 @@ class Scanner:
         recount = recount or self._watch is None or not self._watch.subscribed
         held = None
         pump: list[EventPump] = []
+        old: list[NvmlEventWatch] = []
         if recount:
             # Until the GPUs are counted: _watch_from_here lets the reads go on.
             held = self.sessions.take_alone()
-            self._release_watch()
+            # The old watch's child listens on while the GPUs are counted, until the new one has subscribed.
+            if self._watch is not None:
+                self._watch.let_go()
+                old.append(self._watch)
+                self._watch = None
             # The new watch's child starts up while the scan counts the GPUs (else the watch starts one).
             with contextlib.suppress(PumpEnded):
                 pump.append(EventPump())
         self.scans += 1
         try:
             scan = self._nvml.scan(
-                functools.partial(self._watch_from_here, held, pump) if recount else self._watch_more
+                functools.partial(self._watch_from_here, held, pump, old) if recount else self._watch_more
             )
         except NvmlUnavailable as err:
             return NvmlFailed(str(err))
@@ -255,6 +260,8 @@ class Scanner:
             self.sessions.release_alone(held)
             for unused in pump:
                 unused.kill()
+            for left in old:  # where no new watch took over
+                left.hand_over()
         found = scan.discovery
         for note in found.absent:
             log.info("%s", note)
@@ -274,17 +281,23 @@ class Scanner:
             found.cuda_version,
         )
 
-    def _watch_from_here(self, held: object, pump: list[EventPump], gpus: Sequence[Enumerated]) -> None:
+    def _watch_from_here(
+        self, held: object, pump: list[EventPump], old: list[NvmlEventWatch], gpus: Sequence[Enumerated]
+    ) -> None:
         """The new watch, subscribed as soon as the scan has named the GPUs (it re-enumerated at init count
         zero): before the result is published, so no XID slips past an advertised GPU, and before any call
         that reads one GPU, so one whose calls hang leaves the others' events flowing while the scan waits.
         `held`: the scan's hold on NVML alone, let go here, now that the GPUs are counted; `pump`: the
-        child started for the watch, taken from the list by it."""
+        child started for the watch, and `old` the watch before, whose child listened until now: each taken
+        from its list here."""
         self.sessions.release_alone(held)
         if gpus:
             watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit, pump.pop() if pump else None)
             watch.start()
             self._watch = watch
+            for before in old:
+                before.hand_over()
+            old.clear()
             self._catch_up(gpus)
 
     def _watch_more(self, gpus: Sequence[Enumerated]) -> None:
