@@ -7,10 +7,12 @@ for the wait's length, and a short wait wakes the daemon all day. The child is k
 with it, so a hand-over is immediate and the wait long. What an event means, and the reads it calls for
 (the recovery action, the ECC count), stay here, on the daemon's NVML.
 
-The watch holds one reference on the daemon's init count for those reads, from its start to
-`hand_over()`, called on the thread that uses NVML next: it kills the child and drops the reference. A
-rescan that need not count GPUs again keeps the watch, and `add()`s the GPUs it lacks. A child that ends
-unasked is reported and started again, with backoff, so the daemon never stops watching quietly.
+The watch holds one reference on the daemon's init count for those reads. A rescan that must count GPUs
+again calls `let_go()`: the reference goes at once, and the child listens on until the new watch has
+subscribed and `hand_over()` kills it, so that no event falls between the two. A reset, or a stop, calls
+`hand_over()` alone. A rescan that need not count GPUs again keeps the watch, and `add()`s the GPUs it
+lacks. A child that ends unasked is reported and started again, with backoff, so the daemon never stops
+watching quietly.
 """
 
 from __future__ import annotations
@@ -83,9 +85,10 @@ class EventPump:
     def __init__(self) -> None:
         """Raises PumpEnded where it cannot start."""
         try:
-            # -P: the program's own directory is not put on its path, where a module could shadow the stdlib's.
+            # -S: it needs the standard library alone, and starts faster without site's; -P: its own
+            # directory is not put on its path, where a module could shadow the stdlib's.
             self._process = subprocess.Popen(
-                [sys.executable, "-P", str(PUMP_PROGRAM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+                [sys.executable, "-S", "-P", str(PUMP_PROGRAM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
             )
         except OSError as err:
             raise PumpEnded(f"cannot start the NVML event process: {err}") from err
