@@ -466,7 +466,7 @@ def main() -> int:
             f"{'RSS':<20} {rss_idle:.1f} MiB idle, {rss_busy:.1f} MiB after the runs  "
             f"target <= 55 MB (ratio {rss_busy / 55:5.2f})  NVIDIA: 25 MB"
         )
-        print(f"{'  its event process':<20} {rss_child:.1f} MiB more (an interpreter with pynvml)")
+        print(f"{'  its event process':<20} {rss_child:.1f} MiB more (an interpreter, its NVML through ctypes)")
     return 0
 
 

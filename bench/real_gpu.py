@@ -3,9 +3,10 @@
 
 Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
 it found, how a GPU's telemetry reads go alone and side by side, what a scrape
-of the GPUs' telemetry takes, and how long a stop takes (the driver's last
-nvmlShutdown waits for the event wait in progress); it changes nothing on the
-GPUs.
+of the GPUs' telemetry takes, how long a rescan that counts the GPUs again
+takes (a udev bind, as root: the daemon's NVML goes to init count zero while
+its event process listens on, then a new one takes over) and how long a stop
+takes; it changes nothing on the GPUs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
 from nvplug.sources.nvml_events import WANTED
 from nvplug.sources.nvml_telemetry import Window, read_gpu, release
 from nvplug.status import status_client
+from nvplug.testing.process_tree import child_pids
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
+from nvplug.testing.udev_sender import pci_event
 
 EVENT_NAMES = {
     0x1: "SingleBitEccError",
@@ -50,7 +53,8 @@ def names(mask: int) -> str:
     return ", ".join(n for bit, n in EVENT_NAMES.items() if mask & bit) or "none"
 
 
-def discovery() -> list[str]:
+def discovery() -> list[tuple[str, str]]:
+    """The GPUs' UUIDs and PCI bus ids."""
     started = time.monotonic()
     scan = Nvml().scan()
     took = time.monotonic() - started
@@ -78,7 +82,7 @@ def discovery() -> list[str]:
                 print(f"   gpu {gpu.index}: recovery action (field 230): {recovery_action(handle)}")
             except pynvml.NVMLError as err:
                 print(f"   gpu {gpu.index}: recovery action (field 230): {err}")
-    return [g.uuid for g in found.gpus]
+    return [(g.uuid, g.bus_id) for g in found.gpus]
 
 
 def side_by_side(uuid: str, reads: int = 20) -> None:
@@ -116,7 +120,7 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
             )
 
 
-def daemon(uuids: list[str]) -> None:
+def daemon(uuids: list[str], bus: str) -> None:
     root = Path(tempfile.mkdtemp(prefix="nvr-", dir="/tmp"))
     try:
         with SimulatedNode(root) as node:
@@ -137,12 +141,27 @@ def daemon(uuids: list[str]) -> None:
             for spec in response.devices:
                 print(f"   device {spec.container_path} <- {spec.host_path} ({spec.permissions})")
             scrapes(node)
+            if os.geteuid() == 0:
+                recount(node, bus)
             started = time.monotonic()
             code = node.stop_daemon(signal.SIGTERM)
             print(f"== daemon stopped with status {code} in {time.monotonic() - started:.2f} s; its log:")
             print(node.log_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def recount(node: SimulatedNode, bus: str) -> None:
+    """A udev bind: a rescan that counts the GPUs again, and the event process it replaces."""
+    assert node.daemon is not None
+    before = child_pids(node.daemon.pid)
+    offset = len(node.log_text())
+    began = time.monotonic()
+    node.send_uevent(pci_event("bind", bus.lower()))
+    node.wait_log(" GPUs (driver", timeout=60, after=offset)
+    took = time.monotonic() - began
+    after = child_pids(node.daemon.pid)
+    print(f"== udev bind of {bus}: rescanned in {took * 1000:.0f} ms; event process {before} -> {after}")
 
 
 def scrapes(node: SimulatedNode, count: int = 5) -> None:
@@ -165,15 +184,16 @@ def scrapes(node: SimulatedNode, count: int = 5) -> None:
 def main() -> int:
     print(f"== host: {os.uname().sysname} {os.uname().release}, uid {os.geteuid()}")
     try:
-        uuids = discovery()
+        found = discovery()
     except NvmlUnavailable as err:
         print(f"== NVML unavailable: {err}")
         return 1
-    if not uuids:
+    if not found:
         print("== no GPUs: nothing more to check")
         return 1
+    uuids = [uuid for uuid, _ in found]
     side_by_side(uuids[0])
-    daemon(uuids)
+    daemon(uuids, found[0][1])
     return 0
 
 

@@ -463,6 +463,9 @@ def test_reload_keeps_the_stream_and_applies_the_config(node: Node) -> None:
     # XID 13 is an application error: harmless under the default policy.
     node.control.xid(0, 13)
     node.ctr.wait_journal(UNIT, "xid, stays healthy", "-o", "cat", timeout=TIMEOUT)
+    # It came through the NVML event process: the daemon's child, in the unit's cgroup, under its sandbox.
+    status = node.ctr.run("systemctl", "status", "--no-pager", "--full", UNIT).stdout
+    assert "nvml_event_pump.py" in status, status
     now = node.kubelet.plugin(GPU_RESOURCE)
     assert now is not None and now.devices[gpu0].healthy, f"XID 13 took {gpu0} down by default\n{node.diagnose()}"
 
