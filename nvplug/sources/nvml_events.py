@@ -272,7 +272,8 @@ class NvmlEventWatch:
             if pump is None:
                 return
             self._subscribed.set()
-            if not self.subscriptions:
+            if not self.subscriptions:  # the watch has ended: nothing for its child to wait on
+                self._end(pump)
                 return
             self._emit(HealthWatchChanged(None))
             if again:
@@ -289,10 +290,7 @@ class NvmlEventWatch:
             finally:
                 self._reading = False
                 self._answers.put(None)
-            with self._lock:
-                if self._pump is pump:
-                    self._pump = None
-            pump.kill()
+            self._end(pump)
             again = True
 
     def _open(self) -> EventPump | None:
@@ -316,13 +314,17 @@ class NvmlEventWatch:
         except PumpEnded:
             if self._stopping.is_set():
                 return None
-            with self._lock:
-                if self._pump is pump:
-                    self._pump = None
-            pump.kill()
+            self._end(pump)
             raise
         self._take(answers, self._gpus)
         return pump
+
+    def _end(self, pump: EventPump) -> None:
+        """A child of ours that is no use any more; a hand-over may have taken it already."""
+        with self._lock:
+            if self._pump is pump:
+                self._pump = None
+        pump.kill()
 
     def _subscribe_line(self, gpus: Sequence[Watched]) -> str:
         return f"subscribe {WANTED:x} {self._wait_ms} " + " ".join(gpu.uuid for gpu in gpus)
