@@ -148,6 +148,23 @@ def test_an_ecc_error_while_no_watch_runs_is_reported_once_from_the_count(node: 
     node.kubelet.wait_for(device_health(str(gpus[5]["uuid"]), False), TIMEOUT)
 
 
+def test_an_xid_while_a_rescan_counts_the_gpus_is_told_by_the_old_watch_s_child(node: SimulatedNode) -> None:
+    """The old watch's child listens until the new watch has subscribed: an XID that only NVML tells (no
+    kernel log line), while the rescan is held before it counts the GPUs, is not lost."""
+    gpus = serving(node)
+    assert node.daemon is not None
+    uuid = str(gpus[5]["uuid"])
+    watching = event_process(node)
+    with node.control.blocked("*", COUNT_CALL):
+        node.send_uevent(pci_event("bind", str(gpus[0]["bus"]).lower()))
+        node.control.wait_blocked(1)
+        node.control.xid(5, 79)
+        node.kubelet.wait_for(device_health(uuid, False), TIMEOUT)
+        assert watching in child_pids(node.daemon.pid), "not the old watch's child that told it"
+    node.wait_log("scan 2:")
+    assert watching not in child_pids(node.daemon.pid), "the old watch's child outlived the new watch"
+
+
 def test_an_xid_while_no_watch_runs_counts_once_from_the_kernel_log(node: SimulatedNode) -> None:
     gpus = serving(node)
     uuid, bus = str(gpus[5]["uuid"]), str(gpus[5]["bus"]).lower()
