@@ -37,7 +37,7 @@ pid = watch._pump.pid
 
 def watching(body: str) -> str:
     """`body` run once GPU 0 is subscribed, its child waiting 60 s a wait."""
-    return f"UUID = {GPUS[0]['uuid']!r}\n" + WATCH + textwrap.dedent(body)
+    return f"UUID, UUID1 = {GPUS[0]['uuid']!r}, {GPUS[1]['uuid']!r}\n" + WATCH + textwrap.dedent(body)
 
 
 def test_an_xid_reaches_the_watch_through_its_child_and_a_hand_over_ends_both_at_once(rig: Rig) -> None:  # noqa: F811 (the fixture)
@@ -71,10 +71,13 @@ def test_a_child_that_ends_unasked_is_reported_and_another_takes_its_place(rig: 
             CTL.xid(0, 48)
             until("the XID", lambda: "XidOccurred" in names())
             out["events"] = [str(e) for e in events]
+            out["add"] = [watch.add([Gpu(UUID1, "gpu 1")]), sorted(watch.subscriptions)]
             watch.hand_over()
             """
         )
     )
+    # The new child takes more GPUs: what the ended one left behind is no answer of its.
+    assert out["add"] == [True, sorted([GPUS[0]["uuid"], GPUS[1]["uuid"]])]
     events = out["events"]
     assert events[0] == "HealthWatchChanged(error=None)"
     assert "killed by signal 9; starting another" in events[1], events

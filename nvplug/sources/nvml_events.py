@@ -279,6 +279,10 @@ class NvmlEventWatch:
             if again:
                 for gpu in self._gpus:  # what the ended child missed
                     self.catch_up(gpu)
+            # What the ended child left (its end, an answer cut short) is no answer of this one's. No add()
+            # waits now: it asks only while reading is on.
+            while not self._answers.empty():
+                self._answers.get_nowait()
             self._reading = True
             try:
                 self._read(pump)
