@@ -18,6 +18,7 @@ from support import podman
 from support.admission_policies import User, node_user
 from support.apiserver_standin import FakeApiServer
 from support.dra_kubelet_standin import DraKubelet
+from support.scraped_metrics import value
 from test_cdi_podman import (
     CHAR,
     NVIDIA_MAJOR,
@@ -30,7 +31,6 @@ from test_cdi_podman import (
 from test_devices import devices
 from test_doctor import doctor
 from test_mig_e2e import mig_node
-from test_status import value
 from test_telemetry import scrape_later
 
 from nvplug.cdi.cdi_spec import GPU_KIND

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.scraped_metrics import Samples, parse, value
+from support.scraped_metrics import scrape, value
 
 from nvplug.core.snapshot import Snapshot
 from nvplug.status import status_client as statusclient
@@ -29,12 +29,6 @@ def get(node: SimulatedNode, path: str) -> tuple[int, str]:
         assert time.monotonic() < deadline, node.log_text()
         time.sleep(0.02)
     return statusclient.fetch(f"unix:{node.status_socket}", path, timeout=5)
-
-
-def metrics(node: SimulatedNode) -> Samples:
-    status, text = get(node, "/metrics")
-    assert status == 200, text
-    return parse(text)
 
 
 def test_healthz_waits_for_registration(node: SimulatedNode) -> None:
@@ -70,7 +64,7 @@ def test_status_and_metrics_after_an_xid(node: SimulatedNode) -> None:
     assert gpu5["advertised"] == {GPU_RESOURCE: [uuid]} and gpu5["numa_node"] == 1
     assert len(gpu5["nvlink_peers"]) == 7 and set(gpu5["nvlink_peers"].values()) == {18}
 
-    m = metrics(node)
+    m = scrape(node)
     assert value(m, "nvplug_devices", resource=GPU_RESOURCE, health="Healthy") == 7
     assert value(m, "nvplug_devices", resource=GPU_RESOURCE, health="Unhealthy") == 1
     assert value(m, "nvplug_health_transitions_total", to="unhealthy", reason="XID 79") == 1
@@ -89,7 +83,7 @@ def test_nvml_failure_shows_in_metrics_and_healthz(node: SimulatedNode) -> None:
     node.kubelet.start()
     node.start_daemon()
     node.wait_log("NVML unavailable")
-    m = metrics(node)
+    m = scrape(node)
     assert value(m, "nvplug_nvml_errors_total", function="nvmlInit") >= 1
     doc = json.loads(get(node, "/status")[1])
     assert "Driver Not Loaded" in doc["nvml_error"] and doc["gpus"] == []

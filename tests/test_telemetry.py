@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_status import get, metrics, value
+from support.scraped_metrics import Samples, scrape, value
+from test_status import get
 
 from nvplug.status import status_client
 from nvplug.testing.fakenvml_devices import GpuProcess
@@ -50,10 +51,10 @@ def pods(node: SimulatedNode) -> Iterator[PodCgroups]:
         cgroups.close()
 
 
-def scrape_later(node: SimulatedNode) -> dict[str, list[tuple[dict[str, str], float]]]:
+def scrape_later(node: SimulatedNode) -> Samples:
     """A scrape past the once-a-second bound, so that what was just set is read."""
     time.sleep(1.1)
-    return metrics(node)
+    return scrape(node)
 
 
 def test_grafana_12239_queries_are_answered_in_dcgm_names(node: SimulatedNode) -> None:
@@ -220,7 +221,7 @@ def test_a_gpu_whose_read_hangs_is_stale_and_the_scrape_answers(node: SimulatedN
     with node.control.blocked(3, "nvmlDeviceGetTemperature"):
         node.control.telemetry(3, temp=90)
         time.sleep(1.1)
-        got = metrics(node)
+        got = scrape(node)
         # Answered while GPU 3's read still hangs in the driver: the scrape did not wait for it.
         assert node.control.blocked_waiting() == 1
         assert value(got, "nvplug_gpu_metrics_stale", gpu="3") == 1
