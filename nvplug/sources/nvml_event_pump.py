@@ -23,12 +23,17 @@ and 4 MB of a start of 32 ms and 17 MB, where now, without site (-S) too, it sta
 
 from __future__ import annotations
 
+# _signal and _thread, not signal and threading, and typing for the checker only: their imports (enum,
+# functools, re, ...) were 12 ms of the start a hot-add waits for.
+import _signal  # type: ignore[import-not-found]  # (no stub: it is signal without enum)
+import _thread
 import ctypes
 import os
-import signal
 import sys
-import threading
-from typing import TextIO
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import TextIO
 
 # nvmlReturn_t values (nvml.h).
 SUCCESS = 0
@@ -110,13 +115,15 @@ class EventCalls:
 
 class Pump:
     def __init__(self) -> None:
-        self._say_lock = threading.Lock()
+        self._say_lock = _thread.allocate_lock()
         self._nvml: EventCalls | None = None
         self._event_set = ctypes.c_void_p()
         self._wait_ms = 0
         # Replaced whole by each subscribe, so that the waiting thread reads one map or the other.
         self._uuids: dict[int, str] = {}
-        self._resume = threading.Event()
+        # Held while no resume is owed: a resume releases it, and the waiting thread takes it back.
+        self._resume = _thread.allocate_lock()
+        self._resume.acquire()
 
     def serve(self, commands: TextIO) -> None:
         for line in commands:
@@ -124,7 +131,8 @@ class Pump:
             if words[:1] == ["subscribe"] and len(words) >= 3:
                 self._subscribe(int(words[1], 16), int(words[2]), words[3:])
             elif words == ["resume"]:
-                self._resume.set()
+                if self._resume.locked():  # one owed resume, however many are sent
+                    self._resume.release()
             else:
                 print(f"nvml_event_pump: unknown command {line.strip()!r}", file=sys.stderr, flush=True)
 
@@ -160,7 +168,7 @@ class Pump:
         self._uuids = {**self._uuids, **added}
         self._say("done")
         if first:
-            threading.Thread(target=self._wait, name="nvml-event-wait", daemon=True).start()
+            _thread.start_new_thread(self._wait, ())
 
     def _wait(self) -> None:
         assert self._nvml is not None
@@ -177,8 +185,7 @@ class Pump:
         """Say so, and at each resume try a wait that returns at once, until one works."""
         while True:
             self._say(f"wait_error {code}")
-            self._resume.wait()
-            self._resume.clear()
+            self._resume.acquire()
             try:
                 data = nvml.wait(self._event_set, 0)
             except NvmlCallFailed as err:
@@ -199,8 +206,8 @@ class Pump:
 def main() -> None:
     # A terminal's ^C, and systemd's SIGTERM to the whole unit at a stop, are the daemon's to act on: it
     # kills this process, or its exit closes our stdin.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
     Pump().serve(sys.stdin)
     # The daemon has gone: a wait in progress must not keep the process.
     os._exit(0)
