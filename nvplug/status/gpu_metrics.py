@@ -30,6 +30,7 @@ from nvplug.core.telemetry import (
     in_unit,
 )
 from nvplug.pods.pod_holders import Holder
+from nvplug.status.prometheus_text import Families, label_text
 
 
 @dataclass(frozen=True)
@@ -234,41 +235,6 @@ CONTAINER_MEMORY_UTIL = (
 )
 # A container's labels are the same scrape after scrape: their text is kept, for this many.
 CONTAINER_TEXTS = 8192
-
-
-class Families:
-    """Prometheus text, written directly: a scrape of 8 GPUs with 64 processes each is 2,000 series of a
-    dozen labels, whose encoding by prometheus_client (each label name checked and escaped, per series)
-    costs more than all the reads. Labels are rendered once per device and container here."""
-
-    def __init__(self) -> None:
-        self._lines: dict[str, list[str]] = {}
-        self._heads: dict[str, str] = {}
-
-    def family(self, name: str, help_text: str, kind: str) -> list[str]:
-        """The lines of a family, for series that are many: each `sample{labels} value\n`."""
-        lines = self._lines.get(name)
-        if lines is None:
-            self._heads[name] = f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
-            lines = self._lines[name] = []
-        return lines
-
-    def add(self, name: str, help_text: str, kind: str, sample: str, labels: str, value: float) -> None:
-        self.family(name, help_text, kind).append(f"{sample}{{{labels}}} {value!r}\n")
-
-    def text(self) -> str:
-        return "".join(self._heads[name] + "".join(lines) for name, lines in self._lines.items())
-
-
-def label_text(labels: Mapping[str, str]) -> str:
-    """`a="x",b="y"`, each value escaped as the text format wants."""
-    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-
-
-def _escape(value: str) -> str:
-    if "\\" in value or '"' in value or "\n" in value:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return value
 
 
 class GpuMetrics:

@@ -27,13 +27,13 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nvplug import __version__
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.pods.pod_holders import Holder
+from nvplug.status.prometheus_text import registry_text
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Metrics:
             reg.register(_NodeCollector(snapshot))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return registry_text(self.registry).encode()
 
 
 class _ResourceCollector(Collector):
