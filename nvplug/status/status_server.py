@@ -415,15 +415,17 @@ class StatusServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
-            request_line, _, headers = head.decode("latin-1").partition("\r\n")
-            method, target, _ = request_line.split(" ", 2)
-            length = _content_length(headers)
-            if not 0 <= length <= MAX_REQUEST:
+            # One deadline for the request (a timeout, not wait_for: no task of its own for each read).
+            async with asyncio.timeout(READ_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line, _, headers = head.decode("latin-1").partition("\r\n")
+                method, target, _ = request_line.split(" ", 2)
+                length = _content_length(headers)
+                # Read whatever was sent before answering: a client still writing would get EPIPE.
+                data = await reader.readexactly(length) if 0 <= length <= MAX_REQUEST else None
+            if data is None:
                 status, ctype, body = 413, "text/plain", b"request body too large\n"
             else:
-                # Read whatever was sent before answering: a client still writing would get EPIPE.
-                data = await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT)
                 status, ctype, body = await self._answer(method, target.split("?", 1)[0], data, writer)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             status, ctype, body = 400, "text/plain", b"bad request\n"
