@@ -8,17 +8,19 @@ its status socket, each scrape a second apart so that each reads every GPU afres
   with a utilization sample per scrape), the two kinds taken in turn: p50 and p99 of each, and their
   ratio (targets: p99 <= 20 ms, <= 2x the first), after a first scrape with the processes, timed on its
   own (each process is new to the daemon then);
-- the daemon's CPU over `--idle-seconds` with no scrape, then with a scrape every 15 s (target: <= 0.1 % of
-  one core), and the difference: the scrapes' own share; over the same windows, the CPU of
-  bench/bare_plugin.py (a plugin on grpc.aio that does nothing) on a stand-in of its own: gRPC core's idle
-  floor on this machine at that time;
+- the daemon's CPU over windows of `--idle-seconds` with no scrape and with a scrape every 15 s (target:
+  <= 0.1 % of one core), `--idle-rounds` of each in turn, and the difference: the scrapes' own share; over
+  the same windows, the CPU of bench/bare_plugin.py (a plugin on grpc.aio that does nothing) on a stand-in
+  of its own: gRPC core's idle floor on this machine at that time, which moves with the machine's load from
+  window to window (medians are printed, and each window);
 - the XID to kubelet list latency (bench/latency.py's) over `--xids` XIDs, with no scrape and then with a
   scrape every second, in one run: no NVML call runs on the loop, so the two should not differ;
 - scrapes with a driver that takes `--driver-ms` a GPU's read, as a real GPU's does (the fake's latency,
   spread over a read's calls): the scrape, the pass, how many threads shared it, and what the reads would
   take one after the other.
 
-    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 60] [--xids 100] [--driver-ms 10]
+    python bench/scrape.py [--scrapes 30] [--processes 64] [--idle-seconds 30] [--idle-rounds 4] [--xids 100]
+                           [--driver-ms 10]
 
 It prints figures and ratios; it asserts nothing.
 """
@@ -133,7 +135,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scrapes", type=int, default=50, help="of each kind")
     parser.add_argument("--processes", type=int, default=64)
-    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--idle-rounds", type=int, default=4)
     parser.add_argument("--xids", type=int, default=100)
     parser.add_argument("--driver-ms", type=float, default=10.0, help="a GPU's read on a slow driver; 0: skip")
     args = parser.parse_args()
@@ -174,19 +177,29 @@ def main() -> int:
         assert node.daemon is not None
         with bare_plugin() as floor_pid:
             watched = (node.daemon.pid, floor_pid)
-            idle = {each: idle_share(node, watched, args.idle_seconds, each) for each in (False, True)}
-        (quiet, floor), (scraped, floor_scraped) = idle[False], idle[True]
+            rounds = [
+                {each: idle_share(node, watched, args.idle_seconds, each) for each in (False, True)}
+                for _ in range(args.idle_rounds)
+            ]
+        quiet, floor = _median_idle([r[False] for r in rounds])
+        scraped, floor_scraped = _median_idle([r[True] for r in rounds])
         print(
-            f"idle CPU over {args.idle_seconds:.0f} s: {quiet.cpu:.3f} % of one core with no scrape, "
-            f"{scraped.cpu:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio {scraped.cpu / 0.1:.2f}); "
-            f"the scrapes' own share: {scraped.cpu - quiet.cpu:.3f} %; wake-ups {quiet.wakeups:.1f} and "
-            f"{scraped.wakeups:.1f} a second"
+            f"idle CPU, medians of {args.idle_rounds} windows of {args.idle_seconds:.0f} s each: {quiet.cpu:.3f} % "
+            f"of one core with no scrape, {scraped.cpu:.3f} % with a scrape every 15 s (target <= 0.1 %: ratio "
+            f"{scraped.cpu / 0.1:.2f}); the scrapes' own share: {scraped.cpu - quiet.cpu:.3f} %; wake-ups "
+            f"{quiet.wakeups:.1f} and {scraped.wakeups:.1f} a second"
         )
         print(
             f"a bare grpc.aio plugin over the same windows: {floor.cpu:.3f} % and {floor_scraped.cpu:.3f} %, "
             f"wake-ups {floor.wakeups:.1f} and {floor_scraped.wakeups:.1f} a second; nvplug with a scrape every "
             f"15 s / the bare plugin: {scraped.cpu / floor_scraped.cpu:.2f}x"
         )
+        for n, r in enumerate(rounds, 1):
+            (q, qb), (s, sb) = r[False], r[True]
+            print(
+                f"  window pair {n}: nvplug {q.cpu:.3f} / {s.cpu:.3f} %, the bare plugin {qb.cpu:.3f} / {sb.cpu:.3f} % "
+                "(no scrape / scraped)"
+            )
         if args.xids:
             quiet = xid_latency(node, args.xids, scraping=False)
             busy = xid_latency(node, args.xids, scraping=True)
@@ -248,6 +261,14 @@ def idle_share(node: SimulatedNode, pids: tuple[int, int], seconds: float, scrap
     after = [latency.proc_times(pid) for pid in pids]
     daemon, bare = (Idle((a[0] - b[0]) / took * 100, (a[2] - b[2]) / took) for a, b in zip(after, before, strict=True))
     return daemon, bare
+
+
+def _median_idle(windows: list[tuple[Idle, Idle]]) -> tuple[Idle, Idle]:
+    """The median of each figure over the windows, the daemon's and the bare plugin's."""
+    return (
+        Idle(statistics.median(w[0].cpu for w in windows), statistics.median(w[0].wakeups for w in windows)),
+        Idle(statistics.median(w[1].cpu for w in windows), statistics.median(w[1].wakeups for w in windows)),
+    )
 
 
 def xid_latency(node: SimulatedNode, samples: int, scraping: bool) -> float:
