@@ -11,12 +11,11 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from support.waiting import wait_until
 
 from nvplug.cdi.cdi_spec import GPU_KIND
 from nvplug.status import status_client as statusclient
@@ -60,13 +59,6 @@ class ListRecorder:
             self.lists.append((ids, missing))
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def recording_node(node: SimulatedNode) -> ListRecorder:
     recorder = ListRecorder(node.cdi_dir)
     node.kubelet = KubeletThread(node.plugin_dir, on_event=recorder)
@@ -104,7 +96,7 @@ def test_a_removed_gpu_leaves_the_spec_after_it_leaves_the_list(node: SimulatedN
     node.control.remove(7)
     udev(node, "remove", gpus[7]["bus"])
     node.kubelet.wait_for(registered_with(7), TIMEOUT)
-    wait_until(lambda: gone not in spec_names(node.cdi_dir), "the removed GPU to leave the spec")
+    wait_until(lambda: gone not in spec_names(node.cdi_dir), TIMEOUT, "the removed GPU to leave the spec")
     # Each list that still held it found its entry in the spec.
     held = [missing for ids, missing in recorder.lists if gone in ids]
     assert held and all(gone not in missing for missing in held)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from support.notify_socket import NotifySocket
+from support.waiting import wait_until
 from test_doctor import doctor, prepare
 from test_dra_e2e import DRIVER, Dra, dra  # noqa: F401 (the fixture)
 
@@ -32,14 +33,6 @@ from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registere
 TIMEOUT = 15.0
 # From the directory and kubelet.sock being back to Register accepted at the kubelet stand-in.
 MAX_REREGISTER = 1.0
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> float:
-    began = time.monotonic()
-    while not check():
-        assert time.monotonic() - began < timeout, f"timed out waiting for {what}"
-        time.sleep(0.005)
-    return time.monotonic() - began
 
 
 # ---------------------------------------------------------------------------
@@ -108,6 +101,7 @@ def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_bac
             recorder.wait(lambda seen: (target, False) in seen and (ours, False) in seen, "both gone")
             wait_until(
                 lambda: follower.watching(target) == follower.watching(ours) == short_tmp,
+                TIMEOUT,
                 "the watches on the nearest existing parent",
             )
             assert not follower.exists(target)
@@ -119,7 +113,7 @@ def test_a_directory_removed_two_levels_deep_is_followed_from_its_parent_and_bac
             back = time.monotonic() - began
             assert follower.watching(target) == target and follower.exists(target)
             # Not ours to make yet: its parent (plugins) is still missing; watched from the nearest one.
-            wait_until(lambda: follower.watching(ours) == kubelet, "ours watched from the new parent")
+            wait_until(lambda: follower.watching(ours) == kubelet, TIMEOUT, "ours watched from the new parent")
             assert not ours.exists()
             (kubelet / "plugins").mkdir()
             recorder.wait(lambda seen: (ours, True) in seen, "ours made again")
@@ -303,7 +297,9 @@ def test_the_device_plugin_dir_removed_and_made_again(node: SimulatedNode, notif
     where = str(node.plugin_dir)
     missing = f"{GPU_RESOURCE} not served: the device-plugin directory {where} is missing"
     # First the failed bind says so (the socket's removal comes first), then the directory's own removal.
-    wait_until(lambda: healthz(node)[0] == 503 and missing in healthz(node)[1], "/healthz 503 naming the directory")
+    wait_until(
+        lambda: healthz(node)[0] == 503 and missing in healthz(node)[1], TIMEOUT, "/healthz 503 naming the directory"
+    )
     print(f"/healthz while gone: {' '.join(map(str, healthz(node))).strip()}")
     line = notify.status_with(missing)
     print(f"status line while gone: {line}")
@@ -324,7 +320,7 @@ def test_the_device_plugin_dir_removed_and_made_again(node: SimulatedNode, notif
     print(f"kubelet.sock back -> Register accepted {to_register * 1000:.1f} ms, first list {to_list * 1000:.1f} ms")
     assert to_register < MAX_REREGISTER and to_list < MAX_REREGISTER, node.kubelet.describe()
     assert node.plugin_socket.exists()
-    wait_until(lambda: healthz(node) == (200, "ok\n"), "/healthz 200 again")
+    wait_until(lambda: healthz(node) == (200, "ok\n"), TIMEOUT, "/healthz 200 again")
     notify.status_with(f"{GPU_RESOURCE} registered: 8 devices, 8 healthy")
     assert "Failed to add port" not in node.log_text() and "Traceback" not in node.log_text()
 
@@ -342,7 +338,7 @@ def test_var_lib_kubelet_wiped_and_made_again_with_mkdir_p(node: SimulatedNode, 
         times = []
         for n in range(3):
             remove_tree(kubelet_root)
-            wait_until(lambda: str(plugin_dir) in healthz(node)[1], "/healthz naming the directory")
+            wait_until(lambda: str(plugin_dir) in healthz(node)[1], TIMEOUT, "/healthz naming the directory")
             assert healthz(node)[0] == 503
             time.sleep(0.2 * n)  # at varying points of the bind's backoff
             plugin_dir.mkdir(parents=True)  # mkdir -p, then the kubelet restarts: its new socket
@@ -352,7 +348,7 @@ def test_var_lib_kubelet_wiped_and_made_again_with_mkdir_p(node: SimulatedNode, 
             print(f"round {n}: kubelet.sock back -> Register accepted {to_register * 1000:.1f} ms, "
                   f"first list {to_list * 1000:.1f} ms")  # fmt: skip
             assert to_register < MAX_REREGISTER and to_list < MAX_REREGISTER, kubelet.describe()
-        wait_until(lambda: healthz(node) == (200, "ok\n"), "/healthz 200 again")
+        wait_until(lambda: healthz(node) == (200, "ok\n"), TIMEOUT, "/healthz 200 again")
     finally:
         kubelet.stop()
 
@@ -368,7 +364,7 @@ def test_the_dra_directories_removed_and_made_again(dra: Dra) -> None:  # noqa: 
     dra.kubelet.stop()
     remove_tree(registry)
     remove_tree(plugins)
-    wait_until(lambda: healthz(node)[0] == 503 and "DRA gpu.nvidia.com not served" in healthz(node)[1], "503")
+    wait_until(lambda: healthz(node)[0] == 503 and "DRA gpu.nvidia.com not served" in healthz(node)[1], TIMEOUT, "503")
     body = healthz(node)[1]
     print(f"/healthz while gone: {body.strip()}")
     assert str(registry) in body or str(plugins) in body
@@ -377,7 +373,7 @@ def test_the_dra_directories_removed_and_made_again(dra: Dra) -> None:  # noqa: 
         part: dict[str, Any] = statusclient.status(f"unix:{node.status_socket}")["dra"]
         return part
 
-    wait_until(lambda: dra_status()["registered"] is False, "/status: DRA not registered")
+    wait_until(lambda: dra_status()["registered"] is False, TIMEOUT, "/status: DRA not registered")
     assert dra_status()["not_served"]
     # The device plugin beside it is not touched.
     node.kubelet.wait_for(registered_with(4, GPU_RESOURCE), TIMEOUT)
@@ -387,7 +383,7 @@ def test_the_dra_directories_removed_and_made_again(dra: Dra) -> None:  # noqa: 
     plugins.mkdir()
     dra.kubelet.start()  # makes plugins_registry, then finds our registration socket in it
     sockets = (plugins / DRIVER / "dra.sock", registry / f"{DRIVER}-reg.sock")
-    served = wait_until(lambda: all(s.exists() for s in sockets), "both DRA sockets served again")
+    served = wait_until(lambda: all(s.exists() for s in sockets), TIMEOUT, "both DRA sockets served again", poll=0.005)
     dra.wait(lambda: dra.kubelet.accepted(DRIVER) > accepted, "the DRA plugin registered again")
     elapsed = time.monotonic() - began
     print(f"DRA directories back -> both sockets served {served * 1000:.1f} ms, "
@@ -395,4 +391,4 @@ def test_the_dra_directories_removed_and_made_again(dra: Dra) -> None:  # noqa: 
     assert elapsed < MAX_REREGISTER
     claim = dra.claim("after-wipe", "gpu-6")
     assert dra.kubelet.prepare(DRIVER, [claim])[claim[2]].error == ""
-    wait_until(lambda: healthz(node)[0] == 200, "/healthz 200 again")
+    wait_until(lambda: healthz(node)[0] == 200, TIMEOUT, "/healthz 200 again")

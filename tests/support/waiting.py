@@ -7,10 +7,14 @@ from collections.abc import Callable
 
 
 def wait_until(
-    predicate: Callable[[], bool], timeout: float, what: str, explain: Callable[[], str] | None = None
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    explain: Callable[[], str] | None = None,
+    poll: float = 0.05,
 ) -> float:
-    """Poll `predicate` until it holds; return the seconds it took. On timeout, AssertionError
-    saying `what` was awaited and, if given, what `explain()` says about the state."""
+    """Poll `predicate` every `poll` s until it holds; return the seconds it took (to within `poll`). On
+    timeout, AssertionError saying `what` was awaited and, if given, what `explain()` says about the state."""
     started = time.monotonic()
     deadline = started + timeout
     while True:
@@ -19,4 +23,4 @@ def wait_until(
         if time.monotonic() >= deadline:
             detail = f"\n{explain()}" if explain is not None else ""
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-        time.sleep(0.05)
+        time.sleep(poll)
