@@ -11,7 +11,7 @@
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux_2_28_x86_64 -d .whl \
-#       grpcio protobuf nvidia-ml-py pyudev tenacity pyyaml prometheus-client
+#       grpcio protobuf nvidia-ml-py pyudev tenacity pyyaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}

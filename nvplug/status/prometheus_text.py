@@ -1,22 +1,150 @@
-"""Prometheus text (format 0.0.4), written here rather than by prometheus_client's `generate_latest`, which
-checks and escapes each name and label name of each series, per scrape: that was more than half the cost of
-the daemon's three dozen own series, and more than all the GPUs' reads for thousands of per-container ones.
+"""Prometheus text (format 0.0.4), written by nvplug: the daemon's own counters and histograms, the families
+its collectors make at each scrape, and the GPU series.
+
+Not prometheus_client: its import was 4.4 MiB of the daemon's RSS (it brings an HTTP server, WSGI and
+process collectors along), and its `generate_latest` checks and escapes each name and label name of each
+series, per scrape, which cost more than the daemon's three dozen own series' collection and more than all
+the GPUs' reads for thousands of per-container ones. The counters are only ever counted and read on the
+event loop, so they need no lock. The text is what prometheus_client writes, less its `_created` series.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
-from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
+Labels = tuple[str, ...]
 
-# As prometheus_client writes a value (Go's notation: +Inf, NaN, 1e+06), typed.
-_value: Callable[[float], str] = floatToGoString
 
-# OpenMetrics types written as the text format's, and the samples it puts in gauges of their own after.
-_TYPES = {"stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
-_APART = ("_created", "_gsum", "_gcount")
+def value_text(value: float) -> str:
+    """A sample's value as Go's clients write it (and prometheus_client): +Inf, -Inf, NaN, else the shortest
+    float, in an exponent from a million on (1.0, 0.0005, 1.23456789e+08)."""
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    text = repr(float(value))
+    dot = text.find(".")
+    if value > 0 and dot > 6:
+        digits = (text[:dot] + text[dot + 1 :]).rstrip("0")
+        return f"{digits[0]}{'.' if len(digits) > 1 else ''}{digits[1:]}e+{dot - 1:02d}"
+    return text
+
+
+def label_text(labels: Mapping[str, str]) -> str:
+    """`a="x",b="y"`, each value escaped as the text format wants."""
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+
+
+def _escape(value: str) -> str:
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def _sample(name: str, names: Sequence[str], values: Iterable[str], value: float) -> str:
+    """One series' line, its labels in name order (as prometheus_client writes them)."""
+    labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(zip(names, values, strict=True)))
+    return f"{name}{{{labels}}} {value_text(value)}\n" if labels else f"{name} {value_text(value)}\n"
+
+
+def _head(name: str, help_text: str, kind: str) -> str:
+    escaped = help_text.replace("\\", "\\\\").replace("\n", "\\n")
+    return f"# HELP {name} {escaped}\n# TYPE {name} {kind}\n"
+
+
+class Family:
+    """A family made at scrape time from the state, as a collector reads it: counters get `_total`."""
+
+    def __init__(self, name: str, help_text: str, kind: str, labels: Sequence[str] = ()) -> None:
+        self.name = f"{name}_total" if kind == "counter" else name
+        self._head = _head(self.name, help_text, kind)
+        self._labels = tuple(labels)
+        self._lines: list[str] = []
+
+    def add_metric(self, values: Sequence[str], value: float) -> None:
+        self._lines.append(_sample(self.name, self._labels, values, value))
+
+    def text(self) -> str:
+        return self._head + "".join(self._lines)
+
+
+class Counter:
+    """A counter by label values, counted as things happen."""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str]) -> None:
+        self.name = f"{name}_total"
+        self._head = _head(self.name, help_text, "counter")
+        self._labels = tuple(labels)
+        self._counts: dict[Labels, float] = {}
+
+    def labels(self, *values: str) -> _Count:
+        assert len(values) == len(self._labels), (self.name, values)
+        return _Count(self._counts, values)
+
+    def text(self) -> str:
+        return self._head + "".join(_sample(self.name, self._labels, k, v) for k, v in self._counts.items())
+
+
+class _Count:
+    __slots__ = ("_counts", "_key")
+
+    def __init__(self, counts: dict[Labels, float], key: Labels) -> None:
+        self._counts, self._key = counts, key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._counts[self._key] = self._counts.get(self._key, 0.0) + amount
+
+
+class Histogram:
+    """A histogram by label values: cumulative buckets (`le`, +Inf last), `_sum` and `_count`."""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str], buckets: Sequence[float]) -> None:
+        self.name = name
+        self._head = _head(name, help_text, "histogram")
+        self._labels = tuple(labels)
+        self._bounds = (*sorted(buckets), math.inf)
+        self._observed: dict[Labels, _Observed] = {}
+
+    def labels(self, *values: str) -> _Observed:
+        assert len(values) == len(self._labels), (self.name, values)
+        found = self._observed.get(values)
+        if found is None:
+            found = self._observed[values] = _Observed(self._bounds)
+        return found
+
+    def text(self) -> str:
+        lines = [self._head]
+        names = (*self._labels, "le")
+        for key, seen in self._observed.items():
+            running = 0
+            for bound, n in zip(self._bounds, seen.counts, strict=True):
+                running += n
+                lines.append(_sample(f"{self.name}_bucket", names, (*key, value_text(bound)), running))
+            lines.append(_sample(f"{self.name}_count", self._labels, key, running))
+            lines.append(_sample(f"{self.name}_sum", self._labels, key, seen.total))
+        return "".join(lines)
+
+
+class _Observed:
+    __slots__ = ("_bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not yet cumulative
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        for at, bound in enumerate(self._bounds):
+            if value <= bound:
+                self.counts[at] += 1
+                return
+
+
+def info_text(name: str, help_text: str, labels: Mapping[str, str]) -> str:
+    """A constant `<name>_info` gauge of 1 whose labels say what is so (a build's versions)."""
+    return _head(f"{name}_info", help_text, "gauge") + _sample(f"{name}_info", list(labels), labels.values(), 1.0)
 
 
 class Families:
@@ -31,7 +159,7 @@ class Families:
         """The lines of a family, for series that are many: each `sample{labels} value\n`."""
         lines = self._lines.get(name)
         if lines is None:
-            self._heads[name] = f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+            self._heads[name] = _head(name, help_text, kind)
             lines = self._lines[name] = []
         return lines
 
@@ -40,49 +168,3 @@ class Families:
 
     def text(self) -> str:
         return "".join(self._heads[name] + "".join(lines) for name, lines in self._lines.items())
-
-
-def label_text(labels: Mapping[str, str]) -> str:
-    """`a="x",b="y"`, each value escaped as the text format wants."""
-    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-
-
-def registry_text(registry: Collector) -> str:
-    """What `generate_latest(registry)` writes, the same text (names nvplug gives need no escaping)."""
-    out: list[str] = []
-    for metric in registry.collect():
-        name, kind = metric.name, metric.type
-        if kind == "counter":
-            name += "_total"
-        elif kind == "info":
-            name, kind = f"{name}_info", "gauge"
-        else:
-            kind = _TYPES.get(kind, kind)
-        help_text = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
-        apart: dict[str, list[str]] = {}
-        for sample in metric.samples:
-            suffix = sample.name[len(metric.name) :]
-            if suffix in _APART and sample.name.startswith(metric.name):
-                apart.setdefault(suffix, []).append(_sample_line(sample))
-            else:
-                out.append(_sample_line(sample))
-        for suffix, lines in sorted(apart.items()):
-            out.append(f"# HELP {metric.name}{suffix} {help_text}\n# TYPE {metric.name}{suffix} gauge\n")
-            out += lines
-    return "".join(out)
-
-
-def _sample_line(sample: Sample) -> str:
-    at = "" if sample.timestamp is None else f" {int(float(sample.timestamp) * 1000):d}"
-    value = _value(sample.value)
-    if not sample.labels:
-        return f"{sample.name} {value}{at}\n"
-    labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
-    return f"{sample.name}{{{labels}}} {value}{at}\n"
-
-
-def _escape(value: str) -> str:
-    if "\\" in value or '"' in value or "\n" in value:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return value

@@ -25,15 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from nvplug import __version__
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.pods.pod_holders import Holder
-from nvplug.status.prometheus_text import registry_text
+from nvplug.status.prometheus_text import Counter, Family, Histogram, info_text
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +164,7 @@ def status_document(
 
 
 class Metrics:
-    """The daemon's counters, in a registry of its own (no process-wide state)."""
+    """The daemon's counters and the families read from the state at each scrape (no process-wide state)."""
 
     def __init__(
         self,
@@ -178,43 +175,43 @@ class Metrics:
     ) -> None:
         # What is advertised, per resource (the fleet's views): the rejoin metric times each one.
         self.resources = resources
-        self.registry = reg = CollectorRegistry()
-        self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"], registry=reg)
+        self.events = Counter("nvplug_events", "Events received, by source and kind", ["source", "kind"])
         self.transitions = Counter(
-            "nvplug_health_transitions", "Health transitions, by new health and reason", ["to", "reason"], registry=reg
+            "nvplug_health_transitions", "Health transitions, by new health and reason", ["to", "reason"]
         )
-        self.nvml_errors = Counter(
-            "nvplug_nvml_errors", "NVML failures, by the call that failed", ["function"], registry=reg
-        )
+        self.nvml_errors = Counter("nvplug_nvml_errors", "NVML failures, by the call that failed", ["function"])
         self.auto_reset = Counter(
-            "nvplug_auto_reset_steps", "Steps of nvplug's own GPU resets, taken or refused", ["step"], registry=reg
+            "nvplug_auto_reset_steps", "Steps of nvplug's own GPU resets, taken or refused", ["step"]
         )
         self.latency = Histogram(
             "nvplug_event_to_list_and_watch_seconds",
             "From an event's arrival to the ListAndWatch message that carries its effect",
             ["resource"],
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
-            registry=reg,
         )
         self.rejoin = Histogram(
             "nvplug_kubelet_rejoin_to_list_and_watch_seconds",
             "From the kubelet's socket or nvplug's seen gone or new to the first ListAndWatch message after it",
             ["resource"],
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0),
-            registry=reg,
         )
-        build = Info("nvplug_build", "Build information", registry=reg)
-        build.info({"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__})
-        reg.register(_ResourceCollector(resources, holders))
-        reg.register(_DraCollector(dra))
+        build = {"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__}
+        self._build = info_text("nvplug_build", "Build information", build)
+        self._collectors: list[_ResourceCollector | _DraCollector | _NodeCollector] = [
+            _ResourceCollector(resources, holders),
+            _DraCollector(dra),
+        ]
         if snapshot is not None:
-            reg.register(_NodeCollector(snapshot))
+            self._collectors.append(_NodeCollector(snapshot))
 
     def render(self) -> bytes:
-        return registry_text(self.registry).encode()
+        counted = (self.events, self.transitions, self.nvml_errors, self.auto_reset, self.latency, self.rejoin)
+        parts = [*(m.text() for m in counted), self._build]
+        parts += [family.text() for collector in self._collectors for family in collector.collect()]
+        return "".join(parts).encode()
 
 
-class _ResourceCollector(Collector):
+class _ResourceCollector:
     """Read at scrape time, so the gauges can never disagree with the state."""
 
     def __init__(
@@ -223,19 +220,15 @@ class _ResourceCollector(Collector):
         self._resources = resources
         self._holders = holders
 
-    def collect(self) -> Iterator[Metric]:
-        devices = GaugeMetricFamily(
-            "nvplug_devices", "Advertised devices, by resource and health", labels=["resource", "health"]
+    def collect(self) -> Iterator[Family]:
+        devices = Family(
+            "nvplug_devices", "Advertised devices, by resource and health", "gauge", labels=["resource", "health"]
         )
-        registered = GaugeMetricFamily(
-            "nvplug_registered", "1 when the resource is registered with the kubelet", labels=["resource"]
+        registered = Family(
+            "nvplug_registered", "1 when the resource is registered with the kubelet", "gauge", labels=["resource"]
         )
-        ok = CounterMetricFamily(
-            "nvplug_registrations", "Successful registrations with the kubelet", labels=["resource"]
-        )
-        failed = CounterMetricFamily(
-            "nvplug_registration_failures", "Failed registration attempts", labels=["resource"]
-        )
+        ok = Family("nvplug_registrations", "Successful registrations with the kubelet", "counter", labels=["resource"])
+        failed = Family("nvplug_registration_failures", "Failed registration attempts", "counter", labels=["resource"])
         for view in self._resources():
             name = view.resource.name
             healthy = view.resource.healthy_count
@@ -244,9 +237,10 @@ class _ResourceCollector(Collector):
             registered.add_metric([name], 1.0 if view.registered else 0.0)
             ok.add_metric([name], view.registrations)
             failed.add_metric([name], view.registration_failures)
-        allocated = GaugeMetricFamily(
+        allocated = Family(
             "nvplug_device_allocated",
             "1 while a container holds the device (the kubelet's PodResources, read at scrape time)",
+            "gauge",
             labels=["resource", "uuid", "namespace", "pod", "container"],
         )
         # A container may hold several replicas of one GPU: one series for it.
@@ -257,98 +251,117 @@ class _ResourceCollector(Collector):
         yield from (devices, registered, ok, failed, allocated)
 
 
-class _NodeCollector(Collector):
+class _NodeCollector:
     """What the state counts beside the devices: the kernel log reader's losses, NVSwitch SXids."""
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         snap = self._snapshot()
-        lost = CounterMetricFamily(
-            "nvplug_kernel_log_records_lost", "Kernel log records the reader missed (ring buffer overrun, seq jump)"
+        lost = Family(
+            "nvplug_kernel_log_records_lost",
+            "Kernel log records the reader missed (ring buffer overrun, seq jump)",
+            "counter",
         )
         lost.add_metric([], snap.kernel_log_lost)
-        readable = GaugeMetricFamily("nvplug_kernel_log_readable", "1 while the kernel log is read for GPU faults")
+        readable = Family("nvplug_kernel_log_readable", "1 while the kernel log is read for GPU faults", "gauge")
         readable.add_metric([], 0.0 if snap.kernel_log_error else 1.0)
-        sxids = CounterMetricFamily(
-            "nvplug_nvswitch_sxids", "NVSwitch SXids in the kernel log this boot", labels=["switch", "bus_id"]
+        sxids = Family(
+            "nvplug_nvswitch_sxids",
+            "NVSwitch SXids in the kernel log this boot",
+            "counter",
+            labels=["switch", "bus_id"],
         )
         for bus, errors in sorted(snap.switch_errors.items()):
             sxids.add_metric([errors.switch, bus], errors.count)
-        up = GaugeMetricFamily(
-            "nvplug_mps_daemon_up", "1 while the MPS group's control daemon answers", labels=["group", "resource"]
+        up = Family(
+            "nvplug_mps_daemon_up",
+            "1 while the MPS group's control daemon answers",
+            "gauge",
+            labels=["group", "resource"],
         )
-        restarts = CounterMetricFamily(
-            "nvplug_mps_daemon_restarts", "Restarts of the MPS group's control daemon", labels=["group", "resource"]
+        restarts = Family(
+            "nvplug_mps_daemon_restarts",
+            "Restarts of the MPS group's control daemon",
+            "counter",
+            labels=["group", "resource"],
         )
         for name, group in sorted(snap.mps.items()):
             up.add_metric([name, group.resource], 1.0 if group.health.healthy else 0.0)
             restarts.add_metric([name, group.resource], group.restarts)
-        exclusive = GaugeMetricFamily(
-            "nvplug_mps_exclusive_process", "1 for a GPU nvplug put in EXCLUSIVE_PROCESS for MPS", labels=["uuid"]
+        exclusive = Family(
+            "nvplug_mps_exclusive_process",
+            "1 for a GPU nvplug put in EXCLUSIVE_PROCESS for MPS",
+            "gauge",
+            labels=["uuid"],
         )
         for uuid in sorted(snap.compute_modes):
             exclusive.add_metric([uuid], 1.0)
         yield from (lost, readable, sxids, up, restarts, exclusive)
 
 
-class _DraCollector(Collector):
+class _DraCollector:
     """The DRA driver's pool and claims, from its status (nothing while DRA is off)."""
 
     def __init__(self, dra: Callable[[], Mapping[str, Any] | None]) -> None:
         self._dra = dra
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         doc = self._dra()
         if doc is None:
             return
         driver = [str(doc["driver"])]
-        claims = GaugeMetricFamily("nvplug_dra_claims_prepared", "ResourceClaims prepared", labels=["driver"])
+        claims = Family("nvplug_dra_claims_prepared", "ResourceClaims prepared", "gauge", labels=["driver"])
         claims.add_metric(driver, len(doc["claims"]))
-        pool = GaugeMetricFamily("nvplug_dra_pool_devices", "Devices published in the pool", labels=["driver"])
+        pool = Family("nvplug_dra_pool_devices", "Devices published in the pool", "gauge", labels=["driver"])
         pool.add_metric(driver, float(doc["pool_devices"]))
-        registered = GaugeMetricFamily(
-            "nvplug_dra_registered", "1 when the kubelet registered the DRA plugin", labels=["driver"]
+        registered = Family(
+            "nvplug_dra_registered", "1 when the kubelet registered the DRA plugin", "gauge", labels=["driver"]
         )
         registered.add_metric(driver, 1.0 if doc["registered"] else 0.0)
-        published = GaugeMetricFamily(
+        published = Family(
             "nvplug_dra_slices_published",
             "1 when the API server holds the ResourceSlices as the pool is",
+            "gauge",
             labels=["driver"],
         )
         published.add_metric(driver, 1.0 if doc["published"] and not doc["error"] else 0.0)
-        tainted = GaugeMetricFamily(
+        tainted = Family(
             "nvplug_dra_device_tainted",
             "1 for each taint nvplug keeps on a device in its slice",
+            "gauge",
             labels=["driver", "device", "taint"],
         )
         for device, taints in sorted((doc.get("tainted") or {}).items()):
             for taint in taints:
                 tainted.add_metric([*driver, device, taint], 1.0)
-        requests = CounterMetricFamily(
+        requests = Family(
             "nvplug_dra_slice_requests",
             "Requests that wrote the node's ResourceSlices, by verb and outcome (ok, an HTTP status, no answer)",
+            "counter",
             labels=["driver", "verb", "outcome"],
         )
         for key, n in sorted((doc.get("requests") or {}).items()):
             verb, _, outcome = key.partition(" ")
             requests.add_metric([*driver, verb, outcome], float(n))
-        written = CounterMetricFamily(
-            "nvplug_dra_slice_bytes_written", "Bytes of the ResourceSlices nvplug sent", labels=["driver"]
+        written = Family(
+            "nvplug_dra_slice_bytes_written", "Bytes of the ResourceSlices nvplug sent", "counter", labels=["driver"]
         )
         written.add_metric(driver, float(doc.get("bytes_written", 0)))
-        coalesced = CounterMetricFamily(
+        coalesced = Family(
             "nvplug_dra_slice_changes_coalesced",
             "Changes of the pool written together with a later one (the write budget)",
+            "counter",
             labels=["driver"],
         )
         coalesced.add_metric(driver, float(doc.get("changes_coalesced", 0)))
         yield from (claims, pool, registered, published, tainted, requests, written, coalesced)
         if doc.get("taints_kept") is not None:
-            kept = GaugeMetricFamily(
+            kept = Family(
                 "nvplug_dra_taints_kept",
                 "1 when the API server keeps device taints, 0 when it drops them",
+                "gauge",
                 labels=["driver"],
             )
             kept.add_metric(driver, 1.0 if doc["taints_kept"] else 0.0)
