@@ -83,6 +83,7 @@ def test_nvml_failure_shows_in_metrics_and_healthz(node: SimulatedNode) -> None:
     node.kubelet.start()
     node.start_daemon()
     node.wait_log("NVML unavailable")
+    node.wait_log("status endpoint on")  # opened after the first scan's failure is logged
     m = scrape(node)
     assert value(m, "nvplug_nvml_errors_total", function="nvmlInit") >= 1
     doc = json.loads(get(node, "/status")[1])
