@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 Labels = tuple[str, ...]
 
@@ -67,6 +68,12 @@ class Family:
 
     def text(self) -> str:
         return self._head + "".join(self._lines)
+
+
+class Collector(Protocol):
+    """What reads the state at each scrape into families."""
+
+    def collect(self) -> Iterable[Family]: ...
 
 
 class Counter:

@@ -30,7 +30,7 @@ from nvplug import __version__
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.pods.pod_holders import Holder
-from nvplug.status.prometheus_text import Counter, Family, Histogram, info_text
+from nvplug.status.prometheus_text import Collector, Counter, Family, Histogram, info_text
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Metrics:
         )
         build = {"version": __version__, "python": platform.python_version(), "grpcio": grpc.__version__}
         self._build = info_text("nvplug_build", "Build information", build)
-        self._collectors: list[_ResourceCollector | _DraCollector | _NodeCollector] = [
+        self._collectors: list[Collector] = [
             _ResourceCollector(resources, holders),
             _DraCollector(dra),
         ]
