@@ -1,11 +1,12 @@
 """Prometheus text (format 0.0.4), written by nvplug: the daemon's own counters and histograms, the families
 its collectors make at each scrape, and the GPU series.
 
-Not prometheus_client: its import was 4.4 MiB of the daemon's RSS (it brings an HTTP server, WSGI and
-process collectors along), and its `generate_latest` checks and escapes each name and label name of each
-series, per scrape, which cost more than the daemon's three dozen own series' collection and more than all
-the GPUs' reads for thousands of per-container ones. The counters are only ever counted and read on the
-event loop, so they need no lock. The text is what prometheus_client writes, less its `_created` series.
+Not prometheus_client: importing it cost the daemon 1.8 MiB of RSS (an HTTP server, WSGI and process
+collectors come along), and its `generate_latest` checks and escapes each name and label name of each
+series on every scrape: 3.6 times what writing the daemon's own series here costs, and more than all the
+GPUs' reads where thousands of per-container series are written. The counters are counted and read on the
+event loop only, so they need no lock. The text is what prometheus_client writes, less its `_created`
+series.
 """
 
 from __future__ import annotations
