@@ -2,8 +2,9 @@
 """The real-GPU check: discovery, event types and the daemon against the real driver.
 
 Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
-it found, how a GPU's telemetry reads go alone and side by side, what a scrape
-of the GPUs' telemetry takes, how long a rescan that counts the GPUs again
+it found, which figures a GPU's telemetry read gets (and which the driver does
+not give), how its reads go alone and side by side, what a scrape of the
+GPUs' telemetry takes, how long a rescan that counts the GPUs again
 takes (a udev bind, as root: the daemon's NVML goes to init count zero while
 its event process listens on, then a new one takes over) and how long a stop
 takes; it changes nothing on the GPUs.
@@ -11,6 +12,7 @@ takes; it changes nothing on the GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -100,6 +102,12 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
 
     with session():
         chain([])  # the first reads: handles, GPM support
+        first = read_gpu(uuid, Window())
+        release(first.window)
+        figures = dataclasses.asdict(first.figures)
+        given = {k: v for k, v in figures.items() if v is not None}
+        print(f"== figures of {uuid}: {given}")
+        print(f"   none from this driver: {sorted(k for k, v in figures.items() if v is None)}")
         alone: list[float] = []
         chain(alone)
         each = statistics.median(alone) * 1000

@@ -971,7 +971,9 @@ def test_ecc_counts_grow_whether_or_not_an_event_set_hears(rig: Rig) -> None:
 def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
     """Utilization, temperature, power and energy, clocks, clock event reasons, PCIe replays and the
     framebuffer used (what the driver keeps plus the processes' memory), each on a GPU handle; a MIG
-    device handle has none of them, and a GPU in MIG mode no utilization."""
+    device handle has none of them, and a GPU in MIG mode no utilization. The video engines' utilization
+    comes with its sampling period, and the memory's temperature is field 82 (an unsigned int), which a GPU
+    without it refuses in the field's own return code."""
     scenario = rig.scenario(
         """
         gpu uuid=GPU-a bus=0000:01:00.0 minor=0 procs=11:1024,12:512:mps
@@ -979,12 +981,17 @@ def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
         gpu uuid=GPU-c bus=0000:03:00.0 minor=2 mig=1
         mig 2 3g.40gb
         mig 2 3g.40gb
+        gpu uuid=GPU-d bus=0000:04:00.0 minor=3 unsupported=memory_temp
         """
     )
     out = rig.run(
         """
         N.nvmlInit()
-        a, b, c = (N.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+        a, b, c, d = (N.nvmlDeviceGetHandleByIndex(i) for i in range(4))
+        def extra(h):
+            f = N.nvmlDeviceGetFieldValues(h, [82])[0]
+            return [N.nvmlDeviceGetEncoderUtilization(h), N.nvmlDeviceGetDecoderUtilization(h),
+                    [f.nvmlReturn, f.valueType, f.value.uiVal]]
         def figures(h):
             u = N.nvmlDeviceGetUtilizationRates(h)
             return [u.gpu, u.memory, N.nvmlDeviceGetTemperature(h, 0), N.nvmlDeviceGetPowerUsage(h),
@@ -995,6 +1002,13 @@ def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
         out["set"] = CTL.telemetry(0, util=87, mem_util=40, temp=71, power_mw=612000, sm_clock=1755, mem_clock=2619,
                                    throttle=0x4, pcie_replays=3, reserved_mib=600, energy_mj=1000)
         out["busy"] = figures(a)
+        out["extra_idle"] = extra(d)
+        CTL.telemetry(0, mem_temp=66, enc_util=12, dec_util=48)
+        out["extra"] = extra(a)
+        out["memory_temp_refused"] = N.nvmlDeviceGetFieldValues(d, [82])[0].nvmlReturn
+        CTL.telemetry(3, mem_temp=50)
+        out["still_refused"] = N.nvmlDeviceGetFieldValues(d, [82])[0].nvmlReturn
+        out["video_unsupported"] = code(N.nvmlDeviceGetEncoderUtilization, b)
         e1 = N.nvmlDeviceGetTotalEnergyConsumption(a)
         time.sleep(0.2)
         e2 = N.nvmlDeviceGetTotalEnergyConsumption(a)
@@ -1014,6 +1028,11 @@ def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
     assert out["idle"] == [0, 0, 34, 69000, 1980, 2619, 1, 1, 0]
     assert out["set"] == "ok"
     assert out["busy"] == [87, 40, 71, 612000, 1755, 2619, 4, 4, 3]
+    # GPU-d refuses field 82 in its entry (3, NOT_SUPPORTED) while the call itself succeeds.
+    assert out["extra_idle"][:2] == [[0, 167000], [0, 167000]]
+    assert out["extra"] == [[12, 167000], [48, 167000], [0, 1, 66]]
+    assert out["memory_temp_refused"] == out["still_refused"] == 3
+    assert out["video_unsupported"] == 3
     e1, e2 = out["energy"]
     # 612 W for at least 0.2 s is at least 122 J more; a busy machine may take longer, never less.
     assert e1 >= 1000 and e2 - e1 >= 122_000, out["energy"]

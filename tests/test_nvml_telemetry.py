@@ -140,3 +140,50 @@ def test_gpm_per_gpu_instance_in_mig_mode(rig: Rig) -> None:
     assert [uuid for uuid, _ in out["second"]] == ["MIG-five", "MIG-two"]
     assert [tensor for _, tensor in out["second"]] == [pytest.approx(0.3)] * 2
     assert out["gpu"] is None
+
+
+def test_memory_temperature_and_video_engines_where_the_gpu_gives_them(rig: Rig) -> None:
+    """A GPU without HBM refuses field 82 in the field's own return code: no figure, and the read goes on."""
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu
+        N.nvmlInit()
+        CTL.telemetry(1, mem_temp=63, enc_util=7, dec_util=9, temp=55)
+        volta, hopper = read_gpu("GPU-volta", Window()).figures, read_gpu("GPU-hopper", Window()).figures
+        out["volta"] = [volta.memory_temperature_c, volta.temperature_c]
+        out["hopper"] = [hopper.memory_temperature_c, hopper.util_encoder, hopper.util_decoder, hopper.temperature_c]
+        """,
+        rig.scenario(SCENARIO.replace("cc=7.0", "cc=7.0 unsupported=memory_temp")),
+    )
+    assert out["volta"] == [None, 34]
+    assert out["hopper"] == [63, 7, 9, 55]
+
+
+@pytest.mark.parametrize(
+    ("value_type", "member", "given", "read"),
+    [(0, "dVal", 41.5, 41.5), (1, "uiVal", 70, 70), (3, "ullVal", 2**40, 2**40), (5, "siVal", -3, -3)],
+)
+def test_a_field_is_read_as_the_type_the_driver_gives(
+    monkeypatch: pytest.MonkeyPatch, value_type: int, member: str, given: float, read: float
+) -> None:
+    import pynvml
+
+    from nvplug.sources import nvml_discovery
+
+    def one(handle: object, fields: list[int]) -> list[object]:
+        entry = pynvml.c_nvmlFieldValue_t()
+        entry.fieldId, entry.valueType, entry.nvmlReturn = fields[0], value_type, pynvml.NVML_SUCCESS
+        setattr(entry.value, member, given)
+        return [entry]
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", one)
+    assert nvml_discovery.field_value(None, 82) == read
+
+    def refused(handle: object, fields: list[int]) -> list[object]:
+        entry = pynvml.c_nvmlFieldValue_t()
+        entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return [entry]
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", refused)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml_discovery.field_value(None, 82)

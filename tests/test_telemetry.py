@@ -78,12 +78,28 @@ def test_grafana_12239_queries_are_answered_in_dcgm_names(node: SimulatedNode) -
     assert len(got["DCGM_FI_DEV_GPU_TEMP"]) == len(gpus)  # one series per GPU: `label_values(..., gpu)`
 
 
+def test_dcgm_exporters_default_counters_in_its_units(node: SimulatedNode) -> None:
+    """The fields of dcgm-exporter's default-counters.csv that NVML gives: the memory's temperature (°C)
+    and the video engines' utilization (%) among them."""
+    serving(node)
+    node.control.telemetry(1, mem_temp=61, enc_util=30, dec_util=45, pcie_replays=2, mem_clock=2619)
+    got = scrape_later(node)
+    assert value(got, "DCGM_FI_DEV_MEMORY_TEMP", gpu="1") == 61
+    assert value(got, "DCGM_FI_DEV_ENC_UTIL", gpu="1") == 30
+    assert value(got, "DCGM_FI_DEV_DEC_UTIL", gpu="1") == 45
+    assert value(got, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", gpu="1") == 2
+    assert value(got, "DCGM_FI_DEV_MEM_CLOCK", gpu="1") == 2619
+    assert value(got, "DCGM_FI_DEV_ENC_UTIL", gpu="0") == 0  # idle: 0, not none
+
+
 def test_nvplug_naming_in_base_units(node: SimulatedNode) -> None:
     serving(node, "nvplug:\n  telemetry:\n    naming: nvplug\n")
-    node.control.telemetry(1, util=50, sm_clock=1500, power_mw=250000, energy_mj=5000)
+    node.control.telemetry(1, util=50, sm_clock=1500, power_mw=250000, energy_mj=5000, mem_temp=58, dec_util=20)
     node.control.ecc(1, "sbe", 3)
     got = scrape_later(node)
     assert value(got, "nvplug_gpu_utilization_ratio", gpu="1") == 0.5
+    assert value(got, "nvplug_gpu_memory_temperature_celsius", gpu="1") == 58
+    assert value(got, "nvplug_gpu_decoder_utilization_ratio", gpu="1") == 0.2
     assert value(got, "nvplug_gpu_sm_clock_hertz", gpu="1") == 1.5e9
     assert value(got, "nvplug_gpu_framebuffer_total_bytes", gpu="1") == 81559 * MIB
     assert value(got, "nvplug_gpu_ecc_errors_total", gpu="1", error="corrected", counter="volatile") == 3

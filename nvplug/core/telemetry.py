@@ -44,10 +44,13 @@ class GpuFigures(GpmActivity):
 
     util_gpu: int | None = None
     util_memory: int | None = None
+    util_encoder: int | None = None
+    util_decoder: int | None = None
     fb_used_mib: int | None = None
     fb_free_mib: int | None = None
     fb_total_mib: int | None = None
     temperature_c: int | None = None
+    memory_temperature_c: int | None = None  # the HBM's; None where the GPU has none
     power_w: float | None = None
     energy_mj: int | None = None
     sm_clock_mhz: int | None = None

@@ -20,7 +20,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from nvplug.core.telemetry import MIB, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import as_text, session
+from nvplug.sources.nvml_discovery import as_text, field_value, session
 from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
 
 T = TypeVar("T")
@@ -145,13 +145,20 @@ def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
     def retired(cause: int) -> int | None:
         return _optional(lambda: len(pynvml.nvmlDeviceGetRetiredPages(handle, cause)))
 
+    def video(read: Callable[[Any], list[int]]) -> int | None:
+        """The encoder's or decoder's utilization; NVML gives its sampling period beside it."""
+        return _optional(lambda: int(read(handle)[0]))
+
     return GpuFigures(
         util_gpu=None if util is None else int(util.gpu),
         util_memory=None if util is None else int(util.memory),
+        util_encoder=video(pynvml.nvmlDeviceGetEncoderUtilization),
+        util_decoder=video(pynvml.nvmlDeviceGetDecoderUtilization),
         fb_used_mib=None if memory is None else int(memory.used) // MIB,
         fb_free_mib=None if memory is None else int(memory.free) // MIB,
         fb_total_mib=None if memory is None else int(memory.total) // MIB,
         temperature_c=_optional(lambda: int(pynvml.nvmlDeviceGetTemperature(handle, TEMPERATURE_GPU))),
+        memory_temperature_c=_optional(lambda: int(field_value(handle, pynvml.NVML_FI_DEV_MEMORY_TEMP))),
         power_w=None if power is None else int(power) / 1000.0,
         energy_mj=_optional(lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))),
         sm_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_SM))),

@@ -56,12 +56,36 @@ GPU_SERIES = (
         False,
         "Memory bandwidth utilization",
     ),
+    Series(
+        "util_encoder",
+        "DCGM_FI_DEV_ENC_UTIL",
+        "nvplug_gpu_encoder_utilization_ratio",
+        0.01,
+        False,
+        "Video encoder utilization",
+    ),
+    Series(
+        "util_decoder",
+        "DCGM_FI_DEV_DEC_UTIL",
+        "nvplug_gpu_decoder_utilization_ratio",
+        0.01,
+        False,
+        "Video decoder utilization",
+    ),
     Series("fb_used_mib", "DCGM_FI_DEV_FB_USED", "nvplug_gpu_framebuffer_used_bytes", MIB, False, "Framebuffer used"),
     Series("fb_free_mib", "DCGM_FI_DEV_FB_FREE", "nvplug_gpu_framebuffer_free_bytes", MIB, False, "Framebuffer free"),
     Series(
         "fb_total_mib", "DCGM_FI_DEV_FB_TOTAL", "nvplug_gpu_framebuffer_total_bytes", MIB, False, "Framebuffer size"
     ),
     Series("temperature_c", "DCGM_FI_DEV_GPU_TEMP", "nvplug_gpu_temperature_celsius", 1, False, "GPU temperature"),
+    Series(
+        "memory_temperature_c",
+        "DCGM_FI_DEV_MEMORY_TEMP",
+        "nvplug_gpu_memory_temperature_celsius",
+        1,
+        False,
+        "Memory (HBM) temperature",
+    ),
     Series("power_w", "DCGM_FI_DEV_POWER_USAGE", "nvplug_gpu_power_watts", 1, False, "Power draw"),
     Series(
         "energy_mj",

@@ -66,11 +66,14 @@
  *                                       EXCLUSIVE_THREAD PROHIBITED EXCLUSIVE_PROCESS) set it, as an
  *                                       operator's nvidia-smi -c does: no root check, error for a
  *                                       lost GPU or one in MIG mode; written to the state file
- *   telemetry <gpu> key=value ...       what the device figures answer: util mem_util (%), temp (C),
- *                                       power_mw, energy_mj (then growing at power_mw), sm_clock
- *                                       mem_clock (MHz), throttle (clocks event reasons), pcie_replays,
- *                                       reserved_mib (framebuffer used before any process's memory);
- *                                       none on a MIG device handle, no utilization with MIG on
+ *   telemetry <gpu> key=value ...       what the device figures answer: util mem_util enc_util
+ *                                       dec_util (%), temp mem_temp (C), power_mw, energy_mj (then
+ *                                       growing at power_mw), sm_clock mem_clock (MHz), throttle
+ *                                       (clocks event reasons), pcie_replays, reserved_mib (framebuffer
+ *                                       used before any process's memory); none on a MIG device
+ *                                       handle, no utilization with MIG on; mem_temp is field 82
+ *                                       (nvmlDeviceGetFieldValues), which unsupported=memory_temp
+ *                                       refuses, as a GPU without HBM does
  *   samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -
  *                                       process utilization samples stamped now (realtime us,
  *                                       rising per GPU; the last SAMPLES_MAX kept), for
@@ -309,6 +312,7 @@ enum {
 #define NVML_VALUE_NOT_AVAILABLE_ULL (~0ULL)   /* NVML_VALUE_NOT_AVAILABLE (-1) in a 64-bit field */
 
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+#define NVML_FI_DEV_MEMORY_TEMP 82   /* the HBM's temperature, C */
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NVML_P2P_CAPS_INDEX_NVLINK 2
 #define NVML_P2P_STATUS_OK 0
@@ -468,7 +472,8 @@ enum {
     U_SERIAL = 1 << 4, U_NAME = 1 << 5, U_EVENTS = 1 << 6, U_TOPOLOGY = 1 << 7,
     U_NVLINK = 1 << 8, U_RETIRED_PAGES = 1 << 9, U_REMAPPED_ROWS = 1 << 10,
     U_MIG = 1 << 11, U_PERSISTENCE = 1 << 12, U_RECOVERY_ACTION = 1 << 13, U_PROCESSES = 1 << 14,
-    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16, U_TELEMETRY = 1 << 17, U_GPM = 1 << 18
+    U_COMPUTE_MODE = 1 << 15, U_ECC = 1 << 16, U_TELEMETRY = 1 << 17, U_GPM = 1 << 18,
+    U_MEMORY_TEMP = 1 << 19
 };
 static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"numa", U_NUMA}, {"cc", U_CC}, {"memory", U_MEMORY}, {"minor", U_MINOR},
@@ -476,7 +481,7 @@ static const struct { const char *name; unsigned bit; } unsupported_names[] = {
     {"nvlink", U_NVLINK}, {"retired_pages", U_RETIRED_PAGES}, {"remapped_rows", U_REMAPPED_ROWS},
     {"mig", U_MIG}, {"persistence", U_PERSISTENCE}, {"recovery_action", U_RECOVERY_ACTION},
     {"processes", U_PROCESSES}, {"compute_mode", U_COMPUTE_MODE}, {"ecc", U_ECC},
-    {"telemetry", U_TELEMETRY}, {"gpm", U_GPM},
+    {"telemetry", U_TELEMETRY}, {"gpm", U_GPM}, {"memory_temp", U_MEMORY_TEMP},
 };
 
 /* Which running-process queries list a process (procs= KIND). */
@@ -558,8 +563,8 @@ struct fake_dev {
      * (volatile: since the driver loaded or the GPU was reset; aggregate: the GPU's whole life) */
     unsigned long long ecc[2][2];
     /* telemetry ("telemetry"): what the device figures answer */
-    unsigned util_gpu, util_mem;        /* percent */
-    unsigned temp_c, power_mw, sm_mhz, mem_mhz, pcie_replays;
+    unsigned util_gpu, util_mem, util_enc, util_dec;    /* percent */
+    unsigned temp_c, mem_temp_c, power_mw, sm_mhz, mem_mhz, pcie_replays;
     unsigned long long throttle;        /* nvmlClocksEventReasons bits */
     unsigned long long reserved_mib;    /* framebuffer the driver keeps: used before any process */
     unsigned long long energy_mj;       /* at energy_since; grows at power_mw from then */
@@ -712,6 +717,7 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetTotalEnergyConsumption, DEV) X(nvmlDeviceGetClockInfo, DEV)                           \
     X(nvmlDeviceGetCurrentClocksEventReasons, DEV) X(nvmlDeviceGetCurrentClocksThrottleReasons, DEV)     \
     X(nvmlDeviceGetPcieReplayCounter, DEV) X(nvmlDeviceGetProcessUtilization, DEV)                       \
+    X(nvmlDeviceGetEncoderUtilization, DEV) X(nvmlDeviceGetDecoderUtilization, DEV)                     \
     X(nvmlDeviceGetSupportedEventTypes, DEV) X(nvmlEventSetCreate, SYS) X(nvmlDeviceRegisterEvents, DEV) \
     X(nvmlEventSetFree, SYS) X(nvmlEventSetWait, SYS) X(nvmlEventSetWait_v2, SYS)                        \
     X(nvmlDeviceGetComputeRunningProcesses, DEV) X(nvmlDeviceGetComputeRunningProcesses_v2, DEV)         \
@@ -1117,6 +1123,7 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->events = EV_DEFAULT;
     /* An idle H100 SXM at its default clocks. */
     d->temp_c = 34;
+    d->mem_temp_c = 38;
     d->power_mw = 69000;
     d->sm_mhz = 1980;
     d->mem_mhz = 2619;
@@ -2228,22 +2235,23 @@ static void ctl_gpm(struct fake_dev *d, char **tok, int n, char *out, size_t cap
 }
 
 /*
- * "telemetry <gpu> key=value ...": util mem_util (percent), temp (C), power_mw, energy_mj,
- * sm_clock mem_clock (MHz), throttle (a bitmask, 0x... or decimal), pcie_replays, reserved_mib.
+ * "telemetry <gpu> key=value ...": util mem_util enc_util dec_util (percent), temp mem_temp (C),
+ * power_mw, energy_mj, sm_clock mem_clock (MHz), throttle (a bitmask, 0x... or decimal), pcie_replays,
+ * reserved_mib.
  */
 static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size_t cap)
 {
     static const struct { const char *key; unsigned long long max; } keys[] = {
         {"util", 100}, {"mem_util", 100}, {"temp", 200}, {"power_mw", 2000000}, {"energy_mj", ~0ULL},
         {"sm_clock", 10000}, {"mem_clock", 20000}, {"throttle", ~0ULL}, {"pcie_replays", 0xFFFFFFFFULL},
-        {"reserved_mib", 1 << 24},
+        {"reserved_mib", 1 << 24}, {"mem_temp", 200}, {"enc_util", 100}, {"dec_util", 100},
     };
     unsigned long long v[sizeof keys / sizeof keys[0]];
     int set[sizeof keys / sizeof keys[0]] = {0}, i;
     size_t k;
     if (n < 3) {
         snprintf(out, cap, "error: usage: telemetry <gpu> key=value ... (util mem_util temp power_mw energy_mj "
-                           "sm_clock mem_clock throttle pcie_replays reserved_mib)");
+                           "sm_clock mem_clock throttle pcie_replays reserved_mib mem_temp enc_util dec_util)");
         return;
     }
     for (i = 2; i < n; i++) {
@@ -2273,6 +2281,9 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
     if (set[7]) d->throttle = v[7];
     if (set[8]) d->pcie_replays = (unsigned)v[8];
     if (set[9]) d->reserved_mib = v[9];
+    if (set[10]) d->mem_temp_c = (unsigned)v[10];
+    if (set[11]) d->util_enc = (unsigned)v[11];
+    if (set[12]) d->util_dec = (unsigned)v[12];
     snprintf(out, cap, "ok");
 }
 
@@ -3998,6 +4009,11 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
             v->nvmlReturn = NVML_SUCCESS;
             memset(&v->value, 0, sizeof v->value);
             v->value.uiVal = d->recovery_action;
+        } else if (v->fieldId == NVML_FI_DEV_MEMORY_TEMP && !(d->unsupported & (U_TELEMETRY | U_MEMORY_TEMP))) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_SUCCESS;
+            memset(&v->value, 0, sizeof v->value);
+            v->value.uiVal = d->mem_temp_c;
         } else {
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }
@@ -4201,6 +4217,31 @@ nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *v
     FIGURES_BEGIN(device, value);
     *value = d->pcie_replays;
     return done(NVML_SUCCESS);
+}
+
+/* The video engines' utilization (percent) over the driver's sampling period, which it gives in us. */
+static nvmlReturn_t video_utilization(nvmlDevice_t device, unsigned int *utilization, unsigned int *period_us,
+                                      int decoder)
+{
+    FIGURES_BEGIN(device, utilization);
+    REQUIRE(period_us);
+    *utilization = decoder ? d->util_dec : d->util_enc;
+    *period_us = 167000;
+    return done(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                             unsigned int *samplingPeriodUs)
+{
+    COUNT(nvmlDeviceGetEncoderUtilization);
+    return video_utilization(device, utilization, samplingPeriodUs, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                             unsigned int *samplingPeriodUs)
+{
+    COUNT(nvmlDeviceGetDecoderUtilization);
+    return video_utilization(device, utilization, samplingPeriodUs, 1);
 }
 
 /*

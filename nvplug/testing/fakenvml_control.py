@@ -189,9 +189,9 @@ class Control:
         return self.send(f"procs {gpu} {','.join(p.spec() for p in items) or '-'}")
 
     def telemetry(self, gpu: GpuRef, **figures: int) -> str:
-        """Set what the GPU's figures answer: util, mem_util (percent), temp (C), power_mw, energy_mj,
-        sm_clock, mem_clock (MHz), throttle (nvmlClocksEventReasons bits), pcie_replays, reserved_mib
-        (framebuffer used before any process). Energy grows at power_mw from then on."""
+        """Set what the GPU's figures answer: util, mem_util, enc_util, dec_util (percent), temp, mem_temp
+        (C), power_mw, energy_mj, sm_clock, mem_clock (MHz), throttle (nvmlClocksEventReasons bits),
+        pcie_replays, reserved_mib (framebuffer used before any process). Energy grows at power_mw from then on."""
         if not figures:
             raise ValueError("telemetry needs at least one figure")
         return self.send(f"telemetry {gpu} " + " ".join(f"{k}={v}" for k, v in figures.items()))
