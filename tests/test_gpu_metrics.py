@@ -1,6 +1,7 @@
-"""The dcgm naming's pod labels (`nvplug.telemetry.podLabels`), rendered from a snapshot, who holds each
-device and a scrape's readings: dcgm-exporter's `--kubernetes` series, with each pod's own figures on a
-shared GPU. The daemon's part (PodResources, processes in real cgroups) is in test_telemetry.py."""
+"""The dcgm naming's pod labels (`nvplug.telemetry.podLabels`, `podUid`, `podLabelNames`), rendered from a
+snapshot, who holds each device and a scrape's readings: dcgm-exporter's `--kubernetes` series, with each
+pod's own figures on a shared GPU. The daemon's part (PodResources, processes in real cgroups) is in
+test_telemetry.py."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ HOLDERS = {
 }
 
 
-def rendered(pod_labels: bool, holders: dict[str, list[Holder]] = HOLDERS) -> dict[str, Samples]:
+def rendered(
+    pod_labels: bool,
+    holders: dict[str, list[Holder]] = HOLDERS,
+    settings: TelemetryConfig | None = None,
+    pod_uids: dict[tuple[str, str], str] | None = None,
+) -> dict[str, Samples]:
     gpus = (
         Gpu(SHARED, 0, "0000:01:00.0", 0, name="H100"),
         Gpu(WHOLE, 1, "0000:02:00.0", 1, name="H100"),
@@ -69,8 +75,10 @@ def rendered(pod_labels: bool, holders: dict[str, list[Holder]] = HOLDERS) -> di
             ),
         ),
         {11: A, 12: A, 21: B, 31: C, 41: ProcessContainer("ml", "mig-user", "main")},
+        pod_uids or {},
     )
-    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: TelemetryConfig(pod_labels=pod_labels), "node-a")
+    config = settings or TelemetryConfig(pod_labels=pod_labels)
+    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: config, "node-a")
     out: dict[str, Samples] = {}
     for family in text_string_to_metric_families(metrics.render(telemetry).decode()):
         for sample in family.samples:
@@ -140,3 +148,45 @@ def test_pod_labels_are_off_by_default_and_for_the_dcgm_naming_only() -> None:
     assert on.telemetry.pod_labels is True
     with pytest.raises(ConfigError, match=r"line 5: nvplug\.telemetry\.podLabels: .*dcgm naming"):
         parse("version: v1\nnvplug:\n  telemetry:\n    naming: nvplug\n    podLabels: true\n", "config.yaml")
+
+
+def test_pod_uid_from_the_cgroup_on_a_container_s_series_and_from_the_records_on_a_holder_s() -> None:
+    """dcgm-exporter's --kubernetes-enable-pod-uid. A holder whose name the records give twice (a pod made
+    again under its old name) or not at all has an empty pod_uid, never a guess."""
+    got = rendered(
+        pod_labels=True,
+        settings=TelemetryConfig(pod_labels=True, pod_uid=True),
+        pod_uids={("ml", "ts-a"): "uid-a", ("ml", "trainer"): "uid-c"},
+    )
+    assert of(got, "DCGM_FI_DEV_GPU_UTIL", UUID=SHARED, pod="ts-a", pod_uid="uid-a") == [60]
+    assert of(got, "DCGM_FI_DEV_GPU_UTIL", UUID=SHARED, pod="ts-b", pod_uid="") == [30]
+    assert of(got, "DCGM_FI_DEV_GPU_TEMP", UUID=WHOLE, pod="trainer", pod_uid="uid-c") == [60]
+    # Per container, the UID is the process's own cgroup's: ts-b's too.
+    assert of(got, "nvplug_container_gpu_processes", pod="ts-b", pod_uid="uid-b") == [1]
+    assert of(got, "nvplug_container_gpu_processes", pod="ts-a", pod_uid="uid-a") == [2]
+    # Without it, no series has the label.
+    plain = rendered(pod_labels=True, pod_uids={("ml", "ts-a"): "uid-a"})
+    assert not [lab for family in plain.values() for lab, _ in family if "pod_uid" in lab]
+
+
+def test_legacy_pod_label_names() -> None:
+    """dcgm-exporter's --use-old-namespace: pod_name, pod_namespace and container_name, on the device copies
+    and the container series alike, and no pod, namespace or container label beside them."""
+    got = rendered(pod_labels=True, settings=TelemetryConfig(pod_labels=True, pod_label_names="legacy"))
+    at = {"pod_name": "ts-a", "pod_namespace": "ml", "container_name": "main"}
+    assert of(got, "DCGM_FI_DEV_GPU_UTIL", UUID=SHARED, **at) == [60]
+    assert of(got, "nvplug_container_gpu_memory_used_bytes", pod_name="ts-b") == [4096 * 2**20]
+    assert not [lab for family in got.values() for lab, _ in family if {"pod", "namespace", "container"} & set(lab)]
+
+
+def test_pod_uid_and_legacy_names_in_the_config() -> None:
+    plain = parse("version: v1\n", "config.yaml").telemetry
+    assert (plain.pod_uid, plain.pod_label_names) == (False, "current")
+    on = parse("version: v1\nnvplug:\n  telemetry:\n    podUid: true\n    podLabelNames: legacy\n", "c.yaml")
+    assert (on.telemetry.pod_uid, on.telemetry.pod_label_names) == (True, "legacy")
+    nvplug = parse("version: v1\nnvplug:\n  telemetry:\n    naming: nvplug\n    podUid: true\n", "c.yaml")
+    assert nvplug.telemetry.pod_uid is True  # nvplug's container series carry it too
+    with pytest.raises(ConfigError, match=r"line 5: nvplug\.telemetry\.podLabelNames: .*dcgm naming"):
+        parse("version: v1\nnvplug:\n  telemetry:\n    naming: nvplug\n    podLabelNames: legacy\n", "c.yaml")
+    with pytest.raises(ConfigError, match=r"podLabelNames: must be one of current, legacy; not 'old'"):
+        parse("version: v1\nnvplug:\n  telemetry:\n    podLabelNames: old\n", "c.yaml")

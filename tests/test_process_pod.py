@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nvplug.pods.process_pod import PodName, ProcessPod, pod_names, pod_of_cgroup
+from nvplug.pods.process_pod import PodName, ProcessPod, pod_names, pod_of_cgroup, uids_by_name
 
 UID = "5d9c2e4a-1b7f-4c3e-9a2d-6f0e8b1c3a57"
 CID = "3f1a9c0e7b2d4e6f8a1b3c5d7e9f0a2b4c6d8e0f1a3b5c7d9e1f3a5b7c9d1e3f"
@@ -51,3 +51,10 @@ def test_pod_names_from_the_kubelet_s_log_directories() -> None:
     names = pod_names([f"team-a_train-0_{UID}", "kube-system_nvplug_not-a-uid", "stray", f"x_y_z_{UID}"])
     assert names == {UID: PodName("team-a", "train-0")}
     assert str(names[UID]) == "team-a/train-0"
+
+
+def test_a_pod_s_uid_by_its_name_unless_two_pods_had_that_name() -> None:
+    other = UID.replace("0", "1")
+    names = {UID: PodName("ml", "train-0"), other: PodName("ml", "train-0"), "u-2": PodName("ml", "infer")}
+    # train-0 made again under its name, the old one's records not yet removed: which UID is whose is unknown.
+    assert uids_by_name(names) == {("ml", "infer"): "u-2"}

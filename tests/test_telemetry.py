@@ -182,6 +182,23 @@ def test_pod_labels_on_a_time_sliced_gpu_give_each_pod_its_own_dcgm_figures(
     assert [(lab.get("pod"), v) for lab, v in got["DCGM_FI_DEV_GPU_UTIL"] if lab["UUID"] == shared] == [(None, 70)]
 
 
+def test_pod_uid_on_the_series_of_the_pods_that_hold_a_gpu(node: SimulatedNode, pods: PodCgroups) -> None:
+    """dcgm-exporter's --kubernetes-enable-pod-uid: on a holder's device series the UID the kubelet's records
+    give its name, a pod with no process on its GPU too; on a container's series its cgroup's."""
+    gpus = serving(node, "nvplug:\n  telemetry:\n    podLabels: true\n    podUid: true\n")
+    idle, busy = pods.start("ml", "idle"), pods.start("ml", "busy")
+    node.kubelet.admit("ml", "idle", "main", GPU_RESOURCE, [gpus[0]["uuid"]])
+    node.kubelet.admit("ml", "busy", "main", GPU_RESOURCE, [gpus[1]["uuid"]])
+    node.control.procs(1, [GpuProcess(busy.pid, 512)])
+    got = scrape_later(node)
+    assert value(got, "DCGM_FI_DEV_FB_TOTAL", UUID=gpus[0]["uuid"], pod="idle", pod_uid=idle.pod_uid) > 0
+    assert value(got, "DCGM_FI_DEV_FB_USED", UUID=gpus[1]["uuid"], pod="busy", pod_uid=busy.pod_uid) >= 512
+    assert value(got, "nvplug_container_gpu_memory_used_bytes", pod="busy", pod_uid=busy.pod_uid) == 512 * MIB
+    # A GPU nobody holds: no pod, so no pod_uid.
+    ((free, _),) = [s for s in got["DCGM_FI_DEV_FB_TOTAL"] if s[0]["UUID"] == gpus[2]["uuid"]]
+    assert "pod_uid" not in free, free
+
+
 def test_an_mps_client_and_a_mig_device_are_attributed(node: SimulatedNode, pods: PodCgroups) -> None:
     gpus = serving(node)
     client = pods.start("ml", "mps-client")

@@ -255,6 +255,23 @@ def test_processes_are_placed_from_their_cgroup_and_the_kubelet_s_records(tmp_pa
     assert [unattributed(placed[pid]) for pid in (101, 102, 103, 104)] == [False, False, True, True]
 
 
+def test_a_pass_reads_the_uids_of_the_pods_the_records_name(tmp_path: Path) -> None:
+    """For the pods that hold a device, whether or not a process of theirs runs on it; read again once the
+    records' directory changes."""
+    (tmp_path / "log/pods" / f"ml_ts-a_{UID}").mkdir(parents=True)
+    telemetry = reader(Driver(), clock := Clock(), tmp_path)
+
+    async def scrapes() -> None:
+        assert (await telemetry.refresh()).pod_uids == {("ml", "ts-a"): UID}
+        other = UID.replace("abcd", "ef01")
+        (tmp_path / "log/pods" / f"ml_ts-b_{other}").mkdir()
+        clock.now += 1.0
+        assert (await telemetry.refresh()).pod_uids == {("ml", "ts-a"): UID, ("ml", "ts-b"): other}
+        await telemetry.close()
+
+    asyncio.run(scrapes())
+
+
 def test_each_read_s_processes_are_placed_as_read_and_a_shared_pid_once_a_pass(tmp_path: Path) -> None:
     driver, clock = Driver(), Clock()
     (tmp_path / "proc/101").mkdir(parents=True)

@@ -164,6 +164,13 @@ def _telemetry(found: Found, values: dict[str, Any]) -> TelemetryConfig:
             "puts pod labels on the dcgm naming's series, as dcgm-exporter's --kubernetes does; nvplug's naming "
             "has nvplug_container_gpu_* per container instead",
         )
+    if cfg.pod_label_names == "legacy" and cfg.naming != "dcgm":
+        raise found.ctx.error(
+            found.nodes["podLabelNames"],
+            f"{found.path}.podLabelNames",
+            "legacy names are dcgm-exporter's (--use-old-namespace), for the dcgm naming; nvplug's naming keeps "
+            "pod, namespace and container",
+        )
     return cfg
 
 

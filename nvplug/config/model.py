@@ -64,6 +64,9 @@ SECTIONS = ("version", "flags", "resources", "sharing", "imex", "nvplug")
 
 AutoResetMode = Literal["off", "idle"]
 MetricNaming = Literal["dcgm", "nvplug"]
+# The pod labels' names: dcgm-exporter's, or those of its --use-old-namespace (pod_name, pod_namespace,
+# container_name), which older dashboards filter on.
+PodLabelNames = Literal["current", "legacy"]
 # Where the kubelet keeps its pod and container log records, which name the pods of GPU processes.
 DEFAULT_POD_LOG_ROOT = "/var/log"
 
@@ -174,6 +177,18 @@ class TelemetryConfig:
     pod_labels: bool = field(
         default=False,
         metadata=key("podLabels", "the dcgm naming's device series carry the pods that hold the device", boolean),
+    )
+    # dcgm-exporter's --kubernetes-enable-pod-uid: a pod made again under its name is told apart.
+    pod_uid: bool = field(
+        default=False, metadata=key("podUid", "the series with pod labels carry the pod's UID (pod_uid)", boolean)
+    )
+    pod_label_names: PodLabelNames = field(
+        default="current",
+        metadata=key(
+            "podLabelNames",
+            "current (pod, namespace, container) or legacy (pod_name, pod_namespace, container_name)",
+            choice(PodLabelNames),
+        ),
     )
 
 

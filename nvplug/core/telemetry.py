@@ -7,6 +7,7 @@ series is left out rather than shown as 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -129,6 +130,8 @@ class Telemetry:
 
     readings: tuple[GpuReading, ...] = ()
     containers: dict[int, ProcessContainer] = field(default_factory=dict)
+    # Each pod's UID by namespace and name, from the kubelet's records: for the pods that hold a device.
+    pod_uids: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
     def container_of(self, pid: int) -> ProcessContainer:
         return self.containers.get(pid, HOST)

@@ -18,12 +18,12 @@ import os
 import resource
 import select
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from nvplug.core.telemetry import HOST, ProcessContainer
-from nvplug.pods.process_pod import ProcessPod, container_names, pod_names, pod_of_cgroup
+from nvplug.pods.process_pod import PodName, ProcessPod, container_names, pod_names, pod_of_cgroup, uids_by_name
 
 T = TypeVar("T")
 
@@ -52,6 +52,7 @@ class ProcessPlaces:
         self._container_names = _Listing(container_names)
         held = hold and proc_root == HOST_PROC
         self._held = _Held(resource.getrlimit(resource.RLIMIT_NOFILE)[0] // HELD_SHARE if held else 0)
+        self._uids: tuple[Mapping[str, PodName], Mapping[tuple[str, str], str]] | None = None
 
     def place(self, pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
         """Each PID's container: HOST for a process in no pod; the pod's UID alone (no names) for a pod the
@@ -89,6 +90,13 @@ class ProcessPlaces:
                     continue
                 out[pid] = ProcessContainer(pod.namespace, pod.name, names.get(cid, ""), found.uid, cid)
         return out
+
+    def uids_by_name(self) -> Mapping[tuple[str, str], str]:
+        """Each pod's UID by its namespace and name, as the kubelet's records give them (process_pod.py)."""
+        pods = self._pod_names.read(self.log_root / "pods")
+        if self._uids is None or self._uids[0] is not pods:  # the listing is the same object while unchanged
+            self._uids = (pods, uids_by_name(pods))
+        return self._uids[1]
 
     @property
     def held(self) -> int:

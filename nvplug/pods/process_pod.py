@@ -83,6 +83,19 @@ def pod_names(log_dirs: Iterable[str]) -> Mapping[str, PodName]:
     return names
 
 
+def uids_by_name(names: Mapping[str, PodName]) -> Mapping[tuple[str, str], str]:
+    """Pod UID by namespace and name; none for a name two UIDs hold (a pod made again under its name while
+    the kubelet still keeps the old one's records): which is which, the records cannot say."""
+    found: dict[tuple[str, str], str] = {}
+    twice: set[tuple[str, str]] = set()
+    for uid, pod in names.items():
+        key = (pod.namespace, pod.name)
+        if key in found:
+            twice.add(key)
+        found[key] = uid
+    return {key: uid for key, uid in found.items() if key not in twice}
+
+
 def container_names(log_links: Iterable[str]) -> Mapping[str, str]:
     """Container ID to container name, from the names of the kubelet's links in /var/log/containers."""
     names: dict[str, str] = {}

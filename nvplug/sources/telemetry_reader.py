@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from nvplug.config import Config
@@ -87,6 +87,7 @@ class GpuTelemetry(Sink):
         self.lanes = 1  # the last pass's
         # Each reading's processes, placed as they were read: a container, or None where unattributed.
         self._where: dict[str, dict[int, ProcessContainer | None]] = {}
+        self._pod_uids: Mapping[tuple[str, str], str] = {}  # as the last job read the kubelet's records
         self.read_count = 0  # reads that worked
         self.pass_seconds = 0.0
 
@@ -124,7 +125,7 @@ class GpuTelemetry(Sink):
             for pid, where in self._where.get(r.uuid, {}).items()
             if where is not None and where.pod  # in a pod the records name
         }
-        return Telemetry(readings, containers)
+        return Telemetry(readings, containers, self._pod_uids)
 
     @property
     def unattributed(self) -> int:
@@ -194,7 +195,7 @@ class GpuTelemetry(Sink):
             job = _Job([(u, self._windows.get(u, Window())) for u in uuids], loop)
             jobs.append(job)
             self._jobs[lane] = job
-            self._workers[lane].submit(job.run, self._read_shared, self._place)
+            self._workers[lane].submit(job.run, self._read_shared, self._place, self._uids_by_name)
             hung = await self._watch(job)
             self._collect(job)
             if hung is None:
@@ -214,6 +215,10 @@ class GpuTelemetry(Sink):
     def _place(self, pids: Iterable[int]) -> dict[int, ProcessContainer | None]:
         with self._placing:
             return self._places.place(pids)
+
+    def _uids_by_name(self) -> Mapping[tuple[str, str], str]:
+        with self._placing:
+            return self._places.uids_by_name()
 
     @staticmethod
     async def _watch(job: _Job) -> int | None:
@@ -235,6 +240,8 @@ class GpuTelemetry(Sink):
             self._pending.discard(uuid)
             self._take(uuid, results[at])
         job.taken = len(results)
+        if job.pod_uids is not None:
+            self._pod_uids = job.pod_uids
 
     def _returned(self, uuid: str, _finished: asyncio.Future[None]) -> None:
         """A read left behind came back: its figures are the newest there are."""
@@ -307,6 +314,7 @@ class _Job:
         self.taken = 0  # results the loop has taken
         self.read_seconds = 0.0  # in the reads that returned, placing aside
         self.reads = 0
+        self.pod_uids: Mapping[tuple[str, str], str] | None = None  # read once the turns are done
         self.finished: asyncio.Future[None] = loop.create_future()
         # Set on the loop when a read hangs or the reader closes: the thread reads no further GPU. Setting it
         # and starting a turn are one step each, so a turn the loop gave up on is never read twice.
@@ -319,7 +327,9 @@ class _Job:
             self._stopped = True
             return self.current[0]
 
-    def run(self, read: Callable[[str, Window], GpuRead], place: _Place) -> None:
+    def run(
+        self, read: Callable[[str, Window], GpuRead], place: _Place, uids: Callable[[], Mapping[tuple[str, str], str]]
+    ) -> None:
         try:
             for at, (uuid, since) in enumerate(self.turns):
                 with self._lock:
@@ -335,6 +345,7 @@ class _Job:
                     self.results.append(err)
                 else:
                     self.results.append((got, {p.pid: self._placed[p.pid] for p in got.processes}))
+            self.pod_uids = uids()
         finally:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it
                 self._loop.call_soon_threadsafe(self.finished.set_result, None)

@@ -261,6 +261,33 @@ CONTAINER_MEMORY_UTIL = (
 CONTAINER_TEXTS = 8192
 
 
+# The labels for a pod, its namespace and its container: dcgm-exporter's, and its --use-old-namespace's.
+POD_LABEL_NAMES = {
+    "current": ("pod", "namespace", "container"),
+    "legacy": ("pod_name", "pod_namespace", "container_name"),
+}
+
+
+@dataclass(frozen=True)
+class PodLabelling:
+    """How a series names its pod: the labels for pod, namespace and container (`podLabelNames`), and
+    whether it adds the pod's UID (`podUid`)."""
+
+    names: tuple[str, str, str] = POD_LABEL_NAMES["current"]
+    uid: bool = False
+
+    @staticmethod
+    def of(settings: TelemetryConfig) -> PodLabelling:
+        return PodLabelling(POD_LABEL_NAMES[settings.pod_label_names], settings.pod_uid)
+
+    def labels(self, namespace: str, pod: str, container: str, uid: str) -> dict[str, str]:
+        pod_label, namespace_label, container_label = self.names
+        labels = {pod_label: pod, namespace_label: namespace, container_label: container}
+        if self.uid:
+            labels["pod_uid"] = uid
+        return labels
+
+
 class GpuMetrics:
     """A scrape's series: what its refresh of the telemetry returned, with the snapshot and who holds each
     device, read at scrape time."""
@@ -276,7 +303,7 @@ class GpuMetrics:
         self._holders = holders
         self._settings = settings
         self._hostname = hostname
-        self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None], str] = {}
+        self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None, PodLabelling], str] = {}
 
     def render(self, telemetry: Telemetry) -> bytes:
         """The series of what the scrape's refresh returned."""
@@ -288,6 +315,7 @@ class GpuMetrics:
         holders = self._holders()
         # Who holds each device, for the device series' pod labels; none unless asked.
         labelled: Mapping[str, list[Holder]] = holders if settings.pod_labels else {}
+        named_pods = _Pods(PodLabelling.of(settings), telemetry.pod_uids)
         for reading in telemetry.readings:
             gpu = gpus.get(reading.uuid)
             if gpu is None:
@@ -296,7 +324,7 @@ class GpuMetrics:
             text = label_text(labels)
             codes = snap.xid_codes.get(gpu.uuid, ())
             groups = _by_container(reading, telemetry)
-            for copy, own in _held_copies(reading.uuid, None, text, groups, labelled):
+            for copy, own in _held_copies(reading.uuid, None, text, groups, labelled, named_pods):
                 self._figures(out, GPU_SERIES, reading.figures, copy, naming, own)
                 if naming == "dcgm" and codes:
                     last = "DCGM_FI_DEV_XID_ERRORS"
@@ -316,7 +344,7 @@ class GpuMetrics:
                     }
                 )
                 mig_text = label_text(labels | extra)
-                for copy, own in _held_copies(mig.uuid, known, mig_text, groups, labelled):
+                for copy, own in _held_copies(mig.uuid, known, mig_text, groups, labelled, named_pods):
                     self._figures(out, MIG_SERIES, mig, copy, naming, own)
             self._xids(out, codes, text)
             stale = "nvplug_gpu_metrics_stale"
@@ -332,7 +360,7 @@ class GpuMetrics:
             out.add(read_at, "When the GPU's figures were read", "gauge", read_at, text, reading.read_at)
             # Of the GPU's labels only those the others join on: 2,000 series of a busy node stay small.
             joins: dict[str, str] = {k: v for k, v in labels.items() if k in JOIN_LABELS}
-            self._containers(out, groups, joins, holders, profiles)
+            self._containers(out, groups, joins, holders, profiles, named_pods.labelling)
         return out.text().encode()
 
     def _gpu_labels(self, gpu: Gpu, snap: Snapshot, naming: MetricNaming) -> dict[str, str]:
@@ -394,6 +422,7 @@ class GpuMetrics:
         gpu_labels: dict[str, str],
         holders: Mapping[str, list[Holder]],
         migs: Mapping[str, MigDevice],
+        labelling: PodLabelling,
     ) -> None:
         """Per container and device: its processes' memory and utilization, summed. Processes in no pod
         the kubelet names are counted under pod=""."""
@@ -406,12 +435,12 @@ class GpuMetrics:
         for (device, container), uses in groups.items():
             held = holders.get(device)
             claim = _claim_of(container, held) if held else None
-            key = (joins, device, container, claim)
+            key = (joins, device, container, claim, labelling)
             labels = texts.get(key)
             if labels is None:
                 if len(texts) >= CONTAINER_TEXTS:  # pods come and go: forget the old
                     texts.clear()
-                named = _container_labels(device, container, claim, migs.get(device))
+                named = _container_labels(device, container, claim, migs.get(device), labelling)
                 labels = texts[key] = "{" + joins + "," + label_text(named) + "} "
             count, used_mib, sm, memory = _summed(uses)
             p_lines.append(f"{p_name}{labels}{float(count)!r}\n")
@@ -489,15 +518,13 @@ def _claim_of(container: ProcessContainer, holders: Sequence[Holder]) -> Holder 
 
 
 def _container_labels(
-    device: str, container: ProcessContainer, claim: Holder | None, mig: MigDevice | None
+    device: str, container: ProcessContainer, claim: Holder | None, mig: MigDevice | None, labelling: PodLabelling
 ) -> dict[str, str]:
-    """The container's names, the device it uses, and the DRA claim through which it holds it, if any."""
-    labels = {
-        "device_uuid": device,
-        "namespace": container.namespace,
-        "pod": container.pod,
-        "container": container.container,
-    }
+    """The container's names (its pod's UID from its cgroup), the device it uses, and the DRA claim through
+    which it holds it, if any."""
+    labels = {"device_uuid": device} | labelling.labels(
+        container.namespace, container.pod, container.container, container.pod_uid
+    )
     return labels | (_claim_labels(claim, mig) if claim is not None else {})
 
 
@@ -515,12 +542,27 @@ def _claim_labels(claim: Holder, mig: MigDevice | None) -> dict[str, str]:
     return labels
 
 
+@dataclass(frozen=True)
+class _Pods:
+    """A scrape's pod labelling, and the UIDs of the pods that hold devices (the kubelet's records)."""
+
+    labelling: PodLabelling
+    uids: Mapping[tuple[str, str], str]
+
+    def of_holder(self, holder: Holder, mig: MigDevice | None) -> dict[str, str]:
+        """dcgm-exporter's pod labels, and DRA's where the pod holds the device through a claim."""
+        uid = self.uids.get((holder.namespace, holder.pod), "") if self.labelling.uid else ""
+        labels = self.labelling.labels(holder.namespace, holder.pod, holder.container, uid)
+        return labels | (_claim_labels(holder, mig) if holder.claim is not None else {})
+
+
 def _held_copies(
     device: str,
     mig: MigDevice | None,
     text: str,
     groups: Mapping[tuple[str, ProcessContainer], list[ProcessUse]],
     holders: Mapping[str, list[Holder]],
+    named_pods: _Pods,
 ) -> list[tuple[str, dict[str, float | None]]]:
     """A device's label text, once per container that holds it with that pod's labels (dcgm-exporter's
     --kubernetes), or once as is where none does; with the figures each copy shows as its own. Where several
@@ -528,7 +570,7 @@ def _held_copies(
     with none): the device's, copied to each, would count it once per pod in a sum."""
     holding = {(h.namespace, h.pod, h.container, h.claim): h for h in holders.get(device, ())}
     if len(holding) < 2:
-        return [(f"{text},{label_text(_holder_labels(h, mig))}", {}) for h in holding.values()] or [(text, {})]
+        return [(f"{text},{label_text(named_pods.of_holder(h, mig))}", {}) for h in holding.values()] or [(text, {})]
     # The device's containers by pod: each holder looks up its own pod's, not every process.
     pods: dict[tuple[str, str], list[tuple[ProcessContainer, list[ProcessUse]]]] = {}
     for (on, container), uses in groups.items():
@@ -539,7 +581,7 @@ def _held_copies(
         held = [u for c, uses in pods.get((h.namespace, h.pod), ()) if _holds(h, c) for u in uses]
         _, used, sm, memory = _summed(held) if held else (0, 0.0, 0.0, 0.0)
         own = {"fb_used_mib": used, "util_gpu": sm, "util_memory": memory if sm is not None else None}
-        out.append((f"{text},{label_text(_holder_labels(h, mig))}", own))
+        out.append((f"{text},{label_text(named_pods.of_holder(h, mig))}", own))
     return out
 
 
@@ -547,9 +589,3 @@ def _holds(holder: Holder, container: ProcessContainer) -> bool:
     """The container is the holder's (a DRA claim's holder may name no container: then any of its pod's)."""
     same_pod = (container.namespace, container.pod) == (holder.namespace, holder.pod)
     return same_pod and holder.container in ("", container.container)
-
-
-def _holder_labels(holder: Holder, mig: MigDevice | None) -> dict[str, str]:
-    """dcgm-exporter's pod labels, and DRA's where the pod holds the device through a claim."""
-    labels = {"pod": holder.pod, "namespace": holder.namespace, "container": holder.container}
-    return labels | (_claim_labels(holder, mig) if holder.claim is not None else {})
