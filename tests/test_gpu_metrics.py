@@ -42,7 +42,9 @@ def rendered(
     holders: dict[str, list[Holder]] = HOLDERS,
     settings: TelemetryConfig | None = None,
     pod_uids: dict[tuple[str, str], str] | None = None,
+    before: TelemetryConfig | None = None,
 ) -> dict[str, Samples]:
+    """The series of one render; after one with the settings `before`, where given (a reload between)."""
     gpus = (
         Gpu(SHARED, 0, "0000:01:00.0", 0, name="H100"),
         Gpu(WHOLE, 1, "0000:02:00.0", 1, name="H100"),
@@ -77,8 +79,13 @@ def rendered(
         {11: A, 12: A, 21: B, 31: C, 41: ProcessContainer("ml", "mig-user", "main")},
         pod_uids or {},
     )
-    config = settings or TelemetryConfig(pod_labels=pod_labels)
-    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: config, "node-a")
+    configs = [settings or TelemetryConfig(pod_labels=pod_labels)]
+    if before is not None:
+        configs.insert(0, before)
+    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: configs[0], "node-a")
+    if before is not None:
+        metrics.render(telemetry)
+        configs.pop(0)
     out: dict[str, Samples] = {}
     for family in text_string_to_metric_families(metrics.render(telemetry).decode()):
         for sample in family.samples:
@@ -190,3 +197,9 @@ def test_pod_uid_and_legacy_names_in_the_config() -> None:
         parse("version: v1\nnvplug:\n  telemetry:\n    naming: nvplug\n    podLabelNames: legacy\n", "c.yaml")
     with pytest.raises(ConfigError, match=r"podLabelNames: must be one of current, legacy; not 'old'"):
         parse("version: v1\nnvplug:\n  telemetry:\n    podLabelNames: old\n", "c.yaml")
+
+
+def test_a_reload_that_renames_the_pod_labels_renames_every_container_s_series() -> None:
+    """A container's label text is kept from scrape to scrape: not past a change of how pods are named."""
+    got = rendered(pod_labels=False, settings=TelemetryConfig(pod_uid=True), before=TelemetryConfig())
+    assert of(got, "nvplug_container_gpu_processes", pod="ts-a", pod_uid="uid-a") == [2]

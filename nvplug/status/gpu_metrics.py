@@ -303,7 +303,8 @@ class GpuMetrics:
         self._holders = holders
         self._settings = settings
         self._hostname = hostname
-        self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None, PodLabelling], str] = {}
+        self._container_texts: dict[tuple[str, str, ProcessContainer, Holder | None], str] = {}
+        self._texts_labelling = PodLabelling()  # how the kept texts name pods: a reload may change it
 
     def render(self, telemetry: Telemetry) -> bytes:
         """The series of what the scrape's refresh returned."""
@@ -427,6 +428,9 @@ class GpuMetrics:
         """Per container and device: its processes' memory and utilization, summed. Processes in no pod
         the kubelet names are counted under pod=""."""
         joins = label_text(gpu_labels)
+        if labelling != self._texts_labelling:
+            self._container_texts.clear()
+            self._texts_labelling = labelling
         texts = self._container_texts
         (p_name, p_lines), (m_name, m_lines), (s_name, s_lines), (u_name, u_lines) = (
             (name, out.family(name, help_text, kind))
@@ -435,7 +439,7 @@ class GpuMetrics:
         for (device, container), uses in groups.items():
             held = holders.get(device)
             claim = _claim_of(container, held) if held else None
-            key = (joins, device, container, claim, labelling)
+            key = (joins, device, container, claim)
             labels = texts.get(key)
             if labels is None:
                 if len(texts) >= CONTAINER_TEXTS:  # pods come and go: forget the old
