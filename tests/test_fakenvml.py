@@ -1028,9 +1028,9 @@ def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
     assert out["idle"] == [0, 0, 34, 69000, 1980, 2619, 1, 1, 0]
     assert out["set"] == "ok"
     assert out["busy"] == [87, 40, 71, 612000, 1755, 2619, 4, 4, 3]
-    # GPU-d refuses field 82 in its entry (3, NOT_SUPPORTED) while the call itself succeeds.
     assert out["extra_idle"][:2] == [[0, 167000], [0, 167000]]
     assert out["extra"] == [[12, 167000], [48, 167000], [0, 1, 66]]
+    # GPU-d refuses field 82 in its entry (3, NOT_SUPPORTED) while the call itself succeeds, even once set.
     assert out["memory_temp_refused"] == out["still_refused"] == 3
     assert out["video_unsupported"] == 3
     e1, e2 = out["energy"]
