@@ -261,16 +261,16 @@ CONTAINER_MEMORY_UTIL = (
 CONTAINER_TEXTS = 8192
 
 
-# The labels for a pod, its namespace and its container: dcgm-exporter's, and its --use-old-namespace's.
+# The labels for a pod's namespace, the pod and its container: dcgm-exporter's, and its --use-old-namespace's.
 POD_LABEL_NAMES = {
-    "current": ("pod", "namespace", "container"),
-    "legacy": ("pod_name", "pod_namespace", "container_name"),
+    "current": ("namespace", "pod", "container"),
+    "legacy": ("pod_namespace", "pod_name", "container_name"),
 }
 
 
 @dataclass(frozen=True)
 class PodLabelling:
-    """How a series names its pod: the labels for pod, namespace and container (`podLabelNames`), and
+    """How a series names its pod: the labels for namespace, pod and container (`podLabelNames`), and
     whether it adds the pod's UID (`podUid`)."""
 
     names: tuple[str, str, str] = POD_LABEL_NAMES["current"]
@@ -281,8 +281,8 @@ class PodLabelling:
         return PodLabelling(POD_LABEL_NAMES[settings.pod_label_names], settings.pod_uid)
 
     def labels(self, namespace: str, pod: str, container: str, uid: str) -> dict[str, str]:
-        pod_label, namespace_label, container_label = self.names
-        labels = {pod_label: pod, namespace_label: namespace, container_label: container}
+        namespace_label, pod_label, container_label = self.names
+        labels = {namespace_label: namespace, pod_label: pod, container_label: container}
         if self.uid:
             labels["pod_uid"] = uid
         return labels
