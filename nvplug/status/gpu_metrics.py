@@ -7,7 +7,9 @@
 
 The per-container series are nvplug's in both (`nvplug_container_gpu_*`): dcgm-exporter has no names of
 its own for them. So are `nvplug_gpu_metrics_stale` and the read's time. With `nvplug.telemetry.podLabels`,
-the dcgm naming's device series carry the pods that hold the device, as dcgm-exporter's `--kubernetes` does.
+the dcgm naming's device series carry the pods that hold the device, as dcgm-exporter's `--kubernetes` does;
+`podUid` adds each pod's UID and `podLabelNames: legacy` gives the pod labels its old names, as its
+`--kubernetes-enable-pod-uid` and `--use-old-namespace` do.
 """
 
 from __future__ import annotations
