@@ -79,13 +79,12 @@ def rendered(
         {11: A, 12: A, 21: B, 31: C, 41: ProcessContainer("ml", "mig-user", "main")},
         pod_uids or {},
     )
-    configs = [settings or TelemetryConfig(pod_labels=pod_labels)]
-    if before is not None:
-        configs.insert(0, before)
-    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: configs[0], "node-a")
+    final = settings or TelemetryConfig(pod_labels=pod_labels)
+    config = before or final
+    metrics = GpuMetrics(lambda: snapshot, lambda: holders, lambda: config, "node-a")
     if before is not None:
         metrics.render(telemetry)
-        configs.pop(0)
+        config = final
     out: dict[str, Samples] = {}
     for family in text_string_to_metric_families(metrics.render(telemetry).decode()):
         for sample in family.samples:

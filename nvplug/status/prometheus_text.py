@@ -46,7 +46,7 @@ def _escape(value: str) -> str:
 
 def _sample(name: str, names: Sequence[str], values: Iterable[str], value: float) -> str:
     """One series' line, its labels in name order (as prometheus_client writes them)."""
-    labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(zip(names, values, strict=True)))
+    labels = label_text(dict(sorted(zip(names, values, strict=True))))
     return f"{name}{{{labels}}} {value_text(value)}\n" if labels else f"{name} {value_text(value)}\n"
 
 

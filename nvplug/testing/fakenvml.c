@@ -3990,6 +3990,15 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int
     return done(NVML_SUCCESS);
 }
 
+/* A field the GPU gives, as an unsigned int. */
+static void field_uint(nvmlFieldValue_t *v, unsigned value)
+{
+    v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+    v->nvmlReturn = NVML_SUCCESS;
+    memset(&v->value, 0, sizeof v->value);
+    v->value.uiVal = value;
+}
+
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
 {
     struct timespec ts;
@@ -4004,19 +4013,12 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         nvmlFieldValue_t *v = &values[i];
         v->timestamp = now;
         v->latencyUsec = 0;
-        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !(d->unsupported & U_RECOVERY_ACTION)) {
-            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
-            v->nvmlReturn = NVML_SUCCESS;
-            memset(&v->value, 0, sizeof v->value);
-            v->value.uiVal = d->recovery_action;
-        } else if (v->fieldId == NVML_FI_DEV_MEMORY_TEMP && !(d->unsupported & (U_TELEMETRY | U_MEMORY_TEMP))) {
-            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
-            v->nvmlReturn = NVML_SUCCESS;
-            memset(&v->value, 0, sizeof v->value);
-            v->value.uiVal = d->mem_temp_c;
-        } else {
+        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !(d->unsupported & U_RECOVERY_ACTION))
+            field_uint(v, d->recovery_action);
+        else if (v->fieldId == NVML_FI_DEV_MEMORY_TEMP && !(d->unsupported & (U_TELEMETRY | U_MEMORY_TEMP)))
+            field_uint(v, d->mem_temp_c);
+        else
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
-        }
     }
     return done(NVML_SUCCESS);
 }
