@@ -113,8 +113,10 @@ class Soak:
         self.serial = 0
         self.fatal_13 = False
         self.udev = node.udev() if node.netns is not None else None
-        # GPUs whose last reset-class fault has had no repair since: they must stay Unhealthy.
-        self.broken: set[str] = set()
+        # GPUs whose last reset-class fault has had no repair since: they must stay Unhealthy. By UUID,
+        # their PCI address as it was then: a repair needs it, and the GPU may be out of the daemon's list
+        # for a moment when the repair starts (a rescan's window, as `until` and the XID's count allow for).
+        self.broken: dict[str, str] = {}
         # Reset-class XIDs the daemon never showed, by how they were sent: through NVML alone,
         # one sent while a rescan re-subscribed is lost; with the kernel log, none may be.
         self.lost_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
@@ -176,7 +178,7 @@ class Soak:
         if how == "both" and not soon(taken(2)):
             self.nvml_copies_lost += 1  # the kernel's copy counted; NVML's fell in a rescan's window
         if code in RESET_XIDS:
-            self.broken.add(gpu["uuid"])
+            self.broken[gpu["uuid"]] = gpu["bus_id"]
 
     def node_churn(self) -> bool:
         """A GPU's /dev/nvidiaN removed and made again, as a udev rule or nvidia-persistenced does."""
@@ -200,7 +202,7 @@ class Soak:
         gpu = self.rng.choice(sorted(self.broken))
         kinds = ["recovery_action", "heal"] + (["udev"] if self.udev is not None else [])
         kind = self.rng.choice(kinds)
-        bus = next(g["bus_id"] for g in daemon_status(self.node)["gpus"] if g["uuid"] == gpu)
+        bus = self.broken[gpu]
         if kind == "udev" and self.udev is not None:
             self.udev.send(pci_event("unbind", bus, driver=None))
             self.udev.send(pci_event("bind", bus))
@@ -214,7 +216,7 @@ class Soak:
             statusclient.fetch(f"unix:{self.node.status_socket}", "/heal", TIMEOUT, body)
         # Only a repair the daemon has acted on may count: a fault injected next must come after it.
         self.until(gpu, lambda g: g["health"] == "Healthy")
-        self.broken.discard(gpu)
+        del self.broken[gpu]
         return True
 
     def until(self, gpu: str, done: Callable[[dict[str, Any]], bool], send: Callable[[], object] = str) -> None:
@@ -280,7 +282,7 @@ class Soak:
         if not self.added or self.udev is None:
             return False
         uuid = self.added.pop(self.rng.randrange(len(self.added)))
-        self.broken.discard(uuid)  # gone from the bus: nothing left to offer
+        self.broken.pop(uuid, None)  # gone from the bus: nothing left to offer
         slot = self.slots.pop(uuid)
         bus = f"0002:{slot:02x}:00.0"
         self.node.control.remove(uuid)
@@ -325,6 +327,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
+    print(f"soak: seed {seed} (--seed {seed} runs the same steps again)", flush=True)
     root = Path(tempfile.mkdtemp(prefix="nvs-", dir="/tmp"))
     try:
         with SimulatedNode(root) as node:
