@@ -252,3 +252,35 @@ def test_nvml_lost_after_working_makes_gpus_unhealthy_until_a_scan_probes_them()
     assert health_of(state, 0) == (Health.HEALTHY, "recovered: scan, probe passed")
     # The GPU that was already Unhealthy for its own reason still needs its own evidence.
     assert health_of(state, 7)[0] is Health.UNHEALTHY
+
+
+def test_a_faulted_gpu_out_of_a_scan_keeps_its_fault_when_it_comes_back() -> None:
+    """Two GPUs vanish in one scan and NVML counts one lost: the state cannot tell which, and keeps
+    one. The other's fault must not go with it: were it dropped and found again, it would come back
+    Healthy with no evidence of a repair."""
+    state = eight()
+    state.apply(XidOccurred("GPU-00000001", 79))
+    state.apply(XidOccurred("GPU-00000002", 48))
+    every = state.current.gpus
+    changes = state.apply(InventoryFound(tuple(g for g in every if g.index not in (1, 2)), lost=1))
+    dropped = next(c.gpu for c in changes if c.what == "removed")
+    assert dropped is not None and dropped.uuid not in state.current.health
+    changes = state.apply(InventoryFound(every, tuple(ProbeResult(g.uuid, None, "scan") for g in every)))
+    assert health_of(state, dropped.index)[0] is Health.UNHEALTHY
+    assert [c.what for c in changes if c.gpu == dropped] == ["added", "restored unhealthy"]
+    # It is in the state file meanwhile, and its PCI device's removal or reset ends the fault.
+    state.apply(InventoryFound(tuple(g for g in every if g != dropped)))
+    assert dropped.uuid in state.current.records()
+    state.apply(PciChanged("remove", dropped.bus_id))
+    assert dropped.uuid not in state.current.records()
+    state.apply(InventoryFound(every))
+    assert health_of(state, dropped.index)[0] is Health.HEALTHY
+
+
+def test_a_healthy_gpu_out_of_a_scan_comes_back_healthy() -> None:
+    state = eight()
+    every = state.current.gpus
+    state.apply(InventoryFound(every[1:]))
+    assert state.current.records() == {}
+    state.apply(InventoryFound(every))
+    assert health_of(state, 0)[0] is Health.HEALTHY

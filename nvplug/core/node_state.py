@@ -221,6 +221,9 @@ class NodeState:
         for uuid, gpu in before.items():
             if uuid not in after:
                 draft.note(Change("removed", gpu))
+                # Out of NVML's list with no word from udev: the same GPU found again is no repaired
+                # one, so its faults wait for it as a state file's do (a PCI remove or reset ends them).
+                draft.restored.update((u, Recorded(gpu.bus_id, s)) for u, s in draft.devices_of(gpu) if not s.healthy)
         draft.gpus = tuple(sorted(after.values(), key=lambda g: g.index))
         # Health for every device present: kept, restored from the state file, or new and Healthy.
         present = [(u, g) for g in draft.gpus for u in (g.uuid, *(m.uuid for m in g.mig))]
@@ -264,7 +267,7 @@ class NodeState:
         record = draft.restored.pop(uuid, None)
         if record is None:
             return HealthState(Health.HEALTHY, "discovered", draft.now)
-        draft.note(Change("restored unhealthy", gpu, f"{record.state.reason} (recorded before this start)"))
+        draft.note(Change("restored unhealthy", gpu, f"{record.state.reason} (recorded when it was last seen)"))
         return record.state
 
     def _nvml_failed(self, draft: SnapshotDraft, event: NvmlFailed) -> None:
@@ -465,7 +468,7 @@ class NodeState:
     def _pci(self, draft: SnapshotDraft, event: PciChanged) -> None:
         gpu = draft.by_bus_id(event.bus_id)
         if event.action in ("remove", "unbind"):
-            # A fault recorded before this start, of a GPU not seen yet, was for the device just reset.
+            # A fault recorded when its GPU was last seen, of one not seen since, was for the device just reset.
             for uuid in [u for u, r in draft.restored.items() if r.bus_id == event.bus_id]:
                 del draft.restored[uuid]
         if gpu is None:
