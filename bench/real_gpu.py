@@ -102,9 +102,12 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
 
     with session():
         chain([])  # the first reads: handles, GPM support
+        # A second read, a moment after the first: the figures over a window (GPM, NVLink's rate) need two.
         first = read_gpu(uuid, Window())
-        release(first.window)
-        figures = dataclasses.asdict(first.figures)
+        time.sleep(0.2)
+        second = read_gpu(uuid, first.window)
+        release(second.window)
+        figures = dataclasses.asdict(second.figures)
         given = {k: v for k, v in figures.items() if v is not None}
         print(f"== figures of {uuid}: {given}")
         print(f"   none from this driver: {sorted(k for k, v in figures.items() if v is None)}")

@@ -1044,6 +1044,62 @@ def test_device_figures_as_nvml_gives_them(rig: Rig) -> None:
     assert "unknown item 'volts=3'" in out["bad"][3] and "usage: telemetry" in out["bad"][4]
 
 
+def test_nvlink_throughput_counts_as_nvml_gives_them(rig: Rig) -> None:
+    """Fields 138 to 141: the KiB sent and received over NVLink since the GPU's last reset (the raw ones with
+    the protocol's overhead), unsigned long long, growing at the rate set; scopeId UINT_MAX sums the links,
+    a link's own count is its share and an inactive link's 0, a link past the most a GPU has is refused in
+    the field's own return code. A GPU without NVLink refuses them all; a reset starts them afresh."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1
+        gpu uuid=GPU-c bus=0000:03:00.0 minor=2 unsupported=nvlink
+        link 0 1 nvlink=4 pcie=NODE
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b, c = (N.nvmlDeviceGetHandleByIndex(i) for i in range(3))
+        ALL = 0xFFFFFFFF
+        def counts(h, fields):
+            return [[f.nvmlReturn, f.valueType, f.value.ullVal] for f in N.nvmlDeviceGetFieldValues(h, fields)]
+        out["idle"] = counts(a, [(138, ALL), (139, ALL)])
+        out["set"] = CTL.telemetry(0, nvlink_tx=100, nvlink_rx=50)
+        t1 = N.nvmlDeviceGetFieldValues(a, [(138, ALL)])[0]
+        time.sleep(0.5)
+        both = N.nvmlDeviceGetFieldValues(a, [(138, ALL), (139, ALL), (140, ALL), (141, ALL)])
+        out["grown"] = [f.value.ullVal for f in both]
+        out["seconds"] = (both[0].timestamp - t1.timestamp) / 1e6
+        out["first"] = t1.value.ullVal
+        CTL.telemetry(0, nvlink_tx=0, nvlink_rx=0)  # idle links: the counts hold still to be compared
+        links = N.nvmlDeviceGetFieldValues(a, [(138, k) for k in range(6)] + [(138, ALL), (138, 18)])
+        out["links"] = [f.value.ullVal for f in links[:7]]
+        out["past"] = links[7].nvmlReturn
+        out["none"] = counts(c, [(138, ALL), (141, 0)])
+        out["none_set"] = ctl_error(CTL.send, "telemetry 2 nvlink_tx=1")
+        CTL.restore(0)
+        out["reset"] = counts(a, [(138, ALL), (139, ALL)])
+        """,
+        scenario,
+    )
+    assert out["idle"] == [[0, 3, 0], [0, 3, 0]]
+    assert out["set"] == "ok"
+    tx, rx, raw_tx, raw_rx = out["grown"]
+    # 100 MiB/s is 102,400 KiB a second, over at least the half second slept (a busy machine: longer).
+    assert tx - out["first"] >= 0.9 * 102_400 * out["seconds"] and out["seconds"] >= 0.5
+    assert tx == pytest.approx(2 * rx, rel=0.01)
+    assert raw_tx == pytest.approx(tx * 17 / 16, rel=0.01) and raw_rx == pytest.approx(rx * 17 / 16, rel=0.01)
+    # The four active links share the sum; the others carry none.
+    *per_link, whole = out["links"]
+    assert sum(per_link[:4]) == whole and per_link[4:] == [0, 0]
+    assert max(per_link[:4]) - min(per_link[:4]) <= 1
+    assert out["past"] == 2
+    assert out["none"] == [[3, 0, 0], [3, 0, 0]]
+    assert "no NVLink" in out["none_set"]
+    assert out["reset"] == [[0, 3, 0], [0, 3, 0]]
+
+
 def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
     """nvmlDeviceGetProcessUtilization: the samples after lastSeenTimeStamp; NOT_FOUND when none is newer;
     INSUFFICIENT_SIZE with the count for a NULL buffer; NOT_SUPPORTED with MIG on."""

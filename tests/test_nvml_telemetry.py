@@ -142,6 +142,60 @@ def test_gpm_per_gpu_instance_in_mig_mode(rig: Rig) -> None:
     assert out["gpu"] is None
 
 
+def test_nvlink_counts_and_dcgms_rate_over_the_window(rig: Rig) -> None:
+    """NVLink's data counts each way, and DCGM's field 449 over the window between two reads (KiB/s both
+    ways over 1000): none on a first read, on a GPU without NVLink, or across a reset that started the
+    counts afresh. In MIG mode the GPU keeps them: the links are the whole GPU's."""
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu, release
+        N.nvmlInit()
+        CTL.telemetry(0, nvlink_tx=300, nvlink_rx=100)
+        CTL.telemetry(2, nvlink_tx=10)
+        first = read_gpu("GPU-a", Window())
+        out["first"] = [first.figures.nvlink_bandwidth_total, first.figures.nvlink_tx_kib > 0]
+        time.sleep(0.3)
+        second = read_gpu("GPU-a", first.window)
+        f = second.figures
+        out["second"] = [f.nvlink_tx_kib - first.figures.nvlink_tx_kib, f.nvlink_rx_kib - first.figures.nvlink_rx_kib,
+                         f.nvlink_bandwidth_total, (second.window.nvlink[1] - first.window.nvlink[1]) / 1e6]
+        CTL.restore(0)
+        after = read_gpu("GPU-a", second.window)
+        out["reset"] = [after.figures.nvlink_bandwidth_total, after.figures.nvlink_tx_kib < f.nvlink_tx_kib]
+        none = read_gpu("GPU-none", Window())
+        again = read_gpu("GPU-none", none.window)
+        out["none"] = [again.figures.nvlink_tx_kib, again.figures.nvlink_bandwidth_total, again.window.nvlink]
+        mig = read_gpu("GPU-mig", Window())
+        time.sleep(0.1)
+        mig = read_gpu("GPU-mig", mig.window)
+        out["mig"] = [mig.figures.nvlink_tx_kib > 0, mig.figures.nvlink_bandwidth_total]
+        for read in (after, again, mig):
+            release(read.window)
+        """,
+        rig.scenario(
+            """
+            gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+            gpu uuid=GPU-b bus=0000:02:00.0 minor=1
+            gpu uuid=GPU-mig bus=0000:03:00.0 minor=2 mig=1
+            gpu uuid=GPU-none bus=0000:04:00.0 minor=3 unsupported=nvlink
+            mig 2 3g.40gb
+            link 0 1 nvlink=18 pcie=NODE
+            link 1 2 nvlink=18 pcie=NODE
+            """
+        ),
+    )
+    assert out["first"] == [None, True]
+    tx, rx, rate, seconds = out["second"]
+    assert seconds >= 0.3
+    # 300 and 100 MiB/s: 400 x 1024 KiB a second, over 1000 as DCGM has it.
+    assert tx == pytest.approx(3 * rx, rel=0.02)
+    assert rate == pytest.approx((tx + rx) / seconds / 1000, rel=0.02)
+    assert rate == pytest.approx(409, abs=3)
+    assert out["reset"] == [None, True]
+    assert out["none"] == [None, None, None]
+    assert out["mig"] == [True, pytest.approx(10.24, abs=1)]
+
+
 def test_memory_temperature_and_video_engines_where_the_gpu_gives_them(rig: Rig) -> None:
     """A GPU without HBM refuses field 82 in the field's own return code: no figure, and the read goes on."""
     out = rig.run(

@@ -79,11 +79,18 @@ def test_grafana_12239_queries_are_answered_in_dcgm_names(node: SimulatedNode) -
 
 
 def test_dcgm_exporters_default_counters_in_its_units(node: SimulatedNode) -> None:
-    """The fields of dcgm-exporter's default-counters.csv that NVML gives: the memory's temperature (°C)
-    and the video engines' utilization (%) among them."""
+    """The fields of dcgm-exporter's default-counters.csv that NVML gives: the memory's temperature (°C),
+    the video engines' utilization (%) and NVLink's throughput (DCGM's own unit, over the window between two
+    reads) among them."""
     serving(node)
     node.control.telemetry(1, mem_temp=61, enc_util=30, dec_util=45, pcie_replays=2, mem_clock=2619)
+    node.control.telemetry(1, nvlink_tx=200, nvlink_rx=100)
+    assert "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" not in scrape_later(node)  # one read is no window yet
     got = scrape_later(node)
+    # 300 MiB/s both ways: 307,200 KiB a second, over 1000.
+    assert value(got, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="1") == pytest.approx(307, abs=3)
+    assert value(got, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="0") == 0
+    assert "nvplug_gpu_nvlink_data_bytes_total" not in got  # nvplug's naming has the counters instead
     assert value(got, "DCGM_FI_DEV_MEMORY_TEMP", gpu="1") == 61
     assert value(got, "DCGM_FI_DEV_ENC_UTIL", gpu="1") == 30
     assert value(got, "DCGM_FI_DEV_DEC_UTIL", gpu="1") == 45
@@ -104,6 +111,13 @@ def test_nvplug_naming_in_base_units(node: SimulatedNode) -> None:
     assert value(got, "nvplug_gpu_framebuffer_total_bytes", gpu="1") == 81559 * MIB
     assert value(got, "nvplug_gpu_ecc_errors_total", gpu="1", error="corrected", counter="volatile") == 3
     assert value(got, "nvplug_gpu_energy_joules_total", gpu="1") >= 5.0
+    # NVLink's counters as NVML keeps them, in bytes: a rate() of them is the throughput.
+    node.control.telemetry(1, nvlink_rx=100)
+    before = value(got, "nvplug_gpu_nvlink_data_bytes_total", gpu="1", direction="rx")
+    got = scrape_later(node)
+    grown = value(got, "nvplug_gpu_nvlink_data_bytes_total", gpu="1", direction="rx") - before
+    assert grown >= 100 * MIB and grown % 1024 == 0, grown  # over a second and more, at 100 MiB/s
+    assert value(got, "nvplug_gpu_nvlink_data_bytes_total", gpu="1", direction="tx") == 0
     assert not any(name.startswith("DCGM_") for name in got)
 
 

@@ -70,6 +70,11 @@ class GpuFigures(GpmActivity):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     pcie_replays: int | None = None
+    # NVLink data over all links since the GPU's last reset, each way; None on a GPU without NVLink.
+    nvlink_tx_kib: int | None = None
+    nvlink_rx_kib: int | None = None
+    # Both ways over the window since the last read, in DCGM's unit for its field 449: KiB/s over 1000.
+    nvlink_bandwidth_total: int | None = None
 
 
 @dataclass(frozen=True)

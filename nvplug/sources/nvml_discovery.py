@@ -145,7 +145,11 @@ _VALUE_MEMBERS = {
 def field_value(handle: Any, field: int) -> float:
     """One NVML field (nvmlDeviceGetFieldValues), read as the type the driver says it has; NVMLError where
     the driver does not give it (the call worked, the field's own return did not)."""
-    value = pynvml.nvmlDeviceGetFieldValues(handle, [field])[0]
+    return typed_value(pynvml.nvmlDeviceGetFieldValues(handle, [field])[0])
+
+
+def typed_value(value: Any) -> float:
+    """An nvmlFieldValue_t's value, as the type the driver says it has; NVMLError where it gave none."""
     if value.nvmlReturn != pynvml.NVML_SUCCESS:
         raise pynvml.NVMLError(value.nvmlReturn)
     member = _VALUE_MEMBERS.get(value.valueType)

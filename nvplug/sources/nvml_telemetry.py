@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -20,7 +20,7 @@ import pynvml  # type: ignore[import-untyped]
 
 from nvplug.core.telemetry import MIB, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import as_text, field_value, session
+from nvplug.sources.nvml_discovery import as_text, field_value, session, typed_value
 from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
 
 T = TypeVar("T")
@@ -29,6 +29,7 @@ CORRECTED, UNCORRECTED = 0, 1  # nvmlMemoryErrorType_t
 VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
+ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Window:
     last_seen: int = 0
     gpm_sample: Any = None
     gpm_instances: tuple[tuple[int, Any], ...] = ()  # (GPU instance ID, sample)
+    nvlink: tuple[int, int] | None = None  # NVLink KiB both ways, and when NVML read them (µs)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         if lost:
             raise NvmlUnavailable(f"{uuid} does not answer")
         mig_handles = _mig_handles(handle)
-        figures = _figures(handle, in_mig_mode=bool(mig_handles))
+        nvlink, counted = _nvlink(handle, since.nvlink)
+        figures = _with(_figures(handle, in_mig_mode=bool(mig_handles)), nvlink)
         migs = tuple(_mig_figures(mig, h) for mig, h in mig_handles.items())
         devices = mig_handles or {uuid: handle}
         samples, newest = _samples(handle, since.last_seen)
@@ -100,9 +103,9 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         if not mig_handles:
             activity, sample = _gpm(handle, since.gpm_sample, lambda s: pynvml.nvmlGpmSampleGet(handle, s))
             _free(*(s for _, s in since.gpm_instances))  # from when MIG mode was on
-            return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample))
+            return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample, nvlink=counted))
         migs, kept = _instances_activity(handle, mig_handles, migs, since)
-    return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept))
+    return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept, nvlink=counted))
 
 
 def release(window: Window) -> None:
@@ -121,8 +124,8 @@ def _free(*samples: Any) -> None:
 F = TypeVar("F", GpuFigures, MigFigures)
 
 
-def _with(figures: F, activity: dict[str, float]) -> F:
-    return dataclasses.replace(figures, **cast(dict[str, Any], activity))
+def _with(figures: F, more: Mapping[str, float]) -> F:
+    return dataclasses.replace(figures, **cast(dict[str, Any], more))
 
 
 def _optional(read: Callable[[], T]) -> T | None:
@@ -177,6 +180,28 @@ def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
         remapped_rows_failure=None if rows is None else bool(rows[3]),
         pcie_replays=_optional(lambda: int(pynvml.nvmlDeviceGetPcieReplayCounter(handle))),
     )
+
+
+def _nvlink(handle: Any, previous: tuple[int, int] | None) -> tuple[dict[str, int], tuple[int, int] | None]:
+    """NVLink's data counts each way (fields 138 and 139 over all links), and DCGM's field 449 over the window
+    since `previous`, as DCGM works it out: the KiB both ways over the seconds between NVML's two reads,
+    over 1000. None to give on a GPU without NVLink, and no 449 on a first read or after a reset."""
+    try:
+        tx, rx = pynvml.nvmlDeviceGetFieldValues(
+            handle,
+            [
+                (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
+                (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+            ],
+        )
+        sent, received = int(typed_value(tx)), int(typed_value(rx))
+    except pynvml.NVMLError:
+        return {}, None
+    now = (sent + received, int(rx.timestamp))
+    found = {"nvlink_tx_kib": sent, "nvlink_rx_kib": received}
+    if previous is not None and now[1] > previous[1] and now[0] >= previous[0]:
+        found["nvlink_bandwidth_total"] = int((now[0] - previous[0]) / ((now[1] - previous[1]) / 1e6) / 1000)
+    return found, now
 
 
 def _clock_event_reasons(handle: Any) -> int | None:

@@ -37,11 +37,12 @@ from nvplug.status.prometheus_text import Families, label_text
 
 @dataclass(frozen=True)
 class Series:
-    """One figure: its dcgm-exporter name, and nvplug's family with the labels that tell it apart there."""
+    """One figure: its dcgm-exporter name, and nvplug's family with the labels that tell it apart there
+    (None: a figure the naming has no series for)."""
 
     figure: str  # a GpuFigures field
-    dcgm: str
-    nvplug: str
+    dcgm: str | None
+    nvplug: str | None
     scale: float  # from the figure's unit to nvplug's
     counter: bool
     help: str
@@ -181,6 +182,28 @@ GPU_SERIES = (
         "1 once a row remap failed",
     ),
     Series("pcie_replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "nvplug_gpu_pcie_replays", 1, True, "PCIe replays"),
+    # NVLink: nvplug's are NVML's counters (rate() them over any range); DCGM's is its own rate over the
+    # window since the last read, in its unit, as dcgm-exporter shows it.
+    *(
+        Series(
+            f"nvlink_{direction}_kib",
+            None,
+            "nvplug_gpu_nvlink_data_bytes",
+            1024,
+            True,
+            "NVLink data over all links since the GPU's last reset",
+            (("direction", direction),),
+        )
+        for direction in ("tx", "rx")
+    ),
+    Series(
+        "nvlink_bandwidth_total",
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+        None,
+        1,
+        False,
+        "NVLink throughput over all links, both ways (in MB/s)",
+    ),
     # GPM's activity over the window since the last read: ratios in both namings, as DCGM's PROF fields.
     Series(
         "gr_engine_active",
@@ -411,7 +434,10 @@ class GpuMetrics:
                 continue  # the driver does not give it: no series, rather than a false 0
             if naming == "dcgm":
                 # As dcgm-exporter's text shows them: every field a plain gauge, under its own name.
-                out.add(s.dcgm, s.help, "gauge", s.dcgm, labels, float(value))
+                if s.dcgm is not None:
+                    out.add(s.dcgm, s.help, "gauge", s.dcgm, labels, float(value))
+                continue
+            if s.nvplug is None:
                 continue
             sample = f"{s.nvplug}_total" if s.counter else s.nvplug
             extra = "".join(f',{k}="{v}"' for k, v in s.labels)

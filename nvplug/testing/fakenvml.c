@@ -39,8 +39,9 @@
  *   lose <gpu>                          GPU_IS_LOST from now on, event 0x4000 (once)
  *   remove <gpu>                        like lose now; not enumerated from the next 0->1 init
  *   restore <gpu>                       undo lose/remove, clear the probes below and the
- *                                       volatile ECC counts and set every GPM level to 0 (as a
- *                                       reset does); retired pages stay retired
+ *                                       volatile ECC counts and NVLink counts and set every GPM
+ *                                       level and NVLink rate to 0 (as a reset does); retired
+ *                                       pages stay retired
  *   pending_pages <gpu> 0|1
  *   remap <gpu> <pending> <failure> [corr unc]
  *   recovery_action <gpu> <n>           field 230 value, event 0x8000 with data n
@@ -73,7 +74,9 @@
  *                                       used before any process's memory); none on a MIG device
  *                                       handle, no utilization with MIG on; mem_temp is field 82
  *                                       (nvmlDeviceGetFieldValues), which unsupported=memory_temp
- *                                       refuses, as a GPU without HBM does
+ *                                       refuses, as a GPU without HBM does; nvlink_tx nvlink_rx
+ *                                       (MiB/s) the NVLink traffic from now on, which fields
+ *                                       138-141 count (unsupported=nvlink: an error)
  *   samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -
  *                                       process utilization samples stamped now (realtime us,
  *                                       rising per GPU; the last SAMPLES_MAX kept), for
@@ -313,7 +316,13 @@ enum {
 
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
 #define NVML_FI_DEV_MEMORY_TEMP 82   /* the HBM's temperature, C */
+/* NVLink data KiB since the GPU's last reset: TX, RX, then with the protocol's overhead, TX and RX;
+ * scopeId a link, or NVLINK_ALL_LINKS for their sum */
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
+#define NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX 141
+#define NVLINK_ALL_LINKS 0xFFFFFFFFu
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
 #define NVML_P2P_CAPS_INDEX_NVLINK 2
 #define NVML_P2P_STATUS_OK 0
 #define NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED 3
@@ -581,6 +590,10 @@ struct fake_dev {
      * over time (level x seconds) up to gpm_since (CLOCK_MONOTONIC ns) */
     double gpm_level[GPM_N], gpm_integral[GPM_N];
     unsigned long long gpm_since;
+    /* NVLink traffic ("telemetry nvlink_tx= nvlink_rx=", MiB/s): the data KiB sent and received since
+     * the GPU was last reset, up to nvlink_since (CLOCK_MONOTONIC ns), growing at the rates from then */
+    double nvlink_kib[2], nvlink_mibps[2];
+    unsigned long long nvlink_since;
     /* MIG */
     int mig_mode;
     int nmig;
@@ -1130,6 +1143,7 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->throttle = 0x1;   /* nvmlClocksEventReasonGpuIdle */
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
     d->gpm_since = mono_ns();   /* every GPM level 0 so far */
+    d->nvlink_since = d->gpm_since;
 
     for (i = 0; i < n; i++) {
         char *k = tok[i], *v = strchr(tok[i], '=');
@@ -2133,6 +2147,19 @@ static unsigned long long gpm_advance(struct fake_dev *d)
     return d->gpm_since;
 }
 
+/* Brings the GPU's NVLink counters up to now (each direction at its rate since nvlink_since). */
+static void nvlink_advance(struct fake_dev *d)
+{
+    unsigned long long now = mono_ns();
+    int i;
+    if (now > d->nvlink_since) {
+        double secs = (double)(now - d->nvlink_since) / 1e9;
+        for (i = 0; i < 2; i++)
+            d->nvlink_kib[i] += d->nvlink_mibps[i] * 1024.0 * secs;
+        d->nvlink_since = now;
+    }
+}
+
 /*
  * "retire <gpu> sbe|dbe [count]": count pages (default 1) retired now for that cause, each at an
  * address no other page of the GPU has, stamped now (CLOCK_REALTIME microseconds).  Permanent:
@@ -2237,7 +2264,7 @@ static void ctl_gpm(struct fake_dev *d, char **tok, int n, char *out, size_t cap
 /*
  * "telemetry <gpu> key=value ...": util mem_util enc_util dec_util (percent), temp mem_temp (C),
  * power_mw, energy_mj, sm_clock mem_clock (MHz), throttle (a bitmask, 0x... or decimal), pcie_replays,
- * reserved_mib.
+ * reserved_mib, nvlink_tx nvlink_rx (MiB/s).
  */
 static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size_t cap)
 {
@@ -2245,13 +2272,15 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
         {"util", 100}, {"mem_util", 100}, {"temp", 200}, {"power_mw", 2000000}, {"energy_mj", ~0ULL},
         {"sm_clock", 10000}, {"mem_clock", 20000}, {"throttle", ~0ULL}, {"pcie_replays", 0xFFFFFFFFULL},
         {"reserved_mib", 1 << 24}, {"mem_temp", 200}, {"enc_util", 100}, {"dec_util", 100},
+        {"nvlink_tx", 1 << 20}, {"nvlink_rx", 1 << 20},
     };
     unsigned long long v[sizeof keys / sizeof keys[0]];
     int set[sizeof keys / sizeof keys[0]] = {0}, i;
     size_t k;
     if (n < 3) {
         snprintf(out, cap, "error: usage: telemetry <gpu> key=value ... (util mem_util temp power_mw energy_mj "
-                           "sm_clock mem_clock throttle pcie_replays reserved_mib mem_temp enc_util dec_util)");
+                           "sm_clock mem_clock throttle pcie_replays reserved_mib mem_temp enc_util dec_util "
+                           "nvlink_tx nvlink_rx)");
         return;
     }
     for (i = 2; i < n; i++) {
@@ -2269,7 +2298,11 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
         }
         set[k] = 1;
     }
-    /* Energy so far is kept at the old power; from now it grows at the new one. */
+    if ((set[13] || set[14]) && (d->unsupported & U_NVLINK)) {
+        snprintf(out, cap, "error: telemetry: the GPU has no NVLink (unsupported=nvlink)");
+        return;
+    }
+    /* Energy so far is kept at the old power; from now it grows at the new one. NVLink traffic too. */
     d->energy_mj = set[4] ? v[4] : energy_now(d);
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
     if (set[0]) d->util_gpu = (unsigned)v[0];
@@ -2284,6 +2317,9 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
     if (set[10]) d->mem_temp_c = (unsigned)v[10];
     if (set[11]) d->util_enc = (unsigned)v[11];
     if (set[12]) d->util_dec = (unsigned)v[12];
+    nvlink_advance(d);
+    if (set[13]) d->nvlink_mibps[0] = (double)v[13];
+    if (set[14]) d->nvlink_mibps[1] = (double)v[14];
     snprintf(out, cap, "ok");
 }
 
@@ -2543,6 +2579,9 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->ecc[0][0] = d->ecc[1][0] = 0;   /* a reset starts the volatile counts afresh */
         gpm_advance(d);                    /* and leaves the GPU idle; retired pages stay retired */
         memset(d->gpm_level, 0, sizeof d->gpm_level);
+        nvlink_advance(d);                 /* its links idle, their counts afresh */
+        memset(d->nvlink_kib, 0, sizeof d->nvlink_kib);
+        memset(d->nvlink_mibps, 0, sizeof d->nvlink_mibps);
         snprintf(out, cap, d->visible ? "ok" : "ok pending");
     } else if (!strcmp(cmd, "pending_pages")) {
         if (need_args(n, 3, "pending_pages <gpu> 0|1", out, cap))
@@ -3999,6 +4038,32 @@ static void field_uint(nvmlFieldValue_t *v, unsigned value)
     v->value.uiVal = value;
 }
 
+/*
+ * An NVLink throughput field: the KiB each way over all links (scopeId NVLINK_ALL_LINKS), or over one: the
+ * active links share the traffic evenly (their counts add up to the whole), an inactive one has none; a
+ * link past the most a GPU has is INVALID_ARGUMENT.  The protocol's overhead adds 1/16 to the data.
+ */
+static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
+{
+    unsigned kind = v->fieldId - NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX;   /* data tx, rx, raw tx, rx */
+    unsigned long long total, links;
+    int peer;
+    nvlink_advance(d);
+    total = (unsigned long long)(d->nvlink_kib[kind % 2] * (kind >= 2 ? 17.0 / 16.0 : 1.0));
+    if (v->scopeId != NVLINK_ALL_LINKS) {
+        if (v->scopeId >= NVLINK_MAX) {
+            v->nvmlReturn = NVML_ERROR_INVALID_ARGUMENT;
+            return;
+        }
+        links = (unsigned long long)nvlink_route((int)(d - g_devs), 0, &peer);
+        total = v->scopeId < links ? total * (v->scopeId + 1) / links - total * v->scopeId / links : 0;
+    }
+    v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+    v->nvmlReturn = NVML_SUCCESS;
+    memset(&v->value, 0, sizeof v->value);
+    v->value.ullVal = total;
+}
+
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
 {
     struct timespec ts;
@@ -4017,6 +4082,9 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
             field_uint(v, d->recovery_action);
         else if (v->fieldId == NVML_FI_DEV_MEMORY_TEMP && !(d->unsupported & (U_TELEMETRY | U_MEMORY_TEMP)))
             field_uint(v, d->mem_temp_c);
+        else if (v->fieldId >= NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX && v->fieldId <= NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX &&
+                 !(d->unsupported & U_NVLINK))
+            nvlink_field(d, v);
         else
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
     }
