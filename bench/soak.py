@@ -10,6 +10,9 @@ simulated node's kernel log. After each step:
 - every GPU the daemon knows is advertised exactly once (whole GPUs),
 - no device the daemon holds Unhealthy is offered as Healthy,
 - the kubelet stand-in's view converges to the daemon's state within 100 ms,
+- a scrape of /metrics answers (its time is printed: the daemon waits 0.7 s at
+  most for the GPUs' reads, whatever they are going through), with a process
+  of this soak's on a random GPU,
 - no GPU is Healthy while its last reset-class fault (XID 48 or 79) has no
   evidence of a repair after it (udev unbind and bind, NVML's recovery action
   back to none, `nvplug heal`). An XID counts once the daemon shows it taken
@@ -27,10 +30,12 @@ Prints the faults injected and the checks passed; exits 1 on a broken invariant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +48,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from nvplug.status import status_client as statusclient
 from nvplug.testing.fake_kubelet import FakeKubelet
 from nvplug.testing.fakenvml_control import ControlError
+from nvplug.testing.fakenvml_devices import GpuProcess
 from nvplug.testing.simulated_node import GPU_RESOURCE, SimulatedNode, registered_with
 from nvplug.testing.udev_sender import pci_event
 
@@ -122,13 +128,14 @@ class Soak:
         self.lost_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
         self.sent_xids: dict[str, int] = {"nvml": 0, "kernel log": 0, "both": 0}
         self.nvml_copies_lost = 0
+        self.scrape_ms: list[float] = []
         # The steps after which the daemon's RSS grew most: (MiB grown, step number, action).
         self.growth: list[tuple[float, int, str]] = []
         self.steps = 0
 
     def step(self) -> None:
         actions = [self.xid, self.xid, self.repair, self.lose_and_restore, self.kubelet_restart, self.reload]
-        actions += [self.node_churn]
+        actions += [self.node_churn, self.scrape]
         if self.udev is not None:
             actions += [self.hot_add, self.hot_remove]
         action = self.rng.choice(actions)
@@ -235,6 +242,18 @@ class Soak:
         self.node.control.lose(gpu)
         time.sleep(self.rng.uniform(0, 0.05))
         self.node.control.restore(gpu)
+
+    def scrape(self) -> None:
+        """/metrics, with this soak's own process moved to a random GPU (unattributed: no pod's); a GPU
+        lost or gone just now is stale or absent in it, never the scrape's end."""
+        gpu = self.rng.choice(self.gpus())
+        for other in self.gpus():
+            with contextlib.suppress(ControlError):  # a GPU lost or removed meanwhile
+                self.node.control.procs(other, [GpuProcess(os.getpid(), 256)] if other == gpu else [])
+        began = time.monotonic()
+        code, _ = statusclient.fetch(f"unix:{self.node.status_socket}", "/metrics", TIMEOUT)
+        self.scrape_ms.append((time.monotonic() - began) * 1000)
+        assert code == 200, f"/metrics answered {code}"
 
     def kubelet_restart(self) -> None:
         self.node.kubelet.restart()
@@ -360,6 +379,13 @@ def main() -> int:
             print(f"soak: seed {seed}, {args.seconds:g} s, {steps} steps")
             print("faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())))
             print(f"invariant checks passed: {soak.checks}")
+            if soak.scrape_ms:
+                took = sorted(soak.scrape_ms)
+                print(
+                    f"scrapes: {len(took)}, p50 {statistics.median(took):.1f} ms, "
+                    f"p99 {took[round(0.99 * (len(took) - 1))]:.1f} ms, max {took[-1]:.1f} ms, "
+                    f"over 1 s: {sum(t > 1000 for t in took)}"
+                )
             for how, sent in sorted(soak.sent_xids.items()):
                 print(f"reset-class XIDs through {how}: {sent} sent, {soak.lost_xids[how]} lost")
             print(f"XIDs sent through both whose NVML copy was lost (the kernel's counted): {soak.nvml_copies_lost}")
