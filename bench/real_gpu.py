@@ -4,7 +4,10 @@
 Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
 it found, which figures a GPU's telemetry read gets (and which the driver does
 not give), how its reads go alone and side by side, what a scrape of the
-GPUs' telemetry takes, how long a rescan that counts the GPUs again
+GPUs' telemetry takes (wall and CPU: a driver's time that is CPU counts against
+the daemon's idle share where it waits for nothing), how the figures that NVML
+also gives as fields compare read one call each and in one
+nvmlDeviceGetFieldValues, how long a rescan that counts the GPUs again
 takes (a udev bind, as root: the daemon's NVML goes to init count zero while
 its event process listens on, then a new one takes over) and how long a stop
 takes; it changes nothing on the GPUs.
@@ -20,12 +23,15 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pynvml  # type: ignore[import-untyped]
+from latency import proc_times
 
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
+from nvplug.sources.nvml_discovery import Nvml, recovery_action, session, typed_value
 from nvplug.sources.nvml_events import WANTED
 from nvplug.sources.nvml_telemetry import Window, read_gpu, release
 from nvplug.status import status_client
@@ -49,6 +55,33 @@ EVENT_NAMES = {
     0x4000: "GpuUnavailableError",
     0x8000: "GpuRecoveryAction",
 }
+
+
+# Figures a read takes one call each that NVML also gives as fields, and those fields.
+CALLS_AND_FIELDS: tuple[tuple[str, Callable[[Any], object], tuple[int, ...]], ...] = (
+    ("energy", lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h), (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,)),
+    (
+        "ECC totals",
+        lambda h: [pynvml.nvmlDeviceGetTotalEccErrors(h, kind, counter) for counter in (0, 1) for kind in (0, 1)],
+        (
+            pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+            pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
+            pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL,
+            pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+        ),
+    ),
+    ("PCIe replays", lambda h: pynvml.nvmlDeviceGetPcieReplayCounter(h), (pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER,)),
+    (
+        "remapped rows",
+        lambda h: list(pynvml.nvmlDeviceGetRemappedRows(h)),
+        (
+            pynvml.NVML_FI_DEV_REMAPPED_COR,
+            pynvml.NVML_FI_DEV_REMAPPED_UNC,
+            pynvml.NVML_FI_DEV_REMAPPED_PENDING,
+            pynvml.NVML_FI_DEV_REMAPPED_FAILURE,
+        ),
+    ),
+)
 
 
 def names(mask: int) -> str:
@@ -91,12 +124,14 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
     """A GPU's reads one after the other, then from 2 and 4 threads at once, NVML held open throughout:
     whether the driver lets reads run side by side (the telemetry shares a slow pass among threads)."""
 
-    def chain(took: list[float]) -> None:
+    def chain(took: list[float], cpu: list[float] | None = None) -> None:
         window = Window()
         for _ in range(reads):
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             got = read_gpu(uuid, window)
             took.append(time.perf_counter() - began)
+            if cpu is not None:
+                cpu.append(time.thread_time() - began_cpu)
             window = got.window
         release(window)
 
@@ -112,9 +147,13 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
         print(f"== figures of {uuid}: {given}")
         print(f"   none from this driver: {sorted(k for k, v in figures.items() if v is None)}")
         alone: list[float] = []
-        chain(alone)
+        cpu: list[float] = []
+        chain(alone, cpu)
         each = statistics.median(alone) * 1000
-        print(f"== telemetry reads of {uuid}: {each:.2f} ms each, one after the other")
+        print(
+            f"== telemetry reads of {uuid}: {each:.2f} ms each, one after the other, of which CPU "
+            f"{statistics.median(cpu) * 1000:.2f} ms (this thread's, the driver's time in the kernel with it)"
+        )
         for threads in (2, 4):
             took: list[float] = []
             workers = [threading.Thread(target=chain, args=(took,)) for _ in range(threads)]
@@ -129,6 +168,46 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
                 f"{statistics.median(took) * 1000:.2f} ms; {threads * reads * each / wall:.2f}x the reads "
                 f"one thread does in that time (side by side: {threads}x, one at a time: 1x)"
             )
+
+
+def calls_or_fields(uuid: str, times: int = 10) -> None:
+    """Each of CALLS_AND_FIELDS read by its calls and by its fields, and all the fields in one call: the
+    median wall and CPU time of each, and whether the values agree."""
+
+    def timed(read: Callable[[], object]) -> tuple[float, float, object]:
+        walls, cpus, got = [], [], None
+        for _ in range(times):
+            began, began_cpu = time.perf_counter(), time.thread_time()
+            try:
+                got = read()
+            except pynvml.NVMLError as err:
+                got = f"error: {err}"
+            walls.append(time.perf_counter() - began)
+            cpus.append(time.thread_time() - began_cpu)
+        return statistics.median(walls) * 1000, statistics.median(cpus) * 1000, got
+
+    def fields(handle: Any, ids: tuple[int, ...]) -> list[object]:
+        out: list[object] = []
+        for value in pynvml.nvmlDeviceGetFieldValues(handle, list(ids)):
+            try:
+                out.append(typed_value(value))
+            except pynvml.NVMLError as err:
+                out.append(f"error: {err}")
+        return out
+
+    print(f"== one call each, or fields (nvmlDeviceGetFieldValues), on {uuid}: median ms wall / CPU")
+    with session():
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        for what, call, ids in CALLS_AND_FIELDS:
+            wall, cpu, by_call = timed(lambda: call(handle))  # noqa: B023
+            field_wall, field_cpu, by_field = timed(lambda: fields(handle, ids))  # noqa: B023
+            print(
+                f"   {what}: calls {wall:.3f} / {cpu:.3f} ms -> {by_call}; fields {field_wall:.3f} / "
+                f"{field_cpu:.3f} ms -> {by_field}"
+            )
+        every = tuple(i for _, _, ids in CALLS_AND_FIELDS for i in ids)
+        wall, cpu, _ = timed(lambda: fields(handle, every))
+        print(f"   all {len(every)} fields in one call: {wall:.3f} / {cpu:.3f} ms")
 
 
 def daemon(uuids: list[str], bus: str) -> None:
@@ -177,18 +256,20 @@ def recount(node: SimulatedNode, bus: str) -> None:
 
 def scrapes(node: SimulatedNode, count: int = 5) -> None:
     """/metrics a second apart, so that each reads every GPU afresh, and what the reads took."""
-    took, lines = [], 0
+    assert node.daemon is not None
+    took, cpu, lines = [], [], 0
     for _ in range(count):
         time.sleep(1.05)
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), proc_times(node.daemon.pid)[0]
         code, body = status_client.fetch(f"unix:{node.status_socket}", "/metrics", timeout=5)
         took.append((time.perf_counter() - began) * 1000)
+        cpu.append((proc_times(node.daemon.pid)[0] - began_cpu) * 1000)
         lines = body.count("\n") if code == 200 else -code
     part = status_client.status(f"unix:{node.status_socket}", timeout=5)["GPU telemetry"]
     print(
         f"== /metrics: {lines} lines; scrapes {', '.join(f'{t:.1f}' for t in took)} ms; a GPU's read "
         f"{part['read_ms']} ms, the pass {part['last_pass_ms']} ms on {part['lanes']} thread(s); "
-        f"stale: {part['stale'] or 'none'}"
+        f"stale: {part['stale'] or 'none'}; the daemon's CPU a scrape {', '.join(f'{c:.1f}' for c in cpu)} ms"
     )
 
 
@@ -204,6 +285,7 @@ def main() -> int:
         return 1
     uuids = [uuid for uuid, _ in found]
     side_by_side(uuids[0])
+    calls_or_fields(uuids[0])
     daemon(uuids, found[0][1])
     return 0
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The real-GPU check, for a machine with an NVIDIA GPU and no network access.
 # It prints the GPUs that NVML reports with all their fields, the NVML event
-# types each supports, a GPU's telemetry reads alone and side by side, the
+# types each supports, a GPU's telemetry reads alone and side by side (wall
+# and CPU), its figures read one call each or as fields in one call, the
 # daemon's start-up time against the kubelet stand-in, an Allocate response,
-# scrapes of /metrics and the stop's time. It finishes well within 4 minutes.
+# scrapes of /metrics (wall and the daemon's CPU) and the stop's time. It
+# finishes well within 4 minutes.
 #
 # Python packages: if .whl/ holds wheels, they are installed from there (no
 # network needed). Fill it on a machine with network access, for the target's
