@@ -1100,6 +1100,48 @@ def test_nvlink_throughput_counts_as_nvml_gives_them(rig: Rig) -> None:
     assert out["reset"] == [[0, 3, 0], [0, 3, 0]]
 
 
+def test_violation_times_grow_while_their_reasons_hold_the_clocks(rig: Rig) -> None:
+    """The ns each performance policy held the clocks down: fields 74 to 80 (unsigned long long, what DCGM
+    reads) and nvmlDeviceGetViolationStatus (policies 0-5 and 10, with the reading's time in us). Each grows
+    while the clocks event reasons behind it are set: the power cap's for power, idle's for low
+    utilization, any of them for the total; the total below base clocks is not given."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 unsupported=telemetry
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b = (N.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        def times(h):
+            fields = N.nvmlDeviceGetFieldValues(h, list(range(74, 82)))
+            return [[f.nvmlReturn, f.valueType, f.value.ullVal] for f in fields]
+        CTL.telemetry(0, throttle=0x4)  # the power cap, no longer idle
+        before = times(a)
+        time.sleep(0.3)
+        after = times(a)
+        out["grown"] = [x[2] - y[2] for x, y in zip(after[:7], before[:7])]
+        out["types"] = sorted({(f[0], f[1]) for f in after[:7]})
+        out["base"] = after[7][0]
+        v = N.nvmlDeviceGetViolationStatus(a, 0)
+        out["call"] = [v.violationTime >= after[0][2], abs(v.referenceTime / 1e6 - time.time()) < 5]
+        out["total"] = N.nvmlDeviceGetViolationStatus(a, 10).violationTime >= after[6][2]
+        out["refused"] = [code(N.nvmlDeviceGetViolationStatus, a, 11), code(N.nvmlDeviceGetViolationStatus, a, 7),
+                          code(N.nvmlDeviceGetViolationStatus, b, 0), times(b)[0][0]]
+        """,
+        scenario,
+    )
+    power, thermal, sync, board, idle, reliability, total = out["grown"]
+    assert power >= 0.3e9 and total >= power, out["grown"]
+    assert thermal == sync == board == idle == reliability == 0
+    assert out["types"] == [[0, 3]]  # each given, an unsigned long long
+    assert out["base"] == 3
+    assert out["call"] == [True, True] and out["total"]
+    assert out["refused"] == [3, 2, 3, 3]
+
+
 def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
     """nvmlDeviceGetProcessUtilization: the samples after lastSeenTimeStamp; NOT_FOUND when none is newer;
     INSUFFICIENT_SIZE with the count for a NULL buffer; NOT_SUPPORTED with MIG on."""

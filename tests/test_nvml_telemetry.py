@@ -196,6 +196,34 @@ def test_nvlink_counts_and_dcgms_rate_over_the_window(rig: Rig) -> None:
     assert out["mig"] == [True, pytest.approx(10.24, abs=1)]
 
 
+def test_violation_times_each_policy_in_one_call(rig: Rig) -> None:
+    """NVML's violation times (ns since the driver loaded), read as DCGM reads them: fields 74 to 79 in one
+    call; a GPU whose figures the driver does not give has none."""
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu, release
+        N.nvmlInit()
+        CTL.telemetry(1, throttle=0x40)  # a hardware thermal slowdown
+        first = read_gpu("GPU-hopper", Window())
+        time.sleep(0.2)
+        CTL.reset_calls()
+        second = read_gpu("GPU-hopper", first.window)
+        out["calls"] = CTL.calls()["nvmlDeviceGetFieldValues"]
+        f, g = first.figures, second.figures
+        out["grown"] = [g.thermal_violation_ns - f.thermal_violation_ns, g.power_violation_ns - f.power_violation_ns,
+                        g.reliability_violation_ns]
+        volta = read_gpu("GPU-volta", Window()).figures
+        out["none"] = [volta.thermal_violation_ns, volta.low_utilization_violation_ns]
+        release(second.window)
+        """,
+        rig.scenario(SCENARIO.replace("cc=7.0", "cc=7.0 unsupported=telemetry")),
+    )
+    thermal, power, reliability = out["grown"]
+    assert thermal >= 0.2e9 and power == 0 and reliability == 0
+    assert out["calls"] == 3  # the memory's temperature, NVLink's counts, the violation times
+    assert out["none"] == [None, None]
+
+
 def test_memory_temperature_and_video_engines_where_the_gpu_gives_them(rig: Rig) -> None:
     """A GPU without HBM refuses field 82 in the field's own return code: no figure, and the read goes on."""
     out = rig.run(

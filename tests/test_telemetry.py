@@ -91,6 +91,10 @@ def test_dcgm_exporters_default_counters_in_its_units(node: SimulatedNode) -> No
     assert value(got, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="1") == pytest.approx(307, abs=3)
     assert value(got, "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", gpu="0") == 0
     assert "nvplug_gpu_nvlink_data_bytes_total" not in got  # nvplug's naming has the counters instead
+    # How long the power cap held the clocks down, in ns as DCGM gives it: GPU 1 was capped a second and more.
+    node.control.telemetry(1, throttle=0x4)
+    capped = value(got, "DCGM_FI_DEV_POWER_VIOLATION", gpu="1")
+    assert value(scrape_later(node), "DCGM_FI_DEV_POWER_VIOLATION", gpu="1") - capped >= 1e9
     assert value(got, "DCGM_FI_DEV_MEMORY_TEMP", gpu="1") == 61
     assert value(got, "DCGM_FI_DEV_ENC_UTIL", gpu="1") == 30
     assert value(got, "DCGM_FI_DEV_DEC_UTIL", gpu="1") == 45
@@ -118,6 +122,9 @@ def test_nvplug_naming_in_base_units(node: SimulatedNode) -> None:
     grown = value(got, "nvplug_gpu_nvlink_data_bytes_total", gpu="1", direction="rx") - before
     assert grown >= 100 * MIB and grown % 1024 == 0, grown  # over a second and more, at 100 MiB/s
     assert value(got, "nvplug_gpu_nvlink_data_bytes_total", gpu="1", direction="tx") == 0
+    # Idle (the simulated GPUs' clocks event reasons) holds the clocks down for low utilization, in seconds.
+    assert value(got, "nvplug_gpu_violation_seconds_total", gpu="1", policy="low_utilization") > 1.0
+    assert value(got, "nvplug_gpu_violation_seconds_total", gpu="1", policy="thermal") == 0
     assert not any(name.startswith("DCGM_") for name in got)
 
 

@@ -75,6 +75,14 @@ class GpuFigures(GpmActivity):
     nvlink_rx_kib: int | None = None
     # Both ways over the window since the last read, in DCGM's unit for its field 449: KiB/s over 1000.
     nvlink_bandwidth_total: int | None = None
+    # How long each performance policy has held the clocks below the applications clocks since the driver
+    # loaded (ns): NVML's violation times.
+    power_violation_ns: int | None = None
+    thermal_violation_ns: int | None = None
+    sync_boost_violation_ns: int | None = None
+    board_limit_violation_ns: int | None = None
+    low_utilization_violation_ns: int | None = None
+    reliability_violation_ns: int | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
+# The performance policies whose violation time NVML gives as fields 74 to 79, in order.
+VIOLATIONS = ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
             raise NvmlUnavailable(f"{uuid} does not answer")
         mig_handles = _mig_handles(handle)
         nvlink, counted = _nvlink(handle, since.nvlink)
-        figures = _with(_figures(handle, in_mig_mode=bool(mig_handles)), nvlink)
+        figures = _with(_figures(handle, in_mig_mode=bool(mig_handles)), nvlink | _violations(handle))
         migs = tuple(_mig_figures(mig, h) for mig, h in mig_handles.items())
         devices = mig_handles or {uuid: handle}
         samples, newest = _samples(handle, since.last_seen)
@@ -202,6 +204,21 @@ def _nvlink(handle: Any, previous: tuple[int, int] | None) -> tuple[dict[str, in
     if previous is not None and now[1] > previous[1] and now[0] >= previous[0]:
         found["nvlink_bandwidth_total"] = int((now[0] - previous[0]) / ((now[1] - previous[1]) / 1e6) / 1000)
     return found, now
+
+
+def _violations(handle: Any) -> dict[str, int]:
+    """How long each policy has held the clocks below the applications clocks since the driver loaded (ns),
+    in one call, as DCGM reads them; a policy the driver does not give is left out."""
+    fields = [pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at for at in range(len(VIOLATIONS))]
+    try:
+        values = pynvml.nvmlDeviceGetFieldValues(handle, fields)
+    except pynvml.NVMLError:
+        return {}
+    found = {}
+    for policy, value in zip(VIOLATIONS, values, strict=True):
+        with contextlib.suppress(pynvml.NVMLError):
+            found[f"{policy}_violation_ns"] = int(typed_value(value))
+    return found
 
 
 def _clock_event_reasons(handle: Any) -> int | None:

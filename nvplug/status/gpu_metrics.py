@@ -204,6 +204,26 @@ GPU_SERIES = (
         False,
         "NVLink throughput over all links, both ways (in MB/s)",
     ),
+    # NVML's violation times, in ns as DCGM gives them (its older headers said us; its value never was).
+    *(
+        Series(
+            f"{policy}_violation_ns",
+            f"DCGM_FI_DEV_{dcgm}_VIOLATION",
+            "nvplug_gpu_violation_seconds",
+            1e-9,
+            True,
+            "Time a policy held the clocks below the applications clocks",
+            (("policy", policy),),
+        )
+        for policy, dcgm in (
+            ("power", "POWER"),
+            ("thermal", "THERMAL"),
+            ("sync_boost", "SYNC_BOOST"),
+            ("board_limit", "BOARD_LIMIT"),
+            ("low_utilization", "LOW_UTIL"),
+            ("reliability", "RELIABILITY"),
+        )
+    ),
     # GPM's activity over the window since the last read: ratios in both namings, as DCGM's PROF fields.
     Series(
         "gr_engine_active",

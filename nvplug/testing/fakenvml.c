@@ -70,8 +70,10 @@
  *   telemetry <gpu> key=value ...       what the device figures answer: util mem_util enc_util
  *                                       dec_util (%), temp mem_temp (C), power_mw, energy_mj (then
  *                                       growing at power_mw), sm_clock mem_clock (MHz), throttle
- *                                       (clocks event reasons), pcie_replays, reserved_mib (framebuffer
- *                                       used before any process's memory); none on a MIG device
+ *                                       (clocks event reasons; while a policy's reasons are held
+ *                                       its violation time grows: nvmlDeviceGetViolationStatus),
+ *                                       pcie_replays, reserved_mib (framebuffer used before any
+ *                                       process's memory); none on a MIG device
  *                                       handle, no utilization with MIG on; mem_temp is field 82
  *                                       (nvmlDeviceGetFieldValues), which unsupported=memory_temp
  *                                       refuses, as a GPU without HBM does; nvlink_tx nvlink_rx
@@ -321,6 +323,12 @@ enum {
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX 141
 #define NVLINK_ALL_LINKS 0xFFFFFFFFu
+/* The ns a performance policy held the clocks down (as nvmlDeviceGetViolationStatus's violationTime):
+ * power, thermal, sync boost, board limit, low utilization, reliability, total app clocks, total base clocks */
+#define NVML_FI_DEV_PERF_POLICY_POWER 74
+#define NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS 80
+#define NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS 81
+#define VIOL_N 7   /* policies 0-5, and 10 (any of them) */
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
 #define NVML_P2P_CAPS_INDEX_NVLINK 2
@@ -540,6 +548,11 @@ typedef struct {
     unsigned int gpu, memory;
 } nvmlUtilization_t;
 
+typedef struct {
+    unsigned long long referenceTime;   /* when it was read, us */
+    unsigned long long violationTime;   /* ns the policy held the clocks down */
+} nvmlViolationTime_t;
+
 struct fake_proc {
     unsigned pid;
     unsigned kinds;             /* K_* bits */
@@ -575,6 +588,10 @@ struct fake_dev {
     unsigned util_gpu, util_mem, util_enc, util_dec;    /* percent */
     unsigned temp_c, mem_temp_c, power_mw, sm_mhz, mem_mhz, pcie_replays;
     unsigned long long throttle;        /* nvmlClocksEventReasons bits */
+    /* the ns each performance policy (nvmlPerfPolicyType_t 0-5, then any of them) has held the clocks
+     * down since the driver loaded, up to viol_since (CLOCK_MONOTONIC ns): each grows while throttle has
+     * its reasons' bits */
+    unsigned long long viol_ns[VIOL_N], viol_since;
     unsigned long long reserved_mib;    /* framebuffer the driver keeps: used before any process */
     unsigned long long energy_mj;       /* at energy_since; grows at power_mw from then */
     struct timespec energy_since;
@@ -731,6 +748,7 @@ static long g_wait_left;            /* -1: every wait until cleared */
     X(nvmlDeviceGetCurrentClocksEventReasons, DEV) X(nvmlDeviceGetCurrentClocksThrottleReasons, DEV)     \
     X(nvmlDeviceGetPcieReplayCounter, DEV) X(nvmlDeviceGetProcessUtilization, DEV)                       \
     X(nvmlDeviceGetEncoderUtilization, DEV) X(nvmlDeviceGetDecoderUtilization, DEV)                     \
+    X(nvmlDeviceGetViolationStatus, DEV)                                                                 \
     X(nvmlDeviceGetSupportedEventTypes, DEV) X(nvmlEventSetCreate, SYS) X(nvmlDeviceRegisterEvents, DEV) \
     X(nvmlEventSetFree, SYS) X(nvmlEventSetWait, SYS) X(nvmlEventSetWait_v2, SYS)                        \
     X(nvmlDeviceGetComputeRunningProcesses, DEV) X(nvmlDeviceGetComputeRunningProcesses_v2, DEV)         \
@@ -1143,7 +1161,7 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->throttle = 0x1;   /* nvmlClocksEventReasonGpuIdle */
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
     d->gpm_since = mono_ns();   /* every GPM level 0 so far */
-    d->nvlink_since = d->gpm_since;
+    d->nvlink_since = d->viol_since = d->gpm_since;
 
     for (i = 0; i < n; i++) {
         char *k = tok[i], *v = strchr(tok[i], '=');
@@ -2147,6 +2165,27 @@ static unsigned long long gpm_advance(struct fake_dev *d)
     return d->gpm_since;
 }
 
+/*
+ * The clocks event reasons behind each performance policy's violation time (nvmlPerfPolicyType_t 0-5:
+ * power, thermal, sync boost, board limit, low utilization, reliability): the power cap or the power brake;
+ * a software or hardware thermal slowdown; sync boost; a hardware slowdown; the GPU idle; none modelled.
+ * Then the total below application clocks (policy 10): any of them.
+ */
+static const unsigned long long viol_reasons[VIOL_N] = {0x4 | 0x80, 0x20 | 0x40, 0x10, 0x8, 0x1, 0, 0xFD};
+
+/* Brings the GPU's violation times up to now, at the reasons held since viol_since. */
+static void viol_advance(struct fake_dev *d)
+{
+    unsigned long long now = mono_ns();
+    int p;
+    if (now > d->viol_since) {
+        for (p = 0; p < VIOL_N; p++)
+            if (d->throttle & viol_reasons[p])
+                d->viol_ns[p] += now - d->viol_since;
+        d->viol_since = now;
+    }
+}
+
 /* Brings the GPU's NVLink counters up to now (each direction at its rate since nvlink_since). */
 static void nvlink_advance(struct fake_dev *d)
 {
@@ -2311,6 +2350,7 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
     if (set[3]) d->power_mw = (unsigned)v[3];
     if (set[5]) d->sm_mhz = (unsigned)v[5];
     if (set[6]) d->mem_mhz = (unsigned)v[6];
+    viol_advance(d);   /* the old reasons up to now; the new ones from now */
     if (set[7]) d->throttle = v[7];
     if (set[8]) d->pcie_replays = (unsigned)v[8];
     if (set[9]) d->reserved_mib = v[9];
@@ -4030,12 +4070,23 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int
 }
 
 /* A field the GPU gives, as an unsigned int. */
-static void field_uint(nvmlFieldValue_t *v, unsigned value)
+/* A field the GPU gives, of that type: where its value goes. */
+static nvmlValue_t *field_given(nvmlFieldValue_t *v, int type)
 {
-    v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+    v->valueType = type;
     v->nvmlReturn = NVML_SUCCESS;
     memset(&v->value, 0, sizeof v->value);
-    v->value.uiVal = value;
+    return &v->value;
+}
+
+static void field_uint(nvmlFieldValue_t *v, unsigned value)
+{
+    field_given(v, NVML_VALUE_TYPE_UNSIGNED_INT)->uiVal = value;
+}
+
+static void field_ull(nvmlFieldValue_t *v, unsigned long long value)
+{
+    field_given(v, NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)->ullVal = value;
 }
 
 /*
@@ -4058,10 +4109,7 @@ static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
         links = (unsigned long long)nvlink_route((int)(d - g_devs), 0, &peer);
         total = v->scopeId < links ? total * (v->scopeId + 1) / links - total * v->scopeId / links : 0;
     }
-    v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
-    v->nvmlReturn = NVML_SUCCESS;
-    memset(&v->value, 0, sizeof v->value);
-    v->value.ullVal = total;
+    field_ull(v, total);
 }
 
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
@@ -4085,6 +4133,11 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         else if (v->fieldId >= NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX && v->fieldId <= NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX &&
                  !(d->unsupported & U_NVLINK))
             nvlink_field(d, v);
+        else if (v->fieldId >= NVML_FI_DEV_PERF_POLICY_POWER && v->fieldId <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS &&
+                 !(d->unsupported & U_TELEMETRY)) {
+            viol_advance(d);
+            field_ull(v, d->viol_ns[v->fieldId - NVML_FI_DEV_PERF_POLICY_POWER]);
+        }
         else
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
     }
@@ -4279,6 +4332,26 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsi
 {
     COUNT(nvmlDeviceGetCurrentClocksThrottleReasons);
     return clock_reasons(device, reasons);
+}
+
+/*
+ * nvml.h: referenceTime the time of the reading (realtime us), violationTime the ns the policy has held the
+ * clocks down since the driver loaded.  The totals of app and base clocks (10, 11): NOT_SUPPORTED here;
+ * another number: INVALID_ARGUMENT.
+ */
+nvmlReturn_t nvmlDeviceGetViolationStatus(nvmlDevice_t device, unsigned int perfPolicyType, nvmlViolationTime_t *violTime)
+{
+    struct timespec ts;
+    COUNT(nvmlDeviceGetViolationStatus);
+    FIGURES_BEGIN(device, violTime);
+    REQUIRE(perfPolicyType < 6 || perfPolicyType == 10 || perfPolicyType == 11);
+    if (perfPolicyType == 11)
+        return done(NVML_ERROR_NOT_SUPPORTED);
+    viol_advance(d);
+    clock_gettime(CLOCK_REALTIME, &ts);
+    violTime->referenceTime = (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+    violTime->violationTime = d->viol_ns[perfPolicyType == 10 ? 6 : perfPolicyType];
+    return done(NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)

@@ -192,7 +192,8 @@ class Control:
         """Set what the GPU's figures answer: util, mem_util, enc_util, dec_util (percent), temp, mem_temp
         (C), power_mw, energy_mj, sm_clock, mem_clock (MHz), throttle (nvmlClocksEventReasons bits),
         pcie_replays, reserved_mib (framebuffer used before any process), nvlink_tx, nvlink_rx (MiB/s). Energy
-        grows at power_mw from then on, the NVLink counts (fields 138 to 141) at their rates."""
+        grows at power_mw from then on, the NVLink counts (fields 138 to 141) at their rates, and the violation
+        times (fields 74 to 80) of the policies whose reasons throttle holds."""
         if not figures:
             raise ValueError("telemetry needs at least one figure")
         return self.send(f"telemetry {gpu} " + " ".join(f"{k}={v}" for k, v in figures.items()))
