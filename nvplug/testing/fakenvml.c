@@ -324,10 +324,10 @@ enum {
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX 141
 #define NVLINK_ALL_LINKS 0xFFFFFFFFu
 /* The ns a performance policy held the clocks down (as nvmlDeviceGetViolationStatus's violationTime):
- * power, thermal, sync boost, board limit, low utilization, reliability, total app clocks, total base clocks */
+ * power, thermal, sync boost, board limit, low utilization, reliability, total app clocks; then 81, the
+ * total below base clocks, not given here */
 #define NVML_FI_DEV_PERF_POLICY_POWER 74
 #define NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS 80
-#define NVML_FI_DEV_PERF_POLICY_TOTAL_BASE_CLOCKS 81
 #define VIOL_N 7   /* policies 0-5, and 10 (any of them) */
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
@@ -4069,7 +4069,6 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int
     return done(NVML_SUCCESS);
 }
 
-/* A field the GPU gives, as an unsigned int. */
 /* A field the GPU gives, of that type: where its value goes. */
 static nvmlValue_t *field_given(nvmlFieldValue_t *v, int type)
 {
@@ -4137,8 +4136,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
                  !(d->unsupported & U_TELEMETRY)) {
             viol_advance(d);
             field_ull(v, d->viol_ns[v->fieldId - NVML_FI_DEV_PERF_POLICY_POWER]);
-        }
-        else
+        } else
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
     }
     return done(NVML_SUCCESS);
@@ -4336,8 +4334,8 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsi
 
 /*
  * nvml.h: referenceTime the time of the reading (realtime us), violationTime the ns the policy has held the
- * clocks down since the driver loaded.  The totals of app and base clocks (10, 11): NOT_SUPPORTED here;
- * another number: INVALID_ARGUMENT.
+ * clocks down since the driver loaded.  Policies 0-5, and 10 (below the applications clocks for any of
+ * them); 11 (below the base clocks): NOT_SUPPORTED here; another number: INVALID_ARGUMENT.
  */
 nvmlReturn_t nvmlDeviceGetViolationStatus(nvmlDevice_t device, unsigned int perfPolicyType, nvmlViolationTime_t *violTime)
 {
