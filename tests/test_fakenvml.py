@@ -1143,8 +1143,9 @@ def test_violation_times_grow_while_their_reasons_hold_the_clocks(rig: Rig) -> N
 
 
 def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
-    """nvmlDeviceGetProcessUtilization: the samples after lastSeenTimeStamp; NOT_FOUND when none is newer;
-    INSUFFICIENT_SIZE with the count for a NULL buffer; NOT_SUPPORTED with MIG on."""
+    """nvmlDeviceGetProcessUtilization: one entry per process with samples after lastSeenTimeStamp, their
+    mean stamped with the newest, as the driver gives them; NOT_FOUND when none is newer; INSUFFICIENT_SIZE
+    with the count for a NULL buffer; NOT_SUPPORTED with MIG on."""
     scenario = rig.scenario(
         """
         gpu uuid=GPU-a bus=0000:01:00.0 minor=0
@@ -1166,6 +1167,8 @@ def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
         count = ctypes.c_uint(0)
         rc = N.nvmlLib.nvmlDeviceGetProcessUtilization(a, None, ctypes.byref(count), ctypes.c_ulonglong(0))
         out["size"] = [rc, count.value]
+        every = N.nvmlDeviceGetProcessUtilization(a, 0)
+        out["mean"] = [[u.pid, u.smUtil, u.memUtil, u.timeStamp > first] for u in every]
         out["mig"] = code(N.nvmlDeviceGetProcessUtilization, c, 0)
         out["cleared"] = [CTL.samples(0, []), code(N.nvmlDeviceGetProcessUtilization, a, 0)]
         out["bad"] = [ctl_error(CTL.send, "samples 0 1:101:0"), ctl_error(CTL.send, "samples 0 0:1:1"),
@@ -1177,7 +1180,8 @@ def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
     assert out["all"] == [[101, 60, 20], [102, 30, 10]] and out["stamps_rise"]
     assert out["seen"] == 6
     assert out["window"] == [[101, 70]]
-    assert out["size"] == [7, 3]  # NVML_ERROR_INSUFFICIENT_SIZE, and the count needed
+    assert out["size"] == [7, 2]  # NVML_ERROR_INSUFFICIENT_SIZE, and the count needed: two processes
+    assert out["mean"] == [[101, 65, 22, True], [102, 30, 10, False]]  # 101's two samples: (60+70)/2, (20+25)/2
     assert out["mig"] == 3
     assert out["cleared"] == [0, 6]
     assert all(e is not None and "want pid:sm:mem" in e for e in out["bad"]), out["bad"]

@@ -81,8 +81,9 @@
  *                                       138-141 count (unsupported=nvlink: an error)
  *   samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -
  *                                       process utilization samples stamped now (realtime us,
- *                                       rising per GPU; the last SAMPLES_MAX kept), for
- *                                       nvmlDeviceGetProcessUtilization; "-" forgets them
+ *                                       rising per GPU; the last SAMPLES_MAX kept), which
+ *                                       nvmlDeviceGetProcessUtilization gives one entry per
+ *                                       process for (their mean); "-" forgets them
  *   retire <gpu> sbe|dbe [count]        "ok pages=N": retire count pages (default 1, up to
  *                                       RETIRED_MAX kept per cause) for multiple single-bit (sbe)
  *                                       or a double-bit (dbe) ECC error, at new addresses, stamped
@@ -4390,29 +4391,55 @@ nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *
  * or too small a count: INSUFFICIENT_SIZE with the count needed.  Not on MIG (nvml.h: "querying process
  * utilization is not currently supported" with MIG enabled).
  */
+/*
+ * What the driver gives for the samples newer than `since`: one entry per process, the mean of its samples
+ * (each utilization), stamped with its newest.  Returns how many processes; out holds them, first seen first.
+ */
+static unsigned process_utilization(int slot, unsigned long long since, nvmlProcessUtilizationSample_t *out)
+{
+    static unsigned long long sums[SAMPLES_MAX][4];   /* under the library's lock, as out is */
+    static unsigned counts[SAMPLES_MAX];
+    const struct fake_dev *d = &g_devs[slot];
+    unsigned n = 0, k;
+    int i;
+    for (i = 0; i < d->nsamples; i++) {
+        const nvmlProcessUtilizationSample_t *smp = &g_samples[slot][(d->sample_head + i) % SAMPLES_MAX];
+        if (smp->timeStamp <= since)
+            continue;
+        for (k = 0; k < n && out[k].pid != smp->pid; k++)
+            ;
+        if (k == n) {
+            memset(sums[n], 0, sizeof sums[n]);
+            counts[n++] = 0;
+        }
+        out[k] = *smp;   /* samples are oldest first: the newest stamp stays */
+        sums[k][0] += smp->smUtil, sums[k][1] += smp->memUtil, sums[k][2] += smp->encUtil, sums[k][3] += smp->decUtil;
+        counts[k]++;
+    }
+    for (k = 0; k < n; k++) {
+        out[k].smUtil = (unsigned)(sums[k][0] / counts[k]), out[k].memUtil = (unsigned)(sums[k][1] / counts[k]);
+        out[k].encUtil = (unsigned)(sums[k][2] / counts[k]), out[k].decUtil = (unsigned)(sums[k][3] / counts[k]);
+    }
+    return n;
+}
+
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
                                              unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp)
 {
-    unsigned need = 0, k = 0;
-    int i, slot;
+    static nvmlProcessUtilizationSample_t found[SAMPLES_MAX];   /* under the library's lock */
+    unsigned need;
     COUNT(nvmlDeviceGetProcessUtilization);
     FIGURES_BEGIN(device, processSamplesCount);
     if (d->mig_mode)
         return done(NVML_ERROR_NOT_SUPPORTED);
-    slot = (int)(d - g_devs);
-    for (i = 0; i < d->nsamples; i++)
-        need += g_samples[slot][(d->sample_head + i) % SAMPLES_MAX].timeStamp > lastSeenTimeStamp;
+    need = process_utilization((int)(d - g_devs), lastSeenTimeStamp, found);
     if (!need)
         return done(NVML_ERROR_NOT_FOUND);
     if (!utilization || *processSamplesCount < need) {
         *processSamplesCount = need;
         return done(NVML_ERROR_INSUFFICIENT_SIZE);
     }
-    for (i = 0; i < d->nsamples; i++) {
-        const nvmlProcessUtilizationSample_t *smp = &g_samples[slot][(d->sample_head + i) % SAMPLES_MAX];
-        if (smp->timeStamp > lastSeenTimeStamp)
-            utilization[k++] = *smp;
-    }
+    memcpy(utilization, found, need * sizeof found[0]);
     *processSamplesCount = need;
     return done(NVML_SUCCESS);
 }
