@@ -172,7 +172,7 @@ def side_by_side(uuid: str, reads: int = 20) -> None:
 
 def calls_or_fields(uuid: str, times: int = 10) -> None:
     """Each of CALLS_AND_FIELDS read by its calls and by its fields, and all the fields in one call: the
-    median wall and CPU time of each, and whether the values agree."""
+    median wall and CPU time of each, with what each read got side by side."""
 
     def timed(read: Callable[[], object]) -> tuple[float, float, object]:
         walls, cpus, got = [], [], None
