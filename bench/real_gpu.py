@@ -31,8 +31,9 @@ import pynvml  # type: ignore[import-untyped]
 from latency import proc_times
 
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import Nvml, recovery_action, session, typed_value
+from nvplug.sources.nvml_discovery import Nvml, recovery_action, session
 from nvplug.sources.nvml_events import WANTED
+from nvplug.sources.nvml_field_values import FieldRequest
 from nvplug.sources.nvml_telemetry import Window, read_gpu, release
 from nvplug.status import status_client
 from nvplug.testing.process_tree import child_pids
@@ -186,28 +187,23 @@ def calls_or_fields(uuid: str, times: int = 10) -> None:
             cpus.append(time.thread_time() - began_cpu)
         return statistics.median(walls) * 1000, statistics.median(cpus) * 1000, got
 
-    def fields(handle: Any, ids: tuple[int, ...]) -> list[object]:
-        out: list[object] = []
-        for value in pynvml.nvmlDeviceGetFieldValues(handle, list(ids)):
-            try:
-                out.append(typed_value(value))
-            except pynvml.NVMLError as err:
-                out.append(f"error: {err}")
-        return out
+    def fields(handle: Any, request: FieldRequest) -> list[object]:
+        return [f"error {got.returned}" if got.value is None else got.value for got in request.read(handle)]
 
     print(f"== one call each, or fields (nvmlDeviceGetFieldValues), on {uuid}: median ms wall / CPU")
     with session():
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         for what, call, ids in CALLS_AND_FIELDS:
+            request = FieldRequest([(i, 0) for i in ids])
             wall, cpu, by_call = timed(lambda: call(handle))  # noqa: B023
-            field_wall, field_cpu, by_field = timed(lambda: fields(handle, ids))  # noqa: B023
+            field_wall, field_cpu, by_field = timed(lambda: fields(handle, request))  # noqa: B023
             print(
                 f"   {what}: calls {wall:.3f} / {cpu:.3f} ms -> {by_call}; fields {field_wall:.3f} / "
                 f"{field_cpu:.3f} ms -> {by_field}"
             )
-        every = tuple(i for _, _, ids in CALLS_AND_FIELDS for i in ids)
-        wall, cpu, _ = timed(lambda: fields(handle, every))
-        print(f"   all {len(every)} fields in one call: {wall:.3f} / {cpu:.3f} ms")
+        every = FieldRequest([(i, 0) for _, _, ids in CALLS_AND_FIELDS for i in ids])
+        wall, cpu, got = timed(lambda: fields(handle, every))
+        print(f"   all {len(got) if isinstance(got, list) else '?'} fields in one call: {wall:.3f} / {cpu:.3f} ms")
 
 
 def daemon(uuids: list[str], bus: str) -> None:

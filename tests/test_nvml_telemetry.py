@@ -197,8 +197,8 @@ def test_nvlink_counts_and_dcgms_rate_over_the_window(rig: Rig) -> None:
 
 
 def test_violation_times_each_policy_in_one_call(rig: Rig) -> None:
-    """NVML's violation times (ns since the driver loaded), read as DCGM reads them: fields 74 to 79 in one
-    call; a GPU whose figures the driver does not give has none."""
+    """NVML's violation times (ns since the driver loaded), read as DCGM reads them: fields 74 to 79, in the
+    one call that takes a read's fields; a GPU whose figures the driver does not give has none."""
     out = rig.run(
         """
         from nvplug.sources.nvml_telemetry import Window, read_gpu, release
@@ -220,7 +220,7 @@ def test_violation_times_each_policy_in_one_call(rig: Rig) -> None:
     )
     thermal, power, reliability = out["grown"]
     assert thermal >= 0.2e9 and power == 0 and reliability == 0
-    assert out["calls"] == 3  # the memory's temperature, NVLink's counts, the violation times
+    assert out["calls"] == 1  # the memory's temperature, NVLink's counts and the violation times at once
     assert out["none"] == [None, None]
 
 
@@ -242,30 +242,30 @@ def test_memory_temperature_and_video_engines_where_the_gpu_gives_them(rig: Rig)
 
 
 @pytest.mark.parametrize(
-    ("value_type", "member", "given", "read"),
-    [(0, "dVal", 41.5, 41.5), (1, "uiVal", 70, 70), (3, "ullVal", 2**40, 2**40), (5, "siVal", -3, -3)],
+    ("value_type", "member", "given"),
+    [
+        (0, "dVal", 41.5),
+        (1, "uiVal", 70),
+        (3, "ullVal", 2**40),
+        (4, "sllVal", -(2**40)),
+        (5, "siVal", -3),
+        (6, "usVal", 9),
+    ],
 )
-def test_a_field_is_read_as_the_type_the_driver_gives(
-    monkeypatch: pytest.MonkeyPatch, value_type: int, member: str, given: float, read: float
-) -> None:
+def test_a_field_is_read_as_the_type_the_driver_gives(value_type: int, member: str, given: float) -> None:
+    """Each answer unpacked from the array's bytes as the type the driver gives, beside a refused field and one
+    of a type unknown here, with the time NVML read each."""
     import pynvml
 
-    from nvplug.sources import nvml_discovery
+    from nvplug.sources.nvml_field_values import FieldValue, decode
 
-    def one(handle: object, fields: list[int]) -> list[object]:
-        entry = pynvml.c_nvmlFieldValue_t()
-        entry.fieldId, entry.valueType, entry.nvmlReturn = fields[0], value_type, pynvml.NVML_SUCCESS
-        setattr(entry.value, member, given)
-        return [entry]
-
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", one)
-    assert nvml_discovery.field_value(None, 82) == read
-
-    def refused(handle: object, fields: list[int]) -> list[object]:
-        entry = pynvml.c_nvmlFieldValue_t()
-        entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
-        return [entry]
-
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", refused)
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        nvml_discovery.field_value(None, 82)
+    answers = (pynvml.c_nvmlFieldValue_t * 3)()
+    answers[0].valueType, answers[0].nvmlReturn, answers[0].timestamp = value_type, pynvml.NVML_SUCCESS, 1000
+    setattr(answers[0].value, member, given)
+    answers[1].nvmlReturn, answers[1].timestamp = pynvml.NVML_ERROR_NOT_SUPPORTED, 1001
+    answers[2].valueType, answers[2].nvmlReturn, answers[2].value.uiVal = 99, pynvml.NVML_SUCCESS, 5
+    assert decode(bytes(answers)) == [
+        FieldValue(given, pynvml.NVML_SUCCESS, 1000),
+        FieldValue(None, pynvml.NVML_ERROR_NOT_SUPPORTED, 1001),
+        FieldValue(None, pynvml.NVML_SUCCESS, 0),
+    ]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import pynvml  # type: ignore[import-untyped]
 
@@ -24,6 +24,7 @@ from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors, profile_name, read_mig_minors
 from nvplug.core.topology import Link, PcieLevel, Topology
 from nvplug.nvml.nvml_errors import NvmlUnavailable
+from nvplug.sources.nvml_field_values import field_value
 
 log = logging.getLogger(__name__)
 
@@ -128,34 +129,6 @@ def _pending_repair(uuid: str, handle: Any, evidence: str) -> ProbeResult:
 def recovery_action(handle: Any) -> int | None:
     """Field 230; None where the driver does not report it."""
     return int(field_value(handle, RECOVERY_ACTION_FIELD))
-
-
-# nvmlValue_t's member for each nvmlValueType_t.
-_VALUE_MEMBERS = {
-    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
-}
-
-
-def field_value(handle: Any, field: int) -> float:
-    """One NVML field (nvmlDeviceGetFieldValues), read as the type the driver says it has; NVMLError where
-    the driver does not give it (the call worked, the field's own return did not)."""
-    return typed_value(pynvml.nvmlDeviceGetFieldValues(handle, [field])[0])
-
-
-def typed_value(value: Any) -> float:
-    """An nvmlFieldValue_t's value, as the type the driver says it has; NVMLError where it gave none."""
-    if value.nvmlReturn != pynvml.NVML_SUCCESS:
-        raise pynvml.NVMLError(value.nvmlReturn)
-    member = _VALUE_MEMBERS.get(value.valueType)
-    if member is None:
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-    return cast(float, getattr(value.value, member))
 
 
 def _read_topology(found: list[tuple[Gpu, Any]], notes: _Notes) -> Topology:

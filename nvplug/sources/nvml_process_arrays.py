@@ -23,7 +23,7 @@ FIRST_ROOM = 128
 TRIES = 3
 
 
-def _unpacker(structure: Any, fields: tuple[str, ...]) -> struct.Struct:
+def unpacker(structure: Any, fields: tuple[str, ...]) -> struct.Struct:
     """Reads `fields`, in their order, from one element of an array of `structure`."""
     types = dict(structure._fields_)
     layout, at = "=", 0
@@ -37,9 +37,9 @@ def _unpacker(structure: Any, fields: tuple[str, ...]) -> struct.Struct:
 
 
 _PROCESS = pynvml.c_nvmlProcessInfo_v3_t
-_PROCESS_FIELDS = _unpacker(_PROCESS, ("pid", "usedGpuMemory"))
+_PROCESS_FIELDS = unpacker(_PROCESS, ("pid", "usedGpuMemory"))
 _SAMPLE = pynvml.c_nvmlProcessUtilizationSample_t
-_SAMPLE_FIELDS = _unpacker(_SAMPLE, ("pid", "timeStamp", "smUtil", "memUtil"))
+_SAMPLE_FIELDS = unpacker(_SAMPLE, ("pid", "timeStamp", "smUtil", "memUtil"))
 NOT_AVAILABLE = ctypes.c_ulonglong(-1).value  # usedGpuMemory NVML does not know
 
 

@@ -20,7 +20,8 @@ import pynvml  # type: ignore[import-untyped]
 
 from nvplug.core.telemetry import MIB, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_discovery import as_text, field_value, session, typed_value
+from nvplug.sources.nvml_discovery import as_text, session
+from nvplug.sources.nvml_field_values import FieldRequest, FieldValue
 from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
 
 T = TypeVar("T")
@@ -32,6 +33,16 @@ TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
 # The performance policies whose violation time NVML gives as fields 74 to 79, in order.
 VIOLATIONS = ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability")
+# The fields a read takes, in one call: the memory's temperature, NVLink's data counts each way over every
+# link, and each policy's violation time (ns since the driver loaded), as DCGM reads them.
+FIELDS = FieldRequest(
+    (
+        (pynvml.NVML_FI_DEV_MEMORY_TEMP, 0),
+        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
+        (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+        *((pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at, 0) for at in range(len(VIOLATIONS))),
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,8 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         if lost:
             raise NvmlUnavailable(f"{uuid} does not answer")
         mig_handles = _mig_handles(handle)
-        nvlink, counted = _nvlink(handle, since.nvlink)
-        figures = _with(_figures(handle, in_mig_mode=bool(mig_handles)), nvlink | _violations(handle))
+        figures = _figures(handle, in_mig_mode=bool(mig_handles))
+        counted = _fields(handle, since.nvlink, figures)
         migs = tuple(_mig_figures(mig, h) for mig, h in mig_handles.items())
         devices = mig_handles or {uuid: handle}
         samples, newest = _samples(handle, since.last_seen)
@@ -105,9 +116,10 @@ def read_gpu(uuid: str, since: Window) -> GpuRead:
         if not mig_handles:
             activity, sample = _gpm(handle, since.gpm_sample, lambda s: pynvml.nvmlGpmSampleGet(handle, s))
             _free(*(s for _, s in since.gpm_instances))  # from when MIG mode was on
-            return GpuRead(_with(figures, activity), migs, processes, Window(newest, sample, nvlink=counted))
+            figures.update(activity)
+            return GpuRead(GpuFigures(**figures), migs, processes, Window(newest, sample, nvlink=counted))
         migs, kept = _instances_activity(handle, mig_handles, migs, since)
-    return GpuRead(figures, migs, processes, Window(newest, gpm_instances=kept, nvlink=counted))
+    return GpuRead(GpuFigures(**figures), migs, processes, Window(newest, gpm_instances=kept, nvlink=counted))
 
 
 def release(window: Window) -> None:
@@ -123,11 +135,8 @@ def _free(*samples: Any) -> None:
                 pynvml.nvmlGpmSampleFree(sample)
 
 
-F = TypeVar("F", GpuFigures, MigFigures)
-
-
-def _with(figures: F, more: Mapping[str, float]) -> F:
-    return dataclasses.replace(figures, **cast(dict[str, Any], more))
+def _with(figures: MigFigures, activity: Mapping[str, float]) -> MigFigures:
+    return dataclasses.replace(figures, **cast(dict[str, Any], activity))
 
 
 def _optional(read: Callable[[], T]) -> T | None:
@@ -137,7 +146,8 @@ def _optional(read: Callable[[], T]) -> T | None:
         return None
 
 
-def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
+def _figures(handle: Any, in_mig_mode: bool) -> dict[str, Any]:
+    """The figures of GpuFigures that take a call each: built into one GpuFigures with the rest of the read."""
     util = None if in_mig_mode else _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
     memory = _optional(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
     power = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))
@@ -154,7 +164,7 @@ def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
         """The encoder's or decoder's utilization; NVML gives its sampling period beside it."""
         return _optional(lambda: int(read(handle)[0]))
 
-    return GpuFigures(
+    return dict(
         util_gpu=None if util is None else int(util.gpu),
         util_memory=None if util is None else int(util.memory),
         util_encoder=video(pynvml.nvmlDeviceGetEncoderUtilization),
@@ -163,7 +173,6 @@ def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
         fb_free_mib=None if memory is None else int(memory.free) // MIB,
         fb_total_mib=None if memory is None else int(memory.total) // MIB,
         temperature_c=_optional(lambda: int(pynvml.nvmlDeviceGetTemperature(handle, TEMPERATURE_GPU))),
-        memory_temperature_c=_optional(lambda: int(field_value(handle, pynvml.NVML_FI_DEV_MEMORY_TEMP))),
         power_w=None if power is None else int(power) / 1000.0,
         energy_mj=_optional(lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))),
         sm_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_SM))),
@@ -184,41 +193,31 @@ def _figures(handle: Any, in_mig_mode: bool) -> GpuFigures:
     )
 
 
-def _nvlink(handle: Any, previous: tuple[int, int] | None) -> tuple[dict[str, int], tuple[int, int] | None]:
-    """NVLink's data counts each way (fields 138 and 139 over all links), and DCGM's field 449 over the window
-    since `previous`, as DCGM works it out: the KiB both ways over the seconds between NVML's two reads,
-    over 1000. None to give on a GPU without NVLink, and no 449 on a first read or after a reset."""
+def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, Any]) -> tuple[int, int] | None:
+    """FIELDS into `figures`: the memory's temperature, NVLink's data counts each way and DCGM's field 449
+    over the window since `previous` (the KiB both ways over the seconds between NVML's two reads, over 1000,
+    as DCGM works it out), and the violation times. What the driver does not give is left out; no 449 on a
+    first read, after a reset, or without NVLink. Returns NVLink's count both ways and when NVML read it."""
     try:
-        tx, rx = pynvml.nvmlDeviceGetFieldValues(
-            handle,
-            [
-                (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
-                (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
-            ],
-        )
-        sent, received = int(typed_value(tx)), int(typed_value(rx))
+        temperature, tx, rx, *violations = FIELDS.read(handle)
     except pynvml.NVMLError:
-        return {}, None
-    now = (sent + received, int(rx.timestamp))
-    found = {"nvlink_tx_kib": sent, "nvlink_rx_kib": received}
+        return None
+    _put(figures, "memory_temperature_c", temperature)
+    for policy, got in zip(VIOLATIONS, violations, strict=True):
+        _put(figures, f"{policy}_violation_ns", got)
+    if tx.value is None or rx.value is None:
+        return None
+    _put(figures, "nvlink_tx_kib", tx)
+    _put(figures, "nvlink_rx_kib", rx)
+    now = (int(tx.value) + int(rx.value), rx.timestamp)
     if previous is not None and now[1] > previous[1] and now[0] >= previous[0]:
-        found["nvlink_bandwidth_total"] = int((now[0] - previous[0]) / ((now[1] - previous[1]) / 1e6) / 1000)
-    return found, now
+        figures["nvlink_bandwidth_total"] = int((now[0] - previous[0]) / ((now[1] - previous[1]) / 1e6) / 1000)
+    return now
 
 
-def _violations(handle: Any) -> dict[str, int]:
-    """How long each policy has held the clocks below the applications clocks since the driver loaded (ns),
-    in one call, as DCGM reads them; a policy the driver does not give is left out."""
-    fields = [pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at for at in range(len(VIOLATIONS))]
-    try:
-        values = pynvml.nvmlDeviceGetFieldValues(handle, fields)
-    except pynvml.NVMLError:
-        return {}
-    found = {}
-    for policy, value in zip(VIOLATIONS, values, strict=True):
-        with contextlib.suppress(pynvml.NVMLError):
-            found[f"{policy}_violation_ns"] = int(typed_value(value))
-    return found
+def _put(figures: dict[str, Any], name: str, got: FieldValue) -> None:
+    if got.value is not None:
+        figures[name] = int(got.value)
 
 
 def _clock_event_reasons(handle: Any) -> int | None:
