@@ -323,7 +323,7 @@ def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
 def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroups) -> None:
     serving(node)
     a = pods.start("ml", "ts-a")
-    node.control.telemetry(0, util=70, temp=61, power_mw=410000)
+    node.control.telemetry(0, util=70, temp=61, power_mw=410000, throttle=0x24)  # the power cap and the heat
     node.control.procs(0, [GpuProcess(a.pid, 20480), GpuProcess(777, 512)])
     node.control.xid(3, 79)
     node.kubelet.wait_for(device_health(node.scenario_gpus()[3]["uuid"], False), TIMEOUT)
@@ -337,7 +337,8 @@ def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroup
     assert plain.returncode == 0, plain.stderr
     assert "\x1b[" not in plain.stdout and plain.stdout.count("nvplug top") == 1
     rows = plain.stdout.splitlines()
-    assert re.match(r"\s+0\s+70%\s+40%\s+20\.5/79\.6 GiB\s+61C\s+410W\s+Healthy$", rows[2]), rows[2]
+    assert re.match(r"\s+0\s+70%\s+40%\s+20\.5/79\.6 GiB\s+61C\s+410W\s+power,heat\s+Healthy$", rows[2]), rows[2]
+    assert re.match(r"\s+1\s.*\s+none\s+Healthy$", rows[5]), rows  # an idle GPU's clocks: its own choice
     assert re.search(r"ml/ts-a \(main\)\s+pid \d+\s+compute\s+20\.0 GiB\s+25% of memory\s+50% SM", rows[3]), rows
     assert "(no pod)" in rows[4] and "pid 777" in rows[4]
     assert any(r.lstrip().startswith("3 ") and "Unhealthy: XID 79" in r for r in rows), rows

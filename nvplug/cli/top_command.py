@@ -46,7 +46,7 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
     """One screen: a line per GPU, and under it a line per process, its pod's first."""
     lines = [
         f"nvplug top  {time.strftime('%H:%M:%S', time.localtime(now))}  {len(gpus)} GPUs",
-        f"{'GPU':>3}  {'UTIL':>4}  {'TENSOR':>6}  {'MEMORY':>15}  {'TEMP':>4}  {'POWER':>6}  HEALTH",
+        f"{'GPU':>3}  {'UTIL':>4}  {'TENSOR':>6}  {'MEMORY':>15}  {'TEMP':>4}  {'POWER':>6}  {'HELD BY':<10}  HEALTH",
     ]
     for gpu in gpus:
         f = gpu.get("figures") or {}
@@ -56,7 +56,7 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
         lines.append(
             f"{gpu.get('index', '?'):>3}  {_value(f.get('util_gpu'), '%'):>4}  {_percent(f.get('tensor_active')):>6}  "
             f"{_memory(f.get('fb_used_mib'), total):>15}  {_value(f.get('temperature_c'), 'C'):>4}  "
-            f"{_value(f.get('power_w'), 'W'):>6}  {health}{stale}"
+            f"{_value(f.get('power_w'), 'W'):>6}  {_held(f.get('clock_event_reasons')):<10}  {health}{stale}"
         )
         processes = sorted(gpu.get("processes") or [], key=lambda p: (p.get("pod") == "", p.get("pod"), p["pid"]))
         for p in processes:
@@ -71,6 +71,18 @@ def frame(gpus: Sequence[Mapping[str, Any]], now: float) -> list[str]:
                 f"{_memory(used, None):>9}  {share:<16} {busy}{device}"
             )
     return lines
+
+
+# What holds the clocks down now, from nvmlClocksEventReasons: the power cap or brake, the heat (software or
+# hardware slowdown), another hardware slowdown, sync boost. Idle and the applications clocks are the GPU's
+# own choice, not held.
+HELD_BY = ((0x4 | 0x80, "power"), (0x20 | 0x40, "heat"), (0x8, "hardware"), (0x10, "sync"))
+
+
+def _held(reasons: int | None) -> str:
+    if reasons is None:
+        return "-"
+    return ",".join(name for bits, name in HELD_BY if reasons & bits) or "none"
 
 
 def _percent(ratio: float | None) -> str:
