@@ -590,9 +590,8 @@ struct fake_dev {
     unsigned temp_c, mem_temp_c, power_mw, sm_mhz, mem_mhz, pcie_replays;
     unsigned long long throttle;        /* nvmlClocksEventReasons bits */
     /* the ns each performance policy (nvmlPerfPolicyType_t 0-5, then any of them) has held the clocks
-     * down since the driver loaded, up to viol_since (CLOCK_MONOTONIC ns): each grows while throttle has
-     * its reasons' bits */
-    unsigned long long viol_ns[VIOL_N], viol_since;
+     * down since the driver loaded, up to levels_since: each grows while throttle has its reasons' bits */
+    unsigned long long viol_ns[VIOL_N];
     unsigned long long reserved_mib;    /* framebuffer the driver keeps: used before any process */
     unsigned long long energy_mj;       /* at energy_since; grows at power_mw from then */
     struct timespec energy_since;
@@ -605,13 +604,14 @@ struct fake_dev {
     unsigned long long retired_us[NVML_PAGE_RETIREMENT_CAUSE_COUNT][RETIRED_MAX];   /* realtime */
     unsigned long long retired_next;    /* pages retired so far, both causes: the next address */
     /* GPM ("gpm"; Hopper and later): per gpm_metrics entry the level now and its integral
-     * over time (level x seconds) up to gpm_since (CLOCK_MONOTONIC ns) */
+     * over time (level x seconds) up to levels_since */
     double gpm_level[GPM_N], gpm_integral[GPM_N];
-    unsigned long long gpm_since;
     /* NVLink traffic ("telemetry nvlink_tx= nvlink_rx=", MiB/s): the data KiB sent and received since
-     * the GPU was last reset, up to nvlink_since (CLOCK_MONOTONIC ns), growing at the rates from then */
+     * the GPU was last reset, up to levels_since, growing at the rates from then */
     double nvlink_kib[2], nvlink_mibps[2];
-    unsigned long long nvlink_since;
+    /* when the figures that grow at a level (GPM's integrals, NVLink's counts, the violation times) were
+     * last brought up to date (CLOCK_MONOTONIC ns): levels_advance */
+    unsigned long long levels_since;
     /* MIG */
     int mig_mode;
     int nmig;
@@ -1161,8 +1161,7 @@ static int parse_gpu(char **tok, int n, int slot, struct fake_dev *d, char *err,
     d->mem_mhz = 2619;
     d->throttle = 0x1;   /* nvmlClocksEventReasonGpuIdle */
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
-    d->gpm_since = mono_ns();   /* every GPM level 0 so far */
-    d->nvlink_since = d->viol_since = d->gpm_since;
+    d->levels_since = mono_ns();   /* every GPM level and NVLink rate 0 so far */
 
     for (i = 0; i < n; i++) {
         char *k = tok[i], *v = strchr(tok[i], '=');
@@ -2152,20 +2151,6 @@ static int gpm_supported(const struct fake_dev *d)
     return d->cc_major >= 9 && !(d->unsupported & U_GPM);
 }
 
-/* Brings the GPU's GPM integrals up to now (each level held since gpm_since); returns now. */
-static unsigned long long gpm_advance(struct fake_dev *d)
-{
-    unsigned long long now = mono_ns();
-    int i;
-    if (now > d->gpm_since) {
-        double secs = (double)(now - d->gpm_since) / 1e9;
-        for (i = 0; i < GPM_N; i++)
-            d->gpm_integral[i] += d->gpm_level[i] * secs;
-        d->gpm_since = now;
-    }
-    return d->gpm_since;
-}
-
 /*
  * The clocks event reasons behind each performance policy's violation time (nvmlPerfPolicyType_t 0-5:
  * power, thermal, sync boost, board limit, low utilization, reliability): the power cap or the power brake;
@@ -2174,30 +2159,27 @@ static unsigned long long gpm_advance(struct fake_dev *d)
  */
 static const unsigned long long viol_reasons[VIOL_N] = {0x4 | 0x80, 0x20 | 0x40, 0x10, 0x8, 0x1, 0, 0xFD};
 
-/* Brings the GPU's violation times up to now, at the reasons held since viol_since. */
-static void viol_advance(struct fake_dev *d)
-{
-    unsigned long long now = mono_ns();
-    int p;
-    if (now > d->viol_since) {
-        for (p = 0; p < VIOL_N; p++)
-            if (d->throttle & viol_reasons[p])
-                d->viol_ns[p] += now - d->viol_since;
-        d->viol_since = now;
-    }
-}
-
-/* Brings the GPU's NVLink counters up to now (each direction at its rate since nvlink_since). */
-static void nvlink_advance(struct fake_dev *d)
+/*
+ * Brings what grows at a level up to now, each at the level held since levels_since: GPM's integrals,
+ * NVLink's counts, the violation times of the reasons throttle holds.  Called before a level changes (the
+ * old one counts up to then) and before a read; returns now.
+ */
+static unsigned long long levels_advance(struct fake_dev *d)
 {
     unsigned long long now = mono_ns();
     int i;
-    if (now > d->nvlink_since) {
-        double secs = (double)(now - d->nvlink_since) / 1e9;
+    if (now > d->levels_since) {
+        double secs = (double)(now - d->levels_since) / 1e9;
+        for (i = 0; i < GPM_N; i++)
+            d->gpm_integral[i] += d->gpm_level[i] * secs;
         for (i = 0; i < 2; i++)
             d->nvlink_kib[i] += d->nvlink_mibps[i] * 1024.0 * secs;
-        d->nvlink_since = now;
+        for (i = 0; i < VIOL_N; i++)
+            if (d->throttle & viol_reasons[i])
+                d->viol_ns[i] += now - d->levels_since;
+        d->levels_since = now;
     }
+    return d->levels_since;
 }
 
 /*
@@ -2294,7 +2276,7 @@ static void ctl_gpm(struct fake_dev *d, char **tok, int n, char *out, size_t cap
                  d->cc_major < 9 ? "cc before 9.0" : "unsupported=gpm");
         return;
     }
-    gpm_advance(d);   /* the old levels up to now; the new ones from now */
+    levels_advance(d);   /* the old levels up to now; the new ones from now */
     for (k = 0; k < GPM_N; k++)
         if (set[k])
             d->gpm_level[k] = v[k];
@@ -2342,7 +2324,7 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
         snprintf(out, cap, "error: telemetry: the GPU has no NVLink (unsupported=nvlink)");
         return;
     }
-    /* Energy so far is kept at the old power; from now it grows at the new one. NVLink traffic too. */
+    /* Energy so far is kept at the old power; from now it grows at the new one. */
     d->energy_mj = set[4] ? v[4] : energy_now(d);
     clock_gettime(CLOCK_MONOTONIC, &d->energy_since);
     if (set[0]) d->util_gpu = (unsigned)v[0];
@@ -2351,14 +2333,13 @@ static void ctl_telemetry(struct fake_dev *d, char **tok, int n, char *out, size
     if (set[3]) d->power_mw = (unsigned)v[3];
     if (set[5]) d->sm_mhz = (unsigned)v[5];
     if (set[6]) d->mem_mhz = (unsigned)v[6];
-    viol_advance(d);   /* the old reasons up to now; the new ones from now */
+    levels_advance(d);   /* the old reasons and NVLink rates up to now; the new ones from now */
     if (set[7]) d->throttle = v[7];
     if (set[8]) d->pcie_replays = (unsigned)v[8];
     if (set[9]) d->reserved_mib = v[9];
     if (set[10]) d->mem_temp_c = (unsigned)v[10];
     if (set[11]) d->util_enc = (unsigned)v[11];
     if (set[12]) d->util_dec = (unsigned)v[12];
-    nvlink_advance(d);
     if (set[13]) d->nvlink_mibps[0] = (double)v[13];
     if (set[14]) d->nvlink_mibps[1] = (double)v[14];
     snprintf(out, cap, "ok");
@@ -2618,10 +2599,9 @@ static void ctl_command(char *line, char *out, size_t cap)
         d->pending_pages = d->remap_pending = d->remap_failure = 0;
         d->recovery_action = 0;
         d->ecc[0][0] = d->ecc[1][0] = 0;   /* a reset starts the volatile counts afresh */
-        gpm_advance(d);                    /* and leaves the GPU idle; retired pages stay retired */
+        levels_advance(d);                 /* and leaves the GPU idle; retired pages stay retired */
         memset(d->gpm_level, 0, sizeof d->gpm_level);
-        nvlink_advance(d);                 /* its links idle, their counts afresh */
-        memset(d->nvlink_kib, 0, sizeof d->nvlink_kib);
+        memset(d->nvlink_kib, 0, sizeof d->nvlink_kib);   /* its links idle, their counts afresh */
         memset(d->nvlink_mibps, 0, sizeof d->nvlink_mibps);
         snprintf(out, cap, d->visible ? "ok" : "ok pending");
     } else if (!strcmp(cmd, "pending_pages")) {
@@ -4099,7 +4079,7 @@ static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
     unsigned kind = v->fieldId - NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX;   /* data tx, rx, raw tx, rx */
     unsigned long long total, links;
     int peer;
-    nvlink_advance(d);
+    levels_advance(d);
     total = (unsigned long long)(d->nvlink_kib[kind % 2] * (kind >= 2 ? 17.0 / 16.0 : 1.0));
     if (v->scopeId != NVLINK_ALL_LINKS) {
         if (v->scopeId >= NVLINK_MAX) {
@@ -4135,7 +4115,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
             nvlink_field(d, v);
         else if (v->fieldId >= NVML_FI_DEV_PERF_POLICY_POWER && v->fieldId <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS &&
                  !(d->unsupported & U_TELEMETRY)) {
-            viol_advance(d);
+            levels_advance(d);
             field_ull(v, d->viol_ns[v->fieldId - NVML_FI_DEV_PERF_POLICY_POWER]);
         } else
             v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
@@ -4346,7 +4326,7 @@ nvmlReturn_t nvmlDeviceGetViolationStatus(nvmlDevice_t device, unsigned int perf
     REQUIRE(perfPolicyType < 6 || perfPolicyType == 10 || perfPolicyType == 11);
     if (perfPolicyType == 11)
         return done(NVML_ERROR_NOT_SUPPORTED);
-    viol_advance(d);
+    levels_advance(d);
     clock_gettime(CLOCK_REALTIME, &ts);
     violTime->referenceTime = (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
     violTime->violationTime = d->viol_ns[perfPolicyType == 10 ? 6 : perfPolicyType];
@@ -4515,7 +4495,7 @@ nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample)
 /* Fills s from the GPU now: its integrals, the time, and which GPU (and GPU instance) it was. */
 static void gpm_take(struct fake_dev *d, struct fake_gpm_sample *s, unsigned gi)
 {
-    s->t_ns = gpm_advance(d);
+    s->t_ns = levels_advance(d);
     memcpy(s->integral, d->gpm_integral, sizeof s->integral);
     s->slot = (int)(d - g_devs);
     memcpy(s->uuid, d->uuid, sizeof s->uuid);
