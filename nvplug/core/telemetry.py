@@ -13,6 +13,8 @@ from typing import Literal, NamedTuple
 
 ProcessKind = Literal["compute", "graphics", "mps"]
 MIB = 1 << 20
+# NVML's performance policies 0 to 5, in order: a read gives each one's violation time as `<policy>_violation_ns`.
+VIOLATION_POLICIES = ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability")
 
 
 def in_unit(value: float, scale: float) -> float:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 import pynvml  # type: ignore[import-untyped]
 
-from nvplug.core.telemetry import MIB, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
+from nvplug.core.telemetry import MIB, VIOLATION_POLICIES, GpuFigures, MigFigures, ProcessKind, ProcessUse, in_unit
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import as_text, session
 from nvplug.sources.nvml_field_values import FieldRequest, FieldValue
@@ -31,8 +31,6 @@ VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
-# The performance policies whose violation time NVML gives as fields 74 to 79, in order.
-VIOLATIONS = ("power", "thermal", "sync_boost", "board_limit", "low_utilization", "reliability")
 # The fields a read takes, in one call: the memory's temperature, NVLink's data counts each way over every
 # link, and each policy's violation time (ns since the driver loaded), as DCGM reads them.
 FIELDS = FieldRequest(
@@ -40,7 +38,7 @@ FIELDS = FieldRequest(
         (pynvml.NVML_FI_DEV_MEMORY_TEMP, 0),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
-        *((pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at, 0) for at in range(len(VIOLATIONS))),
+        *((pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at, 0) for at in range(len(VIOLATION_POLICIES))),  # 74 to 79
     )
 )
 
@@ -203,7 +201,7 @@ def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, An
     except pynvml.NVMLError:
         return None
     _put(figures, "memory_temperature_c", temperature)
-    for policy, got in zip(VIOLATIONS, violations, strict=True):
+    for policy, got in zip(VIOLATION_POLICIES, violations, strict=True):
         _put(figures, f"{policy}_violation_ns", got)
     if tx.value is None or rx.value is None:
         return None

@@ -24,6 +24,7 @@ from nvplug.core.snapshot import Snapshot
 from nvplug.core.telemetry import (
     HOST,
     MIB,
+    VIOLATION_POLICIES,
     GpmActivity,
     GpuReading,
     ProcessContainer,
@@ -208,21 +209,14 @@ GPU_SERIES = (
     *(
         Series(
             f"{policy}_violation_ns",
-            f"DCGM_FI_DEV_{dcgm}_VIOLATION",
+            f"DCGM_FI_DEV_{'LOW_UTIL' if policy == 'low_utilization' else policy.upper()}_VIOLATION",
             "nvplug_gpu_violation_seconds",
             1e-9,
             True,
             "Time a policy held the clocks below the applications clocks",
             (("policy", policy),),
         )
-        for policy, dcgm in (
-            ("power", "POWER"),
-            ("thermal", "THERMAL"),
-            ("sync_boost", "SYNC_BOOST"),
-            ("board_limit", "BOARD_LIMIT"),
-            ("low_utilization", "LOW_UTIL"),
-            ("reliability", "RELIABILITY"),
-        )
+        for policy in VIOLATION_POLICIES
     ),
     # GPM's activity over the window since the last read: ratios in both namings, as DCGM's PROF fields.
     Series(
