@@ -24,7 +24,7 @@ from nvplug.core.health import Clears, Fault
 from nvplug.core.mig import CapMinors, profile_name, read_mig_minors
 from nvplug.core.topology import Link, PcieLevel, Topology
 from nvplug.nvml.nvml_errors import NvmlUnavailable
-from nvplug.sources.nvml_field_values import field_value
+from nvplug.sources.nvml_field_values import FieldRequest
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ T = TypeVar("T")
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
 
-RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+RECOVERY_ACTION = FieldRequest(((230, 0),))  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,9 @@ def _pending_repair(uuid: str, handle: Any, evidence: str) -> ProbeResult:
     return ProbeResult(uuid, None, evidence)
 
 
-def recovery_action(handle: Any) -> int | None:
-    """Field 230; None where the driver does not report it."""
-    return int(field_value(handle, RECOVERY_ACTION_FIELD))
+def recovery_action(handle: Any) -> int:
+    """Field 230; NVMLError where the driver does not report it."""
+    return int(RECOVERY_ACTION.one(handle))
 
 
 def _read_topology(found: list[tuple[Gpu, Any]], notes: _Notes) -> Topology:

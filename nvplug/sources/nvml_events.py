@@ -435,6 +435,7 @@ class NvmlEventWatch:
             self._emit(MigConfigChanged(uuid))
 
     def _emit_recovery_action(self, uuid: str, fallback: int | None) -> None:
+        action: int | None
         try:
             action = recovery_action(pynvml.nvmlDeviceGetHandleByUUID(uuid))
         except pynvml.NVMLError as err:

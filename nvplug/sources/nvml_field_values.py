@@ -58,6 +58,14 @@ class FieldRequest:
             raise pynvml.NVMLError(ret)
         return decode(bytes(values))
 
+    def one(self, handle: Any) -> float:
+        """The first field's value; NVMLError where the driver does not give it (the call worked, the field's
+        own return did not)."""
+        got = self.read(handle)[0]
+        if got.value is None:
+            raise pynvml.NVMLError(got.returned if got.returned != pynvml.NVML_SUCCESS else pynvml.NVML_ERROR_UNKNOWN)
+        return got.value
+
 
 def decode(data: bytes) -> list[FieldValue]:
     """The answers in an array of nvmlFieldValue_t's bytes."""
@@ -67,12 +75,3 @@ def decode(data: bytes) -> list[FieldValue]:
         value = struct.unpack_from(known, data, at * _HEAD.size + _VALUE_AT)[0] if known else None
         out.append(FieldValue(value, returned, stamp))
     return out
-
-
-def field_value(handle: Any, field: int) -> float:
-    """One field, as the type the driver says it has; NVMLError where the driver does not give it (the call
-    worked, the field's own return did not)."""
-    got = FieldRequest(((field, 0),)).read(handle)[0]
-    if got.value is None:
-        raise pynvml.NVMLError(got.returned if got.returned != pynvml.NVML_SUCCESS else pynvml.NVML_ERROR_UNKNOWN)
-    return got.value
