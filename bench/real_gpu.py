@@ -5,9 +5,9 @@ Run through bench/real_gpu.sh on a machine with an NVIDIA GPU. It prints what
 it found, which figures a GPU's telemetry read gets (and which the driver does
 not give), how its reads go alone and side by side, what a scrape of the
 GPUs' telemetry takes (wall and CPU: a driver's time that is CPU counts against
-the daemon's idle share where it waits for nothing), how the figures that NVML
-also gives as fields compare read one call each and in one
-nvmlDeviceGetFieldValues, how long a rescan that counts the GPUs again
+the daemon's idle share where it waits for nothing), how the figures a read
+takes as fields compare with their own calls (values and time: the read asks
+them in one nvmlDeviceGetFieldValues), how long a rescan that counts the GPUs again
 takes (a udev bind, as root: the daemon's NVML goes to init count zero while
 its event process listens on, then a new one takes over) and how long a stop
 takes; it changes nothing on the GPUs.
@@ -58,7 +58,7 @@ EVENT_NAMES = {
 }
 
 
-# Figures a read takes one call each that NVML also gives as fields, and those fields.
+# Figures a read takes as fields (sources/nvml_telemetry.FIELD_FIGURES) that have a call of their own.
 CALLS_AND_FIELDS: tuple[tuple[str, Callable[[Any], object], tuple[int, ...]], ...] = (
     ("energy", lambda h: pynvml.nvmlDeviceGetTotalEnergyConsumption(h), (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION,)),
     (
@@ -72,6 +72,14 @@ CALLS_AND_FIELDS: tuple[tuple[str, Callable[[Any], object], tuple[int, ...]], ..
         ),
     ),
     ("PCIe replays", lambda h: pynvml.nvmlDeviceGetPcieReplayCounter(h), (pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER,)),
+    (
+        "retired pages",
+        lambda h: [
+            *(len(pynvml.nvmlDeviceGetRetiredPages(h, cause)) for cause in (0, 1)),
+            pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h),
+        ],
+        (pynvml.NVML_FI_DEV_RETIRED_SBE, pynvml.NVML_FI_DEV_RETIRED_DBE, pynvml.NVML_FI_DEV_RETIRED_PENDING),
+    ),
     (
         "remapped rows",
         lambda h: list(pynvml.nvmlDeviceGetRemappedRows(h)),

@@ -1142,6 +1142,57 @@ def test_violation_times_grow_while_their_reasons_hold_the_clocks(rig: Rig) -> N
     assert out["refused"] == [3, 2, 3, 3]
 
 
+def test_fields_that_have_a_call_of_their_own_answer_as_it_does(rig: Rig) -> None:
+    """Fields 3-6 (ECC totals), 29-31 (retired pages), 83 (total energy), 94 (PCIe replays) and 142-145
+    (remapped rows) give what their calls give, and a GPU that refuses a call refuses its field in the
+    field's own return code, the call itself succeeding."""
+    scenario = rig.scenario(
+        """
+        gpu uuid=GPU-a bus=0000:01:00.0 minor=0 cc=7.0
+        gpu uuid=GPU-b bus=0000:02:00.0 minor=1 unsupported=ecc,remapped_rows,telemetry
+        """
+    )
+    out = rig.run(
+        """
+        N.nvmlInit()
+        a, b = (N.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        IDS = [3, 4, 5, 6, 29, 30, 31, 83, 94, 142, 143, 144, 145]
+        def fields(h):
+            return [(f.nvmlReturn, f.valueType, f.value.ullVal if f.valueType == 3 else f.value.uiVal)
+                    for f in N.nvmlDeviceGetFieldValues(h, IDS)]
+        def calls(h):
+            ecc = [N.nvmlDeviceGetTotalEccErrors(h, kind, counter) for counter in (0, 1) for kind in (0, 1)]
+            retired = [len(N.nvmlDeviceGetRetiredPages(h, cause)) for cause in (0, 1)]
+            return [*ecc, *retired, N.nvmlDeviceGetRetiredPagesPendingStatus(h),
+                    N.nvmlDeviceGetTotalEnergyConsumption(h), N.nvmlDeviceGetPcieReplayCounter(h),
+                    *N.nvmlDeviceGetRemappedRows(h)]
+        CTL.ecc(0, "sbe", 5), CTL.ecc(0, "dbe", 2), CTL.retire(0, "sbe", 3), CTL.retire(0, "dbe")
+        CTL.pending_pages(0, True), CTL.remap(0, True, False)
+        CTL.telemetry(0, pcie_replays=7, energy_mj=5000)  # power stays at idle's 69 W: energy grows
+        out["fields"], out["calls"] = fields(a), calls(a)
+        out["refused"] = fields(b)
+        out["b_calls"] = [code(N.nvmlDeviceGetTotalEccErrors, b, 0, 0), code(N.nvmlDeviceGetRemappedRows, b),
+                          code(N.nvmlDeviceGetTotalEnergyConsumption, b), code(N.nvmlDeviceGetRetiredPages, b, 0),
+                          N.nvmlDeviceGetRetiredPagesPendingStatus(b)]
+        """,
+        scenario,
+    )
+    got, called = out["fields"], out["calls"]
+    assert [f[0] for f in got] == [0] * 13
+    # ECC totals, retired counts and energy are unsigned long long, the flags and small counts unsigned int.
+    assert [f[1] for f in got] == [3, 3, 3, 3, 3, 3, 1, 3, 1, 1, 1, 1, 1]
+    values = [f[2] for f in got]
+    assert values[:7] == called[:7] == [5, 2, 5, 2, 3, 1, 1]
+    # Energy grows between the field and the call; the call comes after.
+    assert 5000 <= values[7] <= called[7], (values[7], called[7])
+    assert values[8:] == called[8:] == [7, 0, 0, 1, 0]
+    # GPU-b: no ECC, no remapped rows, no figures; it retires no pages (cc 8.0 and later remap rows), but
+    # says none is pending, as its call does.
+    assert [f[0] for f in out["refused"]] == [3] * 6 + [0] + [3] * 6
+    assert out["refused"][6] == [0, 1, 0]
+    assert out["b_calls"] == [3, 3, 3, 3, 0]
+
+
 def test_process_utilization_samples_newer_than_the_last_seen(rig: Rig) -> None:
     """nvmlDeviceGetProcessUtilization: one entry per process with samples after lastSeenTimeStamp, their
     mean stamped with the newest, as the driver gives them; NOT_FOUND when none is newer; INSUFFICIENT_SIZE

@@ -84,6 +84,41 @@ def test_page_retirement_before_ampere_and_none_after(rig: Rig) -> None:
     assert out["hopper"] == [None, None, 0]
 
 
+def test_error_counts_and_energy_come_in_the_one_field_call(rig: Rig) -> None:
+    """ECC totals, retired pages, remapped rows, energy and PCIe replays are read as fields, in the call that
+    takes the read's other fields, with none of their own calls; a GPU that lacks one has no figure for it."""
+    out = rig.run(
+        """
+        from nvplug.sources.nvml_telemetry import Window, read_gpu
+        N.nvmlInit()
+        CTL.ecc(0, "sbe", 5), CTL.ecc(0, "dbe", 2), CTL.restore(0), CTL.ecc(0, "sbe")  # volatile: 1 since
+        CTL.retire(0, "dbe"), CTL.pending_pages(0, True), CTL.remap(0, False, True)
+        CTL.telemetry(0, pcie_replays=4, energy_mj=9000)
+        CTL.reset_calls()
+        f = read_gpu("GPU-volta", Window()).figures
+        calls = CTL.calls()
+        out["volta"] = [f.ecc_sbe_volatile, f.ecc_dbe_volatile, f.ecc_sbe_aggregate, f.ecc_dbe_aggregate,
+                        f.retired_pages_sbe, f.retired_pages_dbe, f.retired_pages_pending,
+                        f.remapped_rows_correctable, f.remapped_rows_uncorrectable, f.remapped_rows_pending,
+                        f.remapped_rows_failure, f.pcie_replays]
+        out["energy"] = f.energy_mj
+        out["calls"] = [calls["nvmlDeviceGetFieldValues"]] + [
+            calls.get(name, 0) for name in ("nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages",
+                                     "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows",
+                                     "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPcieReplayCounter")]
+        h = read_gpu("GPU-hopper", Window()).figures
+        out["hopper"] = [h.ecc_sbe_volatile, h.ecc_dbe_aggregate, h.remapped_rows_correctable,
+                         h.retired_pages_pending, h.energy_mj is not None]
+        """,
+        rig.scenario(SCENARIO.replace("minor=1", "minor=1 unsupported=ecc,remapped_rows")),
+    )
+    assert out["volta"] == [1, 0, 6, 2, 0, 1, True, 0, 0, False, True, 4]
+    assert out["energy"] >= 9000
+    assert out["calls"] == [1, 0, 0, 0, 0, 0, 0]
+    # GPU-hopper has neither ECC nor remapped rows here, and retires no pages: none pending, as its call says.
+    assert out["hopper"] == [None, None, None, False, True]
+
+
 def test_gpm_activity_over_the_window_between_two_reads(rig: Rig) -> None:
     out = rig.run(
         """

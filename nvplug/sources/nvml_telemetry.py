@@ -26,16 +26,34 @@ from nvplug.sources.nvml_process_arrays import running_processes, utilization_sa
 
 T = TypeVar("T")
 
-CORRECTED, UNCORRECTED = 0, 1  # nvmlMemoryErrorType_t
-VOLATILE, AGGREGATE = 0, 1  # nvmlEccCounterType_t
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
-# The fields a read takes, in one call: the memory's temperature, NVLink's data counts each way over every
-# link, and each policy's violation time (ns since the driver loaded), as DCGM reads them.
+# GpuFigures' figures that are a field each: the memory's temperature, and those that also have a call of
+# their own (every driver with remapped rows, R460, has their fields), read so because one call a read
+# costs the driver one round trip and the daemon one wrapper, where ten cost ten. Flags are bools.
+FIELD_FIGURES: tuple[tuple[str, int], ...] = (
+    ("memory_temperature_c", pynvml.NVML_FI_DEV_MEMORY_TEMP),
+    ("energy_mj", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),
+    ("pcie_replays", pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER),
+    ("ecc_sbe_volatile", pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL),
+    ("ecc_dbe_volatile", pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL),
+    ("ecc_sbe_aggregate", pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL),
+    ("ecc_dbe_aggregate", pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL),
+    ("retired_pages_sbe", pynvml.NVML_FI_DEV_RETIRED_SBE),
+    ("retired_pages_dbe", pynvml.NVML_FI_DEV_RETIRED_DBE),
+    ("retired_pages_pending", pynvml.NVML_FI_DEV_RETIRED_PENDING),
+    ("remapped_rows_correctable", pynvml.NVML_FI_DEV_REMAPPED_COR),
+    ("remapped_rows_uncorrectable", pynvml.NVML_FI_DEV_REMAPPED_UNC),
+    ("remapped_rows_pending", pynvml.NVML_FI_DEV_REMAPPED_PENDING),
+    ("remapped_rows_failure", pynvml.NVML_FI_DEV_REMAPPED_FAILURE),
+)
+FLAGS = frozenset({"retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure"})
+# The fields a read takes, in one call: FIELD_FIGURES, NVLink's data counts each way over every link, and
+# each policy's violation time (ns since the driver loaded), as DCGM reads them.
 FIELDS = FieldRequest(
     (
-        (pynvml.NVML_FI_DEV_MEMORY_TEMP, 0),
+        *((field, 0) for _, field in FIELD_FIGURES),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
         *((pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at, 0) for at in range(len(VIOLATION_POLICIES))),  # 74 to 79
@@ -149,14 +167,6 @@ def _figures(handle: Any, in_mig_mode: bool) -> dict[str, Any]:
     util = None if in_mig_mode else _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
     memory = _optional(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
     power = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))
-    rows = _optional(lambda: pynvml.nvmlDeviceGetRemappedRows(handle))
-    pending = _optional(lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
-
-    def ecc(kind: int, counter: int) -> int | None:
-        return _optional(lambda: int(pynvml.nvmlDeviceGetTotalEccErrors(handle, kind, counter)))
-
-    def retired(cause: int) -> int | None:
-        return _optional(lambda: len(pynvml.nvmlDeviceGetRetiredPages(handle, cause)))
 
     def video(read: Callable[[Any], list[int]]) -> int | None:
         """The encoder's or decoder's utilization; NVML gives its sampling period beside it."""
@@ -172,35 +182,24 @@ def _figures(handle: Any, in_mig_mode: bool) -> dict[str, Any]:
         fb_total_mib=None if memory is None else int(memory.total) // MIB,
         temperature_c=_optional(lambda: int(pynvml.nvmlDeviceGetTemperature(handle, TEMPERATURE_GPU))),
         power_w=None if power is None else int(power) / 1000.0,
-        energy_mj=_optional(lambda: int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))),
         sm_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_SM))),
         memory_clock_mhz=_optional(lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, CLOCK_MEM))),
         clock_event_reasons=_clock_event_reasons(handle),
-        ecc_sbe_volatile=ecc(CORRECTED, VOLATILE),
-        ecc_dbe_volatile=ecc(UNCORRECTED, VOLATILE),
-        ecc_sbe_aggregate=ecc(CORRECTED, AGGREGATE),
-        ecc_dbe_aggregate=ecc(UNCORRECTED, AGGREGATE),
-        retired_pages_sbe=retired(pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS),
-        retired_pages_dbe=retired(pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR),
-        retired_pages_pending=None if pending is None else bool(pending),
-        remapped_rows_correctable=None if rows is None else int(rows[0]),
-        remapped_rows_uncorrectable=None if rows is None else int(rows[1]),
-        remapped_rows_pending=None if rows is None else bool(rows[2]),
-        remapped_rows_failure=None if rows is None else bool(rows[3]),
-        pcie_replays=_optional(lambda: int(pynvml.nvmlDeviceGetPcieReplayCounter(handle))),
     )
 
 
 def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, Any]) -> tuple[int, int] | None:
-    """FIELDS into `figures`: the memory's temperature, NVLink's data counts each way and DCGM's field 449
-    over the window since `previous` (the KiB both ways over the seconds between NVML's two reads, over 1000,
-    as DCGM works it out), and the violation times. What the driver does not give is left out; no 449 on a
-    first read, after a reset, or without NVLink. Returns NVLink's count both ways and when NVML read it."""
+    """FIELDS into `figures`: FIELD_FIGURES, NVLink's data counts each way and DCGM's field 449 over the
+    window since `previous` (the KiB both ways over the seconds between NVML's two reads, over 1000, as DCGM
+    works it out), and the violation times. What the driver does not give is left out; no 449 on a first
+    read, after a reset, or without NVLink. Returns NVLink's count both ways and when NVML read it."""
     try:
-        temperature, tx, rx, *violations = FIELDS.read(handle)
+        answers = FIELDS.read(handle)
     except pynvml.NVMLError:
         return None
-    _put(figures, "memory_temperature_c", temperature)
+    for (name, _), value in zip(FIELD_FIGURES, answers, strict=False):
+        _put(figures, name, value)
+    tx, rx, *violations = answers[len(FIELD_FIGURES) :]
     for policy, got in zip(VIOLATION_POLICIES, violations, strict=True):
         _put(figures, f"{policy}_violation_ns", got)
     if tx.value is None or rx.value is None:
@@ -215,7 +214,7 @@ def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, An
 
 def _put(figures: dict[str, Any], name: str, got: FieldValue) -> None:
     if got.value is not None:
-        figures[name] = int(got.value)
+        figures[name] = bool(got.value) if name in FLAGS else int(got.value)
 
 
 def _clock_event_reasons(handle: Any) -> int | None:

@@ -78,7 +78,10 @@
  *                                       (nvmlDeviceGetFieldValues), which unsupported=memory_temp
  *                                       refuses, as a GPU without HBM does; nvlink_tx nvlink_rx
  *                                       (MiB/s) the NVLink traffic from now on, which fields
- *                                       138-141 count (unsupported=nvlink: an error)
+ *                                       138-141 count (unsupported=nvlink: an error).  Energy,
+ *                                       PCIe replays, ECC totals, retired pages and remapped rows
+ *                                       are fields too (3-6, 29-31, 83, 94, 142-145), each as
+ *                                       its own call gives it
  *   samples <gpu> <pid>:<sm>:<mem>[:<enc>:<dec>][,...] | -
  *                                       process utilization samples stamped now (realtime us,
  *                                       rising per GPU; the last SAMPLES_MAX kept), which
@@ -329,6 +332,19 @@ enum {
  * total below base clocks, not given here */
 #define NVML_FI_DEV_PERF_POLICY_POWER 74
 #define NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS 80
+/* Figures that also have a call of their own, and give what it gives: ECC totals (single-bit volatile,
+ * double-bit volatile, single-bit aggregate, double-bit aggregate: nvmlDeviceGetTotalEccErrors), retired
+ * pages (multiple single-bit, double-bit, pending), total energy (mJ), PCIe replays, remapped rows
+ * (correctable, uncorrectable, pending, failure) */
+#define NVML_FI_DEV_ECC_SBE_VOL_TOTAL 3
+#define NVML_FI_DEV_ECC_DBE_AGG_TOTAL 6
+#define NVML_FI_DEV_RETIRED_SBE 29
+#define NVML_FI_DEV_RETIRED_DBE 30
+#define NVML_FI_DEV_RETIRED_PENDING 31
+#define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
+#define NVML_FI_DEV_PCIE_REPLAY_COUNTER 94
+#define NVML_FI_DEV_REMAPPED_COR 142
+#define NVML_FI_DEV_REMAPPED_FAILURE 145
 #define VIOL_N 7   /* policies 0-5, and 10 (any of them) */
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
 #define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
@@ -4092,6 +4108,43 @@ static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
     field_ull(v, total);
 }
 
+/*
+ * One field's answer, from the same figures and under the same conditions as the call of its own where it
+ * has one (a GPU without ECC, page retirement or row remapping refuses those fields as it refuses those
+ * calls); a field not given here is NOT_SUPPORTED.
+ */
+static void field_value(struct fake_dev *d, nvmlFieldValue_t *v)
+{
+    unsigned id = v->fieldId;
+    int figures = !(d->unsupported & U_TELEMETRY);
+    if (id == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !(d->unsupported & U_RECOVERY_ACTION))
+        field_uint(v, d->recovery_action);
+    else if (id == NVML_FI_DEV_MEMORY_TEMP && figures && !(d->unsupported & U_MEMORY_TEMP))
+        field_uint(v, d->mem_temp_c);
+    else if (id >= NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX && id <= NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX &&
+             !(d->unsupported & U_NVLINK))
+        nvlink_field(d, v);
+    else if (id >= NVML_FI_DEV_PERF_POLICY_POWER && id <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS && figures) {
+        levels_advance(d);
+        field_ull(v, d->viol_ns[id - NVML_FI_DEV_PERF_POLICY_POWER]);
+    } else if (id >= NVML_FI_DEV_ECC_SBE_VOL_TOTAL && id <= NVML_FI_DEV_ECC_DBE_AGG_TOTAL && !(d->unsupported & U_ECC))
+        /* 3 sbe volatile, 4 dbe volatile, 5 sbe aggregate, 6 dbe aggregate: ecc[errorType][counterType] */
+        field_ull(v, d->ecc[(id - NVML_FI_DEV_ECC_SBE_VOL_TOTAL) % 2][(id - NVML_FI_DEV_ECC_SBE_VOL_TOTAL) / 2]);
+    else if ((id == NVML_FI_DEV_RETIRED_SBE || id == NVML_FI_DEV_RETIRED_DBE) && retire_supported(d))
+        field_ull(v, d->nretired[id - NVML_FI_DEV_RETIRED_SBE]);
+    else if (id == NVML_FI_DEV_RETIRED_PENDING && !(d->unsupported & U_RETIRED_PAGES))
+        field_uint(v, d->pending_pages ? 1 : 0);
+    else if (id == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION && figures)
+        field_ull(v, energy_now(d));
+    else if (id == NVML_FI_DEV_PCIE_REPLAY_COUNTER && figures)
+        field_uint(v, d->pcie_replays);
+    else if (id >= NVML_FI_DEV_REMAPPED_COR && id <= NVML_FI_DEV_REMAPPED_FAILURE && !(d->unsupported & U_REMAPPED_ROWS)) {
+        unsigned rows[] = {d->corr_rows, d->unc_rows, d->remap_pending, d->remap_failure};
+        field_uint(v, rows[id - NVML_FI_DEV_REMAPPED_COR]);
+    } else
+        v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+}
+
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
 {
     struct timespec ts;
@@ -4106,19 +4159,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         nvmlFieldValue_t *v = &values[i];
         v->timestamp = now;
         v->latencyUsec = 0;
-        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && !(d->unsupported & U_RECOVERY_ACTION))
-            field_uint(v, d->recovery_action);
-        else if (v->fieldId == NVML_FI_DEV_MEMORY_TEMP && !(d->unsupported & (U_TELEMETRY | U_MEMORY_TEMP)))
-            field_uint(v, d->mem_temp_c);
-        else if (v->fieldId >= NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX && v->fieldId <= NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX &&
-                 !(d->unsupported & U_NVLINK))
-            nvlink_field(d, v);
-        else if (v->fieldId >= NVML_FI_DEV_PERF_POLICY_POWER && v->fieldId <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS &&
-                 !(d->unsupported & U_TELEMETRY)) {
-            levels_advance(d);
-            field_ull(v, d->viol_ns[v->fieldId - NVML_FI_DEV_PERF_POLICY_POWER]);
-        } else
-            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        field_value(d, v);
     }
     return done(NVML_SUCCESS);
 }
