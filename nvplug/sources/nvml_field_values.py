@@ -19,8 +19,13 @@ import pynvml  # type: ignore[import-untyped]
 from nvplug.sources.nvml_process_arrays import unpacker
 
 _ENTRY = pynvml.c_nvmlFieldValue_t
-_HEAD = unpacker(_ENTRY, ("timestamp", "valueType", "nvmlReturn"))
-_VALUE_AT = _ENTRY.value.offset
+# Each entry's head and its value's 8 bytes as one unsigned integer, which is the value where the driver
+# gives an unsigned long long (most fields do); another type is unpacked from the same bytes.
+_ENTRY_FIELDS = unpacker(_ENTRY, ("timestamp", "valueType", "nvmlReturn", "value"))
+_RAW = struct.Struct("=Q")
+_WHOLE = frozenset({pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG}) | (
+    {pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG} if ctypes.sizeof(ctypes.c_ulong) == 8 else set()
+)
 # nvmlValue_t's member for each nvmlValueType_t, as a native struct format.
 _VALUE_FORMATS = {
     pynvml.NVML_VALUE_TYPE_DOUBLE: "@d",
@@ -70,8 +75,13 @@ class FieldRequest:
 def decode(data: bytes) -> list[FieldValue]:
     """The answers in an array of nvmlFieldValue_t's bytes."""
     out = []
-    for at, (stamp, kind, returned) in enumerate(_HEAD.iter_unpack(data)):
-        known = _VALUE_FORMATS.get(kind) if returned == pynvml.NVML_SUCCESS else None
-        value = struct.unpack_from(known, data, at * _HEAD.size + _VALUE_AT)[0] if known else None
+    for stamp, kind, returned, raw in _ENTRY_FIELDS.iter_unpack(data):
+        if returned != pynvml.NVML_SUCCESS:
+            value = None
+        elif kind in _WHOLE:
+            value = raw
+        else:
+            known = _VALUE_FORMATS.get(kind)
+            value = struct.unpack_from(known, _RAW.pack(raw))[0] if known else None
         out.append(FieldValue(value, returned, stamp))
     return out

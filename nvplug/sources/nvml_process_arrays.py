@@ -30,7 +30,7 @@ def unpacker(structure: Any, fields: tuple[str, ...]) -> struct.Struct:
     for name in fields:
         offset = getattr(structure, name).offset
         layout += f"{offset - at}x" if offset > at else ""
-        layout += {4: "I", 8: "Q"}[ctypes.sizeof(types[name])]
+        layout += "d" if types[name] is ctypes.c_double else {4: "I", 8: "Q"}[ctypes.sizeof(types[name])]
         at = offset + ctypes.sizeof(types[name])
     size = ctypes.sizeof(structure)
     return struct.Struct(layout + (f"{size - at}x" if size > at else ""))

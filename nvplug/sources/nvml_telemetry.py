@@ -22,7 +22,7 @@ from nvplug.core.telemetry import MIB, VIOLATION_POLICIES, GpuFigures, MigFigure
 from nvplug.nvml.nvml_errors import NvmlUnavailable
 from nvplug.sources.nvml_discovery import as_text, session
 from nvplug.sources.nvml_field_values import FieldRequest, FieldValue
-from nvplug.sources.nvml_process_arrays import running_processes, utilization_samples
+from nvplug.sources.nvml_process_arrays import running_processes, unpacker, utilization_samples
 
 T = TypeVar("T")
 
@@ -108,6 +108,22 @@ class _MetricsRequest(ctypes.Structure):
         ("sample2", pynvml.c_nvmlGpmSample_t),
         ("metrics", pynvml.c_nvmlGpmMetric_t * len(GPM_METRICS)),
     )
+
+
+def _metrics_template() -> bytes:
+    """A request's bytes with its version and metrics set, made once: a read copies it (pynvml's metric
+    structure sets and reads each member through a formatting hook)."""
+    request = _MetricsRequest()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = len(GPM_METRICS)
+    for at, (metric, _, _) in enumerate(GPM_METRICS):
+        request.metrics[at].metricId = metric
+    return bytes(request)
+
+
+_METRICS_TEMPLATE = _metrics_template()
+_METRIC_ANSWER = unpacker(pynvml.c_nvmlGpmMetric_t, ("nvmlReturn", "value"))
+_METRICS_AT = _MetricsRequest.metrics.offset
 
 
 def read_gpu(uuid: str, since: Window) -> GpuRead:
@@ -240,18 +256,14 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
         sample = None
     activity: dict[str, float] = {}
     if sample is not None and previous is not None:
-        request = _MetricsRequest()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request = _MetricsRequest.from_buffer_copy(_METRICS_TEMPLATE)
         request.sample1, request.sample2 = previous, sample
-        for at, (metric, _, _) in enumerate(GPM_METRICS):
-            request.metrics[at].metricId = metric
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlGpmMetricsGet(request)
-            for at, (_, field, scale) in enumerate(GPM_METRICS):
-                got = request.metrics[at]
-                if got.nvmlReturn == pynvml.NVML_SUCCESS:
-                    activity[field] = in_unit(float(got.value), scale)
+            answers = _METRIC_ANSWER.iter_unpack(bytes(request)[_METRICS_AT:])
+            for (returned, value), (_, field, scale) in zip(answers, GPM_METRICS, strict=True):
+                if returned == pynvml.NVML_SUCCESS:
+                    activity[field] = in_unit(value, scale)
     _free(previous)
     return activity, sample
 
