@@ -19,13 +19,6 @@ import pynvml  # type: ignore[import-untyped]
 from nvplug.sources.nvml_process_arrays import unpacker
 
 _ENTRY = pynvml.c_nvmlFieldValue_t
-# Each entry's head and its value's 8 bytes as one unsigned integer, which is the value where the driver
-# gives an unsigned long long (most fields do); another type is unpacked from the same bytes.
-_ENTRY_FIELDS = unpacker(_ENTRY, ("timestamp", "valueType", "nvmlReturn", "value"))
-_RAW = struct.Struct("=Q")
-_WHOLE = frozenset({pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG}) | (
-    {pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG} if ctypes.sizeof(ctypes.c_ulong) == 8 else set()
-)
 # nvmlValue_t's member for each nvmlValueType_t, as a native struct format.
 _VALUE_FORMATS = {
     pynvml.NVML_VALUE_TYPE_DOUBLE: "@d",
@@ -36,6 +29,11 @@ _VALUE_FORMATS = {
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "@i",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "@H",
 }
+# Each entry's head and its value's 8 bytes as one unsigned integer, which is the value itself where the
+# driver gives an unsigned 64-bit type (most fields); another type is unpacked from the same bytes.
+_ENTRY_FIELDS = unpacker(_ENTRY, ("timestamp", "valueType", "nvmlReturn", "value"))
+_RAW = struct.Struct("=Q")
+_WHOLE = frozenset(kind for kind, form in _VALUE_FORMATS.items() if form in ("@Q", "@L") and struct.calcsize(form) == 8)
 
 
 class FieldValue(NamedTuple):
