@@ -30,8 +30,8 @@ CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
 # GpuFigures' figures that are a field each: the memory's temperature, and those that also have a call of
-# their own (every driver with remapped rows, R460, has their fields), read so because one call a read
-# costs the driver one round trip and the daemon one wrapper, where ten cost ten. Flags are bools.
+# their own, read so because one call a read costs the driver one round trip and the daemon one wrapper,
+# where their ten calls cost ten. Flags are bools.
 FIELD_FIGURES: tuple[tuple[str, int], ...] = (
     ("memory_temperature_c", pynvml.NVML_FI_DEV_MEMORY_TEMP),
     ("energy_mj", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),
