@@ -7,10 +7,10 @@ not give), how its reads go alone and side by side, what a scrape of the
 GPUs' telemetry takes (wall and CPU: a driver's time that is CPU counts against
 the daemon's idle share where it waits for nothing), how the figures a read
 takes as fields compare with their own calls (values and time: the read asks
-them in one nvmlDeviceGetFieldValues), how long a rescan that counts the GPUs again
-takes (a udev bind, as root: the daemon's NVML goes to init count zero while
-its event process listens on, then a new one takes over) and how long a stop
-takes; it changes nothing on the GPUs.
+them in one nvmlDeviceGetFieldValues), how long a rescan that counts the GPUs
+again takes (a udev bind, as root: the daemon's NVML goes to init count zero
+while its event process listens on, then a new one takes over) and how long a
+stop takes; it changes nothing on the GPUs.
 """
 
 from __future__ import annotations
