@@ -29,31 +29,30 @@ T = TypeVar("T")
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 TEMPERATURE_GPU = 0
 ALL_LINKS = 0xFFFFFFFF  # an NVLink field's scopeId for the sum over every link
-# GpuFigures' figures that are a field each: the memory's temperature, and those that also have a call of
-# their own, read so because one call a read costs the driver one round trip and the daemon one wrapper,
-# where their ten calls cost ten. Flags are bools.
-FIELD_FIGURES: tuple[tuple[str, int], ...] = (
-    ("memory_temperature_c", pynvml.NVML_FI_DEV_MEMORY_TEMP),
-    ("energy_mj", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION),
-    ("pcie_replays", pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER),
-    ("ecc_sbe_volatile", pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL),
-    ("ecc_dbe_volatile", pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL),
-    ("ecc_sbe_aggregate", pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL),
-    ("ecc_dbe_aggregate", pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL),
-    ("retired_pages_sbe", pynvml.NVML_FI_DEV_RETIRED_SBE),
-    ("retired_pages_dbe", pynvml.NVML_FI_DEV_RETIRED_DBE),
-    ("retired_pages_pending", pynvml.NVML_FI_DEV_RETIRED_PENDING),
-    ("remapped_rows_correctable", pynvml.NVML_FI_DEV_REMAPPED_COR),
-    ("remapped_rows_uncorrectable", pynvml.NVML_FI_DEV_REMAPPED_UNC),
-    ("remapped_rows_pending", pynvml.NVML_FI_DEV_REMAPPED_PENDING),
-    ("remapped_rows_failure", pynvml.NVML_FI_DEV_REMAPPED_FAILURE),
+# GpuFigures' figures that are a field each, and each one's type: the memory's temperature, and those that
+# also have a call of their own, read so because one call a read costs the driver one round trip and the
+# daemon one wrapper, where their ten calls cost ten.
+FIELD_FIGURES: tuple[tuple[str, int, Callable[[float], int | bool]], ...] = (
+    ("memory_temperature_c", pynvml.NVML_FI_DEV_MEMORY_TEMP, int),
+    ("energy_mj", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, int),
+    ("pcie_replays", pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, int),
+    ("ecc_sbe_volatile", pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, int),
+    ("ecc_dbe_volatile", pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, int),
+    ("ecc_sbe_aggregate", pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, int),
+    ("ecc_dbe_aggregate", pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL, int),
+    ("retired_pages_sbe", pynvml.NVML_FI_DEV_RETIRED_SBE, int),
+    ("retired_pages_dbe", pynvml.NVML_FI_DEV_RETIRED_DBE, int),
+    ("retired_pages_pending", pynvml.NVML_FI_DEV_RETIRED_PENDING, bool),
+    ("remapped_rows_correctable", pynvml.NVML_FI_DEV_REMAPPED_COR, int),
+    ("remapped_rows_uncorrectable", pynvml.NVML_FI_DEV_REMAPPED_UNC, int),
+    ("remapped_rows_pending", pynvml.NVML_FI_DEV_REMAPPED_PENDING, bool),
+    ("remapped_rows_failure", pynvml.NVML_FI_DEV_REMAPPED_FAILURE, bool),
 )
-FLAGS = frozenset({"retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure"})
 # The fields a read takes, in one call: FIELD_FIGURES, NVLink's data counts each way over every link, and
 # each policy's violation time (ns since the driver loaded), as DCGM reads them.
 FIELDS = FieldRequest(
     (
-        *((field, 0) for _, field in FIELD_FIGURES),
+        *((field, 0) for _, field, _ in FIELD_FIGURES),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
         (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
         *((pynvml.NVML_FI_DEV_PERF_POLICY_POWER + at, 0) for at in range(len(VIOLATION_POLICIES))),  # 74 to 79
@@ -123,7 +122,6 @@ def _metrics_template() -> bytes:
 
 _METRICS_TEMPLATE = _metrics_template()
 _METRIC_ANSWER = unpacker(pynvml.c_nvmlGpmMetric_t, ("nvmlReturn", "value"))
-_METRICS_AT = _MetricsRequest.metrics.offset
 
 
 def read_gpu(uuid: str, since: Window) -> GpuRead:
@@ -213,8 +211,8 @@ def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, An
         answers = FIELDS.read(handle)
     except pynvml.NVMLError:
         return None
-    for (name, _), value in zip(FIELD_FIGURES, answers, strict=False):
-        _put(figures, name, value)
+    for (name, _, kind), value in zip(FIELD_FIGURES, answers, strict=False):
+        _put(figures, name, value, kind)
     tx, rx, *violations = answers[len(FIELD_FIGURES) :]
     for policy, got in zip(VIOLATION_POLICIES, violations, strict=True):
         _put(figures, f"{policy}_violation_ns", got)
@@ -228,9 +226,9 @@ def _fields(handle: Any, previous: tuple[int, int] | None, figures: dict[str, An
     return now
 
 
-def _put(figures: dict[str, Any], name: str, got: FieldValue) -> None:
+def _put(figures: dict[str, Any], name: str, got: FieldValue, kind: Callable[[float], int | bool] = int) -> None:
     if got.value is not None:
-        figures[name] = bool(got.value) if name in FLAGS else int(got.value)
+        figures[name] = kind(got.value)
 
 
 def _clock_event_reasons(handle: Any) -> int | None:
@@ -260,7 +258,7 @@ def _gpm(handle: Any, previous: Any, take: Callable[[Any], object]) -> tuple[dic
         request.sample1, request.sample2 = previous, sample
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlGpmMetricsGet(request)
-            answers = _METRIC_ANSWER.iter_unpack(bytes(request)[_METRICS_AT:])
+            answers = _METRIC_ANSWER.iter_unpack(bytes(request.metrics))
             for (returned, value), (_, field, scale) in zip(answers, GPM_METRICS, strict=True):
                 if returned == pynvml.NVML_SUCCESS:
                     activity[field] = in_unit(value, scale)
