@@ -86,3 +86,41 @@ def test_a_child_that_ends_unasked_is_reported_and_another_takes_its_place(rig: 
         "HealthWatchChanged(error=None)",
         f"XidOccurred(uuid='{GPUS[0]['uuid']}', code=48, gpu_instance=None, compute_instance=None)",
     ]
+
+
+def test_an_event_in_a_hand_overs_overlap_is_reported_once_and_none_is_lost(rig: Rig) -> None:  # noqa: F811 (the fixture)
+    out = rig.run(
+        watching(
+            """
+            from nvplug.sources.watch_overlap import WatchOverlap
+            watch.hand_over()  # the prelude's own watch: not one of the two here
+            watch.join(30)
+            events.clear()
+            def xids():
+                return [e.code for e in events if type(e).__name__ == "XidOccurred"]
+            overlap = WatchOverlap()
+            old = NvmlEventWatch([Gpu(UUID, "gpu 0")], events.append, wait_ms=60000, overlap=overlap)
+            old.start()
+            CTL.xid(0, 48)
+            until("48", lambda: xids() == [48])
+            old.let_go()  # a rescan that counts the GPUs again: the old child listens on
+            CTL.xid(0, 43)  # before the new watch subscribed: told by the old alone
+            until("43", lambda: xids() == [48, 43])
+            new = NvmlEventWatch([Gpu(UUID, "gpu 0")], events.append, wait_ms=60000, overlap=overlap)
+            new.start()
+            for code in (13, 13, 31):  # both children hear each
+                CTL.xid(0, code)
+            until("the second telling of each", lambda: overlap.dropped == 3)
+            old.hand_over()
+            old.join(30)
+            CTL.xid(0, 13)  # after the hand-over: told by the new watch alone, and a new event
+            until("the last 13", lambda: xids().count(13) == 3)
+            new.hand_over()
+            new.join(30)
+            out["xids"] = xids()
+            out["dropped"] = overlap.dropped
+            """
+        )
+    )
+    assert out["xids"] == [48, 43, 13, 13, 31, 13], out
+    assert out["dropped"] == 3

@@ -8,11 +8,16 @@ wait can be long.
 It does only the wait. Lines on stdin ask; lines on stdout answer and tell:
 
     subscribe <mask hex> <wait ms> <uuid>...   -> per GPU: subscribed <uuid> <mask hex>
-                                                  | lost <uuid> <code> | failed <uuid> <code>; then done
-                                                  (error <code>: NVML or the event set did not come up)
+                                                  | lost <uuid> <code> | failed <uuid> <code>; then
+                                                  done <ns> (error <code>: NVML or the event set did
+                                                  not come up)
     resume                                     -> ok | wait_error <code> (after a wait_error)
-                                               <- event <uuid> <type hex> <data> <gi> <ci>
+                                               <- event <uuid> <type hex> <data> <gi> <ci> <ns>
                                                <- wait_error <code>: the wait fails; it waits for resume
+
+<ns>: the system's monotonic clock (every process reads the same one) when the GPUs were subscribed, and
+when the wait returned with the event: what two children both tell while one hands over to the next is
+told once (`watch_overlap`).
 
 What an event means, and every read it calls for, is the daemon's. End of stdin (the daemon gone) ends
 it. It calls the six functions it needs through ctypes, as nvidia-ml-py does (the same library, by the
@@ -31,6 +36,7 @@ import _thread
 import ctypes
 import os
 import sys
+import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -167,7 +173,7 @@ class Pump:
             self._say(f"subscribed {uuid} {mask:x}")
         first = not self._uuids and bool(added)
         self._uuids = {**self._uuids, **added}
-        self._say("done")
+        self._say(f"done {time.monotonic_ns()}")
         if first:
             _thread.start_new_thread(self._wait, ())
 
@@ -180,7 +186,7 @@ class Pump:
                 if err.code != TIMEOUT:
                     self._recover(self._nvml, err.code)
                 continue
-            self._tell(data)
+            self._tell(data, time.monotonic_ns())
 
     def _recover(self, nvml: EventCalls, code: int) -> None:
         """Say so, and at each resume try a wait that returns at once, until one works."""
@@ -189,6 +195,7 @@ class Pump:
             self._resume.acquire()
             try:
                 data = nvml.wait(self._event_set, 0)
+                at = time.monotonic_ns()
             except NvmlCallFailed as err:
                 if err.code == TIMEOUT:
                     self._say("ok")
@@ -196,12 +203,14 @@ class Pump:
                 code = err.code
                 continue
             self._say("ok")
-            self._tell(data)
+            self._tell(data, at)
             return
 
-    def _tell(self, data: EventData) -> None:
+    def _tell(self, data: EventData, at: int) -> None:
         uuid = self._uuids.get(data.device or 0, "-")
-        self._say(f"event {uuid} {data.eventType:x} {data.eventData} {data.gpuInstanceId} {data.computeInstanceId}")
+        self._say(
+            f"event {uuid} {data.eventType:x} {data.eventData} {data.gpuInstanceId} {data.computeInstanceId} {at}"
+        )
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ with it, so a hand-over is immediate and the wait long. What an event means, and
 
 The watch holds one reference on the daemon's init count for those reads. A rescan that must count GPUs
 again calls `let_go()`: the reference goes at once, and the child listens on until the new watch has
-subscribed and `hand_over()` kills it, so that no event falls between the two. A reset, or a stop, calls
+subscribed and `hand_over()` kills it, so that no event falls between the two; an event both children
+tell in that overlap is reported once (`watch_overlap`). A reset, or a stop, calls
 `hand_over()` alone. A rescan that need not count GPUs again keeps the watch, and `add()`s the GPUs it
 lacks. A child that ends unasked is reported and started again, with backoff, so the daemon never stops
 watching quietly.
@@ -23,6 +24,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -43,6 +45,7 @@ from nvplug.core.health import Clears, Fault
 from nvplug.core.xid_policy import READS_RECOVERY_ACTION
 from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import recovery_action
+from nvplug.sources.watch_overlap import WatchOverlap
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +152,14 @@ class NvmlEventWatch:
         wait_ms: int = DEFAULT_WAIT_MS,
         double_bit: DoubleBitCounts | None = None,
         pump: EventPump | None = None,
+        overlap: WatchOverlap | None = None,
     ) -> None:
         self._gpus = tuple(gpus)
         self._emit = emit
         self._wait_ms = wait_ms
         self._double_bit = double_bit or DoubleBitCounts()
         self._pump = pump
+        self._overlap = overlap
         # The answers to add()'s subscribes, handed over by the thread that reads the child; None: it ended.
         self._answers: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         self._reading = False
@@ -164,6 +169,7 @@ class NvmlEventWatch:
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._holds_ref = False
+        self._subscribed_at = 0  # ns, the monotonic clock's, when its child last subscribed GPUs
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
         self.subscriptions: dict[str, int] = {}
 
@@ -213,12 +219,15 @@ class NvmlEventWatch:
 
     def let_go(self) -> None:
         """Drop our NVML reference, so that NVML can count the GPUs again, and keep the child listening
-        until hand_over(), once the next watch has subscribed: no event falls between the two (one may be
-        told by both). Our reads for an event meanwhile may find NVML's count at zero; the event is
-        reported without them. Call on the thread that uses NVML next."""
+        until hand_over(), once the next watch has subscribed: no event falls between the two (one that
+        both tell is reported once, where they share a WatchOverlap). Our reads for an event meanwhile may
+        find NVML's count at zero; the event is reported without them. Call on the thread that uses NVML
+        next."""
         with self._lock:
             self._retiring.set()  # with the swap: no child, and no reference, is taken after this
             holds, self._holds_ref = self._holds_ref, False
+        if self._overlap is not None:
+            self._overlap.retire(self)
         self._shutdown(holds)
 
     def hand_over(self) -> None:
@@ -231,6 +240,8 @@ class NvmlEventWatch:
             pump, self._pump = self._pump, None
         if pump is not None:
             pump.kill()
+            if self._overlap is not None:
+                self._overlap.ended(self, time.monotonic_ns())
         self._shutdown(holds)
 
     @staticmethod
@@ -255,6 +266,8 @@ class NvmlEventWatch:
             self._reading = False
             self._answers.put(None)
             self._subscribed.set()
+            if self._overlap is not None:
+                self._overlap.ended(self)
 
     def _run_watch(self) -> None:
         """Subscribe, then read the child; a child that ends unasked is reported, and another subscribed."""
@@ -271,6 +284,8 @@ class NvmlEventWatch:
                     pump = self._open()
             if pump is None:
                 return
+            if self._overlap is not None:
+                self._overlap.subscribed(self, self._subscribed_at)
             self._subscribed.set()
             if not self.subscriptions:  # the watch has ended: nothing for its child to wait on
                 self._end(pump)
@@ -340,6 +355,8 @@ class NvmlEventWatch:
             match answer:
                 case ["error", code]:
                     raise pynvml.NVMLError(int(code))
+                case ["done", at]:
+                    self._subscribed_at = int(at)
                 case ["subscribed", uuid, mask]:
                     self.subscriptions[uuid] = int(mask, 16)
                     if not int(mask, 16) & XID:
@@ -367,8 +384,12 @@ class NvmlEventWatch:
         while True:
             line = self._next(pump)
             match line:
-                case ["event", uuid, kind, data, gi, ci]:
-                    self._dispatch(uuid, int(kind, 16), int(data), int(gi), int(ci))
+                case ["event", uuid, kind, data, gi, ci, at]:
+                    told = (uuid, int(kind, 16), int(data), int(gi), int(ci))
+                    if self._overlap is None or self._overlap.first_telling(self, told, int(at)):
+                        self._dispatch(*told)
+                    else:
+                        log.debug("NVML event %s told by the watch before this one as well", " ".join(line[1:]))
                 case ["wait_error", code]:
                     self._recover(pump, int(code))
                 case _:

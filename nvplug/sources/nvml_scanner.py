@@ -30,6 +30,7 @@ from nvplug.nvml.nvml_sessions import NvmlSessions
 from nvplug.sources.ecc_counts import DoubleBitCounts
 from nvplug.sources.nvml_discovery import Enumerated, Nvml
 from nvplug.sources.nvml_events import DEFAULT_WAIT_MS, EventPump, NvmlEventWatch, PumpEnded
+from nvplug.sources.watch_overlap import WatchOverlap
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Scanner:
         self.sessions = NvmlSessions()
         self._watch: NvmlEventWatch | None = None
         self._double_bit = DoubleBitCounts()
+        self._overlap = WatchOverlap()
         self._wanted = asyncio.Event()
         # Whether a rescan owed must enumerate GPUs again (which hands the event watch over).
         self._recount = False
@@ -292,7 +294,9 @@ class Scanner:
         from its list here."""
         self.sessions.release_alone(held)
         if gpus:
-            watch = NvmlEventWatch(gpus, self._publish, self._wait_ms, self._double_bit, pump.pop() if pump else None)
+            watch = NvmlEventWatch(
+                gpus, self._publish, self._wait_ms, self._double_bit, pump.pop() if pump else None, self._overlap
+            )
             watch.start()
             self._watch = watch
             for before in old:
