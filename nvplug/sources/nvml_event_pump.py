@@ -7,17 +7,16 @@ wait can be long.
 
 It does only the wait. Lines on stdin ask; lines on stdout answer and tell:
 
-    subscribe <mask hex> <wait ms> <uuid>...   -> per GPU: subscribed <uuid> <mask hex>
-                                                  | lost <uuid> <code> | failed <uuid> <code>; then
-                                                  done <ns> (error <code>: NVML or the event set did
-                                                  not come up)
+    subscribe <mask hex> <wait ms> <uuid>...   -> per GPU: subscribed <uuid> <mask hex> <ns>
+                                                  | lost <uuid> <code> | failed <uuid> <code>; then done
+                                                  (error <code>: NVML or the event set did not come up)
     resume                                     -> ok | wait_error <code> (after a wait_error)
                                                <- event <uuid> <type hex> <data> <gi> <ci> <ns>
                                                <- wait_error <code>: the wait fails; it waits for resume
 
-<ns>: the system's monotonic clock (every process reads the same one) when the GPUs were subscribed, and
-when the wait returned with the event: what two children both tell while one hands over to the next is
-told once (`watch_overlap`).
+<ns>: the system's monotonic clock (every process reads the same one) when the GPU's events were
+registered, and when the wait returned with the event, so that what two children both tell while one
+hands over to the next is reported once (`watch_overlap`).
 
 What an event means, and every read it calls for, is the daemon's. End of stdin (the daemon gone) ends
 it. It calls the six functions it needs through ctypes, as nvidia-ml-py does (the same library, by the
@@ -170,10 +169,10 @@ class Pump:
                 self._say(f"{kind} {uuid} {err.code}")
                 continue
             added[handle.value or 0] = uuid
-            self._say(f"subscribed {uuid} {mask:x}")
+            self._say(f"subscribed {uuid} {mask:x} {time.monotonic_ns()}")
         first = not self._uuids and bool(added)
         self._uuids = {**self._uuids, **added}
-        self._say(f"done {time.monotonic_ns()}")
+        self._say("done")
         if first:
             _thread.start_new_thread(self._wait, ())
 

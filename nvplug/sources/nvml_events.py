@@ -169,9 +169,10 @@ class NvmlEventWatch:
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._holds_ref = False
-        self._subscribed_at = 0  # ns, the monotonic clock's, when its child last subscribed GPUs
         self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
         self.subscriptions: dict[str, int] = {}
+        # When its child registered each GPU's events (ns, the monotonic clock's).
+        self.subscribed_at: dict[str, int] = {}
 
     def start(self) -> None:
         """Blocks until every GPU is subscribed, so no event is lost before registration."""
@@ -285,7 +286,7 @@ class NvmlEventWatch:
             if pump is None:
                 return
             if self._overlap is not None:
-                self._overlap.subscribed(self, self._subscribed_at)
+                self._overlap.subscribed(self, dict(self.subscribed_at))
             self._subscribed.set()
             if not self.subscriptions:  # the watch has ended: nothing for its child to wait on
                 self._end(pump)
@@ -325,6 +326,7 @@ class NvmlEventWatch:
                 self._pump = EventPump()
             pump = self._pump
         self.subscriptions.clear()
+        self.subscribed_at.clear()
         try:
             pump.send(self._subscribe_line(self._gpus))
             answers = [pump.read()]
@@ -355,10 +357,9 @@ class NvmlEventWatch:
             match answer:
                 case ["error", code]:
                     raise pynvml.NVMLError(int(code))
-                case ["done", at]:
-                    self._subscribed_at = int(at)
-                case ["subscribed", uuid, mask]:
+                case ["subscribed", uuid, mask, at]:
                     self.subscriptions[uuid] = int(mask, 16)
+                    self.subscribed_at[uuid] = int(at)
                     if not int(mask, 16) & XID:
                         log.warning("%s: the driver reports no XID events for it; its faults go unseen", labels[uuid])
                     log.debug("%s: subscribed to NVML events 0x%s", labels[uuid], mask)
