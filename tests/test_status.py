@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.scraped_metrics import scrape, value
 
+from nvplug.base.backoff import Backoff
 from nvplug.core.snapshot import Snapshot
 from nvplug.status import status_client as statusclient
 from nvplug.status.status_endpoint import StatusEndpoint
@@ -165,3 +166,44 @@ def test_the_endpoint_serves_once_opened_and_an_address_in_use_costs_it_alone(
     assert answer == (200, "ok\n") and not left
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("status endpoint 127.0.0.1:") and "unavailable" in m for m in said), said
+
+
+def test_an_address_in_use_is_taken_once_it_is_free_and_said_meanwhile(caplog: pytest.LogCaptureFixture) -> None:
+    """A port another exporter still holds (dcgm-exporter's 9400, while an operator moves off it): tried again
+    with backoff, the status line saying why meanwhile, and served once the other lets go."""
+
+    async def ok() -> tuple[int, str, bytes]:
+        return 200, "text/plain", b"ok\n"
+
+    async def scenario() -> tuple[list[str], object, tuple[int, str], list[str], object]:
+        taken = socket.socket()
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        endpoint = StatusEndpoint(
+            StatusServer(f"127.0.0.1:{port}", {"/metrics": ok}), "metrics endpoint", backoff=Backoff(0.05, 0.2)
+        )
+        await endpoint.open(Snapshot(revision=0))
+        try:
+            await asyncio.sleep(0.3)  # a few tries, all refused
+            held = (endpoint.notes(), endpoint.status())
+            taken.close()
+            deadline = time.monotonic() + TIMEOUT
+            while endpoint.error is not None:
+                assert time.monotonic() < deadline, endpoint.status()
+                await asyncio.sleep(0.02)
+            answer = await asyncio.to_thread(statusclient.fetch, f"127.0.0.1:{port}", "/metrics", 5)
+            return *held, answer, endpoint.notes(), endpoint.status()
+        finally:
+            await endpoint.close()
+
+    with caplog.at_level(logging.WARNING):
+        notes, held, answer, after, status = asyncio.run(scenario())
+    assert len(notes) == 1 and notes[0].startswith("metrics endpoint 127.0.0.1:") and "in use" in notes[0], notes
+    assert held == {"listen": notes[0].split()[2], "serving": False, "error": notes[0].split(": ", 1)[1]}
+    assert answer == (200, "ok\n")
+    assert after == [] and status == {"listen": notes[0].split()[2], "serving": True, "error": None}
+    said = [r.getMessage() for r in caplog.records]
+    # Said once, with what happens next; the tries that failed the same way are not said again.
+    assert len(said) == 1 and said[0].endswith("; trying again with backoff"), said

@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.notify_socket import NotifySocket
 from support.scraped_metrics import Samples, scrape, value
 from test_status import get
 
@@ -318,6 +320,70 @@ def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
     assert ask("POST", "/metrics")[0] == 405
     # The unix socket still serves everything.
     assert get(node, "/status")[0] == 200
+
+
+def test_a_reload_moves_the_metrics_port_and_takes_one_in_use_once_it_is_free(
+    node: SimulatedNode, notify: NotifySocket
+) -> None:
+    """An operator moving off dcgm-exporter: the port set by a reload, and a port the exporter still holds
+    tried again until it lets go, /status and the status line saying why meanwhile; the GPUs served
+    throughout."""
+    if node.netns is None:
+        pytest.skip(node.no_netns_reason)
+    node.config.write_text("version: v1\n")  # metricsListen: off
+    node.kubelet.start()
+    node.start_daemon(env={"NOTIFY_SOCKET": str(notify.path)})
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
+    serving_line = "STATUS=nvidia.com/gpu registered: 8 devices, 8 healthy"
+    notify.receive(serving_line)
+    netns = node.netns
+
+    def ask(port: int) -> tuple[int, str]:
+        return netns.run(lambda: status_client.fetch(f"127.0.0.1:{port}", "/metrics", timeout=5))
+
+    def reload(listen: str) -> int:
+        at = len(node.log_text())
+        node.config.write_text(f"version: v1\nnvplug:\n  status:\n    metricsListen: {listen}\n")
+        assert node.daemon is not None
+        node.daemon.send_signal(signal.SIGHUP)
+        return at
+
+    def exporter() -> socket.socket:
+        held = socket.socket()
+        held.bind(("127.0.0.1", 9401))
+        held.listen()
+        return held
+
+    node.wait_log("status endpoint on 127.0.0.1:9400 (/metrics)", after=reload("127.0.0.1:9400"))
+    code, text = ask(9400)
+    assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text
+    held = netns.run(exporter)
+    try:
+        node.wait_log("metrics endpoint 127.0.0.1:9401 unavailable", after=reload("127.0.0.1:9401"))
+        with pytest.raises(status_client.StatusUnavailable):
+            ask(9400)  # let go
+        status = json.loads(get(node, "/status")[1])
+        assert status["metrics endpoint"]["listen"] == "127.0.0.1:9401", status["metrics endpoint"]
+        assert not status["metrics endpoint"]["serving"] and "in use" in status["metrics endpoint"]["error"]
+        said = notify.status_with("metrics endpoint 127.0.0.1:9401 unavailable")
+        assert said.startswith(serving_line[7:] + "; metrics endpoint 127.0.0.1:9401 unavailable: "), said
+    finally:
+        held.close()
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with contextlib.suppress(status_client.StatusUnavailable):
+            code, text = ask(9401)
+            break
+        assert time.monotonic() < deadline, node.log_text()
+        time.sleep(0.1)
+    assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text
+    assert json.loads(get(node, "/status")[1])["metrics endpoint"] == {
+        "listen": "127.0.0.1:9401",
+        "serving": True,
+        "error": None,
+    }
+    notify.receive(serving_line)  # the status line without it again
+    node.kubelet.wait_for(registered_with(8), TIMEOUT)
 
 
 def test_nvplug_top_plain_and_on_a_terminal(node: SimulatedNode, pods: PodCgroups) -> None:

@@ -165,8 +165,9 @@ def wire(
         *((dra,) if dra is not None else ()),
         telemetry,
         report,  # the status line says what the others did
-        StatusEndpoint(status),  # last: it asks the others
-        StatusEndpoint(scraped),
+        # Last: they ask the others.
+        StatusEndpoint(status, "status endpoint", lambda cfg: cfg.status_listen, dispatcher.emit),
+        StatusEndpoint(scraped, "metrics endpoint", lambda cfg: cfg.metrics_listen, dispatcher.emit),
     )
     dispatcher.sinks = report.sinks = sinks
     kernel_log = KernelLogSource(options.kernel_log, bus.publish) if health.kernel_log else None

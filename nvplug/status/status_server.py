@@ -418,6 +418,10 @@ class StatusServer:
             self._server = server
         log.info("status endpoint on %s (%s)", self.listen, ", ".join([*self._routes, *self._posts]))
 
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
     async def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
