@@ -487,6 +487,24 @@ def test_daemon_with_an_unhealthy_gpu(node: SimulatedNode, status_server: FakeSt
     assert "1 warnings" in d.out
 
 
+def test_daemon_whose_metrics_port_is_held_by_another_program(
+    node: SimulatedNode, status_server: FakeStatusServer
+) -> None:
+    prepare(node)
+    node.kubelet.start()
+    doc = status_doc(node)
+    held = "[Errno 98] error while attempting to bind on address ('0.0.0.0', 9400): address already in use"
+    doc["metrics endpoint"] = {"listen": "0.0.0.0:9400", "serving": False, "error": held}
+    status_server.doc = doc
+    write_spec(node)
+    d = doctor(node, status_server.listen)
+    assert d.rc == 0, d  # the GPUs are served: a warning
+    assert d.verdict(7) == "WARN", d
+    assert f"metrics endpoint 0.0.0.0:9400 is not served: {held}" in d.text(7)
+    assert "`ss -ltnp` names what holds it" in d.text(7)
+    assert "`nvplug devices`" not in d.text(7)  # no GPU to see to
+
+
 def test_daemon_not_registered(node: SimulatedNode, status_server: FakeStatusServer) -> None:
     prepare(node)
     status_server.doc = status_doc(node, registered=False)

@@ -50,6 +50,11 @@ def check_daemon(ctx: DoctorContext) -> Check:
     warnings = []
     if doc.get("health_watch_error"):
         warnings.append(f"health watch error: {doc['health_watch_error']}")
+    # The GPUs are served without it; Prometheus is not.
+    metrics = doc.get("metrics endpoint") or {}
+    unscraped = (
+        [f"metrics endpoint {metrics.get('listen')} is not served: {metrics['error']}"] if metrics.get("error") else []
+    )
     if failures:
         fix = (
             "`journalctl -u nvplug -p warning` says why; registration waits for kubelet.sock (step 6) and NVML (step 3)"
@@ -65,16 +70,28 @@ def check_daemon(ctx: DoctorContext) -> Check:
         )
     total = sum(int(r.get("devices", 0)) for r in resources)
     healthy = sum(int(r.get("healthy", 0)) for r in resources)
-    if unhealthy or warnings:
+    if unhealthy or warnings or unscraped:
+        fixes = []
+        if unhealthy or warnings:
+            fixes.append(
+                "`nvplug devices` says what each Unhealthy GPU waits for (`journalctl -u nvplug` has the evidence); "
+                "a GPU whose fault needs a reset stays Unhealthy until it is reset: `nvidia-smi -r -i <bus id>` "
+                "(no process on it) or a reboot, or `nvplug heal GPU --reset` (checks that no process uses it, "
+                "then resets it); after a repair nvplug cannot see, `nvplug heal GPU` records that the GPU "
+                "was fixed and probes it"
+            )
+        if unscraped:
+            fixes.append(
+                "Prometheus cannot scrape the metrics port: `ss -ltnp` names what holds it (a dcgm-exporter still "
+                "running?), and nvplug takes it as soon as it is free; or set nvplug.status.metricsListen to "
+                "another port and `systemctl reload nvplug`. A family the unit refuses needs its drop-in for TCP "
+                "and a restart (docs/telemetry.md)"
+            )
         return Check(
             "WARN",
             f"the daemon is registered: {total} devices advertised, {healthy} healthy",
-            evidence + unhealthy + warnings,
-            "`nvplug devices` says what each Unhealthy GPU waits for (`journalctl -u nvplug` has the evidence); "
-            "a GPU whose fault needs a reset stays Unhealthy until it is reset: `nvidia-smi -r -i <bus id>` "
-            "(no process on it) or a reboot, or `nvplug heal GPU --reset` (checks that no process uses it, "
-            "then resets it); after a repair nvplug cannot see, `nvplug heal GPU` records that the GPU "
-            "was fixed and probes it",
+            evidence + unhealthy + warnings + unscraped,
+            "; ".join(fixes),
         )
     return Check("PASS", f"the daemon is registered: {total} devices advertised, all healthy", evidence)
 
