@@ -931,7 +931,7 @@ def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
         registrations = node.registrations()
         node.ctr.run("systemctl", "restart", UNIT, timeout=60)
         node.wait_registered_again(registrations)
-        node.ctr.wait_journal(UNIT, "status endpoint on 127.0.0.1:9400 (/metrics)", "-o", "cat", timeout=TIMEOUT)
+        node.ctr.wait_journal(UNIT, "metrics endpoint on 127.0.0.1:9400 (/metrics)", "-o", "cat", timeout=TIMEOUT)
         code, text = ask("/metrics")
         assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text, f"{code} {text[:300]}\n{node.diagnose()}"
         assert ask("/status")[0] == 404

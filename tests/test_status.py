@@ -181,9 +181,8 @@ def test_an_address_in_use_is_taken_once_it_is_free_and_said_meanwhile(caplog: p
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        endpoint = StatusEndpoint(
-            StatusServer(f"127.0.0.1:{port}", {"/metrics": ok}), "metrics endpoint", backoff=Backoff(0.05, 0.2)
-        )
+        server = StatusServer(f"127.0.0.1:{port}", {"/metrics": ok}, name="metrics endpoint")
+        endpoint = StatusEndpoint(server, backoff=Backoff(0.05, 0.2))
         await endpoint.open(Snapshot(revision=0))
         try:
             await asyncio.sleep(0.3)  # a few tries, all refused

@@ -306,7 +306,7 @@ def test_metrics_alone_on_a_tcp_port(node: SimulatedNode) -> None:
     if node.netns is None:
         pytest.skip(node.no_netns_reason)
     serving(node, "nvplug:\n  status:\n    metricsListen: 127.0.0.1:9400\n")
-    node.wait_log("status endpoint on 127.0.0.1:9400 (/metrics)")
+    node.wait_log("metrics endpoint on 127.0.0.1:9400 (/metrics)")
     netns = node.netns
 
     def ask(method: str, path: str) -> tuple[int, str]:
@@ -354,7 +354,7 @@ def test_a_reload_moves_the_metrics_port_and_takes_one_in_use_once_it_is_free(
         held.listen()
         return held
 
-    node.wait_log("status endpoint on 127.0.0.1:9400 (/metrics)", after=reload("127.0.0.1:9400"))
+    node.wait_log("metrics endpoint on 127.0.0.1:9400 (/metrics)", after=reload("127.0.0.1:9400"))
     code, text = ask(9400)
     assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text
     held = netns.run(exporter)

@@ -151,7 +151,7 @@ def wire(
         {"/heal": healer.route},
     )
     # For Prometheus over the network: /metrics alone, never /status or a POST.
-    scraped = StatusServer(cfg.metrics_listen, {"/metrics": report.metrics_page})
+    scraped = StatusServer(cfg.metrics_listen, {"/metrics": report.metrics_page}, name="metrics endpoint")
     sinks: tuple[Sink, ...] = (
         DevRootFollower(cfg, scanner, dev_nodes, roots),  # first: a reload's new dev root, before what reads it
         reprober,
@@ -166,8 +166,8 @@ def wire(
         telemetry,
         report,  # the status line says what the others did
         # Last: they ask the others.
-        StatusEndpoint(status, "status endpoint", lambda cfg: cfg.status_listen, dispatcher.emit),
-        StatusEndpoint(scraped, "metrics endpoint", lambda cfg: cfg.metrics_listen, dispatcher.emit),
+        StatusEndpoint(status, lambda cfg: cfg.status_listen, dispatcher.emit),
+        StatusEndpoint(scraped, lambda cfg: cfg.metrics_listen, dispatcher.emit),
     )
     dispatcher.sinks = report.sinks = sinks
     kernel_log = KernelLogSource(options.kernel_log, bus.publish) if health.kernel_log else None

@@ -33,14 +33,13 @@ class StatusEndpoint(Sink):
     def __init__(
         self,
         server: StatusServer,
-        name: str = "status endpoint",
         configured: Callable[[Config], str] | None = None,
         emit: Emit | None = None,
         backoff: Backoff = REBIND_BACKOFF,
     ) -> None:
         """`configured`: its address in a config, which a reload may change; `emit`: where a change in
         whether it serves tells the status line to say so."""
-        self.name = name
+        self.name = server.name
         self._server = server
         self._configured = configured
         self._emit = emit

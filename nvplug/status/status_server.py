@@ -388,10 +388,17 @@ PostRoute = Callable[[bytes, Peer], Awaitable[Answer]]
 
 
 class StatusServer:
-    """`unix:/path` (mode 0600) or `host:port`; `off` serves nothing."""
+    """`unix:/path` (mode 0600) or `host:port`; `off` serves nothing. `name`: what the log calls it."""
 
-    def __init__(self, listen: str, routes: Mapping[str, Route], posts: Mapping[str, PostRoute] | None = None) -> None:
+    def __init__(
+        self,
+        listen: str,
+        routes: Mapping[str, Route],
+        posts: Mapping[str, PostRoute] | None = None,
+        name: str = "status endpoint",
+    ) -> None:
         self.listen = listen
+        self.name = name
         self._routes = routes
         self._posts = posts or {}
         self._server: asyncio.AbstractServer | None = None
@@ -416,7 +423,7 @@ class StatusServer:
                     errno.EAFNOSUPPORT, f"no socket can be made for {self.listen}: {os.strerror(errno.EAFNOSUPPORT)}"
                 )
             self._server = server
-        log.info("status endpoint on %s (%s)", self.listen, ", ".join([*self._routes, *self._posts]))
+        log.info("%s on %s (%s)", self.name, self.listen, ", ".join([*self._routes, *self._posts]))
 
     @property
     def serving(self) -> bool:
