@@ -206,3 +206,25 @@ def test_an_address_in_use_is_taken_once_it_is_free_and_said_meanwhile(caplog: p
     said = [r.getMessage() for r in caplog.records]
     # Said once, with what happens next; the tries that failed the same way are not said again.
     assert len(said) == 1 and said[0].endswith("; trying again with backoff"), said
+
+
+def test_an_ipv6_address_in_brackets_is_served() -> None:
+    """`[::]:9400`, as an address is written with its port: the brackets are not part of the host's name."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this Python")
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError as err:
+            pytest.skip(f"no IPv6 loopback here: {err}")
+        port = probe.getsockname()[1]
+
+    async def scenario() -> tuple[int, str]:
+        server = StatusServer(f"[::1]:{port}", {"/metrics": lambda: (200, "text/plain", b"up 1\n")})
+        await server.start()
+        try:
+            return await asyncio.to_thread(statusclient.fetch, f"[::1]:{port}", "/metrics", 5)
+        finally:
+            await server.stop()
+
+    assert asyncio.run(scenario()) == (200, "up 1\n")
