@@ -909,7 +909,8 @@ def _shared_claims_under_the_unit(node: Node, api: FakeApiServer, kubelet: DraKu
 
 def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
     """nvplug.status.metricsListen under the hardened unit: without the shipped drop-in TCP is refused, said
-    once, and the GPUs are served all the same; with it, /metrics alone answers on the port."""
+    once, and the GPUs are served all the same; with it, /metrics alone answers on the port, and a reload
+    moves it."""
     started = time.monotonic()
     original = node.ctr.sh(f"cat {CONFIG}").stdout
     node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  status:\n    metricsListen: 127.0.0.1:9400\n")
@@ -922,8 +923,8 @@ def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
     assert len(said) == 1 and "Address family not supported by protocol" in said[0], said
     assert "install its drop-in for TCP and restart" in said[0], said
 
-    def ask(path: str) -> tuple[int, str]:
-        return node.netns.run(lambda: statusclient.fetch("127.0.0.1:9400", path, timeout=5))
+    def ask(path: str, port: int = 9400) -> tuple[int, str]:
+        return node.netns.run(lambda: statusclient.fetch(f"127.0.0.1:{port}", path, timeout=5))
 
     try:
         node.ctr.sh(f"install -D -m 0644 {METRICS_DROPIN} /etc/systemd/system/{UNIT}.service.d/metrics.conf")
@@ -935,6 +936,14 @@ def test_the_metrics_port_needs_and_works_with_its_drop_in(node: Node) -> None:
         code, text = ask("/metrics")
         assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text, f"{code} {text[:300]}\n{node.diagnose()}"
         assert ask("/status")[0] == 404
+        # Moved by a reload, as the unit's ExecReload sends it.
+        node.ctr.write_file(CONFIG, "version: v1\nnvplug:\n  status:\n    metricsListen: 127.0.0.1:9401\n")
+        node.ctr.run("systemctl", "reload", UNIT, timeout=60)
+        node.ctr.wait_journal(UNIT, "metrics endpoint on 127.0.0.1:9401 (/metrics)", "-o", "cat", timeout=TIMEOUT)
+        code, text = ask("/metrics", 9401)
+        assert code == 200 and "DCGM_FI_DEV_GPU_TEMP{" in text, f"{code} {text[:300]}"
+        with pytest.raises(statusclient.StatusUnavailable):
+            ask("/metrics")
     finally:
         _drop_in_removed(node, "metrics.conf", original)
     _timed("check 7c: /metrics on TCP with its drop-in", started)
