@@ -416,8 +416,7 @@ class StatusServer:
         else:
             host, _, port = self.listen.rpartition(":")
             # [::1]:9400: an IPv6 address is written in brackets before its port, and named without them.
-            host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
-            server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port))
+            server = await asyncio.start_server(self._serve, host.strip("[]") or "127.0.0.1", int(port))
             if not server.sockets:
                 # asyncio skips each address whose socket cannot be made, and serves none without a word.
                 server.close()
