@@ -369,7 +369,7 @@ def test_a_reload_moves_the_metrics_port_and_takes_one_in_use_once_it_is_free(
         assert said.startswith(serving_line[7:] + "; metrics endpoint 127.0.0.1:9401 unavailable: "), said
     finally:
         held.close()
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + 60  # the next try comes within the backoff's cap, 30 s
     while True:
         with contextlib.suppress(status_client.StatusUnavailable):
             code, text = ask(9401)
@@ -382,7 +382,7 @@ def test_a_reload_moves_the_metrics_port_and_takes_one_in_use_once_it_is_free(
         "serving": True,
         "error": None,
     }
-    notify.receive(serving_line)  # the status line without it again
+    notify.receive(serving_line, timeout=60)  # the status line without it again
     node.kubelet.wait_for(registered_with(8), TIMEOUT)
 
 
