@@ -124,3 +124,40 @@ def test_an_event_in_a_hand_overs_overlap_is_reported_once_and_none_is_lost(rig:
     )
     assert out["xids"] == [48, 43, 13, 13, 31, 13], out
     assert out["dropped"] == 3
+
+
+def test_the_child_speaks_to_a_daemon_from_before_the_stamps_as_that_daemon_reads(rig: Rig) -> None:  # noqa: F811 (the fixture)
+    """A package upgrade replaces the child's program before it restarts the daemon: an old daemon that starts
+    a child meanwhile (a hot-add) reads its lines as they were. Stamps only where asked."""
+    out = rig.run(
+        watching(
+            """
+            import subprocess, sys
+            from nvplug.sources.nvml_events import PUMP_PROGRAM, WANTED
+            def lines(stamp, code):
+                child = subprocess.Popen(
+                    [sys.executable, "-S", "-P", str(PUMP_PROGRAM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True,
+                )
+                child.stdin.write(("stamp\\n" if stamp else "") + f"subscribe {WANTED:x} 60000 {UUID}\\n")
+                child.stdin.flush()
+                said = [child.stdout.readline().split(), child.stdout.readline().split()]
+                CTL.xid(0, code)
+                said.append(child.stdout.readline().split())
+                child.kill()
+                child.wait()
+                return said
+            out["old"] = lines(False, 43)
+            out["new"] = lines(True, 48)
+            watch.hand_over()
+            """
+        )
+    )
+    uuid = GPUS[0]["uuid"]
+    (subscribed, done, event) = out["old"]
+    assert subscribed[:2] == ["subscribed", uuid] and len(subscribed) == 3, subscribed
+    assert done == ["done"] and event == ["event", uuid, "8", "43", "4294967295", "4294967295"], event
+    (subscribed, done, event) = out["new"]
+    assert subscribed[:2] == ["subscribed", uuid] and len(subscribed) == 4 and int(subscribed[3]) > 0, subscribed
+    assert done == ["done"] and event[:6] == ["event", uuid, "8", "48", "4294967295", "4294967295"], event
+    assert len(event) == 7 and int(event[6]) >= int(subscribed[3]), (subscribed, event)

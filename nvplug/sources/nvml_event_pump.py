@@ -7,16 +7,18 @@ wait can be long.
 
 It does only the wait. Lines on stdin ask; lines on stdout answer and tell:
 
-    subscribe <mask hex> <wait ms> <uuid>...   -> per GPU: subscribed <uuid> <mask hex> <ns>
+    stamp                                      -> (nothing: the lines marked [<ns>] carry it from now on)
+    subscribe <mask hex> <wait ms> <uuid>...   -> per GPU: subscribed <uuid> <mask hex> [<ns>]
                                                   | lost <uuid> <code> | failed <uuid> <code>; then done
                                                   (error <code>: NVML or the event set did not come up)
     resume                                     -> ok | wait_error <code> (after a wait_error)
-                                               <- event <uuid> <type hex> <data> <gi> <ci> <ns>
+                                               <- event <uuid> <type hex> <data> <gi> <ci> [<ns>]
                                                <- wait_error <code>: the wait fails; it waits for resume
 
 <ns>: the system's monotonic clock (every process reads the same one) when the GPU's events were
 registered, and when the wait returned with the event, so that what two children both tell while one
-hands over to the next is reported once (`watch_overlap`).
+hands over to the next is reported once (`watch_overlap`). Only where asked: a daemon from before the
+stamps, still running while a package upgrade replaces this file, reads the lines it knows.
 
 What an event means, and every read it calls for, is the daemon's. End of stdin (the daemon gone) ends
 it. It calls the six functions it needs through ctypes, as nvidia-ml-py does (the same library, by the
@@ -127,6 +129,7 @@ class Pump:
         self._wait_ms = 0
         # Replaced whole by each subscribe, so that the waiting thread reads one map or the other.
         self._uuids: dict[int, str] = {}
+        self._stamped = False
         # Held while no resume is owed: a resume releases it, and the waiting thread takes it back.
         self._resume = _thread.allocate_lock()
         self._resume.acquire()
@@ -136,6 +139,8 @@ class Pump:
             words = line.split()
             if words[:1] == ["subscribe"] and len(words) >= 3:
                 self._subscribe(int(words[1], 16), int(words[2]), words[3:])
+            elif words == ["stamp"]:
+                self._stamped = True
             elif words == ["resume"]:
                 if self._resume.locked():  # one owed resume, however many are sent
                     self._resume.release()
@@ -169,7 +174,7 @@ class Pump:
                 self._say(f"{kind} {uuid} {err.code}")
                 continue
             added[handle.value or 0] = uuid
-            self._say(f"subscribed {uuid} {mask:x} {time.monotonic_ns()}")
+            self._say(f"subscribed {uuid} {mask:x}{self._stamp(time.monotonic_ns())}")
         first = not self._uuids and bool(added)
         self._uuids = {**self._uuids, **added}
         self._say("done")
@@ -208,8 +213,12 @@ class Pump:
     def _tell(self, data: EventData, at: int) -> None:
         uuid = self._uuids.get(data.device or 0, "-")
         self._say(
-            f"event {uuid} {data.eventType:x} {data.eventData} {data.gpuInstanceId} {data.computeInstanceId} {at}"
+            f"event {uuid} {data.eventType:x} {data.eventData} {data.gpuInstanceId} {data.computeInstanceId}"
+            + self._stamp(at)
         )
+
+    def _stamp(self, at: int) -> str:
+        return f" {at}" if self._stamped else ""
 
 
 def main() -> None:

@@ -99,6 +99,9 @@ class EventPump:
         self._stdin: IO[bytes] = self._process.stdin
         self._stdout: IO[bytes] = self._process.stdout
         self._write_lock = threading.Lock()
+        # Its lines stamped, for `watch_overlap`: asked, so that the program stays the one a daemon from
+        # before the stamps understands, while an upgrade has replaced it and not yet restarted that daemon.
+        self.send("stamp")
 
     @property
     def pid(self) -> int:
