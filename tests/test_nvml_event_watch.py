@@ -161,3 +161,37 @@ def test_the_child_speaks_to_a_daemon_from_before_the_stamps_as_that_daemon_read
     assert subscribed[:2] == ["subscribed", uuid] and len(subscribed) == 4 and int(subscribed[3]) > 0, subscribed
     assert done == ["done"] and event[:6] == ["event", uuid, "8", "48", "4294967295", "4294967295"], event
     assert len(event) == 7 and int(event[6]) >= int(subscribed[3]), (subscribed, event)
+
+
+def test_a_child_from_before_the_stamps_is_still_read(rig: Rig) -> None:  # noqa: F811 (the fixture)
+    """The other way round (a downgrade, until the daemon restarts): a child's program that knows no `stamp`
+    answers in the lines without them, and its GPUs and events are taken as they were."""
+    out = rig.run(
+        watching(
+            """
+            from nvplug.sources import nvml_events
+            from nvplug.sources.watch_overlap import WatchOverlap
+            watch.hand_over()
+            watch.join(30)
+            events.clear()
+            older = Path(sys.argv[1]).parent / "nvml_event_pump.py"  # the rig's own directory
+            text = nvml_events.PUMP_PROGRAM.read_text()
+            assert 'words == ["stamp"]' in text
+            older.write_text(text.replace('words == ["stamp"]', 'words == ["not known then"]'))
+            nvml_events.PUMP_PROGRAM = older
+            old = NvmlEventWatch([Gpu(UUID, "gpu 0")], events.append, wait_ms=60000, overlap=WatchOverlap())
+            old.start()
+            CTL.xid(0, 13)
+            until("13", lambda: "XidOccurred" in names())
+            out["subscriptions"] = sorted(old.subscriptions)
+            out["stamps"] = old.subscribed_at
+            out["events"] = [str(e) for e in events]
+            old.hand_over()
+            """
+        )
+    )
+    assert out["subscriptions"] == [GPUS[0]["uuid"]] and out["stamps"] == {}
+    assert out["events"] == [
+        "HealthWatchChanged(error=None)",
+        f"XidOccurred(uuid='{GPUS[0]['uuid']}', code=13, gpu_instance=None, compute_instance=None)",
+    ]

@@ -360,9 +360,10 @@ class NvmlEventWatch:
             match answer:
                 case ["error", code]:
                     raise pynvml.NVMLError(int(code))
-                case ["subscribed", uuid, mask, at]:
+                case ["subscribed", uuid, mask, *stamp] if len(stamp) <= 1:
                     self.subscriptions[uuid] = int(mask, 16)
-                    self.subscribed_at[uuid] = int(at)
+                    if stamp:  # none: a child's program from before the stamps (a downgrade's)
+                        self.subscribed_at[uuid] = int(stamp[0])
                     if not int(mask, 16) & XID:
                         log.warning("%s: the driver reports no XID events for it; its faults go unseen", labels[uuid])
                     log.debug("%s: subscribed to NVML events 0x%s", labels[uuid], mask)
@@ -388,9 +389,9 @@ class NvmlEventWatch:
         while True:
             line = self._next(pump)
             match line:
-                case ["event", uuid, kind, data, gi, ci, at]:
+                case ["event", uuid, kind, data, gi, ci, *stamp] if len(stamp) <= 1:
                     told = (uuid, int(kind, 16), int(data), int(gi), int(ci))
-                    if self._overlap is None or self._overlap.first_telling(self, told, int(at)):
+                    if self._overlap is None or not stamp or self._overlap.first_telling(self, told, int(stamp[0])):
                         self._dispatch(*told)
                     else:
                         log.debug("NVML event %s told by the watch before this one as well", " ".join(line[1:]))
