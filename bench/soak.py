@@ -231,11 +231,19 @@ class Soak:
         deadline = time.monotonic() + TIMEOUT
         sent = 0.0
         while not any(g["uuid"] == gpu and done(g) for g in daemon_status(self.node)["gpus"]):
-            assert time.monotonic() < deadline, f"{gpu}: {send} never took effect:\n{daemon_status(self.node)}"
+            assert time.monotonic() < deadline, (
+                f"{gpu}: {send} never took effect:\n{daemon_status(self.node)}\n"
+                f"the daemon's last lines of it:\n{self.log_of(gpu)}"
+            )
             if time.monotonic() - sent > 1.0:
                 send()
                 sent = time.monotonic()
             time.sleep(0.01)
+
+    def log_of(self, gpu: str, lines: int = 40) -> str:
+        """The daemon's last log lines that name `gpu`, or its PCI address: what became of it."""
+        names = [gpu, *((self.broken[gpu],) if gpu in self.broken else ())]
+        return "\n".join([line for line in self.node.log_text().splitlines() if any(n in line for n in names)][-lines:])
 
     def lose_and_restore(self) -> None:
         gpu = self.rng.choice(self.gpus())
@@ -354,7 +362,8 @@ def main() -> int:
                 "version: v1\nnvplug:\n  health:\n    reprobeInitialSeconds: 0.05\n    reprobeMaxSeconds: 0.2\n"
             )
             node.kubelet.start()
-            daemon = node.start_daemon(log_level="warning")
+            # info: a failure's message quotes what the daemon said of the GPU (a GPU added, removed, healed).
+            daemon = node.start_daemon(log_level="info")
             node.kubelet.wait_for(registered_with(8), TIMEOUT)
             soak = Soak(node, random.Random(seed))
             for _ in range(20):  # warm up caches and lazy imports before the baseline
