@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from tenacity import RetryCallState
@@ -67,3 +67,30 @@ async def sleep_unless(wake: asyncio.Event, seconds: float) -> None:
         await asyncio.wait({waiter}, timeout=seconds)
     finally:
         waiter.cancel()
+
+
+async def keep_trying(
+    attempt: Callable[[], Awaitable[object]],
+    policy: Backoff,
+    failed: Callable[[Exception, float], None],
+    errors: tuple[type[Exception], ...],
+    wake: asyncio.Event | None = None,
+    closed: Callable[[], bool] = lambda: False,
+) -> int | None:
+    """`attempt` until it raises none of `errors`: for what must never be left undone (a socket to serve
+    again). Each failure goes to `failed` with the wait before the next try, which `wake` cuts short;
+    `wake` is cleared before each try, so that only news after it does. Returns the failures before the
+    try that worked, or None once `closed()`."""
+    schedule = policy.schedule()
+    while not closed():
+        if wake is not None:
+            wake.clear()
+        try:
+            await attempt()
+        except errors as err:
+            delay = schedule.next()
+            failed(err, delay)
+            await (asyncio.sleep(delay) if wake is None else sleep_unless(wake, delay))
+        else:
+            return schedule.failures
+    return None

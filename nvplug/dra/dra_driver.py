@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.base.backoff import Backoff, keep_trying
 from nvplug.cdi.cdi_spec import GPU_KIND, device_name, qualified
 from nvplug.config import Config
 from nvplug.core.events import Event, NotesChanged, PluginSocketRemoved, WatchedDirChanged
@@ -204,26 +204,33 @@ class DraDriver(Sink):
     async def _restore(self) -> None:
         """Serve every lost socket again, the plugin's first (the kubelet dials it inside registration);
         a bind that fails is retried with backoff, never left undone."""
-        retries = DRA_REBIND_BACKOFF.schedule()
-        failed = None  # the last failure logged: each is said once
-        while self._lost and not self._closing:
-            self._retry_now.clear()
-            try:
-                for path in self.sockets.sockets:
-                    if path in self._lost:
-                        await self.sockets.rebind(path)
-                        self._lost.discard(path)
-            except (OSError, RuntimeError) as err:
-                delay = retries.next()
-                if str(err) != failed:
-                    log.warning("%s: %s; retrying (next in %.2fs)", self.driver, err, delay)
-                failed = self.not_served = str(err)
-                self._on_change()
-                await sleep_unless(self._retry_now, delay)
-        if not self._lost and self.not_served is not None:
+        while self._lost:  # one lost again while the others were bound
+            bound = await keep_trying(
+                self._rebind_lost,
+                DRA_REBIND_BACKOFF,
+                self._bind_failed,
+                (OSError, RuntimeError),
+                self._retry_now,
+                lambda: self._closing,
+            )
+            if bound is None:
+                return
+        if self.not_served is not None:
             log.info("%s: serving the DRA sockets again", self.driver)
             self.not_served = None
             self._on_change()
+
+    async def _rebind_lost(self) -> None:
+        for path in self.sockets.sockets:
+            if path in self._lost:
+                await self.sockets.rebind(path)
+                self._lost.discard(path)
+
+    def _bind_failed(self, err: Exception, delay: float) -> None:
+        if str(err) != self.not_served:
+            log.warning("%s: %s; retrying (next in %.2fs)", self.driver, err, delay)
+        self.not_served = str(err)
+        self._on_change()
 
     async def close(self) -> None:
         self._closing = True

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from nvplug.base.backoff import Backoff, sleep_unless
+from nvplug.base.backoff import Backoff, keep_trying
 from nvplug.base.linked_socket_server import LinkedSocketServer, remove_leftover_listeners
 from nvplug.config import Config, ConfigError
 from nvplug.core.events import (
@@ -450,20 +450,19 @@ class PluginFleet(Sink):
         plugin.rebinding = asyncio.create_task(self._rebind(plugin))
 
     async def _rebind(self, plugin: PluginEndpoint) -> None:
-        retries = REBIND_BACKOFF.schedule()
+        failures = 0
         while not plugin.closed:
-            plugin.retry_now.clear()
-            try:
-                await plugin.server.rebind()
-            except (OSError, RuntimeError) as err:
-                # Never left undone (the directory gone with the kubelet's): said once, then retried.
-                delay = retries.next()
-                if str(err) != plugin.serve_error:
-                    log.warning("%s: %s; retrying (next in %.2fs)", plugin.name, err, delay)
-                plugin.serve_error = str(err)
-                self._notes_changed()
-                await sleep_unless(plugin.retry_now, delay)
-                continue
+            bound = await keep_trying(
+                plugin.server.rebind,
+                REBIND_BACKOFF,
+                lambda err, delay: self._bind_failed(plugin, err, delay),
+                (OSError, RuntimeError),
+                plugin.retry_now,
+                lambda: plugin.closed,
+            )
+            if bound is None:
+                return
+            failures += bound
             # Looked at, not told: a removal event that comes meanwhile may be of the socket our own
             # stop unlinked, and binding again for it would unlink the new one, and so on.
             if plugin.server.socket_path.exists():
@@ -472,6 +471,13 @@ class PluginFleet(Sink):
         if plugin.closed:
             return
         if plugin.serve_error is not None:
-            log.info("%s: serving again after %d failed binds", plugin.name, retries.failures)
+            log.info("%s: serving again after %d failed binds", plugin.name, failures)
             plugin.serve_error = None
         plugin.registrar.wake()  # which refreshes the status line too
+
+    def _bind_failed(self, plugin: PluginEndpoint, err: Exception, delay: float) -> None:
+        # Never left undone (the directory gone with the kubelet's): said once, then retried.
+        if str(err) != plugin.serve_error:
+            log.warning("%s: %s; retrying (next in %.2fs)", plugin.name, err, delay)
+        plugin.serve_error = str(err)
+        self._notes_changed()

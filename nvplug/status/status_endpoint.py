@@ -14,7 +14,7 @@ import errno
 import logging
 from collections.abc import Callable
 
-from nvplug.base.backoff import Backoff
+from nvplug.base.backoff import Backoff, keep_trying
 from nvplug.config import Config
 from nvplug.core.events import NotesChanged
 from nvplug.core.snapshot import Snapshot
@@ -102,21 +102,16 @@ class StatusEndpoint(Sink):
             self._notes_changed()
 
     async def _retry(self) -> None:
-        schedule = self._backoff.schedule()
-        while True:
-            await asyncio.sleep(schedule.next())
-            try:
-                await self._server.start()
-            except OSError as err:
-                if str(err) != self.error:
-                    log.warning("%s %s still unavailable: %s", self.name, self._server.listen, err)
-                    self.error = str(err)
-                    self._notes_changed()
-                continue
-            self.error = None
-            self._retrying = None
+        await keep_trying(self._server.start, self._backoff, self._still_unavailable, (OSError,))
+        self.error = None
+        self._retrying = None
+        self._notes_changed()
+
+    def _still_unavailable(self, err: Exception, delay: float) -> None:
+        if str(err) != self.error:
+            log.warning("%s %s still unavailable: %s", self.name, self._server.listen, err)
+            self.error = str(err)
             self._notes_changed()
-            return
 
     def _notes_changed(self) -> None:
         if self._emit is not None:
