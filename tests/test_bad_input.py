@@ -22,6 +22,8 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nvplug import config
+from nvplug.cli import cli_arguments
 from nvplug.core.events import HealthReported, InventoryFound
 from nvplug.core.gpu import Gpu
 from nvplug.core.node_state import NodeState
@@ -742,6 +745,26 @@ def test_non_ascii_digits_in_listen_port_are_a_config_error(listen: str) -> None
     text = f"nvplug:\n  status:\n    listen: {json.dumps(listen)}\n"
     with pytest.raises(config.ConfigError, match=r"line 3: nvplug\.status\.listen"):
         config.parse(text, "c.yaml")
+
+
+@pytest.mark.parametrize("listen", ["foo", "localhost:99999", "unix:rel", ":0", "h:", "h:\u00b2"])
+def test_the_command_line_refuses_a_status_address_the_config_refuses(listen: str) -> None:
+    """`--status-listen` as `nvplug.status.listen`: refused before anything is asked, not later as a
+    daemon that does not answer."""
+    TRIED["config explicit"] += 1
+    with pytest.raises(config.ConfigError, match=r"nvplug\.status\.listen: .* is not off, unix:/absolute/path"):
+        config.parse(f"nvplug:\n  status:\n    listen: {json.dumps(listen)}\n", "c.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "nvplug", "devices", "--status-listen", listen], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "argument --status-listen: " in done.stderr, done.stderr
+    assert "is not off, unix:/absolute/path or host:port" in done.stderr, done.stderr
+
+
+def test_a_status_address_without_a_host_is_the_loopback_in_the_config_and_on_the_command_line() -> None:
+    assert config.parse("nvplug:\n  status:\n    listen: ':9477'\n", "c.yaml").status_listen == ":9477"
+    assert cli_arguments.listen_address(":9477") == ":9477"
+    assert cli_arguments.listen_address("[::1]:9400") == "[::1]:9400"
 
 
 def test_a_5000_digit_quoted_device_index_is_a_config_error() -> None:

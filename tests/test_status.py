@@ -114,7 +114,7 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
             port = probe.getsockname()[1]
         servers = [
             StatusServer(f"unix:{short_tmp / 's.sock'}", {"/status": status}, {"/heal": record}),
-            StatusServer(f"127.0.0.1:{port}", {}, {"/heal": record}),
+            StatusServer(f":{port}", {}, {"/heal": record}),  # no host: the loopback
         ]
         for server in servers:
             await server.start()
@@ -123,6 +123,7 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
             return [
                 await ask(f"unix:{short_tmp / 's.sock'}", "/heal", 5, b'{"gpu": "0"}'),
                 await ask(f"127.0.0.1:{port}", "/heal", 5, b'{"gpu": "0"}'),
+                await ask(f":{port}", "/heal", 5, b'{"gpu": "0"}'),
                 await ask(f"unix:{short_tmp / 's.sock'}", "/status", 5, b"{}"),
                 await ask(f"unix:{short_tmp / 's.sock'}", "/nope", 5, b"{}"),
             ]
@@ -130,9 +131,9 @@ def test_post_is_served_on_the_unix_socket_only_and_knows_the_caller(short_tmp: 
             for server in servers:
                 await server.stop()
 
-    unix, tcp, other, unserved = asyncio.run(scenario())
+    unix, tcp, tcp_no_host, other, unserved = asyncio.run(scenario())
     assert unix == (200, "done\n") and seen == [(b'{"gpu": "0"}', Peer(os.getpid(), os.getuid()))]
-    assert tcp == (403, "POST is served on the unix socket only\n")
+    assert tcp == tcp_no_host == (403, "POST is served on the unix socket only\n")
     assert other == (405, "GET /status only\n")  # a path served for GET
     assert unserved[0] == 404  # a path not served at all, whatever the method
 

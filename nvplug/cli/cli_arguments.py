@@ -106,8 +106,17 @@ NVIDIA_CTK_PATH = Argument("--nvidia-ctk-path", "default: the config's flags.plu
 NFD_FEATURE_FILE = Argument("--nfd-feature-file", parse=Path)
 POD_RESOURCES_SOCKET = Argument("--pod-resources-socket", parse=Path)
 
+
+def listen_address(text: str) -> str:
+    """As the config's nvplug.status.listen takes it."""
+    problem = config.listen_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 # None: the config's nvplug.status.listen (the daemon serves there, the other commands ask there).
-STATUS_LISTEN = Argument("--status-listen")
+STATUS_LISTEN = Argument("--status-listen", parse=listen_address)
 STATE_DIR = Argument(
     "--state-dir",
     "where the health state file and the MPS daemons' record are kept across restarts (default: "

@@ -50,6 +50,7 @@ from nvplug.config.value_readers import (
     MAX_XID,
     RESOURCE_DOMAIN,
     Devices,
+    listen_problem,
 )
 from nvplug.config.yaml_reader import MAX_BYTES, MAX_DEPTH, MAX_NODES, ConfigError
 
@@ -103,6 +104,7 @@ __all__ = [
     "TaintEffects",
     "TelemetryConfig",
     "as_dict",
+    "listen_problem",
     "load",
     "off_or_path",
     "overridden",

@@ -271,16 +271,23 @@ def driver_name(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     return value
 
 
-def listen_address(ctx: ReadContext, node: yaml.Node, path: str) -> str:
-    """`off`, `unix:/absolute/path` or `host:port`."""
-    value = _off_or(string, ctx, node, path)
+def listen_problem(value: str) -> str | None:
+    """Why `value` is not `off`, `unix:/absolute/path` or `host:port` (no host: 127.0.0.1), or None."""
     if value == "off" or (value.startswith("unix:/") and "\0" not in value):
-        return value
-    host, _, port = value.rpartition(":")
+        return None
+    _, colon, port = value.rpartition(":")
     # ASCII digits only: str.isdigit() also takes ² and Arabic-Indic digits.
-    if host and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536:
-        return value
-    raise ctx.error(node, path, f"{value!r} is not off, unix:/absolute/path or host:port")
+    if colon and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536:
+        return None
+    return f"{value!r} is not off, unix:/absolute/path or host:port"
+
+
+def listen_address(ctx: ReadContext, node: yaml.Node, path: str) -> str:
+    value = _off_or(string, ctx, node, path)
+    problem = listen_problem(value)
+    if problem is not None:
+        raise ctx.error(node, path, problem)
+    return value
 
 
 def annotation_prefix(ctx: ReadContext, node: yaml.Node, path: str) -> str:

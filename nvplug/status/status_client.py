@@ -39,9 +39,9 @@ def _connection(listen: str, timeout: float) -> http.client.HTTPConnection:
     if listen.startswith("unix:"):
         return _UnixConnection(listen.removeprefix("unix:"), timeout)
     host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not port.isdigit():
         raise ValueError(f"status address {listen!r} is neither unix:/path nor HOST:PORT")
-    return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    return http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port), timeout=timeout)
 
 
 def fetch(listen: str, path: str, timeout: float = 2.0, body: bytes | None = None) -> tuple[int, str]:
