@@ -60,6 +60,28 @@ def test_removed_gpu_leaves_the_list(node: SimulatedNode) -> None:
     node.wait_log("scan 2: 7 GPUs")
 
 
+def test_a_scan_under_way_when_udev_removes_a_gpu_does_not_bring_it_back(node: SimulatedNode) -> None:
+    """A scan that read the GPU before it went publishes after udev said it went: the GPU stays out of
+    the kubelet's list (where it could be allocated), and the rescan the removal asked for agrees."""
+    gpus = start(node)
+    gone = gpus[7]["uuid"]
+    plugin = node.kubelet.plugin(GPU_RESOURCE)
+    assert plugin is not None
+    with node.control.blocked(7, "nvmlDeviceGetNvLinkState"):
+        udev(node, "change", gpus[0]["bus"].lower())  # a rescan, held in GPU 7's links once its identity is read
+        node.control.wait_blocked()
+        node.control.remove(7)
+        udev(node, "remove", gpus[7]["bus"])
+        node.kubelet.wait_for(registered_with(7), TIMEOUT)
+        left = len(node.kubelet.plugin(GPU_RESOURCE).updates)  # type: ignore[union-attr]
+    node.wait_log("scan 2: 8 GPUs")  # what it read before the removal: GPU 7 too
+    node.wait_log("scan 3: 7 GPUs")
+    time.sleep(0.2)  # any list the scans' results made is out by now
+    after = node.kubelet.plugin(GPU_RESOURCE)
+    assert after is not None and gone not in after.devices
+    assert not [u.ids for u in after.updates[left - 1 :] if gone in u.ids], after.updates[left - 1 :]
+
+
 def test_unbind_marks_unhealthy_and_bind_with_a_good_probe_heals(node: SimulatedNode) -> None:
     gpus = start(node)
     uuid = gpus[3]["uuid"]

@@ -215,6 +215,21 @@ def test_unbind_marks_unhealthy_and_remove_drops_the_gpu() -> None:
     assert state.apply(PciChanged("change", "0000:18:00.0")) == []
 
 
+def test_a_scan_begun_before_a_pci_remove_does_not_bring_the_gpu_back() -> None:
+    """It read the GPU before udev said it went; a scan begun after the removal says what is there now."""
+    state = NodeState()
+    state.apply(InventoryFound((gpu(0), gpu(1)), started=1.0), arrived=2.0)
+    state.apply(PciChanged("remove", gpu(1).bus_id), arrived=5.0)
+    assert state.apply(InventoryFound((gpu(0), gpu(1)), started=4.0), arrived=6.0) == []
+    assert [g.uuid for g in state.current.gpus] == ["GPU-00000000"] and "GPU-00000001" not in state.current.health
+    # Another GPU in the same slot, read by the same old scan: not there either.
+    newcomer = Gpu(uuid="GPU-99999999", index=1, bus_id=gpu(1).bus_id, minor=9)
+    assert state.apply(InventoryFound((gpu(0), newcomer), started=4.5), arrived=7.0) == []
+    # A scan begun after the removal: the device came back (a remove and an add), and so does the GPU.
+    changes = state.apply(InventoryFound((gpu(0), newcomer), started=8.0), arrived=9.0)
+    assert [(c.what, c.gpu) for c in changes] == [("added", newcomer)]
+
+
 def test_re_probe_heals_and_failing_probe_marks() -> None:
     state = eight()
     state.apply(ProbeResult("GPU-00000004", "GPU is lost", "re-probe 1"))

@@ -57,6 +57,9 @@ class InventoryFound:
     driver_version: str | None = None
     # The CUDA version the driver supports, as NVML encodes it (12040 is 12.4).
     cuda_version: int | None = None
+    # When the scan began (time.monotonic()): a GPU whose PCI device udev removed later was read before
+    # it went, and is not brought back. None: no older than its own arrival.
+    started: float | None = None
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ class NodeState:
         # When the latest word on each device's health arrived (the `arrived` of apply): a probe
         # that began before it may have read what that word replaced, and is not counted.
         self._news: dict[str, float] = {}
+        # When udev said each PCI address was removed (`arrived`), until a scan begun after it is applied:
+        # a scan under way then may have read the GPU before it went.
+        self._pci_removed: dict[str, float] = {}
 
     @property
     def current(self) -> Snapshot:
@@ -134,6 +137,8 @@ class NodeState:
             case RecoveryActionChanged():
                 self._recovery_action(draft, event)
             case PciChanged():
+                if event.action == "remove" and arrived is not None:
+                    self._pci_removed[event.bus_id] = arrived
                 self._pci(draft, event)
             case NvmlFailed():
                 self._nvml_failed(draft, event)
@@ -206,7 +211,9 @@ class NodeState:
 
     def _inventory(self, draft: SnapshotDraft, event: InventoryFound) -> None:
         before = {g.uuid: g for g in draft.gpus}
-        after = {g.uuid: g for g in event.gpus}
+        after = {g.uuid: g for g in event.gpus if not self._removed_since(g.bus_id, event.started)}
+        if event.started is not None:
+            self._pci_removed = {b: t for b, t in self._pci_removed.items() if t > event.started}
         # A GPU NVML still counts but cannot name (it fell off the bus) is not gone: keep
         # as many of the vanished as NVML counts lost, Unhealthy, until udev says removed.
         vanished = [g for g in draft.gpus if g.uuid not in after]
@@ -301,6 +308,12 @@ class NodeState:
                 f"recovered: {evidence}, probe passed" if uuid == gpu.uuid else f"recovered with its GPU: {evidence}"
             )
             draft.heal(uuid, reason)
+
+    def _removed_since(self, bus_id: str, started: float | None) -> bool:
+        """Whether udev removed the PCI device at `bus_id` after a scan that began at `started`: the GPU
+        the scan read there is gone, and the rescan the removal asked for says what is there now."""
+        removed = self._pci_removed.get(bus_id)
+        return removed is not None and started is not None and started < removed
 
     def _older_than_news(self, probe: ProbeResult, uuid: str) -> bool:
         news = self._news.get(uuid)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -236,6 +237,7 @@ class Scanner:
             self._watch = None
 
     def _scan_blocking(self, recount: bool) -> InventoryFound | NvmlFailed:
+        started = time.monotonic()
         recount = recount or self._watch is None or not self._watch.subscribed
         held = None
         pump: list[EventPump] = []
@@ -281,6 +283,7 @@ class Scanner:
             problems,
             found.driver_version,
             found.cuda_version,
+            started,
         )
 
     def _watch_from_here(
