@@ -65,15 +65,15 @@ def test_a_scan_under_way_when_udev_removes_a_gpu_does_not_bring_it_back(node: S
     the kubelet's list (where it could be allocated), and the rescan the removal asked for agrees."""
     gpus = start(node)
     gone = gpus[7]["uuid"]
-    plugin = node.kubelet.plugin(GPU_RESOURCE)
-    assert plugin is not None
     with node.control.blocked(7, "nvmlDeviceGetNvLinkState"):
         udev(node, "change", gpus[0]["bus"].lower())  # a rescan, held in GPU 7's links once its identity is read
-        node.control.wait_blocked()
+        node.control.wait_blocked(timeout=TIMEOUT)
         node.control.remove(7)
         udev(node, "remove", gpus[7]["bus"])
         node.kubelet.wait_for(registered_with(7), TIMEOUT)
-        left = len(node.kubelet.plugin(GPU_RESOURCE).updates)  # type: ignore[union-attr]
+        removed = node.kubelet.plugin(GPU_RESOURCE)
+        assert removed is not None
+        left = len(removed.updates)
     node.wait_log("scan 2: 8 GPUs")  # what it read before the removal: GPU 7 too
     node.wait_log("scan 3: 7 GPUs")
     time.sleep(0.2)  # any list the scans' results made is out by now
