@@ -4095,7 +4095,6 @@ static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
     unsigned kind = v->fieldId - NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX;   /* data tx, rx, raw tx, rx */
     unsigned long long total, links;
     int peer;
-    levels_advance(d);
     total = (unsigned long long)(d->nvlink_kib[kind % 2] * (kind >= 2 ? 17.0 / 16.0 : 1.0));
     if (v->scopeId != NVLINK_ALL_LINKS) {
         if (v->scopeId >= NVLINK_MAX) {
@@ -4111,7 +4110,8 @@ static void nvlink_field(struct fake_dev *d, nvmlFieldValue_t *v)
 /*
  * One field's answer, from the same figures and under the same conditions as the call of its own where it
  * has one (a GPU without ECC, page retirement or row remapping refuses those fields as it refuses those
- * calls); a field not given here is NOT_SUPPORTED.
+ * calls); a field not given here is NOT_SUPPORTED.  What grows (violation times, NVLink counts) is as of
+ * the call's one instant: the caller brought it up to then.
  */
 static void field_value(struct fake_dev *d, nvmlFieldValue_t *v)
 {
@@ -4124,10 +4124,9 @@ static void field_value(struct fake_dev *d, nvmlFieldValue_t *v)
     else if (id >= NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX && id <= NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX &&
              !(d->unsupported & U_NVLINK))
         nvlink_field(d, v);
-    else if (id >= NVML_FI_DEV_PERF_POLICY_POWER && id <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS && figures) {
-        levels_advance(d);
+    else if (id >= NVML_FI_DEV_PERF_POLICY_POWER && id <= NVML_FI_DEV_PERF_POLICY_TOTAL_APP_CLOCKS && figures)
         field_ull(v, d->viol_ns[id - NVML_FI_DEV_PERF_POLICY_POWER]);
-    } else if (id >= NVML_FI_DEV_ECC_SBE_VOL_TOTAL && id <= NVML_FI_DEV_ECC_DBE_AGG_TOTAL && !(d->unsupported & U_ECC))
+    else if (id >= NVML_FI_DEV_ECC_SBE_VOL_TOTAL && id <= NVML_FI_DEV_ECC_DBE_AGG_TOTAL && !(d->unsupported & U_ECC))
         /* 3 sbe volatile, 4 dbe volatile, 5 sbe aggregate, 6 dbe aggregate: ecc[errorType][counterType] */
         field_ull(v, d->ecc[(id - NVML_FI_DEV_ECC_SBE_VOL_TOTAL) % 2][(id - NVML_FI_DEV_ECC_SBE_VOL_TOTAL) / 2]);
     else if ((id == NVML_FI_DEV_RETIRED_SBE || id == NVML_FI_DEV_RETIRED_DBE) && retire_supported(d))
@@ -4155,6 +4154,9 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
     REQUIRE(valuesCount >= 0 && (values || valuesCount == 0));
     clock_gettime(CLOCK_REALTIME, &ts);
     now = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+    /* One instant for every field, as the one timestamp says: the total held below the applications
+       clocks is never less than a policy's part of it. */
+    levels_advance(d);
     for (i = 0; i < valuesCount; i++) {
         nvmlFieldValue_t *v = &values[i];
         v->timestamp = now;
