@@ -51,6 +51,7 @@ from nvplug.config.value_readers import (
     RESOURCE_DOMAIN,
     Devices,
     listen_problem,
+    tcp_address,
 )
 from nvplug.config.yaml_reader import MAX_BYTES, MAX_DEPTH, MAX_NODES, ConfigError
 
@@ -109,5 +110,6 @@ __all__ = [
     "off_or_path",
     "overridden",
     "parse",
+    "tcp_address",
     "to_yaml",
 ]

@@ -282,6 +282,15 @@ def listen_problem(value: str) -> str | None:
     return f"{value!r} is not off, unix:/absolute/path or host:port"
 
 
+def tcp_address(listen: str) -> tuple[str, int]:
+    """The host and port of a `host:port` address, as a socket takes them: no host is the loopback, and an
+    IPv6 address loses the brackets it is written in before its port ([::1]:9400). Raises ValueError."""
+    host, colon, port = listen.rpartition(":")
+    if not colon or not port.isascii() or not port.isdigit():
+        raise ValueError(f"{listen!r} is not host:port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def listen_address(ctx: ReadContext, node: yaml.Node, path: str) -> str:
     value = _off_or(string, ctx, node, path)
     problem = listen_problem(value)

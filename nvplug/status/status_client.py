@@ -38,10 +38,11 @@ class _UnixConnection(http.client.HTTPConnection):
 def _connection(listen: str, timeout: float) -> http.client.HTTPConnection:
     if listen.startswith("unix:"):
         return _UnixConnection(listen.removeprefix("unix:"), timeout)
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"status address {listen!r} is neither unix:/path nor HOST:PORT")
-    return http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port), timeout=timeout)
+    try:
+        host, port = config.tcp_address(listen)
+    except ValueError:
+        raise ValueError(f"status address {listen!r} is neither unix:/path nor HOST:PORT") from None
+    return http.client.HTTPConnection(host, port, timeout=timeout)
 
 
 def fetch(listen: str, path: str, timeout: float = 2.0, body: bytes | None = None) -> tuple[int, str]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from nvplug import __version__
+from nvplug import __version__, config
 from nvplug.core.snapshot import Snapshot
 from nvplug.kubelet.plugin_fleet import ResourceView
 from nvplug.pods.pod_holders import Holder
@@ -414,9 +414,7 @@ class StatusServer:
             finally:
                 os.umask(old)
         else:
-            host, _, port = self.listen.rpartition(":")
-            # [::1]:9400: an IPv6 address is written in brackets before its port, and named without them.
-            server = await asyncio.start_server(self._serve, host.strip("[]") or "127.0.0.1", int(port))
+            server = await asyncio.start_server(self._serve, *config.tcp_address(self.listen))
             if not server.sockets:
                 # asyncio skips each address whose socket cannot be made, and serves none without a word.
                 server.close()
